@@ -1,0 +1,38 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-fast soak bench install clean up
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PIP) install -q -e '.[test]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m omniflow.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not chaos"
+
+soak: $(STAMP)
+	OMNIFLOW_SOAK=1 $(PY) -m pytest -q tests/chaos -p no:cacheprovider
+
+bench: $(STAMP)
+	$(PIP) install -q -e '.[test,bench]'
+	$(PY) bench/run.py
+
+up: $(STAMP)
+	$(VENV)/bin/omniflow up
+
+clean:
+	rm -rf $(VENV) .omniflow build *.egg-info

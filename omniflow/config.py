@@ -1,0 +1,85 @@
+"""Typed settings: one pydantic-settings object, env prefix ``OMNIFLOW_``."""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from omniflow.errors import ConfigError
+
+DEFAULT_PIPELINE = Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "omni-toy.yaml"
+DEFAULT_HOME = Path(".omniflow")
+
+
+class Settings(BaseSettings):
+    """Every knob of omniflow. Defaults run on a laptop CPU."""
+
+    model_config = SettingsConfigDict(env_prefix="OMNIFLOW_", extra="ignore")
+
+    redis_url: str | None = None
+    home: Path = DEFAULT_HOME
+    prefix: str = "of"
+    pipeline: Path | None = None
+
+    # admission and lifetimes
+    max_in_flight: int = Field(10_000, ge=1)
+    default_deadline_s: float = Field(300.0, gt=0)
+    max_deadline_s: float = Field(3600.0, gt=0)
+    result_ttl_s: int = Field(24 * 3600, ge=1)
+    tombstone_ttl_s: int = Field(24 * 3600, ge=1)
+    idempotency_ttl_s: int = Field(24 * 3600, ge=1)
+    max_prompt_chars: int = Field(32_000, ge=1)
+
+    # liveness
+    heartbeat_interval_s: float = Field(0.5, gt=0)
+    lease_timeout_s: float = Field(2.0, gt=0)
+    sweep_interval_s: float = Field(0.5, gt=0)
+    event_claim_idle_ms: int = Field(5_000, ge=100)
+
+    # worker runtime
+    read_batch: int = Field(64, ge=1)
+    block_ms: int = Field(2_000, ge=1)
+    inline_chunk_max_bytes: int = Field(1 << 20, ge=1)
+
+    # durability
+    wait_aof: bool = False
+
+    # API
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
+    api_keys: str = ""          # "key:tenant,key2:tenant2"
+    admin_keys: str = ""        # "key,key2"
+    max_body_bytes: int = 1 << 20
+    submit_rate_per_s: float = 0.0   # per tenant; 0 = unlimited
+    webhook_allow_private: bool = False
+
+    def pipeline_path(self) -> Path:
+        return self.pipeline or DEFAULT_PIPELINE
+
+    def resolve_redis_url(self) -> str:
+        """`OMNIFLOW_REDIS_URL`, else the embedded server `omniflow up` started, else a clear error."""
+        if self.redis_url:
+            return self.redis_url
+        url_file = self.home / "redis.url"
+        if url_file.exists():
+            return url_file.read_text().strip()
+        raise ConfigError(
+            "no Redis: set OMNIFLOW_REDIS_URL=redis://host:port/0, or run `omniflow up` "
+            f"(it starts an embedded Valkey and writes {url_file})"
+        )
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()
+
+
+def reset_settings_cache() -> None:
+    get_settings.cache_clear()
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in {"1", "true", "yes", "on"}

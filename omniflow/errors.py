@@ -1,0 +1,94 @@
+"""The one exception tree of omniflow.
+
+    OmniflowError
+    ├── ConfigError            settings or environment are unusable (no Redis, bad policy)
+    ├── PipelineError          a pipeline YAML is invalid (names the field and the reason)
+    ├── RedisUnavailable       the Redis server cannot be reached (translated from redis-py)
+    ├── WorkflowError          a request about one workflow was refused
+    │   ├── InvalidRequest     bad input: unknown modality, bad params, prompt too long (HTTP 422)
+    │   ├── WorkflowNotFound   no such workflow, or not visible to this tenant (HTTP 404)
+    │   ├── WorkflowRetired    the id was aborted/failed before: use a fresh id (HTTP 409)
+    │   ├── AdmissionRefused   over `max_in_flight`; carries retry_after_s (HTTP 429)
+    │   └── NotReady           the thing asked for is not produced yet (HTTP 409)
+    └── StageError             raised by executors
+        ├── NonRetryableError  bad input for the stage: fail the workflow at once
+        └── Fenced             this session's attempt was superseded or the workflow ended
+
+Third-party errors are translated at one boundary (`omniflow.store`) with
+`raise ... from exc`.
+"""
+from __future__ import annotations
+
+
+class OmniflowError(Exception):
+    """Base of every error omniflow raises on purpose."""
+
+
+class ConfigError(OmniflowError):
+    """Settings or environment are unusable."""
+
+
+class PipelineError(OmniflowError):
+    """A pipeline spec is invalid; the message names the field and the reason."""
+
+
+class RedisUnavailable(OmniflowError):
+    """The Redis server cannot be reached."""
+
+
+class WorkflowError(OmniflowError):
+    """A request about one workflow was refused."""
+
+    code = "workflow_error"
+
+
+class InvalidRequest(WorkflowError):
+    """Bad input (HTTP 422)."""
+
+    code = "invalid_request"
+
+
+class WorkflowNotFound(WorkflowError):
+    """No such workflow, or not visible to this tenant (HTTP 404)."""
+
+    code = "not_found"
+
+
+class WorkflowRetired(WorkflowError):
+    """The id belongs to a retired (aborted or failed) workflow (HTTP 409)."""
+
+    code = "retired"
+
+
+class AdmissionRefused(WorkflowError):
+    """Too many workflows in flight (HTTP 429)."""
+
+    code = "over_capacity"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class NotReady(WorkflowError):
+    """What was asked for is not produced yet (HTTP 409)."""
+
+    code = "not_ready"
+
+
+class StageError(OmniflowError):
+    """Raised by executors; retryable unless a subclass says otherwise."""
+
+    retryable = True
+
+
+class NonRetryableError(StageError):
+    """The stage cannot succeed with this input: fail the workflow at once."""
+
+    retryable = False
+
+
+class Fenced(StageError):
+    """The session lost ownership (newer attempt, or the workflow ended)."""
+
+    retryable = False

@@ -1,0 +1,94 @@
+"""Every Redis key name omniflow uses, built in this one module.
+
+All keys of one workflow carry the hash tag ``{<id>}`` so a Redis Cluster keeps
+them in one slot. The Lua scripts derive a workflow's sub-keys from its base key
+(``<prefix>:wf:{<id>}``) with the same suffixes as below.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "of"
+TASK_GROUP = "workers"
+EVENT_GROUP = "reconciler"
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    prefix: str = DEFAULT_PREFIX
+
+    # --- one workflow ---------------------------------------------------
+    def wf(self, wf_id: str) -> str:
+        return f"{self.prefix}:wf:{{{wf_id}}}"
+
+    def stages(self, wf_id: str) -> str:
+        return f"{self.wf(wf_id)}:stages"
+
+    def log(self, wf_id: str) -> str:
+        return f"{self.wf(wf_id)}:log"
+
+    def edge(self, wf_id: str, src: str, dst: str) -> str:
+        return f"{self.wf(wf_id)}:edge:{src}:{dst}"
+
+    def out(self, wf_id: str, stage: str) -> str:
+        return f"{self.wf(wf_id)}:out:{stage}"
+
+    def tomb(self, wf_id: str) -> str:
+        return f"{self.prefix}:tomb:{wf_id}"
+
+    def idem(self, tenant: str, key: str) -> str:
+        return f"{self.prefix}:idem:{tenant}:{key}"
+
+    # --- global ---------------------------------------------------------
+    def tasks(self, stage: str) -> str:
+        return f"{self.prefix}:stage:{stage}:tasks"
+
+    def dlq(self, stage: str) -> str:
+        return f"{self.prefix}:dlq:{stage}"
+
+    @property
+    def events(self) -> str:
+        return f"{self.prefix}:events"
+
+    @property
+    def inflight(self) -> str:
+        return f"{self.prefix}:inflight"
+
+    @property
+    def all_wf(self) -> str:
+        """zset of every workflow id scored by creation time (listing, GC)."""
+        return f"{self.prefix}:all"
+
+    @property
+    def retries(self) -> str:
+        """zset of scheduled retries, member ``<id>|<stage>|<attempt>``, score due ms."""
+        return f"{self.prefix}:retries"
+
+    @property
+    def workers(self) -> str:
+        """zset of live workers scored by lease expiry (ms)."""
+        return f"{self.prefix}:workers"
+
+    def worker_info(self, worker_id: str) -> str:
+        return f"{self.prefix}:worker:{worker_id}"
+
+    def wake(self, owner_id: str) -> str:
+        """Private stream a process blocks on beside its data streams, to be woken."""
+        return f"{self.prefix}:wake:{owner_id}"
+
+    @property
+    def abort_channel(self) -> str:
+        return f"{self.prefix}:abort"
+
+    @property
+    def notify(self) -> str:
+        """Stream of terminal workflows that asked for a webhook."""
+        return f"{self.prefix}:notify"
+
+    @property
+    def leader(self) -> str:
+        return f"{self.prefix}:leader"
+
+    @property
+    def stats(self) -> str:
+        return f"{self.prefix}:stats"

@@ -1,0 +1,70 @@
+-- Shared helpers, spliced into scripts that say `--@include _lib.lua`.
+-- Every script derives a workflow's sub-keys from its base key KEYS[1]
+-- (`<prefix>:wf:{<id>}`): they share the hash tag, so one cluster slot.
+
+local function csv(s)
+  local out = {}
+  if s then
+    for item in string.gmatch(s, '[^,]+') do out[#out + 1] = item end
+  end
+  return out
+end
+
+local function contains(list, value)
+  for _, v in ipairs(list) do
+    if v == value then return true end
+  end
+  return false
+end
+
+local function is_live(state)
+  return state == 'pending' or state == 'running'
+end
+
+local function stage_terminal(status)
+  return status == 'done' or status == 'failed' or status == 'aborted'
+end
+
+local function submit_stage(wf, prefix, id, stage, attempt, now)
+  redis.call('HSET', wf .. ':stages', stage, 'pending', stage .. ':attempt', attempt, stage .. ':t_submit', now)
+  redis.call('XADD', prefix .. ':stage:' .. stage .. ':tasks', '*', 'wf', id, 's', stage, 'a', attempt)
+end
+
+-- Move a workflow to a terminal state, once. Callers checked it was live.
+-- Partial outputs stay (labelled by stage); edge logs go; the rest expires.
+local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now, tomb_ttl, result_ttl)
+  local sk = wf .. ':stages'
+  local rec = redis.call('HMGET', wf, 'stages', 'edges', 'finals', 'webhook')
+  redis.call('HSET', wf, 'state', state, 'finished_ms', now, 'updated_ms', now)
+  if err and err ~= '' then
+    redis.call('HSET', wf, 'error', err, 'error_stage', err_stage or '')
+  end
+  if state ~= 'completed' then
+    for _, stage in ipairs(csv(rec[1])) do
+      local st = redis.call('HGET', sk, stage)
+      if not stage_terminal(st) then
+        if stage == err_stage and state == 'failed' then
+          redis.call('HSET', sk, stage, 'failed', stage .. ':t_end', now)
+        else
+          redis.call('HSET', sk, stage, 'aborted', stage .. ':t_end', now)
+        end
+      end
+    end
+    redis.call('SET', prefix .. ':tomb:' .. id, state, 'EX', tomb_ttl)
+    redis.call('PUBLISH', prefix .. ':abort', id)
+  end
+  redis.call('ZREM', inflight_key, id)
+  for _, edge in ipairs(csv(rec[2])) do
+    redis.call('DEL', wf .. ':edge:' .. edge)
+  end
+  redis.call('XADD', wf .. ':log', '*', 't', 'terminal', 'state', state, 'error', err or '', 'stage', err_stage or '')
+  redis.call('EXPIRE', wf, result_ttl)
+  redis.call('EXPIRE', sk, result_ttl)
+  redis.call('EXPIRE', wf .. ':log', result_ttl)
+  for _, stage in ipairs(csv(rec[3])) do
+    redis.call('EXPIRE', wf .. ':out:' .. stage, result_ttl)
+  end
+  if rec[4] and rec[4] ~= '' then
+    redis.call('XADD', prefix .. ':notify', '*', 'wf', id, 'state', state)
+  end
+end

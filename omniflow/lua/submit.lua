@@ -1,0 +1,41 @@
+-- submit: create, admit and pre-submit one workflow, or refuse with nothing created.
+-- KEYS[1] wf base key   `<p>:wf:{id}`
+-- KEYS[2] inflight zset `<p>:inflight`
+-- KEYS[3] tombstone     `<p>:tomb:<id>`
+-- KEYS[4] idempotency   `<p>:idem:<tenant>:<key>` (ignored when ARGV[6] == 0)
+-- KEYS[5] all-ids zset  `<p>:all`
+-- ARGV[1] prefix  ARGV[2] id  ARGV[3] now_ms  ARGV[4] deadline_ms
+-- ARGV[5] max_in_flight  ARGV[6] idempotency ttl s (0: no key)
+-- ARGV[7] required stages csv  ARGV[8] stages submitted at admission csv
+-- ARGV[9] n record fields, then that many field/value pairs
+-- Returns {'ok', id} | {'existing', id} | {'retired', id} | {'exists', id} | {'busy', n}
+--@include _lib.lua
+local wf, prefix, id, now = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
+local use_idem = tonumber(ARGV[6]) > 0
+if use_idem then
+  local prev = redis.call('GET', KEYS[4])
+  if prev then
+    if redis.call('EXISTS', prefix .. ':tomb:' .. prev) == 1 then return {'retired', prev} end
+    return {'existing', prev}
+  end
+end
+if redis.call('EXISTS', KEYS[3]) == 1 then return {'retired', id} end
+if redis.call('EXISTS', wf) == 1 then return {'exists', id} end
+local n = redis.call('ZCARD', KEYS[2])
+if n >= tonumber(ARGV[5]) then return {'busy', tostring(n)} end
+
+local nf = tonumber(ARGV[9])
+redis.call('HSET', wf, 'id', id, 'state', 'pending', 'created_ms', now, 'updated_ms', now,
+  'deadline_ms', ARGV[4], 'finished', '', 'gsub', '', unpack(ARGV, 10, 9 + 2 * nf))
+local sk = wf .. ':stages'
+for _, stage in ipairs(csv(ARGV[7])) do
+  redis.call('HSET', sk, stage, 'pending', stage .. ':attempt', 0, stage .. ':seq', 0)
+end
+for _, stage in ipairs(csv(ARGV[8])) do
+  submit_stage(wf, prefix, id, stage, 1, now)
+end
+redis.call('ZADD', KEYS[2], ARGV[4], id)
+redis.call('ZADD', KEYS[5], now, id)
+redis.call('XADD', wf .. ':log', '*', 't', 'state', 'state', 'pending')
+if use_idem then redis.call('SET', KEYS[4], id, 'EX', ARGV[6]) end
+return {'ok', id}

@@ -1,0 +1,68 @@
+"""Request and state types shared by the client, the API and the CLI."""
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class WorkflowState(str, Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset({WorkflowState.COMPLETED, WorkflowState.FAILED, WorkflowState.ABORTED})
+
+
+class StageStatus(str, Enum):
+    PENDING = "pending"
+    WAITING_INPUT = "waiting_input"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+class WorkflowInput(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    text: str = Field(..., min_length=1, description="the user prompt")
+
+
+class SubmitRequest(BaseModel):
+    """Body of `POST /v1/workflows` (and what `Client.submit` builds)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: WorkflowInput
+    output_modalities: list[str] | None = Field(
+        None, description="subset of the pipeline's output kinds, e.g. ['text', 'audio']; default: all"
+    )
+    stage_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    request_id: str | None = Field(
+        None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$",
+        description="idempotency key: the same key returns the same workflow",
+    )
+    webhook_url: str | None = Field(None, max_length=2048)
+    deadline_s: float | None = Field(None, gt=0)
+
+    @field_validator("output_modalities")
+    @classmethod
+    def _distinct(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError("output_modalities has duplicates")
+        return value
+
+
+class Submitted(BaseModel):
+    id: str
+    state: WorkflowState
+    existing: bool = False

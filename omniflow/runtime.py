@@ -1,0 +1,54 @@
+"""Process plumbing shared by the long-running commands: signals, logging, checks."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from omniflow.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+SAFE_POLICIES = frozenset({"noeviction"})
+
+
+def setup_logging(level: str | None = None) -> None:
+    logging.basicConfig(
+        level=(level or os.environ.get("OMNIFLOW_LOG_LEVEL", "INFO")).upper(),
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+    )
+
+
+def run_until_signal(main: Callable[[asyncio.Event], Coroutine[Any, Any, None]]) -> None:
+    """Run `main(stop)` until SIGINT or SIGTERM sets `stop`."""
+
+    async def runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    asyncio.run(runner())
+
+
+async def check_eviction_policy(redis: Redis) -> None:
+    """Refuse to run against a server that may evict keys: evicting a record loses a workflow."""
+    try:
+        reply = await redis.config_get("maxmemory-policy")
+    except ResponseError as exc:   # managed Redis may forbid CONFIG
+        logger.warning("cannot read maxmemory-policy (%s); make sure it is noeviction", exc)
+        return
+    policy = reply.get(b"maxmemory-policy") or reply.get("maxmemory-policy")
+    policy = policy.decode() if isinstance(policy, bytes) else policy
+    if policy and policy not in SAFE_POLICIES:
+        raise ConfigError(
+            f"Redis maxmemory-policy is {policy!r}: it may evict workflow records and lose requests; "
+            "set `maxmemory-policy noeviction` (see deploy/redis/redis.conf)"
+        )

@@ -1,0 +1,337 @@
+"""The workflow store: the one boundary between omniflow and Redis for clients.
+
+Submit and abort (the two transitions a client triggers directly) run their
+Lua scripts here; the workflow document, event log, outputs and listings are
+read here. redis-py errors are translated to `omniflow.errors` at this
+boundary.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, ParamSpec, TypeVar
+
+import numpy as np
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from omniflow import scripts
+from omniflow.config import Settings
+from omniflow.errors import (
+    AdmissionRefused,
+    ConfigError,
+    InvalidRequest,
+    NotReady,
+    RedisUnavailable,
+    WorkflowNotFound,
+    WorkflowRetired,
+)
+from omniflow.keys import Keys
+from omniflow.models import TERMINAL_STATES, SubmitRequest, Submitted, WorkflowState
+from omniflow.pipeline import Pipeline
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+LOG_ENTRY_LIMIT = 10_000
+
+
+def connect(url: str, **kwargs: Any) -> Redis:
+    """A redis-py asyncio client with the options omniflow relies on (bytes replies)."""
+    return Redis.from_url(url, decode_responses=False, socket_keepalive=True, **kwargs)
+
+
+def translate_errors(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return await fn(*args, **kwargs)
+        except (RedisConnectionError, RedisTimeoutError, ConnectionRefusedError) as exc:
+            raise RedisUnavailable(f"Redis unreachable: {exc}") from exc
+    return wrapper
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def s(value: Any) -> str:
+    """bytes -> str (replies are bytes)."""
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def csv(value: Any) -> list[str]:
+    return [x for x in s(value).split(",") if x]
+
+
+def decode_fields(fields: dict[bytes, bytes]) -> dict[str, str]:
+    return {s(k): s(v) for k, v in fields.items() if k not in (b"pcm", b"d")}
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Store:
+    """Client-side operations on workflows (used by the client, API, CLI and batch runner)."""
+
+    def __init__(self, redis: Redis, settings: Settings, pipeline: Pipeline) -> None:
+        self.redis = redis
+        self.settings = settings
+        self.pipeline = pipeline
+        self.keys = Keys(settings.prefix)
+
+    # ---------------------------------------------------------------- submit
+    @translate_errors
+    async def submit(self, req: SubmitRequest, *, tenant: str = "default", wf_id: str | None = None) -> Submitted:
+        plan = self.pipeline.plan(req.output_modalities)
+        if len(req.input.text) > self.settings.max_prompt_chars:
+            raise InvalidRequest(f"input.text: {len(req.input.text)} characters; the limit is {self.settings.max_prompt_chars}")
+        unknown = sorted(set(req.stage_params) - set(self.pipeline.stages))
+        if unknown:
+            raise InvalidRequest(f"stage_params: unknown stage(s) {unknown}; stages are {list(self.pipeline.order)}")
+        deadline_s = req.deadline_s or self.settings.default_deadline_s
+        if deadline_s > self.settings.max_deadline_s:
+            raise InvalidRequest(f"deadline_s: {deadline_s} is over the limit of {self.settings.max_deadline_s}")
+        wf_id = wf_id or new_id()
+        now = now_ms()
+        params = {st: {**self.pipeline.stages[st].params, **req.stage_params.get(st, {})} for st in plan.stages}
+        edges = [f"{e.src}:{e.dst}" for st in plan.stages for e in self.pipeline.upstream(st, plan.stages)]
+        kinds = [f"{st}={self.pipeline.stages[st].final_output}" for st in plan.finals]
+        record = {
+            "tenant": tenant,
+            "request_id": req.request_id or "",
+            "pipeline": self.pipeline.name,
+            "pipeline_hash": self.pipeline.digest,
+            "input": req.input.model_dump_json(),
+            "params": json.dumps(params),
+            "stages": ",".join(plan.stages),
+            "finals": ",".join(plan.finals),
+            "kinds": ",".join(kinds),
+            "edges": ",".join(edges),
+            "groups": plan.record_groups(),
+            "webhook": req.webhook_url or "",
+        }
+        flat: list[Any] = [x for kv in record.items() for x in kv]
+        idem_key = self.keys.idem(tenant, req.request_id) if req.request_id else self.keys.idem(tenant, "-")
+        reply = await scripts.call(
+            self.redis, "submit",
+            [self.keys.wf(wf_id), self.keys.inflight, self.keys.tomb(wf_id), idem_key, self.keys.all_wf],
+            [self.settings.prefix, wf_id, now, now + int(deadline_s * 1000), self.settings.max_in_flight,
+             self.settings.idempotency_ttl_s if req.request_id else 0,
+             ",".join(plan.stages), ",".join(plan.admit), len(record), *flat],
+        )
+        code, ident = s(reply[0]), s(reply[1])
+        if code == scripts.SubmitResult.OK:
+            if self.settings.wait_aof:
+                await self._wait_aof()
+            return Submitted(id=ident, state=WorkflowState.PENDING)
+        if code == scripts.SubmitResult.EXISTING:
+            state = s(await self.redis.hget(self.keys.wf(ident), "state")) or WorkflowState.PENDING.value
+            return Submitted(id=ident, state=WorkflowState(state), existing=True)
+        if code == scripts.SubmitResult.RETIRED:
+            raise WorkflowRetired(
+                f"workflow {ident} is retired (aborted or failed) and cannot be resubmitted; "
+                "submit again with a fresh request_id"
+            )
+        if code == scripts.SubmitResult.EXISTS:
+            raise InvalidRequest(f"workflow id {ident} already exists")
+        raise AdmissionRefused(
+            f"{ident} workflows in flight, the limit is {self.settings.max_in_flight}; retry later",
+            retry_after_s=1.0,
+        )
+
+    async def _wait_aof(self) -> None:
+        try:
+            await self.redis.execute_command("WAITAOF", 1, 0, 1000)
+        except Exception as exc:  # noqa: BLE001 - servers before 7.2 lack it
+            raise ConfigError(f"wait_aof is on but the server refused WAITAOF: {exc}") from exc
+
+    # ---------------------------------------------------------------- abort
+    @translate_errors
+    async def abort(self, wf_id: str, *, tenant: str | None = None, reason: str = "aborted by client",
+                    state: WorkflowState = WorkflowState.ABORTED, stage: str = "") -> str:
+        """Abort a live workflow. Returns the state it ends in (already-terminal ones are left as they are)."""
+        if tenant is not None:
+            await self._check_tenant(wf_id, tenant)
+        reply = await scripts.call(
+            self.redis, "abort", [self.keys.wf(wf_id), self.keys.inflight],
+            [self.settings.prefix, now_ms(), state.value, reason, stage,
+             self.settings.tombstone_ttl_s, self.settings.result_ttl_s],
+        )
+        code = s(reply[0])
+        if code == "gone":
+            raise WorkflowNotFound(f"no workflow {wf_id}")
+        return state.value if code == "ok" else s(reply[1])
+
+    async def _check_tenant(self, wf_id: str, tenant: str) -> None:
+        owner = await self.redis.hget(self.keys.wf(wf_id), "tenant")
+        if owner is None or s(owner) != tenant:
+            raise WorkflowNotFound(f"no workflow {wf_id}")
+
+    # ---------------------------------------------------------------- read
+    @translate_errors
+    async def document(self, wf_id: str, *, tenant: str | None = None) -> dict[str, Any]:
+        """The workflow document (DESIGN §5): state, stages, outputs keyed by stage."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(self.keys.wf(wf_id))
+        pipe.hgetall(self.keys.stages(wf_id))
+        rec_raw, stages_raw = await pipe.execute()
+        if not rec_raw:
+            raise WorkflowNotFound(f"no workflow {wf_id}")
+        rec = {s(k): s(v) for k, v in rec_raw.items()}
+        if tenant is not None and rec.get("tenant") != tenant:
+            raise WorkflowNotFound(f"no workflow {wf_id}")
+        st = {s(k): s(v) for k, v in stages_raw.items()}
+        kinds = dict(x.split("=", 1) for x in csv(rec.get("kinds")))
+        texts = {}
+        text_stages = [name for name, kind in kinds.items() if kind == "text"]
+        if text_stages:
+            vals = await self.redis.mget([self.keys.out(wf_id, name) for name in text_stages])
+            texts = {name: s(v) for name, v in zip(text_stages, vals)}
+        stages: dict[str, Any] = {}
+        for name in csv(rec.get("stages")):
+            attempt = int(st.get(f"{name}:attempt") or 0)
+            entry: dict[str, Any] = {
+                "status": st.get(name, "pending"),
+                "attempt": attempt,
+                "replica": st.get(f"{name}:replica") or None,
+                "submitted": attempt > 0,
+            }
+            for field, label in (("t_submit", "submitted_at"), ("t_start", "started_at"), ("t_end", "finished_at")):
+                if st.get(f"{name}:{field}"):
+                    entry[label] = int(st[f"{name}:{field}"]) / 1000
+            if st.get(f"{name}:usage"):
+                entry["usage"] = json.loads(st[f"{name}:usage"])
+            if st.get(f"{name}:error"):
+                entry["error"] = st[f"{name}:error"]
+            stages[name] = entry
+        outputs: dict[str, Any] = {}
+        for name, kind in kinds.items():
+            partial = stages.get(name, {}).get("status") != "done"
+            if kind == "text":
+                outputs[name] = {"type": "text", "text": texts.get(name, ""), "partial": partial}
+            else:
+                sr = int(st.get(f"{name}:sr") or 0)
+                samples = int(st.get(f"{name}:samples") or 0)
+                outputs[name] = {
+                    "type": "audio", "sample_rate": sr or None,
+                    "duration_s": round(samples / sr, 4) if sr else 0.0,
+                    "chunks": int(st.get(f"{name}:seq") or 0), "partial": partial,
+                }
+        return {
+            "id": rec.get("id", wf_id),
+            "request_id": rec.get("request_id") or None,
+            "state": rec.get("state"),
+            "tenant": rec.get("tenant"),
+            "pipeline": rec.get("pipeline"),
+            "final_stages": csv(rec.get("finals")),
+            "required_stages": csv(rec.get("stages")),
+            "created_at": int(rec.get("created_ms") or 0) / 1000,
+            "finished_at": int(rec["finished_ms"]) / 1000 if rec.get("finished_ms") else None,
+            "deadline_at": int(rec.get("deadline_ms") or 0) / 1000,
+            "stages": stages,
+            "outputs": outputs,
+            "error": rec.get("error") or None,
+            "error_stage": rec.get("error_stage") or None,
+        }
+
+    @translate_errors
+    async def state(self, wf_id: str) -> WorkflowState | None:
+        raw = await self.redis.hget(self.keys.wf(wf_id), "state")
+        return WorkflowState(s(raw)) if raw else None
+
+    @translate_errors
+    async def read_log(self, wf_id: str, *, after: str = "0-0", count: int = LOG_ENTRY_LIMIT,
+                       block_ms: int | None = None) -> list[tuple[str, dict[str, str]]]:
+        """Event-log entries after `after`; with `block_ms`, wait for the next ones."""
+        key = self.keys.log(wf_id)
+        if block_ms is None:
+            entries = await self.redis.xrange(key, min=f"({after}" if after != "0-0" else "-", count=count)
+        else:
+            reply = await self.redis.xread({key: after}, count=count, block=block_ms)
+            entries = reply[0][1] if reply else []
+        return [(s(eid), decode_fields(fields)) for eid, fields in entries]
+
+    async def follow(self, wf_id: str, *, after: str = "0-0", block_ms: int = 5_000,
+                     timeout_s: float | None = None) -> AsyncIterator[tuple[str, dict[str, str]]]:
+        """Every log entry from `after` until (and including) the terminal one."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait = block_ms
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                wait = max(1, min(block_ms, int(left * 1000)))
+            entries = await self.read_log(wf_id, after=after, block_ms=wait)
+            if not entries and after == "0-0" and await self.state(wf_id) is None:
+                raise WorkflowNotFound(f"no workflow {wf_id}")
+            for eid, fields in entries:
+                after = eid
+                yield eid, fields
+                if fields.get("t") == "terminal":
+                    return
+
+    async def wait(self, wf_id: str, *, timeout_s: float | None = None, tenant: str | None = None) -> dict[str, Any]:
+        """Block on the event log (no polling) until the workflow is terminal or the timeout passes."""
+        doc = await self.document(wf_id, tenant=tenant)
+        if WorkflowState(doc["state"]) in TERMINAL_STATES:
+            return doc
+        last = await self.redis.xrevrange(self.keys.log(wf_id), count=1)
+        after = s(last[0][0]) if last else "0-0"
+        if last and s(last[0][1].get(b"t")) == "terminal":
+            return await self.document(wf_id, tenant=tenant)
+        async for _eid, fields in self.follow(wf_id, after=after, timeout_s=timeout_s):
+            if fields.get("t") == "terminal":
+                break
+        return await self.document(wf_id, tenant=tenant)
+
+    @translate_errors
+    async def text(self, wf_id: str, stage: str) -> str:
+        return s(await self.redis.get(self.keys.out(wf_id, stage)))
+
+    @translate_errors
+    async def audio(self, wf_id: str, stage: str | None = None) -> tuple[int, np.ndarray]:
+        """(sample_rate, int16 PCM) of a final audio stage; `NotReady` while it is still running."""
+        doc = await self.document(wf_id)
+        audio = {k: v for k, v in doc["outputs"].items() if v["type"] == "audio"}
+        if not audio:
+            raise WorkflowNotFound(f"workflow {wf_id} has no audio output")
+        stage = stage or next(iter(audio))
+        if stage not in audio:
+            raise WorkflowNotFound(f"workflow {wf_id} has no audio output from stage {stage!r}")
+        if audio[stage]["partial"] and doc["state"] in ("pending", "running"):
+            raise NotReady(f"audio of workflow {wf_id} is not ready (stage {stage} is {doc['stages'][stage]['status']})")
+        entries = await self.redis.xrange(self.keys.out(wf_id, stage))
+        pcm = [np.frombuffer(f[b"pcm"], dtype="<i2") for _, f in entries]
+        samples = np.concatenate(pcm) if pcm else np.zeros(0, dtype="<i2")
+        return int(audio[stage]["sample_rate"] or 0), samples
+
+    @translate_errors
+    async def list(self, *, state: str | None = None, tenant: str | None = None, offset: int = 0,
+                   limit: int = 50) -> list[dict[str, Any]]:
+        """Newest first. Filtering happens on the page read, so a page may hold fewer than `limit`."""
+        ids = [s(x) for x in await self.redis.zrevrange(self.keys.all_wf, offset, offset + limit * 4 - 1)]
+        if not ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for wf_id in ids:
+            pipe.hmget(self.keys.wf(wf_id), "state", "tenant", "created_ms", "finals", "error", "request_id")
+        rows = []
+        for wf_id, vals in zip(ids, await pipe.execute()):
+            st, ten, created, finals, err, rid = (s(v) for v in vals)
+            if not st or (state and st != state) or (tenant is not None and ten != tenant):
+                continue
+            rows.append({"id": wf_id, "state": st, "tenant": ten, "created_at": int(created or 0) / 1000,
+                         "final_stages": csv(finals), "error": err or None, "request_id": rid or None})
+            if len(rows) >= limit:
+                break
+        return rows
+

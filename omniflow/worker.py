@@ -1,0 +1,325 @@
+"""The worker runtime: one process serving one stage (`omniflow worker --stage NAME`).
+
+- intake: XREADGROUP on `<p>:stage:<name>:tasks` (group `workers`, consumer =
+  worker id), only as many tasks as free session slots (backpressure);
+- claim: `claim.lua` per task, group-committed; drops tasks of retired workflows;
+- inputs: one `StreamMux` blocks on the edge logs of every waiting session;
+- outputs: `emit.lua` / `finish.lua` through the group-commit `Batcher`;
+- liveness: a heartbeat renews the worker's lease in `<p>:workers`; the
+  reconciler re-queues the sessions of a worker whose lease lapsed (they are
+  the worker's pending entries in the consumer group), and fencing by attempt
+  keeps a worker that comes back from writing for them;
+- abort: pub/sub on `<p>:abort` cancels a workflow's sessions at once (the
+  tombstone and the fenced scripts are the durable truth).
+
+The worker never decides workflow state: it reports to the reconciler.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import uuid
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from omniflow import scripts
+from omniflow.batcher import Batcher
+from omniflow.config import Settings
+from omniflow.errors import Fenced, PipelineError, RedisUnavailable, StageError
+from omniflow.keys import TASK_GROUP, Keys
+from omniflow.mux import StreamMux
+from omniflow.pipeline import Pipeline, import_executor
+from omniflow.session import Session
+from omniflow.store import connect, csv, now_ms, s
+from omniflow.workers.base import Executor
+
+logger = logging.getLogger(__name__)
+
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, RedisUnavailable)
+DEFAULT_GRACE_S = 10.0
+
+
+def new_worker_id(stage: str) -> str:
+    return f"{stage}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+async def ensure_group(redis: Redis, stream: str, group: str) -> None:
+    try:
+        await redis.xgroup_create(stream, group, id="0", mkstream=True)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+class Worker:
+    def __init__(self, *, settings: Settings, pipeline: Pipeline, stage: str, redis_url: str,
+                 worker_id: str | None = None, executor: Executor | None = None,
+                 max_sessions: int | None = None) -> None:
+        if stage not in pipeline.stages:
+            raise PipelineError(f"unknown stage {stage!r}; pipeline {pipeline.name!r} has {list(pipeline.order)}")
+        self.settings = settings
+        self.pipeline = pipeline
+        self.stage = stage
+        self.spec = pipeline.stages[stage]
+        self.id = worker_id or new_worker_id(stage)
+        self.keys = Keys(settings.prefix)
+        self.redis_url = redis_url
+        self.max_sessions = max_sessions or self.spec.max_sessions
+        self.executor = executor or import_executor(self.spec.executor)(stage=stage, params=self.spec.params)
+        self.tasks_key = self.keys.tasks(stage)
+        self._sessions: dict[str, tuple[Session | None, asyncio.Task[None]]] = {}
+        self._slot_free = asyncio.Event()
+        self._stopping = False
+        self.started = asyncio.Event()
+        self.stats = {"claimed": 0, "dropped": 0, "done": 0, "failed": 0, "fenced": 0, "dead_letters": 0}
+
+    # ------------------------------------------------------------ lifecycle
+    async def run(self, stop: asyncio.Event | None = None, *, grace_s: float = DEFAULT_GRACE_S) -> None:
+        stop = stop or asyncio.Event()
+        self.redis = connect(self.redis_url)
+        self._intake_redis = connect(self.redis_url)
+        self._mux_redis = connect(self.redis_url)
+        self.batcher = Batcher(self.redis)
+        self.mux = StreamMux(self._mux_redis, self.keys, owner_id=self.id, block_ms=self.settings.block_ms)
+        try:
+            await scripts.load_all(self.redis)
+            await ensure_group(self.redis, self.tasks_key, TASK_GROUP)
+            await self.executor.setup()
+            await self._heartbeat_once()
+            self.mux.start()
+            background = [
+                asyncio.create_task(self._intake(), name="intake"),
+                asyncio.create_task(self._heartbeat(), name="heartbeat"),
+                asyncio.create_task(self._abort_listener(), name="abort-listener"),
+            ]
+            self.started.set()
+            logger.info("worker %s serving stage %s (max_sessions=%d)", self.id, self.stage, self.max_sessions)
+            stopper = asyncio.create_task(stop.wait())
+            await asyncio.wait([stopper, *background], return_when=asyncio.FIRST_COMPLETED)
+            for task in background:
+                if task.done() and task.exception():
+                    logger.error("worker task %s died: %r", task.get_name(), task.exception())
+            stopper.cancel()
+            await self._shutdown(background, grace_s)
+        finally:
+            await self.mux.close()
+            await self.executor.close()
+            for client in (self.redis, self._intake_redis, self._mux_redis):
+                await client.aclose()
+
+    async def _shutdown(self, background: list[asyncio.Task[Any]], grace_s: float) -> None:
+        self._stopping = True
+        background[0].cancel()          # stop taking tasks
+        await asyncio.gather(background[0], return_exceptions=True)
+        active = [task for _, task in self._sessions.values()]
+        if active:
+            logger.info("worker %s: waiting up to %.1fs for %d session(s)", self.id, grace_s, len(active))
+            await asyncio.wait(active, timeout=grace_s)
+        for _, task in list(self._sessions.values()):
+            task.cancel()
+        for task in background[1:]:
+            task.cancel()
+        await asyncio.gather(*background[1:], *[t for _, t in self._sessions.values()], return_exceptions=True)
+        try:
+            await self.batcher.drain()
+            # Lease score 0: the reconciler re-queues what we still hold at its next sweep.
+            await self.redis.zadd(self.keys.workers, {self.id: 0})
+        except REDIS_ERRORS as exc:
+            logger.warning("worker %s: could not deregister: %s", self.id, exc)
+
+    # ------------------------------------------------------------ heartbeat
+    async def _heartbeat_once(self) -> None:
+        expiry = now_ms() + int(self.settings.lease_timeout_s * 1000)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zadd(self.keys.workers, {self.id: expiry})
+        pipe.hset(self.keys.worker_info(self.id), mapping={
+            "stage": self.stage, "host": socket.gethostname(), "pid": os.getpid(),
+            "capacity": self.max_sessions, "active": len(self._sessions), "seen_ms": now_ms(),
+            "stats": json.dumps(self.stats),
+        })
+        pipe.expire(self.keys.worker_info(self.id), 86_400)
+        await pipe.execute()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            try:
+                await self._heartbeat_once()
+            except REDIS_ERRORS as exc:
+                logger.warning("worker %s heartbeat failed: %s", self.id, exc)
+
+    # ------------------------------------------------------------ intake
+    async def _intake(self) -> None:
+        backoff = 0.05
+        while True:
+            free = self.max_sessions - len(self._sessions)
+            if free <= 0:
+                self._slot_free.clear()
+                await self._slot_free.wait()
+                continue
+            try:
+                reply = await self._intake_redis.xreadgroup(
+                    TASK_GROUP, self.id, {self.tasks_key: ">"},
+                    count=min(free, self.settings.read_batch), block=self.settings.block_ms,
+                )
+                backoff = 0.05
+            except ResponseError as exc:
+                if "NOGROUP" in str(exc):
+                    await ensure_group(self.redis, self.tasks_key, TASK_GROUP)
+                    continue
+                raise
+            except REDIS_ERRORS as exc:
+                logger.warning("worker %s: intake read failed: %s; retrying in %.2fs", self.id, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            for _stream, entries in reply or []:
+                for entry_id, fields in entries:
+                    self._accept(s(entry_id), fields)
+
+    def _accept(self, entry_id: str, fields: dict[bytes, bytes]) -> None:
+        try:
+            wf_id = s(fields[b"wf"])
+            stage = s(fields[b"s"])
+            attempt = int(fields[b"a"])
+            if stage != self.stage or not wf_id or attempt < 1:
+                raise ValueError(f"task for stage {stage!r} attempt {attempt} on {self.stage}'s stream")
+        except (KeyError, ValueError) as exc:
+            self.stats["dead_letters"] += 1
+            task = asyncio.create_task(self._dead_letter(entry_id, fields, f"malformed task entry: {exc!r}"))
+            self._sessions[f"dlq:{entry_id}"] = (None, task)
+            task.add_done_callback(lambda _t, k=f"dlq:{entry_id}": self._release(k))
+            return
+        key = f"{wf_id}|{attempt}"
+        task = asyncio.create_task(self._session(entry_id, wf_id, attempt), name=f"session:{wf_id}")
+        self._sessions[key] = (None, task)
+        task.add_done_callback(lambda _t, k=key: self._release(k))
+
+    def _release(self, key: str) -> None:
+        self._sessions.pop(key, None)
+        self._slot_free.set()
+
+    async def _dead_letter(self, entry_id: str, fields: dict[bytes, bytes], reason: str) -> None:
+        logger.warning("worker %s: dead-lettering task %s: %s", self.id, entry_id, reason)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xadd(self.keys.dlq(self.stage), {**{k: v for k, v in fields.items()}, b"reason": reason.encode(),
+                                              b"entry": entry_id.encode()})
+        pipe.xack(self.tasks_key, TASK_GROUP, entry_id)
+        pipe.xdel(self.tasks_key, entry_id)
+        await pipe.execute()
+
+    # ------------------------------------------------------------ sessions
+    async def _session(self, entry_id: str, wf_id: str, attempt: int) -> None:
+        upstream = self.pipeline.inputs[self.stage]
+        edge_keys = {e.src: self.keys.edge(wf_id, e.src, self.stage) for e in upstream}
+        queues = {src: self.mux.watch(key) for src, key in edge_keys.items()}
+        session: Session | None = None
+        outcome, detail, retryable = "failed", "aborted", False
+        try:
+            reply = await self.batcher.script(
+                "claim", [self.keys.wf(wf_id), self.tasks_key, self.mux.wake_key],
+                [TASK_GROUP, entry_id, self.stage, attempt, self.id, now_ms(), "1" if upstream else "0"],
+            )
+            if s(reply[0]) != "ok":
+                self.stats["dropped"] += 1
+                logger.debug("dropped task %s of %s: %s", entry_id, wf_id, s(reply[1]))
+                return
+            self.stats["claimed"] += 1
+            _, raw_input, raw_params, stages, finals, seq = (s(x) for x in reply)
+            required = csv(stages)
+            session = Session(
+                wf_id=wf_id, stage=self.stage, attempt=attempt,
+                input=json.loads(raw_input), params=json.loads(raw_params).get(self.stage, {}),
+                finals=tuple(csv(finals)), downstream=tuple(self.pipeline.downstream(self.stage, required)),
+                resume_seq=int(seq or 0), _batcher=self.batcher, _keys=self.keys, _queues=queues,
+                _input_timeout_s=self.spec.retry.input_timeout_s, waiting_input=bool(upstream),
+            )
+            key = f"{wf_id}|{attempt}"
+            self._sessions[key] = (session, self._sessions[key][1])
+            outcome, detail, retryable = await self._execute(session)
+        except asyncio.CancelledError:
+            if self._stopping and not (session and session.aborted):
+                raise      # shutting down: the reconciler re-queues what we hold
+        except REDIS_ERRORS as exc:
+            # Our lease lapses and the reconciler re-queues the session; nothing else to do.
+            logger.warning("session %s/%s lost Redis: %s", wf_id, self.stage, exc)
+            return
+        finally:
+            for key in edge_keys.values():
+                self.mux.unwatch(key)
+        await self._finish(entry_id, wf_id, attempt, session, outcome, detail, retryable)
+
+    async def _execute(self, session: Session) -> tuple[str, str, bool]:
+        """Run the executor; map how it ended to (outcome, detail, retryable)."""
+        try:
+            usage = await asyncio.wait_for(self.executor.run(session), self.spec.retry.attempt_timeout_s)
+            await session.flush()
+            return "done", json.dumps(dict(usage or {})), True
+        except Fenced:
+            return "failed", "fenced", False
+        except asyncio.TimeoutError:
+            return "failed", f"attempt timed out after {self.spec.retry.attempt_timeout_s:g}s", True
+        except StageError as exc:
+            return "failed", str(exc), exc.retryable
+        except REDIS_ERRORS:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an executor bug is a stage failure, never a worker crash
+            logger.exception("executor %s failed on %s", self.stage, session.wf_id)
+            return "failed", f"{type(exc).__name__}: {exc}", True
+
+    async def _finish(self, entry_id: str, wf_id: str, attempt: int, session: Session | None,
+                      outcome: str, detail: str, retryable: bool) -> None:
+        """Ack the task and report to the reconciler (always: a fenced finish still acks)."""
+        if session is not None and session._inflight:
+            await asyncio.gather(*list(session._inflight), return_exceptions=True)
+        reply = await self.batcher.script(
+            "finish", [self.keys.wf(wf_id), self.tasks_key, self.keys.events],
+            [TASK_GROUP, entry_id, self.stage, attempt, outcome, detail, "1" if retryable else "0",
+             now_ms(), session.seq if session else 0, ",".join(session.downstream if session else ())],
+        )
+        if s(reply) == "fenced":
+            self.stats["fenced"] += 1
+        else:
+            self.stats["done" if outcome == "done" else "failed"] += 1
+
+    # ------------------------------------------------------------ abort
+    async def _abort_listener(self) -> None:
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.keys.abort_channel)
+                async for message in pubsub.listen():
+                    if message.get("type") == "message":
+                        self.cancel_workflow(s(message["data"]))
+            except REDIS_ERRORS as exc:
+                logger.warning("worker %s: abort channel lost: %s", self.id, exc)
+                await asyncio.sleep(0.5)
+            finally:
+                await pubsub.aclose()
+
+    def cancel_workflow(self, wf_id: str) -> int:
+        """Cancel every local session of `wf_id` (abort fan-out)."""
+        n = 0
+        for key, (session, task) in list(self._sessions.items()):
+            if key.startswith(f"{wf_id}|"):
+                if session is not None:
+                    session.aborted = True
+                task.cancel()
+                n += 1
+        return n
+
+
+def run_worker(settings: Settings, pipeline: Pipeline, stage: str, redis_url: str) -> None:
+    """Blocking entry point used by the CLI: runs until SIGINT/SIGTERM."""
+    from omniflow.runtime import run_until_signal
+
+    worker = Worker(settings=settings, pipeline=pipeline, stage=stage, redis_url=redis_url)
+    run_until_signal(worker.run)
+

@@ -1,0 +1,128 @@
+"""Shared fixtures: a real Redis-protocol server per test session, and an
+in-process engine (reconciler + one worker per stage) per test, each test on
+its own key prefix so tests never see each other's keys."""
+from __future__ import annotations
+
+import asyncio
+import copy
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from redis.asyncio import Redis
+
+from omniflow.config import DEFAULT_PIPELINE, Settings
+from omniflow.embedded import EmbeddedServer, redis_server_binaries
+from omniflow.pipeline import Pipeline, build_pipeline
+from omniflow.reconciler import Reconciler
+from omniflow.store import Store, connect
+from omniflow.worker import Worker
+
+SERVERS = redis_server_binaries()
+
+
+def _start(tmp: Path, binary: str) -> EmbeddedServer:
+    return EmbeddedServer(data_dir=tmp, binary=binary, appendonly=True, appendfsync="everysec").start()
+
+
+@pytest.fixture(scope="session")
+def valkey_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    server = _start(tmp_path_factory.mktemp("valkey"), SERVERS["valkey"])
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="session", params=sorted(SERVERS))
+def any_server_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Every Redis-protocol server on this machine: Valkey always, redis-server when on PATH."""
+    server = _start(tmp_path_factory.mktemp(request.param), SERVERS[request.param])
+    yield server.url
+    server.stop()
+
+
+def toy_spec(**stage_params: dict[str, Any]) -> dict[str, Any]:
+    """The shipped toy pipeline as a dict, with per-stage param overrides and fast defaults."""
+    raw = yaml.safe_load(Path(DEFAULT_PIPELINE).read_text())
+    raw = copy.deepcopy(raw)
+    for name, stage in raw["stages"].items():
+        stage["params"].update({"token_delay_s": 0.0, "chunk_delay_s": 0.0, "max_words": 8})
+        stage["params"].update(stage_params.get(name, {}))
+        stage["retry"] = {"max_attempts": 3, "backoff_s": 0.01, "backoff_max_s": 0.05}
+    return raw
+
+
+@pytest.fixture
+def settings_factory() -> Callable[..., Settings]:
+    def make(url: str, **overrides: Any) -> Settings:
+        base = {"redis_url": url, "prefix": f"t{uuid.uuid4().hex[:10]}", "heartbeat_interval_s": 0.2,
+                "lease_timeout_s": 1.0, "sweep_interval_s": 0.2, "block_ms": 1000}
+        base.update(overrides)
+        return Settings(**base)
+    return make
+
+
+class Engine:
+    """A reconciler and one worker per stage as tasks in the test's event loop."""
+
+    def __init__(self, url: str, settings: Settings, pipeline: Pipeline) -> None:
+        self.url, self.settings, self.pipeline = url, settings, pipeline
+        self.redis: Redis = connect(url)
+        self.store = Store(self.redis, settings, pipeline)
+        self.workers: dict[str, list[Worker]] = {}
+        self.reconcilers: list[Reconciler] = []
+        self._tasks: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
+
+    async def add_worker(self, stage: str, **kwargs: Any) -> Worker:
+        worker = Worker(settings=self.settings, pipeline=self.pipeline, stage=stage, redis_url=self.url, **kwargs)
+        await self._spawn(worker.run, worker.started)
+        self.workers.setdefault(stage, []).append(worker)
+        return worker
+
+    async def add_reconciler(self) -> Reconciler:
+        rec = Reconciler(settings=self.settings, pipeline=self.pipeline, redis_url=self.url)
+        await self._spawn(rec.run, rec.started)
+        self.reconcilers.append(rec)
+        return rec
+
+    async def _spawn(self, run: Any, started: asyncio.Event) -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(run(stop))
+        self._tasks.append((stop, task))
+        waiter = asyncio.create_task(started.wait())
+        await asyncio.wait([waiter, task], return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()
+
+    async def close(self) -> None:
+        for stop, _ in self._tasks:
+            stop.set()
+        await asyncio.gather(*(t for _, t in self._tasks), return_exceptions=True)
+        await self.redis.aclose()
+
+
+@pytest.fixture
+def engine_factory(valkey_url: str, settings_factory: Callable[..., Settings]):
+    engines: list[Engine] = []
+
+    @asynccontextmanager
+    async def make(spec: dict[str, Any] | None = None, *, url: str | None = None, workers: bool = True,
+                   reconciler: bool = True, **settings_overrides: Any) -> AsyncIterator[Engine]:
+        url = url or valkey_url
+        pipeline = build_pipeline(spec or toy_spec())
+        engine = Engine(url, settings_factory(url, **settings_overrides), pipeline)
+        engines.append(engine)
+        try:
+            if reconciler:
+                await engine.add_reconciler()
+            if workers:
+                for stage in pipeline.order:
+                    await engine.add_worker(stage)
+            yield engine
+        finally:
+            await engine.close()
+
+    return make

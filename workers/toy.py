@@ -1,0 +1,126 @@
+"""Deterministic CPU executors shaped like an omni model, for demos, tests and benchmarks.
+
+- `ToyThinker` streams the words of a reply as text deltas and sends each word's
+  "hidden state" (a small float32 vector) downstream.
+- `ToyTalker` turns each hidden-state chunk into a chunk of codec codes.
+- `ToyCode2Wav` turns each code chunk into real PCM audio (tones).
+
+Delays simulate GPU time. `fail_at_step` / `fail_attempts` / `fail_retryable`
+inject failures so tests can exercise retries and fail-fast. The outputs depend
+only on the prompt, so a run with faults can be compared with one without.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from omniflow.errors import NonRetryableError, StageError
+from omniflow.workers.base import Executor, Session
+
+FILLER = (
+    "omniflow keeps every request in Redis so a crashed worker never loses it and "
+    "the answer still arrives in order with nothing repeated and nothing missing"
+).split()
+HIDDEN_DIM = 16
+
+
+def reply_words(prompt: str, max_words: int) -> list[str]:
+    """The deterministic reply to `prompt`."""
+    words = ["You", "said:"] + prompt.split()[:16] + ["-"] + FILLER
+    return words[:max_words] if max_words > 0 else words
+
+
+def hidden_state(word: str, index: int) -> np.ndarray:
+    seed = int.from_bytes(hashlib.blake2b(f"{index}:{word}".encode(), digest_size=4).digest(), "little")
+    return np.random.default_rng(seed).standard_normal(HIDDEN_DIM).astype(np.float32)
+
+
+def codes_for(hidden: np.ndarray, n_codes: int = 4) -> np.ndarray:
+    return (np.abs(hidden[:n_codes]) * 1000).astype(np.int32) % 1024
+
+
+def tone(codes: np.ndarray, sample_rate: int, seconds: float = 0.08) -> np.ndarray:
+    """A short chord whose pitches come from the codes: audible, deterministic."""
+    n = int(sample_rate * seconds)
+    t = np.arange(n, dtype=np.float64) / sample_rate
+    freqs = 220.0 + (np.asarray(codes[:3], dtype=np.float64) % 64) * 12.0
+    wave = sum(np.sin(2 * np.pi * f * t) for f in freqs) / max(len(freqs), 1)
+    envelope = np.minimum(1.0, np.minimum(t, t[::-1]) * 200)
+    return (wave * envelope * 0.4 * 32767).astype(np.int16)
+
+
+class _ToyStage(Executor):
+    """Shared failure injection and delays."""
+
+    delay_param = "chunk_delay_s"
+
+    def _param(self, session: Session, name: str, default: Any) -> Any:
+        return session.params.get(name, self.params.get(name, default))
+
+    async def _step(self, session: Session, step: int) -> None:
+        fail_at = int(self._param(session, "fail_at_step", 0))
+        if fail_at and step == fail_at and session.attempt <= int(self._param(session, "fail_attempts", 99)):
+            message = f"{self.stage}: injected failure at step {step} (attempt {session.attempt})"
+            if bool(self._param(session, "fail_retryable", True)):
+                raise StageError(message)
+            raise NonRetryableError(message)
+        delay = float(self._param(session, self.delay_param, 0.0))
+        if delay > 0 and session.seq >= session.resume_seq:    # replayed steps cost nothing
+            await asyncio.sleep(delay)
+
+
+class ToyThinker(_ToyStage):
+    """Text + hidden states. Resumes from the words earlier attempts emitted."""
+
+    delay_param = "token_delay_s"
+
+    async def run(self, session: Session) -> Mapping[str, Any]:
+        words = reply_words(session.text, int(self._param(session, "max_words", 40)))
+        if not session.text.strip():
+            raise NonRetryableError("thinker: empty prompt")
+        start = session.fast_forward()   # prefill prompt + emitted tokens, continue
+        for i in range(start, len(words)):
+            await self._step(session, i + 1)
+            delta = words[i] if i == 0 else " " + words[i]
+            await session.emit(text=delta, data={"hidden": hidden_state(words[i], i), "word": words[i]})
+        return {"prompt_tokens": len(session.text.split()), "completion_tokens": len(words), "resumed_at": start}
+
+
+class ToyTalker(_ToyStage):
+    """Hidden states -> codec codes, one code chunk per input chunk."""
+
+    async def run(self, session: Session) -> Mapping[str, Any]:
+        n = 0
+        async for chunk in session.inputs():
+            n += 1
+            await self._step(session, n)
+            await session.emit(data={"codes": codes_for(np.asarray(chunk.data["hidden"])), "word": chunk.data["word"]})
+        return {"code_chunks": n}
+
+
+class ToyCode2Wav(_ToyStage):
+    """Codes -> PCM audio chunks."""
+
+    async def run(self, session: Session) -> Mapping[str, Any]:
+        sample_rate = int(self._param(session, "sample_rate", 22050))
+        seconds = float(self._param(session, "chunk_seconds", 0.08))
+        n, samples = 0, 0
+        async for chunk in session.inputs():
+            n += 1
+            await self._step(session, n)
+            pcm = tone(np.asarray(chunk.data["codes"]), sample_rate, seconds)
+            samples += pcm.size
+            await session.emit(audio=pcm, sample_rate=sample_rate)
+        return {"audio_chunks": n, "audio_seconds": round(samples / sample_rate, 3)}
+
+
+class Echo(Executor):
+    """The smallest executor: the prompt back as text (used in docs and tests)."""
+
+    async def run(self, session: Session) -> Mapping[str, Any]:
+        await session.emit(text=session.text)
+        return {"tokens": len(session.text.split())}
