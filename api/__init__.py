@@ -1,1 +1,12 @@
-# placeholder
+"""The omniflow HTTP service (FastAPI), installed as `omniflow.api`.
+
+    app.py        create_app / serve: lifespan (Redis, stream hub), middleware, routers
+    deps.py       shared dependencies: principal (auth + tenant), store, hub, submit rate limit
+    errors.py     omniflow errors -> JSON `{"error": {"code", "message"}}` with HTTP statuses
+    schemas.py    response models (the OpenAPI document is built from them)
+    hub.py        fan-out of workflow event logs to many waiters over one blocking XREAD
+    limits.py     body-size middleware and the per-tenant submit token bucket
+    audio.py      PCM -> wav/flac/ogg/mp3 with soundfile
+    metrics.py    Prometheus collector read from Redis at scrape time
+    routes/       one APIRouter per resource: workflows, openai, health
+"""
