@@ -72,6 +72,7 @@ class PipelineSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    entry: str | None = Field(None, description="the entry stage (default: the first listed stage without inputs)")
     stages: dict[str, StageSpec]
     edges: list[EdgeSpec] = Field(default_factory=list)
 
@@ -226,10 +227,12 @@ def _validate(spec: PipelineSpec, source: str) -> Pipeline:
         inputs[edge.dst].append(edge)
         outputs[edge.src].append(edge)
     order = _toposort(spec, inputs, outputs, source)
-    entries = [s for s in order if not inputs[s]]
-    if len(entries) != 1:
-        raise PipelineError(f"{source}: edges: exactly one entry stage (no inputs) is needed, found {entries}")
-    entry = entries[0]
+    # default entry: the first listed stage that has no inputs (others without inputs are unreachable)
+    entry = spec.entry or next((s for s in spec.stages if not inputs[s]), next(iter(spec.stages)))
+    if entry not in spec.stages:
+        raise PipelineError(f"{source}: entry: unknown stage {entry!r}")
+    if inputs[entry]:
+        raise PipelineError(f"{source}: entry: the entry stage {entry!r} cannot have inputs")
     reachable = {entry}
     for stage in order:
         if stage in reachable:
@@ -237,9 +240,10 @@ def _validate(spec: PipelineSpec, source: str) -> Pipeline:
     finals = [s for s in order if spec.stages[s].final_output]
     if not finals:
         raise PipelineError(f"{source}: stages: no stage has final_output (text or audio)")
-    for stage in finals:
+    for stage in order:
         if stage not in reachable:
-            raise PipelineError(f"{source}: stages.{stage}: final stage is unreachable from entry stage {entry!r}")
+            what = "final stage" if spec.stages[stage].final_output else "stage"
+            raise PipelineError(f"{source}: stages.{stage}: {what} is unreachable from entry stage {entry!r}")
     for stage in order:
         modes = {e.mode for e in inputs[stage]}
         if len(modes) > 1:

@@ -73,7 +73,7 @@ def _ready(**_kw) -> None:
 
 def _cmd(procs: int) -> list[tuple[str, list[str]]]:
     celery_bin = str(Path(sys.executable).with_name("celery"))
-    return [("celery", [celery_bin, "-A", "bench.peers.celery_chain", "worker", "--pool", "solo",
+    return [("celery", [celery_bin, "-A", "bench.peers.celery_chain", "worker", "--pool", "prefork",
                         "--concurrency", str(procs), "--loglevel", "WARNING",
                         "--without-gossip", "--without-mingle", "--without-heartbeat"])]
 

@@ -1,0 +1,124 @@
+"""Shared dependencies of every router: the service state, the caller (auth + tenant), limits."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CollectorRegistry
+from redis.asyncio import Redis
+
+from omniflow.api.errors import ApiError, retry_after
+from omniflow.api.hub import LogHub
+from omniflow.api.limits import RateLimiter
+from omniflow.api.metrics import StageLatency
+from omniflow.config import Settings
+from omniflow.pipeline import Pipeline
+from omniflow.store import Store
+
+DEFAULT_TENANT = "default"
+ADMIN_TENANT = "admin"
+
+
+def parse_api_keys(raw: str) -> dict[str, str]:
+    """'key:tenant,key2:tenant2' -> {key: tenant}; a key without a tenant is its own tenant."""
+    keys: dict[str, str] = {}
+    for item in (x.strip() for x in raw.split(",")):
+        if item:
+            key, _, tenant = item.partition(":")
+            keys[key.strip()] = tenant.strip() or key.strip()
+    return keys
+
+
+def parse_admin_keys(raw: str) -> frozenset[str]:
+    return frozenset(x.strip() for x in raw.split(",") if x.strip())
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: a tenant, and whether it may see every tenant's workflows."""
+
+    tenant: str
+    admin: bool = False
+
+    @property
+    def scope(self) -> str | None:
+        """The tenant filter for store calls: None (everything) for admins."""
+        return None if self.admin else self.tenant
+
+
+@dataclass
+class ApiState:
+    """Everything a request needs, built by the app's lifespan."""
+
+    settings: Settings
+    pipeline: Pipeline
+    redis: Redis
+    store: Store
+    hub: LogHub
+    api_keys: dict[str, str]
+    admin_keys: frozenset[str]
+    submit_limiter: RateLimiter
+    registry: CollectorRegistry
+    latency: StageLatency
+    background: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.api_keys or self.admin_keys)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run `coro` detached from the request (it survives the request's cancellation)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+
+def get_state(request: Request) -> ApiState:
+    state: ApiState = request.app.state.api
+    return state
+
+
+bearer = HTTPBearer(auto_error=False, description="an API key from OMNIFLOW_API_KEYS or OMNIFLOW_ADMIN_KEYS")
+
+
+def get_principal(state: Annotated[ApiState, Depends(get_state)],
+                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
+    if not state.auth_enabled:
+        return Principal(DEFAULT_TENANT, admin=True)
+    if credentials is None or credentials.scheme.lower() != "bearer":
+        raise ApiError(401, "unauthorized", "missing API key: send 'Authorization: Bearer <key>'",
+                       headers={"WWW-Authenticate": "Bearer"})
+    token = credentials.credentials
+    for key in state.admin_keys:
+        if hmac.compare_digest(key, token):
+            return Principal(ADMIN_TENANT, admin=True)
+    for key, tenant in state.api_keys.items():
+        if hmac.compare_digest(key, token):
+            return Principal(tenant)
+    raise ApiError(401, "unauthorized", "unknown API key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def get_store(state: Annotated[ApiState, Depends(get_state)]) -> Store:
+    return state.store
+
+
+def check_submit_rate(state: Annotated[ApiState, Depends(get_state)],
+                      principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+    wait_s = state.submit_limiter.acquire(principal.tenant)
+    if wait_s > 0:
+        raise ApiError(429, "rate_limited",
+                       f"tenant {principal.tenant!r} is over its submit rate of "
+                       f"{state.submit_limiter.rate_per_s:g}/s; retry in {wait_s:.2f}s",
+                       headers=retry_after(wait_s))
+    return principal
+
+
+StateDep = Annotated[ApiState, Depends(get_state)]
+PrincipalDep = Annotated[Principal, Depends(get_principal)]
+SubmitterDep = Annotated[Principal, Depends(check_submit_rate)]
+StoreDep = Annotated[Store, Depends(get_store)]

@@ -1,0 +1,142 @@
+"""Fan-out of workflow event logs to many waiters over one blocking XREAD.
+
+Long-polls, SSE streams and OpenAI streams all wait on a workflow's event log
+(`<prefix>:wf:{id}:log`). Each would otherwise hold a Redis connection in its
+own XREAD BLOCK; instead they subscribe here: one `StreamMux` watches every
+log that has at least one subscriber and copies each entry to every
+subscriber's queue. A subscriber replays the history after its cursor with
+XRANGE first and drops live duplicates by id, so it never misses an entry
+that arrived between its subscription and its replay.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
+
+from redis.asyncio import Redis
+
+from omniflow.keys import Keys
+from omniflow.mux import Entry, StreamMux
+from omniflow.store import decode_fields, s
+
+Event = tuple[str, dict[str, str]]
+IDLE: Event = ("", {})
+
+
+def stream_id(value: str) -> tuple[int, int]:
+    """'1700000000000-3' -> (1700000000000, 3); a bare ms time counts as seq 0."""
+    ms, _, seq = value.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def is_stream_id(value: str) -> bool:
+    try:
+        stream_id(value)
+    except ValueError:
+        return False
+    return True
+
+
+class LogHub:
+    """Subscribe to workflow event logs without one connection per waiter."""
+
+    def __init__(self, redis: Redis, keys: Keys, *, block_ms: int = 5_000) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._mux = StreamMux(redis, keys, block_ms=block_ms)
+        self._subs: dict[str, set[asyncio.Queue[Entry]]] = {}
+        self._pumps: dict[str, asyncio.Task[None]] = {}
+
+    def start(self) -> None:
+        self._mux.start()
+
+    async def close(self) -> None:
+        for task in self._pumps.values():
+            task.cancel()
+        await asyncio.gather(*self._pumps.values(), return_exceptions=True)
+        self._pumps.clear()
+        await self._mux.close()
+
+    @property
+    def watched(self) -> int:
+        return len(self._subs)
+
+    async def _pump(self, key: str, source: asyncio.Queue[Entry]) -> None:
+        while True:
+            entry = await source.get()
+            for queue in self._subs.get(key, ()):
+                queue.put_nowait(entry)
+
+    async def _subscribe(self, key: str, after: str) -> asyncio.Queue[Entry]:
+        queue: asyncio.Queue[Entry] = asyncio.Queue()
+        subs = self._subs.setdefault(key, set())
+        subs.add(queue)
+        if key not in self._pumps:
+            source = self._mux.watch(key, after)
+            self._pumps[key] = asyncio.create_task(self._pump(key, source), name=f"hub:{key}")
+            await self._mux.poke()
+        return queue
+
+    def _unsubscribe(self, key: str, queue: asyncio.Queue[Entry]) -> None:
+        subs = self._subs.get(key)
+        if subs is None:
+            return
+        subs.discard(queue)
+        if not subs:
+            del self._subs[key]
+            self._mux.unwatch(key)
+            pump = self._pumps.pop(key, None)
+            if pump is not None:
+                pump.cancel()
+
+    @asynccontextmanager
+    async def follow(self, wf_id: str, *, after: str = "0-0", timeout_s: float | None = None,
+                     idle_s: float | None = None) -> AsyncIterator[AsyncIterator[Event]]:
+        """Entries of the workflow's log after `after`: history first, then live ones.
+
+        The iterator ends after the terminal entry, or when `timeout_s` passes; with
+        `idle_s` it yields `IDLE` after that long without an entry (SSE keep-alives).
+        """
+        key = self._keys.log(wf_id)
+        queue = await self._subscribe(key, after)
+        events = self._iterate(key, queue, after, timeout_s, idle_s)
+        try:
+            yield events
+        finally:
+            await events.aclose()
+            self._unsubscribe(key, queue)
+
+    async def _iterate(self, key: str, queue: asyncio.Queue[Entry], after: str,
+                       timeout_s: float | None, idle_s: float | None) -> AsyncGenerator[Event, None]:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        cursor = stream_id(after)
+        history = await self._redis.xrange(key, min=f"({after}" if after != "0-0" else "-")
+        for raw_id, fields in history:
+            eid = s(raw_id)
+            cursor = stream_id(eid)
+            event = decode_fields(fields)
+            yield eid, event
+            if event.get("t") == "terminal":
+                return
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            wait = idle_s if left is None else (left if idle_s is None else min(left, idle_s))
+            try:
+                raw_id, fields = await asyncio.wait_for(queue.get(), wait)
+            except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return
+                yield IDLE
+                continue
+            eid = s(raw_id)
+            if stream_id(eid) <= cursor:
+                continue
+            cursor = stream_id(eid)
+            event = decode_fields(fields)
+            yield eid, event
+            if event.get("t") == "terminal":
+                return

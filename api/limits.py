@@ -1,0 +1,101 @@
+"""Request limits: body size (413) and the per-tenant submit rate (429).
+
+The submit rate is a token bucket per tenant held in this process: with N API
+replicas behind a balancer a tenant gets up to N x the rate (documented in
+docs/api.md); admission (`max_in_flight`) is the global limit and lives in Redis.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from omniflow.api.errors import error_body
+
+
+class BodyTooLarge(Exception):
+    """The request body passed the limit while it was being read."""
+
+
+class BodySizeLimit:
+    """Pure ASGI middleware: 413 when Content-Length or the streamed body passes `max_bytes`."""
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._reject(send)
+            return
+        seen = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge()
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyTooLarge:
+            if not started:
+                await self._reject(send)
+
+    async def _reject(self, send: Send) -> None:
+        body = json.dumps(error_body(
+            "body_too_large", f"request body is over the limit of {self.max_bytes} bytes")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    stamp: float
+
+
+class RateLimiter:
+    """Token bucket per key: `rate_per_s` tokens a second, bursts up to `burst`."""
+
+    def __init__(self, rate_per_s: float, *, burst: float | None = None) -> None:
+        self.rate_per_s = rate_per_s
+        self.burst = burst if burst is not None else max(1.0, rate_per_s)
+        self._buckets: dict[str, _Bucket] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.rate_per_s > 0
+
+    def acquire(self, key: str) -> float:
+        """Take one token; returns 0 when granted, else the seconds until one is available."""
+        if not self.enabled:
+            return 0.0
+        now = time.monotonic()
+        with self._lock:
+            bucket = self._buckets.setdefault(key, _Bucket(self.burst, now))
+            bucket.tokens = min(self.burst, bucket.tokens + (now - bucket.stamp) * self.rate_per_s)
+            bucket.stamp = now
+            if bucket.tokens >= 1.0:
+                bucket.tokens -= 1.0
+                return 0.0
+            return (1.0 - bucket.tokens) / self.rate_per_s

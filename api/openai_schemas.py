@@ -1,0 +1,90 @@
+"""Request and response shapes of the OpenAI-compatible chat API (what the `openai` client parses)."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from omniflow.api.audio import AudioFormat
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str = Field(..., max_length=32)
+    content: str | list[dict[str, Any]] | None = None
+
+
+class AudioParams(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    voice: str = Field("alloy", max_length=64, description="accepted for compatibility; the pipeline picks the voice")
+    format: AudioFormat = AudioFormat.WAV
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool = False
+
+
+class ChatRequest(BaseModel):
+    """`POST /v1/chat/completions`. Unknown OpenAI parameters are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(..., max_length=128)
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    modalities: list[Literal["text", "audio"]] | None = Field(None, description="default ['text']")
+    audio: AudioParams | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stage_params: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="omniflow extension: per-stage parameter overrides")
+    deadline_s: float | None = Field(None, gt=0, description="omniflow extension: workflow deadline")
+
+
+class ChatAudio(BaseModel):
+    id: str
+    data: str = Field(..., description="base64 of the encoded audio (format as requested)")
+    transcript: str
+    expires_at: int
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    audio: ChatAudio | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    finish_reason: Literal["stop", "length"] = "stop"
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "omniflow"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

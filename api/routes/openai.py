@@ -1,0 +1,205 @@
+"""OpenAI-compatible chat completions and models, served by the workflow engine.
+
+A chat request becomes one workflow (prompt = the last user message). Text is
+returned in `message.content` (streamed as `delta.content`), audio in
+`message.audio` (`{id, data, transcript, expires_at}`; streamed as
+`delta.audio.data`, raw pcm16 little-endian mono). A client that goes away
+before the answer is complete aborts its workflow.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.types import Receive
+
+from omniflow.api.audio import AudioFormat, encode
+from omniflow.api.deps import ApiState, PrincipalDep, StateDep, SubmitterDep
+from omniflow.api.errors import ApiError, error_body
+from omniflow.api.openai_schemas import (
+    ChatAudio,
+    ChatChoice,
+    ChatCompletion,
+    ChatRequest,
+    ChatResponseMessage,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+from omniflow.api.routes.workflows import E, _AUTH
+from omniflow.api.sse import EventStreamResponse, sse_event
+from omniflow.models import SubmitRequest, WorkflowInput, WorkflowState
+from omniflow.store import s
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+DISCONNECT_REASON = "client disconnected"
+
+
+def prompt_of(body: ChatRequest) -> str:
+    """The text of the last user message (string content or its text parts)."""
+    for message in reversed(body.messages):
+        if message.role != "user":
+            continue
+        if isinstance(message.content, str):
+            text = message.content
+        else:
+            text = " ".join(str(p.get("text", "")) for p in message.content or [] if p.get("type") == "text")
+        if text.strip():
+            return text
+    raise ApiError(422, "invalid_request", "messages: no user message with text content")
+
+
+def _stage_of(state: ApiState, kind: str) -> str | None:
+    stages = state.pipeline.modalities().get(kind, [])
+    return stages[0] if stages else None
+
+
+def _usage(doc: dict[str, Any]) -> Usage:
+    prompt = sum(int((st.get("usage") or {}).get("prompt_tokens", 0)) for st in doc["stages"].values())
+    completion = sum(int((st.get("usage") or {}).get("completion_tokens", 0)) for st in doc["stages"].values())
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _failure(doc: dict[str, Any]) -> ApiError:
+    where = f" (stage {doc['error_stage']})" if doc.get("error_stage") else ""
+    return ApiError(502, f"workflow_{doc['state']}", f"workflow {doc['id']} {doc['state']}{where}: {doc.get('error')}")
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+@router.get("/models", response_model=ModelList, responses=_AUTH, summary="The pipeline, as a model")
+async def list_models(state: StateDep, _: PrincipalDep) -> ModelList:
+    return ModelList(data=[ModelCard(id=state.pipeline.name, created=int(time.time()))])
+
+
+@router.post(
+    "/chat/completions", response_model=ChatCompletion,
+    responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+                     "description": "a chat.completion, or with stream=true a stream of chat.completion.chunk"},
+               404: {"model": E, "description": "unknown model"},
+               409: {"model": E}, 413: {"model": E}, 422: {"model": E},
+               429: {"model": E, "description": "over admission or submit rate; see Retry-After"},
+               502: {"model": E, "description": "the workflow failed or was aborted"}, **_AUTH},
+    summary="OpenAI-compatible chat completion (text and audio)",
+)
+async def chat_completions(body: ChatRequest, request: Request, state: StateDep, principal: SubmitterDep) -> Any:
+    if body.model != state.pipeline.name:
+        raise ApiError(404, "model_not_found", f"model {body.model!r} does not exist; this server serves "
+                                               f"{state.pipeline.name!r} (GET /v1/models)")
+    modalities = list(dict.fromkeys(body.modalities or ["text"]))
+    if "audio" in modalities and "text" not in modalities and _stage_of(state, "text"):
+        modalities.insert(0, "text")          # the transcript comes from the text stage
+    submitted = await state.store.submit(
+        SubmitRequest(input=WorkflowInput(text=prompt_of(body)), output_modalities=modalities,
+                      stage_params=body.stage_params, deadline_s=body.deadline_s),
+        tenant=principal.tenant)
+    fmt = body.audio.format if body.audio else AudioFormat.WAV
+    if body.stream:
+        return EventStreamResponse(_stream(state, body, submitted.id, modalities))
+    return await _complete(state, body, request, submitted.id, modalities, fmt)
+
+
+async def _complete(state: ApiState, body: ChatRequest, request: Request, wf_id: str,
+                    modalities: list[str], fmt: AudioFormat) -> ChatCompletion:
+    waiter = asyncio.ensure_future(_wait_terminal(state, wf_id))
+    gone = asyncio.ensure_future(_until_disconnect(request.receive))
+    try:
+        await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not waiter.done():
+            waiter.cancel()
+            state.spawn(state.store.abort(wf_id, reason=DISCONNECT_REASON))
+        gone.cancel()
+        await asyncio.gather(waiter, gone, return_exceptions=True)
+    doc = await state.store.document(wf_id)
+    if doc["state"] != WorkflowState.COMPLETED.value:
+        raise _failure(doc)
+    text_stage, audio_stage = _stage_of(state, "text"), _stage_of(state, "audio")
+    text = doc["outputs"].get(text_stage or "", {}).get("text", "")
+    audio = None
+    if "audio" in modalities and audio_stage:
+        sample_rate, pcm = await state.store.audio(wf_id, audio_stage)
+        audio = ChatAudio(id=f"audio_{wf_id}", data=base64.b64encode(encode(pcm, sample_rate, fmt)).decode(),
+                          transcript=text, expires_at=_expires_at(state, doc))
+    return ChatCompletion(
+        id=f"chatcmpl-{wf_id}", created=int(doc["created_at"]), model=body.model,
+        choices=[ChatChoice(message=ChatResponseMessage(content=text if "text" in modalities else None, audio=audio))],
+        usage=_usage(doc))
+
+
+def _expires_at(state: ApiState, doc: dict[str, Any]) -> int:
+    return int((doc.get("finished_at") or time.time()) + state.settings.result_ttl_s)
+
+
+async def _wait_terminal(state: ApiState, wf_id: str) -> None:
+    async with state.hub.follow(wf_id) as events:
+        async for _ in events:
+            pass
+
+
+def _chunk(wf_id: str, model: str, created: int, delta: dict[str, Any], finish: str | None = None,
+           usage: Usage | None = None) -> bytes:
+    payload: dict[str, Any] = {
+        "id": f"chatcmpl-{wf_id}", "object": "chat.completion.chunk", "created": created, "model": model,
+        "choices": [] if usage is not None else [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+    if usage is not None:
+        payload["usage"] = usage.model_dump()
+    return sse_event(json.dumps(payload))
+
+
+async def _stream(state: ApiState, body: ChatRequest, wf_id: str, modalities: list[str]) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    text_stage, audio_stage = _stage_of(state, "text"), _stage_of(state, "audio")
+    want_audio = "audio" in modalities and audio_stage is not None
+    out_key = state.store.keys.out(wf_id, audio_stage or "")
+    out_cursor = "-"
+    transcript: list[str] = []
+    finished = False
+    try:
+        yield _chunk(wf_id, body.model, created, {"role": "assistant", "content": ""})
+        async with state.hub.follow(wf_id) as events:
+            async for _eid, fields in events:
+                kind = fields.get("t")
+                if kind == "text" and fields.get("stage") == text_stage:
+                    transcript.append(fields.get("delta", ""))
+                    yield _chunk(wf_id, body.model, created, {"content": fields.get("delta", "")})
+                elif kind == "audio" and want_audio and fields.get("stage") == audio_stage:
+                    for entry_id, chunk in await state.redis.xrange(out_key, min=out_cursor):
+                        out_cursor = f"({s(entry_id)}"
+                        data = base64.b64encode(chunk[b"pcm"]).decode()
+                        yield _chunk(wf_id, body.model, created,
+                                     {"audio": {"id": f"audio_{wf_id}", "data": data,
+                                                "sample_rate": int(s(chunk.get(b"sr")) or 0)}})
+                elif kind == "terminal":
+                    break
+        doc = await state.store.document(wf_id)
+        finished = True
+        if doc["state"] != WorkflowState.COMPLETED.value:
+            err = _failure(doc)
+            yield sse_event(json.dumps(error_body(err.code, err.message)))
+            yield sse_event("[DONE]")
+            return
+        final: dict[str, Any] = {}
+        if want_audio:
+            final["audio"] = {"id": f"audio_{wf_id}", "transcript": "".join(transcript),
+                              "expires_at": _expires_at(state, doc)}
+        yield _chunk(wf_id, body.model, created, final, finish="stop")
+        if body.stream_options and body.stream_options.include_usage:
+            yield _chunk(wf_id, body.model, created, {}, usage=_usage(doc))
+        yield sse_event("[DONE]")
+    finally:
+        if not finished:
+            logger.info("chat stream for workflow %s ended early; aborting it", wf_id)
+            state.spawn(state.store.abort(wf_id, reason=DISCONNECT_REASON))

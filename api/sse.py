@@ -1,0 +1,50 @@
+"""Server-sent events: framing, and a streaming response that notices disconnects.
+
+Starlette's `StreamingResponse` only notices a client that went away when a
+write fails (ASGI spec >= 2.4) — a stream waiting on a slow stage would not
+notice for a long time. This response always listens for `http.disconnect`
+and cancels the body iterator at once, so its `finally` blocks run (the
+OpenAI stream aborts its workflow there).
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterable
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+
+def sse_event(data: str, *, event: str | None = None, event_id: str | None = None) -> bytes:
+    lines = []
+    if event_id:
+        lines.append(f"id: {event_id}")
+    if event:
+        lines.append(f"event: {event}")
+    lines.extend(f"data: {line}" for line in data.splitlines() or [""])
+    return ("\n".join(lines) + "\n\n").encode()
+
+
+def sse_comment(text: str) -> bytes:
+    return f": {text}\n\n".encode()
+
+
+class EventStreamResponse(StreamingResponse):
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterable[bytes], status_code: int = 200) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(content, status_code=status_code, headers=headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as group:
+            async def stream() -> None:
+                try:
+                    await self.stream_response(send)
+                except OSError:
+                    pass
+                group.cancel_scope.cancel()
+
+            group.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            group.cancel_scope.cancel()

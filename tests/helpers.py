@@ -1,0 +1,43 @@
+"""Small test helpers shared by test modules."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from omniflow.models import SubmitRequest, WorkflowInput
+from omniflow.store import Store, s
+from omniflow.workers.toy import reply_words
+
+
+def request(text: str = "hello world", modalities: list[str] | None = None, **kwargs: Any) -> SubmitRequest:
+    return SubmitRequest(input=WorkflowInput(text=text), output_modalities=modalities, **kwargs)
+
+
+def expected_text(prompt: str, max_words: int = 8) -> str:
+    return " ".join(reply_words(prompt, max_words))
+
+
+async def eventually(check: Callable[[], Awaitable[Any]], *, timeout_s: float = 10.0, interval_s: float = 0.02) -> Any:
+    """Poll `check` until it returns a truthy value (test-side only; the engine never polls)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s}s (last value {value!r})")
+        await asyncio.sleep(interval_s)
+
+
+async def log_entries(store: Store, wf_id: str) -> list[dict[str, str]]:
+    return [fields for _, fields in await store.read_log(wf_id)]
+
+
+async def terminal_count(store: Store, wf_id: str) -> int:
+    return sum(1 for f in await log_entries(store, wf_id) if f.get("t") == "terminal")
+
+
+async def stage_status(store: Store, wf_id: str, stage: str) -> str:
+    return s(await store.redis.hget(store.keys.stages(wf_id), stage))

@@ -1,0 +1,231 @@
+"""The lifecycle contracts of DESIGN §1, one named test each, against a real server
+with real (in-process) workers and reconcilers."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from omniflow.errors import AdmissionRefused, InvalidRequest, WorkflowRetired
+from omniflow.keys import TASK_GROUP
+
+from conftest import toy_spec
+from helpers import eventually, expected_text, log_entries, request, stage_status, terminal_count
+
+
+async def test_output_modalities_outside_static_finals_is_refused_without_creating_anything(engine_factory) -> None:
+    async with engine_factory() as eng:
+        before = await eng.redis.dbsize()
+        with pytest.raises(InvalidRequest, match="not produced by pipeline"):
+            await eng.store.submit(request(modalities=["text", "video"]))
+        assert await eng.redis.dbsize() == before
+
+
+async def test_text_is_delivered_before_audio_finishes(engine_factory) -> None:
+    spec = toy_spec(code2wav={"chunk_delay_s": 0.15})
+    async with engine_factory(spec) as eng:
+        sub = await eng.store.submit(request("inner and outer finished"))
+        await eventually(lambda: _status_is(eng, sub.id, "thinker", "done"))
+        doc = await eng.store.document(sub.id)
+        assert doc["state"] == "running"
+        assert doc["outputs"]["thinker"] == {"type": "text", "text": expected_text("inner and outer finished"),
+                                             "partial": False}
+        assert doc["outputs"]["code2wav"]["partial"] is True
+        assert doc["stages"]["code2wav"]["status"] != "done"
+        final = await eng.store.wait(sub.id, timeout_s=20)
+        assert final["state"] == "completed"
+        assert final["outputs"]["code2wav"]["chunks"] == 8
+
+
+async def _status_is(eng, wf_id: str, stage: str, status: str) -> bool:
+    return await stage_status(eng.store, wf_id, stage) == status
+
+
+@pytest.mark.parametrize("order", [("thinker", "code2wav", "talker"), ("thinker", "talker", "code2wav")],
+                         ids=["audio-before-talker-terminal", "talker-terminal-before-audio"])
+async def test_completion_exactly_once_in_either_arrival_order(engine_factory, order) -> None:
+    """Workers finish normally, but the reconciler sees their events in the given order (and twice)."""
+    async with engine_factory(reconciler=False) as eng:
+        sub = await eng.store.submit(request("order matters"))
+        events = {}
+        async def all_finished() -> bool:
+            entries = await eng.redis.xrange(eng.store.keys.events)
+            for eid, fields in entries:
+                events[fields[b"s"].decode()] = (eid, fields)
+            return len(events) == 3
+        await eventually(all_finished)
+        from omniflow.reconciler import Reconciler
+        rec = Reconciler(settings=eng.settings, pipeline=eng.pipeline, redis_url=eng.url)
+        rec.redis = eng.redis
+        results = [(await rec.apply([events[stage]]))[0] for stage in order]
+        assert results == ["advanced", "advanced", "completed"]
+        assert (await rec.apply([events[stage] for stage in order])) == ["ignored"] * 3   # redelivery
+        doc = await eng.store.document(sub.id)
+        assert doc["state"] == "completed"
+        assert await terminal_count(eng.store, sub.id) == 1
+        assert {name: "usage" in st for name, st in doc["stages"].items()} == dict.fromkeys(order, True)
+
+
+async def test_presubmitted_downstream_waits_for_input_and_never_runs_on_placeholder(engine_factory) -> None:
+    spec = toy_spec(thinker={"token_delay_s": 0.4})
+    async with engine_factory(spec) as eng:
+        sub = await eng.store.submit(request("slow first token"))
+        await eventually(lambda: _status_is(eng, sub.id, "code2wav", "waiting_input"))
+        assert await stage_status(eng.store, sub.id, "talker") == "waiting_input"
+        st = await eng.redis.hmget(eng.store.keys.stages(sub.id), "talker:seq", "code2wav:seq")
+        assert st == [b"0", b"0"]      # nothing emitted before any input exists
+        assert await eng.redis.exists(eng.store.keys.edge(sub.id, "talker", "code2wav")) == 0
+        await eng.store.abort(sub.id)
+
+
+async def test_abort_reaches_all_stages_keeps_partial_outputs_and_wakes_waiters(engine_factory) -> None:
+    spec = toy_spec(thinker={"token_delay_s": 0.05, "max_words": 40})
+    async with engine_factory(spec) as eng:
+        sub = await eng.store.submit(request("abort me please"))
+        waiters = [asyncio.create_task(eng.store.wait(sub.id, timeout_s=30)) for _ in range(3)]
+        await eventually(lambda: _has_audio(eng, sub.id))
+        assert await eng.store.abort(sub.id, reason="user pressed stop") == "aborted"
+        docs = await asyncio.wait_for(asyncio.gather(*waiters), 10)
+        for doc in docs:
+            assert doc["state"] == "aborted"
+            assert doc["error"] == "user pressed stop"
+            assert {st["status"] for st in doc["stages"].values()} == {"aborted"}
+            assert doc["outputs"]["thinker"]["partial"] is True
+            assert doc["outputs"]["thinker"]["text"].startswith("You said: abort me please")
+            assert doc["outputs"]["code2wav"]["partial"] is True and doc["outputs"]["code2wav"]["chunks"] >= 1
+        terminal = [f for f in await log_entries(eng.store, sub.id) if f.get("t") == "terminal"]
+        assert terminal == [{"t": "terminal", "state": "aborted", "error": "user pressed stop", "stage": ""}]
+        # every worker let go of its session (abort fan-out), so no task is left pending
+        async def nothing_pending() -> bool:
+            for stage in eng.pipeline.order:
+                info = await eng.redis.xpending(eng.store.keys.tasks(stage), TASK_GROUP)
+                if info["pending"]:
+                    return False
+            return True
+        await eventually(nothing_pending)
+        assert sum(w.stats["fenced"] for ws in eng.workers.values() for w in ws) == 3
+
+
+async def _has_audio(eng, wf_id: str) -> bool:
+    seqs = await eng.redis.hmget(eng.store.keys.stages(wf_id), "thinker:seq", "code2wav:seq")
+    return int(seqs[0] or 0) >= 5 and int(seqs[1] or 0) >= 1
+
+
+async def test_resubmitting_an_aborted_id_is_refused_as_retired(engine_factory) -> None:
+    async with engine_factory(workers=False) as eng:
+        sub = await eng.store.submit(request(request_id="req-42"))
+        await eng.store.abort(sub.id)
+        with pytest.raises(WorkflowRetired) as err:
+            await eng.store.submit(request(request_id="req-42"))
+        assert "retired" in str(err.value) and "fresh" in str(err.value)
+        with pytest.raises(WorkflowRetired):
+            await eng.store.submit(request(), wf_id=sub.id)
+
+
+async def test_idempotent_resubmit_with_same_key_returns_same_workflow(engine_factory) -> None:
+    async with engine_factory() as eng:
+        first = await eng.store.submit(request(request_id="same-key"))
+        second = await eng.store.submit(request(request_id="same-key"))
+        assert second.id == first.id and second.existing
+        other_tenant = await eng.store.submit(request(request_id="same-key"), tenant="acme")
+        assert other_tenant.id != first.id
+        assert (await eng.store.wait(first.id, timeout_s=10))["state"] == "completed"
+        assert await eng.redis.zcard(eng.store.keys.all_wf) == 2
+
+
+async def test_admission_over_max_in_flight_refuses_and_creates_nothing(engine_factory) -> None:
+    async with engine_factory(workers=False, max_in_flight=2) as eng:
+        await eng.store.submit(request())
+        await eng.store.submit(request())
+        keys_before = sorted(await eng.redis.keys(f"{eng.settings.prefix}:*"))
+        with pytest.raises(AdmissionRefused) as err:
+            await eng.store.submit(request(request_id="third"))
+        assert err.value.retry_after_s > 0
+        assert sorted(await eng.redis.keys(f"{eng.settings.prefix}:*")) == keys_before
+
+
+async def test_failed_stage_fails_workflow_and_aborts_the_others(engine_factory) -> None:
+    spec = toy_spec(talker={"fail_at_step": 2, "fail_retryable": False}, thinker={"token_delay_s": 0.02})
+    async with engine_factory(spec) as eng:
+        sub = await eng.store.submit(request("break the talker"))
+        doc = await eng.store.wait(sub.id, timeout_s=15)
+        assert doc["state"] == "failed"
+        assert doc["error_stage"] == "talker"
+        assert "injected failure at step 2" in doc["error"]
+        assert doc["stages"]["talker"]["status"] == "failed"
+        assert doc["stages"]["thinker"]["status"] in ("aborted", "done")
+        assert doc["stages"]["code2wav"]["status"] == "aborted"
+        dlq = await eng.redis.xrange(eng.store.keys.dlq("talker"))
+        assert [f[b"wf"].decode() for _, f in dlq] == [sub.id]
+        assert await terminal_count(eng.store, sub.id) == 1
+        with pytest.raises(WorkflowRetired):
+            await eng.store.submit(request(), wf_id=sub.id)
+
+
+async def test_retryable_failure_resumes_without_duplicates(engine_factory) -> None:
+    spec = toy_spec(thinker={"fail_at_step": 4, "fail_attempts": 1})
+    async with engine_factory(spec) as eng:
+        sub = await eng.store.submit(request("resume after a crash"))
+        doc = await eng.store.wait(sub.id, timeout_s=15)
+        assert doc["state"] == "completed"
+        assert doc["stages"]["thinker"]["attempt"] == 2
+        assert doc["stages"]["thinker"]["usage"]["resumed_at"] == 3
+        assert doc["outputs"]["thinker"]["text"] == expected_text("resume after a crash")
+        assert doc["outputs"]["code2wav"]["chunks"] == 8
+        seqs = [int(f["seq"]) for f in await log_entries(eng.store, sub.id) if f.get("t") == "text"]
+        assert seqs == list(range(1, 9))
+        retries = [f for f in await log_entries(eng.store, sub.id) if f.get("t") == "retry"]
+        assert len(retries) == 1 and "injected failure" in retries[0]["reason"]
+
+
+async def test_two_reconcilers_process_one_event_stream_without_double_transitions(engine_factory) -> None:
+    async with engine_factory() as eng:
+        second = await eng.add_reconciler()
+        ids = [(await eng.store.submit(request(f"prompt {i}"))).id for i in range(40)]
+        docs = await asyncio.gather(*(eng.store.wait(i, timeout_s=30) for i in ids))
+        assert {d["state"] for d in docs} == {"completed"}
+        for wf_id in ids:
+            assert await terminal_count(eng.store, wf_id) == 1
+        completed = [r.counts["completed"] for r in eng.reconcilers]
+        assert sum(completed) == 40
+        assert second.counts["events"] > 0 and eng.reconcilers[0].counts["events"] > 0
+
+
+@pytest.mark.parametrize("modalities,finals", [(["text"], ["thinker"]), (["audio"], ["code2wav"]),
+                                               (["text", "audio"], ["thinker", "code2wav"])])
+async def test_one_result_shape_outputs_keyed_by_stage(engine_factory, modalities, finals) -> None:
+    async with engine_factory() as eng:
+        sub = await eng.store.submit(request("shape", modalities=modalities))
+        doc = await eng.store.wait(sub.id, timeout_s=10)
+        assert doc["state"] == "completed"
+        assert doc["final_stages"] == finals
+        assert sorted(doc["outputs"]) == sorted(finals)
+        for stage in finals:
+            assert doc["outputs"][stage]["type"] == eng.pipeline.stages[stage].final_output
+        if modalities == ["audio"]:
+            # text was not asked for: nothing is written for it, but the talker still got the chunks
+            assert await eng.redis.exists(eng.store.keys.out(sub.id, "thinker")) == 0
+            assert doc["outputs"]["code2wav"]["chunks"] == 8
+
+
+async def test_full_edge_successor_is_submitted_after_its_producer_finishes(engine_factory) -> None:
+    spec = toy_spec(talker={"chunk_delay_s": 0.05})
+    spec["edges"][1]["mode"] = "full"
+    async with engine_factory(spec) as eng:
+        sub = await eng.store.submit(request("full edge"))
+        await eventually(lambda: _status_is(eng, sub.id, "talker", "running"))
+        doc = await eng.store.document(sub.id)
+        assert doc["stages"]["code2wav"]["submitted"] is False
+        final = await eng.store.wait(sub.id, timeout_s=15)
+        assert final["state"] == "completed"
+        assert final["stages"]["code2wav"]["started_at"] >= final["stages"]["talker"]["finished_at"]
+        assert final["outputs"]["code2wav"]["chunks"] == 8
+
+
+async def test_deadline_fails_a_workflow_that_runs_too_long(engine_factory) -> None:
+    spec = toy_spec(thinker={"token_delay_s": 0.5})
+    async with engine_factory(spec) as eng:
+        sub = await eng.store.submit(request("too slow", deadline_s=0.5))
+        doc = await eng.store.wait(sub.id, timeout_s=10)
+        assert doc["state"] == "failed"
+        assert doc["error"] == "deadline exceeded"

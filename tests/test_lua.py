@@ -1,0 +1,101 @@
+"""The Lua scripts on their own, against every Redis-protocol server on this machine
+(Valkey always; redis-server too when it is on PATH)."""
+from __future__ import annotations
+
+import pytest
+
+from omniflow import scripts
+from omniflow.keys import TASK_GROUP
+from omniflow.pipeline import build_pipeline
+from omniflow.reconciler import Reconciler
+from omniflow.store import Store, connect, now_ms, s
+from omniflow.worker import ensure_group
+
+from conftest import toy_spec
+from helpers import request
+
+
+@pytest.fixture
+async def store(any_server_url, settings_factory):
+    redis = connect(any_server_url)
+    st = Store(redis, settings_factory(any_server_url), build_pipeline(toy_spec()))
+    await scripts.load_all(redis)
+    for stage in st.pipeline.order:
+        await ensure_group(redis, st.keys.tasks(stage), TASK_GROUP)
+    yield st
+    await redis.aclose()
+
+
+async def claim_next(store: Store, stage: str, worker: str = "w1") -> tuple[str, list]:
+    reply = await store.redis.xreadgroup(TASK_GROUP, worker, {store.keys.tasks(stage): ">"}, count=1)
+    entry_id, fields = reply[0][1][0]
+    res = await scripts.call(store.redis, "claim",
+                             [store.keys.wf(s(fields[b"wf"])), store.keys.tasks(stage), store.keys.wake(worker)],
+                             [TASK_GROUP, s(entry_id), stage, s(fields[b"a"]), worker, now_ms(), "0"])
+    return s(entry_id), [s(x) for x in res]
+
+
+async def emit(store: Store, wf_id: str, stage: str, attempt: int, seq: int, text: str) -> str:
+    res = await scripts.call(store.redis, "emit", [store.keys.wf(wf_id)],
+                             [stage, attempt, seq, "", now_ms(), "A", f":out:{stage}", text])
+    return s(res)
+
+
+async def test_submit_creates_record_and_presubmits_chunk_stages(store) -> None:
+    sub = await store.submit(request())
+    for stage in ("thinker", "talker", "code2wav"):
+        assert await store.redis.xlen(store.keys.tasks(stage)) == 1
+    assert await store.redis.zscore(store.keys.inflight, sub.id) is not None
+    assert s(await store.redis.hget(store.keys.wf(sub.id), "state")) == "pending"
+
+
+async def test_claim_drops_tasks_of_tombstoned_workflows(store) -> None:
+    sub = await store.submit(request())
+    await store.abort(sub.id)
+    _, res = await claim_next(store, "thinker")
+    assert res == ["drop", "aborted"]
+    assert await store.redis.xlen(store.keys.tasks("thinker")) == 0       # acked and deleted
+    assert (await store.redis.xpending(store.keys.tasks("thinker"), TASK_GROUP))["pending"] == 0
+
+
+async def test_emit_is_idempotent_on_seq_and_fenced_by_attempt(store) -> None:
+    sub = await store.submit(request(modalities=["text"]))
+    _, res = await claim_next(store, "thinker")
+    assert res[0] == "ok"
+    assert await emit(store, sub.id, "thinker", 1, 1, "a") == "ok"
+    assert await emit(store, sub.id, "thinker", 1, 1, "a") == "dup"
+    assert await emit(store, sub.id, "thinker", 1, 2, "b") == "ok"
+    # the session is re-queued (its worker was declared dead): attempt 2 owns the stage now
+    rec = Reconciler(settings=store.settings, pipeline=store.pipeline, redis_url="unused")
+    rec.redis = store.redis
+    assert await rec._sweep_dead_workers() == 0       # no dead worker registered yet
+    await store.redis.zadd(store.keys.workers, {"w1": 1})
+    assert await rec._sweep_dead_workers() == 1
+    assert await emit(store, sub.id, "thinker", 1, 3, "stale") == "fenced"
+    assert await store.text(sub.id, "thinker") == "ab"
+    _, res = await claim_next(store, "thinker", "w2")
+    assert res[0] == "ok" and res[-1] == "2"          # resumes after the 2 steps already written
+    assert await emit(store, sub.id, "thinker", 2, 3, "c") == "ok"
+    assert await store.text(sub.id, "thinker") == "abc"
+
+
+async def test_finish_of_a_fenced_session_acks_but_reports_nothing(store) -> None:
+    sub = await store.submit(request(modalities=["text"]))
+    entry_id, _ = await claim_next(store, "thinker")
+    await store.abort(sub.id)
+    res = await scripts.call(store.redis, "finish",
+                             [store.keys.wf(sub.id), store.keys.tasks("thinker"), store.keys.events],
+                             [TASK_GROUP, entry_id, "thinker", 1, "done", "{}", "1", now_ms(), 0, ""])
+    assert s(res) == "fenced"
+    assert (await store.redis.xpending(store.keys.tasks("thinker"), TASK_GROUP))["pending"] == 0
+    assert await store.redis.xlen(store.keys.events) == 0
+
+
+async def test_abort_is_terminal_once(store) -> None:
+    sub = await store.submit(request())
+    assert await store.abort(sub.id) == "aborted"
+    assert await store.abort(sub.id) == "aborted"       # already terminal: unchanged
+    entries = await store.read_log(sub.id)
+    assert [f["state"] for _, f in entries if f["t"] == "terminal"] == ["aborted"]
+    assert await store.redis.zscore(store.keys.inflight, sub.id) is None
+    assert s(await store.redis.get(store.keys.tomb(sub.id))) == "aborted"

@@ -1,0 +1,112 @@
+"""Pipeline spec validation and planning (pure logic, no Redis)."""
+from __future__ import annotations
+
+import pytest
+
+from omniflow.errors import InvalidRequest, PipelineError
+from omniflow.pipeline import build_pipeline, load_pipeline
+from omniflow.config import DEFAULT_PIPELINE
+
+from conftest import toy_spec
+
+
+def spec_with_edges(edges: list[dict[str, str]], **stage_overrides: dict) -> dict:
+    spec = toy_spec()
+    spec["edges"] = edges
+    for name, over in stage_overrides.items():
+        spec["stages"][name].update(over)
+    return spec
+
+
+def test_shipped_pipeline_loads() -> None:
+    pipe = load_pipeline(DEFAULT_PIPELINE)
+    assert pipe.order == ("thinker", "talker", "code2wav")
+    assert pipe.finals == ("thinker", "code2wav")
+    assert pipe.entry == "thinker"
+
+
+def test_edge_to_unknown_stage_is_refused_with_field_name() -> None:
+    spec = spec_with_edges([{"from": "thinker", "to": "talker"}, {"from": "talker", "to": "vocoder"}])
+    with pytest.raises(PipelineError, match=r"edges\[1\]\.to: unknown stage 'vocoder'"):
+        build_pipeline(spec)
+
+
+def test_unreachable_final_stage_is_refused() -> None:
+    spec = spec_with_edges([{"from": "thinker", "to": "talker"}])
+    with pytest.raises(PipelineError, match=r"stages\.code2wav: final stage is unreachable from entry stage 'thinker'"):
+        build_pipeline(spec)
+
+
+def test_entry_stage_with_inputs_is_refused() -> None:
+    spec = spec_with_edges([{"from": "thinker", "to": "talker"}, {"from": "talker", "to": "code2wav"}])
+    spec["entry"] = "talker"
+    with pytest.raises(PipelineError, match="entry stage 'talker' cannot have inputs"):
+        build_pipeline(spec)
+
+
+def test_cycle_is_refused() -> None:
+    spec = spec_with_edges([{"from": "thinker", "to": "talker"}, {"from": "talker", "to": "code2wav"},
+                            {"from": "code2wav", "to": "talker"}])
+    with pytest.raises(PipelineError, match="cycle"):
+        build_pipeline(spec)
+
+
+def test_edge_both_chunk_and_full_is_refused() -> None:
+    spec = spec_with_edges([{"from": "thinker", "to": "talker", "mode": "chunk"},
+                            {"from": "thinker", "to": "talker", "mode": "full"},
+                            {"from": "talker", "to": "code2wav"}])
+    with pytest.raises(PipelineError, match="both chunk and full"):
+        build_pipeline(spec)
+
+
+def test_unknown_field_and_bad_values_name_the_field() -> None:
+    spec = toy_spec()
+    spec["stages"]["talker"]["replicas"] = 0
+    with pytest.raises(PipelineError, match=r"stages\.talker\.replicas"):
+        build_pipeline(spec)
+    spec = toy_spec()
+    spec["stages"]["talker"]["gpu"] = 1
+    with pytest.raises(PipelineError, match=r"stages\.talker\.gpu: Extra inputs"):
+        build_pipeline(spec)
+    spec = toy_spec()
+    spec["stages"]["talker"]["executor"] = "no_colon_here"
+    with pytest.raises(PipelineError, match="executor"):
+        build_pipeline(spec)
+
+
+def test_bad_yaml_file_is_refused(tmp_path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed")
+    with pytest.raises(PipelineError, match="not valid YAML"):
+        load_pipeline(bad)
+    with pytest.raises(PipelineError, match="not found"):
+        load_pipeline(tmp_path / "missing.yaml")
+
+
+def test_output_modalities_must_be_subset_of_finals() -> None:
+    pipe = build_pipeline(toy_spec())
+    with pytest.raises(InvalidRequest, match="'video' is not produced"):
+        pipe.plan(["text", "video"])
+    with pytest.raises(InvalidRequest, match="at least one"):
+        pipe.plan([])
+    with pytest.raises(InvalidRequest, match="subset"):
+        pipe.plan(final_stages=["talker"])
+
+
+def test_plan_picks_required_stages_and_presubmits_chunk_successors() -> None:
+    pipe = build_pipeline(toy_spec())
+    text_only = pipe.plan(["text"])
+    assert text_only.finals == ("thinker",)
+    assert text_only.stages == ("thinker",)
+    both = pipe.plan(["text", "audio"])
+    assert both.stages == ("thinker", "talker", "code2wav")
+    assert both.admit == ("thinker", "talker", "code2wav")
+    assert both.groups == ()
+
+
+def test_plan_defers_full_edge_successors() -> None:
+    spec = spec_with_edges([{"from": "thinker", "to": "talker", "mode": "chunk"},
+                            {"from": "talker", "to": "code2wav", "mode": "full"}])
+    plan = build_pipeline(spec).plan(["audio"])
+    assert plan.admit == ("thinker", "talker")
+    assert plan.groups == ((("talker",), ("code2wav",)),)

@@ -1,0 +1,79 @@
+"""Worker runtime robustness: bad entries never kill a worker, abort fan-out, drain on stop."""
+from __future__ import annotations
+
+import asyncio
+
+from omniflow.keys import TASK_GROUP
+
+from conftest import toy_spec
+from helpers import eventually, expected_text, request
+
+
+async def test_malformed_task_entry_goes_to_dead_letter_and_worker_keeps_serving(engine_factory) -> None:
+    async with engine_factory() as eng:
+        tasks = eng.store.keys.tasks("thinker")
+        await eng.redis.xadd(tasks, {"garbage": "yes"})
+        await eng.redis.xadd(tasks, {"wf": "x", "s": "thinker", "a": "not-a-number"})
+        await eng.redis.xadd(tasks, {"wf": "x", "s": "talker", "a": "1"})
+        async def three_dead_letters() -> bool:
+            return await eng.redis.xlen(eng.store.keys.dlq("thinker")) == 3
+        await eventually(three_dead_letters)
+        reasons = [f[b"reason"].decode() for _, f in await eng.redis.xrange(eng.store.keys.dlq("thinker"))]
+        assert all(r.startswith("malformed task entry") for r in reasons)
+        assert (await eng.redis.xpending(tasks, TASK_GROUP))["pending"] == 0
+        sub = await eng.store.submit(request("still alive"))
+        assert (await eng.store.wait(sub.id, timeout_s=10))["state"] == "completed"
+
+
+async def test_malformed_event_goes_to_dead_letter_and_reconciler_keeps_going(engine_factory) -> None:
+    async with engine_factory() as eng:
+        await eng.redis.xadd(eng.store.keys.events, {"t": "exploded", "wf": "x", "s": "thinker", "a": "1"})
+        await eng.redis.xadd(eng.store.keys.events, {"nonsense": "1"})
+        async def two() -> bool:
+            return await eng.redis.xlen(eng.store.keys.dlq("events")) == 2
+        await eventually(two)
+        sub = await eng.store.submit(request("reconciler alive"))
+        assert (await eng.store.wait(sub.id, timeout_s=10))["state"] == "completed"
+
+
+async def test_executor_bug_is_a_stage_failure_not_a_worker_crash(engine_factory) -> None:
+    spec = toy_spec(talker={"fail_at_step": 1, "fail_attempts": 1})
+    async with engine_factory(spec) as eng:
+        sub = await eng.store.submit(request("flaky talker"))
+        doc = await eng.store.wait(sub.id, timeout_s=10)
+        assert doc["state"] == "completed"
+        assert doc["stages"]["talker"]["attempt"] == 2
+        assert doc["outputs"]["code2wav"]["chunks"] == 8
+        assert doc["outputs"]["thinker"]["text"] == expected_text("flaky talker")
+
+
+async def test_input_that_never_comes_fails_with_a_clear_reason(engine_factory) -> None:
+    spec = toy_spec(thinker={"token_delay_s": 5.0})
+    spec["stages"]["talker"]["retry"]["input_timeout_s"] = 0.3
+    async with engine_factory(spec) as eng:
+        sub = await eng.store.submit(request("silence"))
+        doc = await eng.store.wait(sub.id, timeout_s=10)
+        assert doc["state"] == "failed"
+        assert doc["error_stage"] == "talker"
+        assert "no input from ['thinker'] within 0.3s" in doc["error"]
+
+
+async def test_stopping_a_worker_hands_unfinished_sessions_back(engine_factory) -> None:
+    spec = toy_spec(thinker={"token_delay_s": 0.1, "max_words": 12})
+    async with engine_factory(spec, workers=False) as eng:
+        await eng.add_worker("thinker", grace_s=0.05)
+        for stage in ("talker", "code2wav"):
+            await eng.add_worker(stage)
+        sub = await eng.store.submit(request("hand over"))
+        async def started() -> bool:
+            return int(await eng.redis.hget(eng.store.keys.stages(sub.id), "thinker:seq") or 0) >= 2
+        await eventually(started)
+        stop, task = eng._tasks[1]          # the first thinker worker
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 20)
+        await eng.add_worker("thinker")
+        doc = await eng.store.wait(sub.id, timeout_s=20)
+        assert doc["state"] == "completed"
+        assert doc["stages"]["thinker"]["attempt"] == 2         # re-queued at once: it deregistered
+        assert doc["stages"]["thinker"]["usage"]["resumed_at"] >= 2
+        assert doc["outputs"]["thinker"]["text"] == expected_text("hand over", 12)
