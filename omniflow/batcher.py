@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Union
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -24,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCH = 512
 
+Command = Union[tuple[Any, ...], Callable[[], tuple[Any, ...]]]
+
 
 class Batcher:
     """Auto-pipelining front for one Redis client."""
@@ -31,7 +34,9 @@ class Batcher:
     def __init__(self, redis: Redis, *, max_batch: int = DEFAULT_MAX_BATCH) -> None:
         self._redis = redis
         self._max_batch = max_batch
-        self._queue: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
+        # a queued command is its argument tuple, or a function that builds it at flush time
+        # (lazy commands let callers keep adding to one command until it is on the wire)
+        self._queue: list[tuple[Command, asyncio.Future[Any]]] = []
         self._flusher: asyncio.Task[None] | None = None
         self.round_trips = 0
         self.commands = 0
@@ -39,16 +44,22 @@ class Batcher:
     def send(self, *command: Any) -> asyncio.Future[Any]:
         """Queue one raw command; the future resolves to its reply (or its error)."""
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queue.append((command, fut))
+        self._queue.append((command[0] if len(command) == 1 and callable(command[0]) else command, fut))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush_loop())
         return fut
 
+    def send_lazy(self, build: Callable[[], tuple[Any, ...]]) -> asyncio.Future[Any]:
+        """Queue a command built only when its pipeline is assembled."""
+        return self.send(build)
+
     async def call(self, *command: Any) -> Any:
-        return await asyncio.shield(self.send(*command))
+        # No shield needed: a cancelled caller cancels only its future; the command is
+        # already queued and goes out anyway (the flusher skips futures that are done).
+        return await self.send(*command)
 
     async def script(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        return await asyncio.shield(self.send(*scripts.evalsha_args(name, keys, args)))
+        return await self.send(*scripts.evalsha_args(name, keys, args))
 
     async def drain(self) -> None:
         """Wait until everything queued so far has been written."""
@@ -59,7 +70,7 @@ class Batcher:
         while self._queue:
             batch, self._queue = self._queue[: self._max_batch], self._queue[self._max_batch :]
             try:
-                results = await self._execute([cmd for cmd, _ in batch])
+                results = await self._execute([cmd() if callable(cmd) else cmd for cmd, _ in batch])
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 err = RedisUnavailable(f"Redis unreachable: {exc}")
                 for _, fut in batch:

@@ -31,7 +31,7 @@ class StreamMux:
         self.wake_key = keys.wake(owner_id or uuid.uuid4().hex)
         self._block_ms = block_ms
         self._count = count
-        self._watched: dict[str, tuple[bytes | str, asyncio.Queue[Entry]]] = {}
+        self._watched: dict[str, tuple[bytes | str, asyncio.Queue[Any], Any]] = {}
         self._wake_id: bytes | str = "$"
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -40,14 +40,22 @@ class StreamMux:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name=f"mux:{self.wake_key}")
 
-    def watch(self, key: str, from_id: str = "0-0") -> asyncio.Queue[Entry]:
-        """Start delivering entries of `key` after `from_id` into the returned queue."""
-        queue: asyncio.Queue[Entry] = asyncio.Queue()
-        self._watched[key] = (from_id, queue)
+    def watch(self, key: str, from_id: str = "0-0", *, queue: asyncio.Queue[Any] | None = None,
+              tag: Any = None) -> asyncio.Queue[Any]:
+        """Deliver entries of `key` after `from_id` into `queue` (a new one by default).
+
+        With a `tag`, items are `(tag, entry)`, so one queue can serve several streams.
+        """
+        queue = queue if queue is not None else asyncio.Queue()
+        self._watched[key] = (from_id, queue, tag)
         return queue
 
-    def unwatch(self, key: str) -> None:
-        self._watched.pop(key, None)
+    def unwatch(self, key: str, queue: asyncio.Queue[Any] | None = None) -> None:
+        """Stop delivering `key`; with `queue`, only if it is still the one being fed (a newer
+        watcher of the same key, e.g. the retry of a session on this worker, keeps its watch)."""
+        slot = self._watched.get(key)
+        if slot is not None and (queue is None or slot[1] is queue):
+            del self._watched[key]
 
     async def poke(self) -> None:
         """Wake the reader so it picks up newly watched streams now."""
@@ -68,7 +76,8 @@ class StreamMux:
         backoff = 0.05
         while not self._closed:
             streams: dict[Any, Any] = {self.wake_key: self._wake_id}
-            streams.update({k: v[0] for k, v in self._watched.items()})
+            asked = dict(self._watched)
+            streams.update({k: v[0] for k, v in asked.items()})
             try:
                 reply = await self._redis.xread(streams, count=self._count, block=self._block_ms)
                 backoff = 0.05
@@ -87,8 +96,9 @@ class StreamMux:
                     self._wake_id = entries[-1][0]
                     continue
                 slot = self._watched.get(key)
-                if slot is None:
-                    continue
-                self._watched[key] = (entries[-1][0], slot[1])
+                if slot is None or slot is not asked.get(key):
+                    continue    # (re)watched while we read from the old position: read again from the new one
+                _, queue, tag = slot
+                self._watched[key] = (entries[-1][0], queue, tag)
                 for entry in entries:
-                    slot[1].put_nowait(entry)
+                    queue.put_nowait(entry if tag is None else (tag, entry))

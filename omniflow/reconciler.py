@@ -36,6 +36,16 @@ logger = logging.getLogger(__name__)
 
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 EVENT_BATCH = 256
+
+# Delete a consumer of a group only while it holds no pending entry (atomic: a worker declared dead
+# may still be alive and read tasks between our XPENDING and the delete). Returns 1 when gone.
+REAP_CONSUMER_LUA = """
+local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
+if not ok then return 1 end
+if #p > 0 then return 0 end
+redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
 SWEEP_BATCH = 200
 
 
@@ -107,15 +117,19 @@ class Reconciler:
     def _event_call(self, fields: dict[bytes, bytes], now: int) -> tuple[Any, ...]:
         kind = s(fields[b"t"])
         wf_id, stage, attempt = s(fields[b"wf"]), s(fields[b"s"]), int(fields[b"a"])
-        if kind not in ("done", "failed") or stage not in self.pipeline.stages or not wf_id:
+        if kind not in ("done", "failed", "lost") or stage not in self.pipeline.stages or not wf_id:
             raise ValueError(f"event type {kind!r} for stage {stage!r}")
         retry = self.pipeline.stages[stage].retry
         due = now + backoff_ms(attempt, base_s=retry.backoff_s, cap_s=retry.backoff_max_s,
                                jitter=retry.jitter, rng=self._rng)
+        task_args = ["", "", ""]
+        if kind == "lost":     # a live worker lost Redis mid-session: ack its task, retry it at once
+            task_args = [self.keys.tasks(stage), s(fields.get(b"e")), TASK_GROUP]
+            due = now
         return scripts.evalsha_args(
             "stage_event", [self.keys.wf(wf_id), self.keys.inflight, self.keys.retries],
             [self.settings.prefix, kind, stage, attempt, now, s(fields.get(b"d")), s(fields.get(b"r")) or "0",
-             retry.max_attempts, due, self.settings.tombstone_ttl_s, self.settings.result_ttl_s, "", "", ""],
+             retry.max_attempts, due, self.settings.tombstone_ttl_s, self.settings.result_ttl_s, *task_args],
         )
 
     async def apply(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[str]:
@@ -162,6 +176,8 @@ class Reconciler:
                     await self.sweep()
             except REDIS_ERRORS as exc:
                 logger.warning("reconciler sweep: %s", exc)
+            except ResponseError as exc:     # e.g. a server restarting (LOADING): never stop sweeping
+                logger.error("reconciler sweep failed: %s", exc)
 
     async def _lead(self) -> bool:
         ttl_ms = int(self.settings.sweep_interval_s * 3000)
@@ -189,6 +205,28 @@ class Reconciler:
             self.keys.all_wf, "-inf", now_ms() - int((self.settings.result_ttl_s + self.settings.max_deadline_s) * 1000))
         return done
 
+    async def _run_scripts(self, calls: list[tuple[Any, ...]]) -> list[Any]:
+        """Run script calls in one round trip; after NOSCRIPT (Redis restarted) load the scripts and
+        run those again (every script is idempotent). Errors are returned in place, never ignored."""
+        if not calls:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for call in calls:
+            pipe.execute_command(*call)
+        results = list(await pipe.execute(raise_on_error=False))
+        missing = [i for i, r in enumerate(results) if isinstance(r, ResponseError) and "NOSCRIPT" in str(r)]
+        if missing:
+            await scripts.load_all(self.redis)
+            pipe = self.redis.pipeline(transaction=False)
+            for i in missing:
+                pipe.execute_command(*calls[i])
+            for i, result in zip(missing, await pipe.execute(raise_on_error=False)):
+                results[i] = result
+        for result in results:
+            if isinstance(result, Exception):
+                logger.error("reconciler script failed: %s", result)
+        return results
+
     async def _sweep_dead_workers(self) -> int:
         dead = [s(w) for w in await self.redis.zrangebyscore(self.keys.workers, "-inf", now_ms(), start=0, num=50)]
         requeued = 0
@@ -201,13 +239,20 @@ class Reconciler:
                 requeued += n
                 left += more
             if left == 0:
+                # Delete the consumer only if it holds nothing: XGROUP DELCONSUMER drops its pending
+                # entries, and a worker declared dead may still be alive (SIGSTOP, a long GC pause)
+                # and have read new tasks since we listed them. Such a worker re-registers with its
+                # next heartbeat; its stale sessions are fenced by attempt.
                 pipe = self.redis.pipeline(transaction=False)
                 for name in stages:
-                    pipe.xgroup_delconsumer(self.keys.tasks(name), TASK_GROUP, worker_id)
-                pipe.zrem(self.keys.workers, worker_id)
-                pipe.delete(self.keys.worker_info(worker_id))
-                await pipe.execute(raise_on_error=False)
-                logger.warning("worker %s is gone; its sessions were re-queued", worker_id)
+                    pipe.eval(REAP_CONSUMER_LUA, 1, self.keys.tasks(name), TASK_GROUP, worker_id)
+                reaped = await pipe.execute(raise_on_error=False)
+                if all(r == 1 for r in reaped):
+                    pipe = self.redis.pipeline(transaction=False)
+                    pipe.zrem(self.keys.workers, worker_id)
+                    pipe.delete(self.keys.worker_info(worker_id), self.keys.wake(worker_id))
+                    await pipe.execute(raise_on_error=False)
+                    logger.warning("worker %s is gone; its sessions were re-queued", worker_id)
         self.counts["lost"] += requeued
         return requeued
 
@@ -225,34 +270,37 @@ class Reconciler:
             pipe.xrange(stream, p["message_id"], p["message_id"])
         found = await pipe.execute()
         now = now_ms()
-        pipe = self.redis.pipeline(transaction=False)
+        gone = [s(p["message_id"]) for p, rows in zip(pending, found) if not rows]
+        if gone:    # the entry was deleted (its session finished or was dropped): just un-pend it
+            await self.redis.xack(stream, TASK_GROUP, *gone)
+        calls = []
+        retry = self.pipeline.stages[stage].retry
         for p, rows in zip(pending, found):
-            entry_id = s(p["message_id"])
             if not rows:
-                pipe.xack(stream, TASK_GROUP, entry_id)
                 continue
             fields = rows[0][1]
             wf_id, attempt = s(fields.get(b"wf")), s(fields.get(b"a"))
-            retry = self.pipeline.stages[stage].retry
-            pipe.execute_command(*scripts.evalsha_args(
+            calls.append(scripts.evalsha_args(
                 "stage_event", [self.keys.wf(wf_id), self.keys.inflight, self.keys.retries],
                 [self.settings.prefix, "lost", stage, attempt, now, f"worker {worker_id} stopped heartbeating",
                  "1", retry.max_attempts, now, self.settings.tombstone_ttl_s, self.settings.result_ttl_s,
-                 stream, entry_id, TASK_GROUP]))
-        await pipe.execute(raise_on_error=False)
-        return len(pending), int(len(pending) == SWEEP_BATCH)
+                 stream, s(p["message_id"]), TASK_GROUP]))
+        results = await self._run_scripts(calls)
+        failed = sum(isinstance(r, Exception) for r in results)
+        # entries whose script failed are still pending: keep the consumer, try again next sweep
+        return len(results) - failed, int(len(pending) == SWEEP_BATCH or failed > 0)
 
     async def _sweep_retries(self) -> int:
         due = [s(m) for m in await self.redis.zrangebyscore(self.keys.retries, "-inf", now_ms(), start=0,
                                                              num=SWEEP_BATCH)]
         if not due:
             return 0
-        pipe = self.redis.pipeline(transaction=False)
+        calls = []
         for member in due:
             wf_id, stage, attempt = member.rsplit("|", 2)
-            pipe.execute_command(*scripts.evalsha_args(
+            calls.append(scripts.evalsha_args(
                 "retry_due", [self.keys.wf(wf_id), self.keys.retries], [self.settings.prefix, member, stage, attempt]))
-        await pipe.execute(raise_on_error=False)
+        await self._run_scripts(calls)
         return len(due)
 
     async def _sweep_deadlines(self) -> int:
@@ -261,14 +309,16 @@ class Reconciler:
         if not late:
             return 0
         now = now_ms()
-        pipe = self.redis.pipeline(transaction=False)
-        for wf_id in late:
-            pipe.execute_command(*scripts.evalsha_args(
-                "abort", [self.keys.wf(wf_id), self.keys.inflight],
-                [self.settings.prefix, now, "failed", "deadline exceeded", "",
-                 self.settings.tombstone_ttl_s, self.settings.result_ttl_s]))
-            pipe.zrem(self.keys.inflight, wf_id)    # a record that expired or vanished must not pin a slot
-        await pipe.execute(raise_on_error=False)
+        results = await self._run_scripts([scripts.evalsha_args(
+            "abort", [self.keys.wf(wf_id), self.keys.inflight],
+            [self.settings.prefix, now, "failed", "deadline exceeded", "",
+             self.settings.tombstone_ttl_s, self.settings.result_ttl_s]) for wf_id in late])
+        # A record that expired or vanished ('gone') must not pin an admission slot; one whose abort
+        # failed (e.g. NOSCRIPT twice) stays, so that the next sweep fails it properly.
+        stray = [wf_id for wf_id, r in zip(late, results)
+                 if not isinstance(r, Exception) and s(r[0]) in ("gone", "terminal")]
+        if stray:
+            await self.redis.zrem(self.keys.inflight, *stray)
         self.counts["deadline"] += len(late)
         return len(late)
 

@@ -21,10 +21,11 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgpack
 import numpy as np
 
 from omniflow import codec
-from omniflow.errors import Fenced, NonRetryableError
+from omniflow.errors import Fenced, NonRetryableError, RedisUnavailable
 from omniflow.scripts import EmitResult
 
 if TYPE_CHECKING:
@@ -58,14 +59,21 @@ class Session:
     resume_seq: int
     _batcher: Batcher
     _keys: Keys
-    _queues: dict[str, asyncio.Queue[Any]] = field(default_factory=dict)
+    upstream: tuple[str, ...] = ()
+    _queue: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     _input_timeout_s: float = 120.0
     seq: int = 0
     waiting_input: bool = False
     fenced: bool = False
     aborted: bool = False
     _inflight: set[asyncio.Future[Any]] = field(default_factory=set)
+    waiting_since: float = 0.0          # monotonic time this session started waiting for input (0: not waiting)
+    input_timed_out: bool = False
+    _steps: list[list[Any]] = field(default_factory=list)
+    _status: str = ""
+    _lazy_queued: bool = False
     _last_in: dict[str, int] = field(default_factory=dict)
+    _write_error: BaseException | None = None
 
     @property
     def text(self) -> str:
@@ -78,38 +86,35 @@ class Session:
     # ------------------------------------------------------------ inputs
     async def inputs(self) -> AsyncIterator[Chunk]:
         """Chunks from every upstream edge, in arrival order, until all have ended."""
-        if not self._queues:
-            return
-        merged: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        pumps = [asyncio.create_task(self._pump(src, q, merged)) for src, q in self._queues.items()]
-        open_srcs = set(self._queues)
-        try:
-            while open_srcs:
+        open_srcs = set(self.upstream)
+        queue = self._queue
+        while open_srcs:
+            if queue.empty():
+                # the worker's watchdog cancels us if this wait outlasts the input timeout
+                self.waiting_since = time.monotonic()
                 try:
-                    src, entry = await asyncio.wait_for(merged.get(), self._input_timeout_s)
-                except asyncio.TimeoutError:
-                    raise NonRetryableError(
-                        f"stage {self.stage}: no input from {sorted(open_srcs)} within {self._input_timeout_s:g}s"
-                    ) from None
-                chunk = self._decode(src, entry)
-                if chunk is None:
-                    open_srcs.discard(src)
-                    continue
-                if chunk.seq <= self._last_in.get(src, 0):
-                    continue   # replayed or duplicated: consumers are idempotent on (stage, seq)
-                self._last_in[src] = chunk.seq
-                if self.waiting_input:
-                    self.waiting_input = False
-                    self._track(self._batcher.send(*self._emit_command(0, "running", [])))
-                yield chunk
-        finally:
-            for pump in pumps:
-                pump.cancel()
-
-    @staticmethod
-    async def _pump(src: str, queue: asyncio.Queue[Any], merged: asyncio.Queue[tuple[str, Any]]) -> None:
-        while True:
-            merged.put_nowait((src, await queue.get()))
+                    src, entry = await queue.get()
+                except asyncio.CancelledError:
+                    if self.input_timed_out:
+                        raise NonRetryableError(
+                            f"stage {self.stage}: no input from {sorted(open_srcs)} within {self._input_timeout_s:g}s"
+                        ) from None
+                    raise
+                finally:
+                    self.waiting_since = 0.0
+            else:
+                src, entry = queue.get_nowait()
+            chunk = self._decode(src, entry)
+            if chunk is None:
+                open_srcs.discard(src)
+                continue
+            if chunk.seq <= self._last_in.get(src, 0):
+                continue   # replayed or duplicated: consumers are idempotent on (stage, seq)
+            self._last_in[src] = chunk.seq
+            if self.waiting_input:
+                self.waiting_input, self._status = False, "running"
+                self._schedule()
+            yield chunk
 
     def _decode(self, src: str, entry: Any) -> Chunk | None:
         _eid, fields = entry
@@ -132,17 +137,20 @@ class Session:
         """Write one output step: a text delta, an audio chunk and/or a chunk for downstream stages.
 
         `data` goes to every downstream stage of this workflow; `to` maps a stage to its own payload.
+        Steps queued while the previous write is on the wire go out together in one script call.
         """
+        if self._write_error is not None:
+            raise self._write_error
         if self.fenced:
             raise Fenced(f"stage {self.stage} attempt {self.attempt} of {self.wf_id} no longer owns the session")
         self.seq += 1
         if self.seq <= self.resume_seq:
             return
-        seq = str(self.seq)
-        ops: list[Any] = []
+        seq = self.seq
+        step: list[Any] = [seq]
         if self.is_final and text:
-            ops += ["A", f":out:{self.stage}", text,
-                    "X", ":log", 4, "t", "text", "stage", self.stage, "seq", seq, "delta", text]
+            step += ["A", f":out:{self.stage}", text,
+                     "X", ":log", ["t", "text", "stage", self.stage, "seq", seq, "delta", text]]
         if self.is_final and audio is not None:
             pcm = np.asarray(audio)
             if pcm.dtype != np.int16:
@@ -150,29 +158,36 @@ class Session:
             sr = int(sample_rate or 0)
             if sr <= 0:
                 raise NonRetryableError(f"stage {self.stage}: audio needs a positive sample_rate")
-            ops += ["X", f":out:{self.stage}", 3, "seq", seq, "pcm", pcm.astype("<i2").tobytes(), "sr", sr,
-                    "I", f"{self.stage}:samples", int(pcm.size), "H", f"{self.stage}:sr", sr,
-                    "X", ":log", 5, "t", "audio", "stage", self.stage, "seq", seq, "samples", int(pcm.size),
-                    "sr", sr]
+            step += ["X", f":out:{self.stage}", ["seq", seq, "pcm", pcm.astype("<i2").tobytes(), "sr", sr],
+                     "I", f"{self.stage}:samples", int(pcm.size), "H", f"{self.stage}:sr", sr,
+                     "X", ":log", ["t", "audio", "stage", self.stage, "seq", seq, "samples", int(pcm.size), "sr", sr]]
         payloads = dict(to or {})
         if data is not None:
             payloads.update({dst: data for dst in self.downstream if dst not in payloads})
         for dst, payload in payloads.items():
-            if dst not in self.downstream:
-                continue
-            ops += ["X", f":edge:{self.stage}:{dst}", 3, "seq", seq, "a", self.attempt, "d", codec.dumps(payload)]
-        status = ""
+            if dst in self.downstream:
+                step += ["X", f":edge:{self.stage}:{dst}", ["seq", seq, "a", self.attempt, "d", codec.dumps(payload)]]
         if self.waiting_input:
-            self.waiting_input, status = False, "running"
-        self._track(self._batcher.send(*self._emit_command(self.seq, status, ops)))
+            self.waiting_input, self._status = False, "running"
+        self._steps.append(step)
+        self._schedule()
         if len(self._inflight) >= MAX_EMITS_IN_FLIGHT:
             await self.flush()
 
-    def _emit_command(self, seq: int, status: str, ops: list[Any]) -> tuple[Any, ...]:
+    def _schedule(self) -> None:
+        if not self._lazy_queued:
+            self._lazy_queued = True
+            self._track(self._batcher.send_lazy(self._emit_command))
+
+    def _emit_command(self) -> tuple[Any, ...]:
+        """Everything emitted since the last write, as one `emit.lua` call (built at flush time)."""
         from omniflow.scripts import evalsha_args
 
+        steps, self._steps = self._steps, []
+        status, self._status = self._status, ""
+        self._lazy_queued = False
         return evalsha_args("emit", [self._keys.wf(self.wf_id)],
-                            [self.stage, self.attempt, seq, status, int(time.time() * 1000), *ops])
+                            [self.stage, self.attempt, status, int(time.time() * 1000), msgpack.packb(steps, use_bin_type=False)])
 
     def _track(self, fut: asyncio.Future[Any]) -> None:
         self._inflight.add(fut)
@@ -185,10 +200,16 @@ class Session:
         exc = fut.exception()
         if exc is not None:
             logger.warning("emit for %s/%s failed: %s", self.wf_id, self.stage, exc)
+            # Sticky: later steps must not be written past the hole this one leaves (chaos suite).
+            self._write_error = self._write_error or exc
             return
         result = fut.result()
-        if (result.decode() if isinstance(result, bytes) else result) == EmitResult.FENCED:
+        code = result.decode() if isinstance(result, bytes) else result
+        if code == EmitResult.FENCED:
             self.fenced = True
+        elif code == "gap":     # emit.lua refused steps after a lost write: end this attempt, retry resumes
+            self._write_error = self._write_error or RedisUnavailable(
+                f"stage {self.stage} attempt {self.attempt} of {self.wf_id}: an earlier write was lost")
 
     async def flush(self) -> None:
         """Wait until every emit so far is written; raise `Fenced` if one was refused."""
@@ -197,5 +218,7 @@ class Session:
             for result in done:
                 if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
                     raise result
+        if self._write_error is not None:
+            raise self._write_error
         if self.fenced:
             raise Fenced(f"stage {self.stage} attempt {self.attempt} of {self.wf_id} was fenced off")

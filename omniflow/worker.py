@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import socket
+import time
 import uuid
 from typing import Any
 
@@ -98,6 +99,7 @@ class Worker:
                 asyncio.create_task(self._intake(), name="intake"),
                 asyncio.create_task(self._heartbeat(), name="heartbeat"),
                 asyncio.create_task(self._abort_listener(), name="abort-listener"),
+                asyncio.create_task(self._watchdog(), name="watchdog"),
             ]
             self.started.set()
             logger.info("worker %s serving stage %s (max_sessions=%d)", self.id, self.stage, self.max_sessions)
@@ -155,6 +157,17 @@ class Worker:
             except REDIS_ERRORS as exc:
                 logger.warning("worker %s heartbeat failed: %s", self.id, exc)
 
+    async def _watchdog(self) -> None:
+        """Input-wait timeouts, checked once a second for all sessions (cheaper than a timer per read)."""
+        limit = self.spec.retry.input_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, limit / 2))
+            now = time.monotonic()
+            for session, task in list(self._sessions.values()):
+                if session is not None and session.waiting_since and now - session.waiting_since > limit:
+                    session.input_timed_out = True
+                    task.cancel()
+
     # ------------------------------------------------------------ intake
     async def _intake(self) -> None:
         backoff = 0.05
@@ -198,6 +211,12 @@ class Worker:
             task.add_done_callback(lambda _t, k=f"dlq:{entry_id}": self._release(k))
             return
         key = f"{wf_id}|{attempt}"
+        for other, (_sess, stale) in list(self._sessions.items()):
+            # An older attempt of this session still running here was declared lost (our lease lapsed,
+            # or we lost Redis): it is fenced anyway; stop it so it cannot hold this stage's inputs.
+            w, _, a = other.partition("|")
+            if w == wf_id and a.isdigit() and int(a) < attempt:
+                stale.cancel()
         task = asyncio.create_task(self._session(entry_id, wf_id, attempt), name=f"session:{wf_id}")
         self._sessions[key] = (None, task)
         task.add_done_callback(lambda _t, k=key: self._release(k))
@@ -219,7 +238,9 @@ class Worker:
     async def _session(self, entry_id: str, wf_id: str, attempt: int) -> None:
         upstream = self.pipeline.inputs[self.stage]
         edge_keys = {e.src: self.keys.edge(wf_id, e.src, self.stage) for e in upstream}
-        queues = {src: self.mux.watch(key) for src, key in edge_keys.items()}
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        for src, key in edge_keys.items():
+            self.mux.watch(key, queue=queue, tag=src)
         session: Session | None = None
         outcome, detail, retryable = "failed", "aborted", False
         try:
@@ -238,7 +259,8 @@ class Worker:
                 wf_id=wf_id, stage=self.stage, attempt=attempt,
                 input=json.loads(raw_input), params=json.loads(raw_params).get(self.stage, {}),
                 finals=tuple(csv(finals)), downstream=tuple(self.pipeline.downstream(self.stage, required)),
-                resume_seq=int(seq or 0), _batcher=self.batcher, _keys=self.keys, _queues=queues,
+                resume_seq=int(seq or 0), _batcher=self.batcher, _keys=self.keys,
+                upstream=tuple(edge_keys), _queue=queue,
                 _input_timeout_s=self.spec.retry.input_timeout_s, waiting_input=bool(upstream),
             )
             key = f"{wf_id}|{attempt}"
@@ -248,23 +270,47 @@ class Worker:
             if self._stopping and not (session and session.aborted):
                 raise      # shutting down: the reconciler re-queues what we hold
         except REDIS_ERRORS as exc:
-            # Our lease lapses and the reconciler re-queues the session; nothing else to do.
+            # Redis went away mid-session (restart, failover, a dropped connection): writes of this
+            # attempt may be lost, so it ends here. We are alive and keep our lease, so nobody else
+            # would re-queue it: report it lost ourselves (the retry resumes from what was written).
             logger.warning("session %s/%s lost Redis: %s", wf_id, self.stage, exc)
+            await self._report_lost(entry_id, wf_id, attempt, f"worker {self.id} lost Redis: {exc}")
             return
         finally:
             for key in edge_keys.values():
-                self.mux.unwatch(key)
-        await self._finish(entry_id, wf_id, attempt, session, outcome, detail, retryable)
+                self.mux.unwatch(key, queue)
+        try:
+            await self._finish(entry_id, wf_id, attempt, session, outcome, detail, retryable)
+        except REDIS_ERRORS as exc:      # the finish may or may not have landed: 'lost' is idempotent
+            await self._report_lost(entry_id, wf_id, attempt, f"worker {self.id} lost Redis at finish: {exc}")
+
+    async def _report_lost(self, entry_id: str, wf_id: str, attempt: int, why: str,
+                           *, give_up_s: float = 600.0) -> None:
+        """Tell the reconciler this session is lost (it acks the task and retries with attempt + 1),
+        retrying until Redis answers again; past `give_up_s` our lease must lapse first."""
+        deadline, backoff = asyncio.get_running_loop().time() + give_up_s, 0.05
+        while True:
+            try:
+                await self.redis.xadd(self.keys.events, {"t": "lost", "wf": wf_id, "s": self.stage, "a": attempt,
+                                                         "d": why, "r": "1", "e": entry_id})
+                return
+            except REDIS_ERRORS as exc:
+                if asyncio.get_running_loop().time() > deadline:
+                    logger.error("session %s/%s: could not report it lost: %s", wf_id, self.stage, exc)
+                    return
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
 
     async def _execute(self, session: Session) -> tuple[str, str, bool]:
         """Run the executor; map how it ended to (outcome, detail, retryable)."""
         try:
-            usage = await asyncio.wait_for(self.executor.run(session), self.spec.retry.attempt_timeout_s)
-            await session.flush()
+            async with asyncio.timeout(self.spec.retry.attempt_timeout_s):
+                usage = await self.executor.run(session)
+                await session.flush()
             return "done", json.dumps(dict(usage or {})), True
         except Fenced:
             return "failed", "fenced", False
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return "failed", f"attempt timed out after {self.spec.retry.attempt_timeout_s:g}s", True
         except StageError as exc:
             return "failed", str(exc), exc.retryable

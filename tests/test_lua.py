@@ -2,6 +2,7 @@
 (Valkey always; redis-server too when it is on PATH)."""
 from __future__ import annotations
 
+import msgpack
 import pytest
 
 from omniflow import scripts
@@ -36,8 +37,8 @@ async def claim_next(store: Store, stage: str, worker: str = "w1") -> tuple[str,
 
 
 async def emit(store: Store, wf_id: str, stage: str, attempt: int, seq: int, text: str) -> str:
-    res = await scripts.call(store.redis, "emit", [store.keys.wf(wf_id)],
-                             [stage, attempt, seq, "", now_ms(), "A", f":out:{stage}", text])
+    steps = msgpack.packb([[seq, "A", f":out:{stage}", text]], use_bin_type=False)
+    res = await scripts.call(store.redis, "emit", [store.keys.wf(wf_id)], [stage, attempt, "", now_ms(), steps])
     return s(res)
 
 

@@ -1,45 +1,58 @@
--- emit: write one output step of a session (fenced, idempotent on seq).
+-- emit: write a session's output steps (fenced; idempotent on seq).
 -- KEYS[1] wf base key
--- ARGV[1] stage  ARGV[2] attempt  ARGV[3] seq (0: no output, status change only)
--- ARGV[4] new stage status or ''  ARGV[5] now_ms
--- ARGV[6..] ops, applied in order:
---   'X', key suffix, n, f1, v1, ... fn, vn   XADD <wf><suffix> * fields
+-- ARGV[1] stage  ARGV[2] attempt  ARGV[3] new stage status or ''  ARGV[4] now_ms
+-- ARGV[5] msgpack array of steps; a step is {seq, op, ...} with ops applied in order:
+--   'X', key suffix, {f1, v1, ..., fn, vn}   XADD <wf><suffix> * fields
 --   'A', key suffix, value                    APPEND <wf><suffix> value
 --   'H', field, value                         HSET stages field value
 --   'I', field, increment                     HINCRBY stages field increment
--- Returns 'ok' | 'dup' (seq already written: nothing done) | 'fenced' (session no longer owns the stage)
+-- Steps whose seq is not above the stage's last written seq are skipped (replays).
+-- Steps must be contiguous: one past a hole (a write lost with a Redis connection) is refused.
+-- Returns 'ok' | 'dup' (every step was already written) | 'fenced' (session no longer owns the stage)
+--       | 'gap' (steps after a hole were not written: the attempt must end; a retry resumes)
 local wf, stage = KEYS[1], ARGV[1]
 local sk = wf .. ':stages'
 if redis.call('HGET', wf, 'state') ~= 'running' then return 'fenced' end
 local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq')
 if tostring(cur[2]) ~= ARGV[2] then return 'fenced' end
 if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
-if ARGV[4] ~= '' and cur[1] ~= ARGV[4] then
-  redis.call('HSET', sk, stage, ARGV[4])
-  redis.call('XADD', wf .. ':log', '*', 't', 'stage', 'stage', stage, 'status', ARGV[4], 'attempt', ARGV[2])
+if ARGV[3] ~= '' and cur[1] ~= ARGV[3] then
+  redis.call('HSET', sk, stage, ARGV[3])
+  redis.call('XADD', wf .. ':log', '*', 't', 'stage', 'stage', stage, 'status', ARGV[3], 'attempt', ARGV[2])
 end
-local seq = tonumber(ARGV[3])
-if seq == 0 then return 'ok' end
-if seq <= tonumber(cur[3] or '0') then return 'dup' end
-redis.call('HSET', sk, stage .. ':seq', seq)
-local i = 6
-while i <= #ARGV do
-  local op = ARGV[i]
-  if op == 'X' then
-    local n = tonumber(ARGV[i + 2])
-    redis.call('XADD', wf .. ARGV[i + 1], '*', unpack(ARGV, i + 3, i + 2 + 2 * n))
-    i = i + 3 + 2 * n
-  elseif op == 'A' then
-    redis.call('APPEND', wf .. ARGV[i + 1], ARGV[i + 2])
-    i = i + 3
-  elseif op == 'H' then
-    redis.call('HSET', sk, ARGV[i + 1], ARGV[i + 2])
-    i = i + 3
-  elseif op == 'I' then
-    redis.call('HINCRBY', sk, ARGV[i + 1], ARGV[i + 2])
-    i = i + 3
-  else
-    return redis.error_reply('emit: unknown op ' .. tostring(op))
+local steps = cmsgpack.unpack(ARGV[5])
+local last = tonumber(cur[3] or '0')
+local wrote = 0
+local gap = false
+for _, step in ipairs(steps) do
+  local seq = tonumber(step[1])
+  if seq > last + 1 then gap = true break end   -- an earlier write of this attempt was lost
+  if seq > last then
+    local i = 2
+    while i <= #step do
+      local op = step[i]
+      if op == 'X' then
+        redis.call('XADD', wf .. step[i + 1], '*', unpack(step[i + 2]))
+      elseif op == 'A' then
+        redis.call('APPEND', wf .. step[i + 1], step[i + 2])
+      elseif op == 'H' then
+        redis.call('HSET', sk, step[i + 1], step[i + 2])
+      elseif op == 'I' then
+        redis.call('HINCRBY', sk, step[i + 1], step[i + 2])
+      else
+        return redis.error_reply('emit: unknown op ' .. tostring(op))
+      end
+      i = i + 3
+    end
+    last = seq
+    wrote = wrote + 1
   end
+end
+if wrote > 0 then
+  redis.call('HSET', sk, stage .. ':seq', last)
+end
+if gap then return 'gap' end
+if wrote == 0 and #steps > 0 then
+  return 'dup'
 end
 return 'ok'

@@ -1,0 +1,199 @@
+"""The omniflow rows of `make bench`: the full durable path on the common workload.
+
+client submit (Lua admission) -> stage worker pools on consumer groups (real
+`omniflow worker` processes) -> reconciler process -> completion in the
+workflow record. The stages are the no-op executors below (the same work as
+the peers: 4 text chunks, 4 code chunks, one audio chunk).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+import yaml
+
+from bench import workload
+from bench.common import (
+    BenchError, Result, bench_env, check_alive, command_calls, command_delta, redis_client, running, summarize,
+    timeout_for,
+)
+from omniflow.workers.base import Executor, Session
+
+MAX_SESSIONS = 512
+
+
+class BenchThinker(Executor):
+    async def run(self, session: Session) -> Mapping[str, Any]:
+        chunks = workload.thinker(session.text)
+        for text in chunks:
+            await session.emit(text=text, data=text)
+        return {"chunks": len(chunks)}
+
+
+class BenchTalker(Executor):
+    async def run(self, session: Session) -> Mapping[str, Any]:
+        n = 0
+        async for chunk in session.inputs():
+            await session.emit(data=[len(chunk.data), n])
+            n += 1
+        return {"chunks": n}
+
+
+class BenchCode2Wav(Executor):
+    async def run(self, session: Session) -> Mapping[str, Any]:
+        codes = [chunk.data async for chunk in session.inputs()]
+        pcm = np.frombuffer(workload.code2wav(codes), dtype=np.int16)
+        await session.emit(audio=pcm, sample_rate=16000)
+        return {"chunks": 1}
+
+
+def pipeline_yaml(procs: int) -> dict[str, Any]:
+    stage = lambda cls, final=None: {  # noqa: E731
+        "executor": f"bench.omniflow_bench:{cls}", "final_output": final, "replicas": procs,
+        "max_sessions": MAX_SESSIONS, "retry": {"max_attempts": 3, "input_timeout_s": 120},
+    }
+    return {"name": "bench", "stages": {"thinker": stage("BenchThinker", "text"), "talker": stage("BenchTalker"),
+                                        "code2wav": stage("BenchCode2Wav", "audio")},
+            "edges": [{"from": "thinker", "to": "talker"}, {"from": "talker", "to": "code2wav"}]}
+
+
+class _Engine:
+    def __init__(self, redis_url: str, procs: int) -> None:
+        self.url = redis_url
+        self.procs = procs
+        self.prefix = f"b{uuid.uuid4().hex[:6]}"
+        self.tmp = Path(tempfile.mkdtemp(prefix="omniflow-bench-"))
+        self.yaml = self.tmp / "pipeline.yaml"
+        self.yaml.write_text(yaml.safe_dump(pipeline_yaml(procs), sort_keys=False))
+        self.env = bench_env(OMNIFLOW_REDIS_URL=redis_url, OMNIFLOW_PREFIX=self.prefix,
+                             OMNIFLOW_PIPELINE=str(self.yaml), OMNIFLOW_LOG_LEVEL="WARNING",
+                             OMNIFLOW_MAX_IN_FLIGHT="1000000", OMNIFLOW_BLOCK_MS="1000",
+                             OMNIFLOW_READ_BATCH="256")
+
+    def commands(self) -> list[tuple[str, list[str]]]:
+        exe = [sys.executable, "-m", "omniflow.cli"]
+        cmds = [("omniflow-reconciler", [*exe, "reconciler"])]
+        for stage in ("thinker", "talker", "code2wav"):
+            for i in range(self.procs):
+                cmds.append((f"omniflow-{stage}-{i}", [*exe, "worker", "--stage", stage]))
+        return cmds
+
+    def wait_ready(self, r: Any, procs: list[Any], timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            check_alive(procs)
+            if r.zcount(f"{self.prefix}:workers", int(time.time() * 1000), "+inf") >= 3 * self.procs:
+                return
+            time.sleep(0.05)
+        raise BenchError("omniflow workers did not come up")
+
+
+async def _submit_all(url: str, prefix: str, yaml_path: Path, n: int, concurrency: int) -> list[str]:
+    from omniflow.batcher import Batcher
+    from omniflow.config import Settings
+    from omniflow.models import SubmitRequest, WorkflowInput
+    from omniflow.pipeline import load_pipeline
+    from omniflow.store import Store, connect
+
+    redis = connect(url)
+    settings = Settings(redis_url=url, prefix=prefix, max_in_flight=1_000_000)
+    store = Store(redis, settings, load_pipeline(yaml_path), batcher=Batcher(redis))
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> str:
+        async with sem:
+            req = SubmitRequest(input=WorkflowInput(text=f"p{i}"))
+            return (await store.submit(req)).id
+
+    try:
+        return list(await asyncio.gather(*(one(i) for i in range(n))))
+    finally:
+        await redis.aclose()
+
+
+def _records(r: Any, prefix: str, ids: list[str]) -> list[tuple[str, float, float]]:
+    pipe = r.pipeline(transaction=False)
+    for wf_id in ids:
+        pipe.hmget(f"{prefix}:wf:{{{wf_id}}}", "created_ms", "finished_ms", "state")
+    out = []
+    for wf_id, (created, finished, state) in zip(ids, pipe.execute()):
+        if state != b"completed":
+            raise BenchError(f"workflow {wf_id} ended {state!r}")
+        out.append((wf_id, int(created) / 1000, int(finished) / 1000))
+    return out
+
+
+def run_throughput(redis_url: str, n: int, procs_per_stage: int) -> Result:
+    eng = _Engine(redis_url, procs_per_stage)
+    r = redis_client(redis_url)
+    with running(eng.commands(), env=eng.env) as procs:
+        eng.wait_ready(r, procs)
+        before = command_calls(r)
+        ids = asyncio.run(_submit_all(redis_url, eng.prefix, eng.yaml, n, concurrency=512))
+        deadline = time.monotonic() + timeout_for(n, 100)
+        while r.zcard(f"{eng.prefix}:inflight") > 0:
+            check_alive(procs)
+            if time.monotonic() > deadline:
+                raise BenchError("omniflow throughput run timed out")
+            time.sleep(0.01)
+        after = command_calls(r)
+        records = _records(r, eng.prefix, ids)
+    extra = command_delta(before, after, n)
+    return summarize("omniflow", "full path", procs_per_stage, records, extra=extra)
+
+
+async def _latency(url: str, prefix: str, yaml_path: Path, n: int) -> list[tuple[str, float, float]]:
+    from omniflow.config import Settings
+    from omniflow.models import SubmitRequest, WorkflowInput
+    from omniflow.pipeline import load_pipeline
+    from omniflow.store import Store, connect
+
+    redis = connect(url)
+    store = Store(redis, Settings(redis_url=url, prefix=prefix), load_pipeline(yaml_path))
+    records = []
+    try:
+        for i in range(n):
+            t0 = time.time()
+            sub = await store.submit(SubmitRequest(input=WorkflowInput(text=f"l{i}")))
+            async for _eid, fields in store.follow(sub.id, timeout_s=30):
+                if fields.get("t") == "terminal":
+                    if fields.get("state") != "completed":
+                        raise BenchError(f"latency workflow {sub.id} ended {fields}")
+                    break
+            records.append((sub.id, t0, time.time()))
+    finally:
+        await redis.aclose()
+    return records
+
+
+def run_latency(redis_url: str, n: int) -> Result:
+    eng = _Engine(redis_url, 1)
+    r = redis_client(redis_url)
+    with running(eng.commands(), env=eng.env) as procs:
+        eng.wait_ready(r, procs)
+        asyncio.run(_latency(redis_url, eng.prefix, eng.yaml, 20))      # warm up
+        records = asyncio.run(_latency(redis_url, eng.prefix, eng.yaml, n))
+    return summarize("omniflow", "full path", 1, records, mode="latency")
+
+
+if __name__ == "__main__":
+    from bench.common import start_server
+
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+    procs = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    with start_server() as server:
+        res = run_throughput(server.url, n, procs)
+        print(json.dumps(res.to_dict(), indent=1))
+    with start_server() as server:
+        print(json.dumps(run_latency(server.url, 200).to_dict(), indent=1))
