@@ -71,7 +71,8 @@ class Session:
     input_timed_out: bool = False
     _steps: list[list[Any]] = field(default_factory=list)
     _status: str = ""
-    _lazy_queued: bool = False
+    _finish: tuple[list[str], bytes] | None = None
+    _open: asyncio.Future[Any] | None = None      # the queued write that is not built yet (takes more steps)
     _last_in: dict[str, int] = field(default_factory=dict)
     _write_error: BaseException | None = None
 
@@ -175,9 +176,9 @@ class Session:
             await self.flush()
 
     def _schedule(self) -> None:
-        if not self._lazy_queued:
-            self._lazy_queued = True
-            self._track(self._batcher.send_lazy(self._emit_command))
+        if self._open is None:
+            self._open = self._batcher.send_lazy(self._emit_command)
+            self._track(self._open)
 
     def _emit_command(self) -> tuple[Any, ...]:
         """Everything emitted since the last write, as one `emit.lua` call (built at flush time)."""
@@ -185,9 +186,32 @@ class Session:
 
         steps, self._steps = self._steps, []
         status, self._status = self._status, ""
-        self._lazy_queued = False
-        return evalsha_args("emit", [self._keys.wf(self.wf_id)],
-                            [self.stage, self.attempt, status, int(time.time() * 1000), msgpack.packb(steps, use_bin_type=False)])
+        self._open = None
+        args = [self.stage, self.attempt, status, int(time.time() * 1000), msgpack.packb(steps, use_bin_type=False)]
+        if self._finish is None:
+            return evalsha_args("emit", [self._keys.wf(self.wf_id)], args)
+        return evalsha_args("emit", [self._keys.wf(self.wf_id), *self._finish[0]], [*args, self._finish[1]])
+
+    async def close(self, *, tasks_key: str, events_key: str, group: str, entry_id: str, outcome: str,
+                    detail: str, retryable: bool) -> str:
+        """Write what is left and end the session in the same script call (`emit.lua` + finish).
+
+        Returns 'ok' or 'fenced'; raises the write error of an earlier step that was lost.
+        """
+        fin = [group, entry_id, outcome, detail, "1" if retryable else "0", self.seq, ",".join(self.downstream)]
+        self._finish = ([tasks_key, events_key], msgpack.packb(fin, use_bin_type=False))
+        if self._open is not None:
+            last = self._open          # the pending write is still in the batcher's queue: the finish rides on it
+        else:
+            last = self._open = self._batcher.send_lazy(self._emit_command)
+        earlier = [f for f in self._inflight if f is not last]
+        if earlier:
+            await asyncio.gather(*earlier, return_exceptions=True)
+        result = await last
+        code = result.decode() if isinstance(result, bytes) else str(result)
+        if code == "gap" and self._write_error is not None:
+            raise self._write_error
+        return "fenced" if code in ("fenced", "gap") else code
 
     def _track(self, fut: asyncio.Future[Any]) -> None:
         self._inflight.add(fut)
@@ -222,3 +246,4 @@ class Session:
             raise self._write_error
         if self.fenced:
             raise Fenced(f"stage {self.stage} attempt {self.attempt} of {self.wf_id} was fenced off")
+

@@ -77,6 +77,8 @@ class Worker:
         self.tasks_key = self.keys.tasks(stage)
         self._sessions: dict[str, tuple[Session | None, asyncio.Task[None]]] = {}
         self._slot_free = asyncio.Event()
+        self._claiming = 0          # tasks read but not yet claimed (they hold session slots)
+        self._claim_tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         self.started = asyncio.Event()
         self.stats = {"claimed": 0, "dropped": 0, "done": 0, "failed": 0, "fenced": 0, "dead_letters": 0}
@@ -172,7 +174,7 @@ class Worker:
     async def _intake(self) -> None:
         backoff = 0.05
         while True:
-            free = self.max_sessions - len(self._sessions)
+            free = self.max_sessions - len(self._sessions) - self._claiming
             if free <= 0:
                 self._slot_free.clear()
                 await self._slot_free.wait()
@@ -194,32 +196,39 @@ class Worker:
                 backoff = min(backoff * 2, 2.0)
                 continue
             for _stream, entries in reply or []:
-                for entry_id, fields in entries:
-                    self._accept(s(entry_id), fields)
+                self._accept([(s(entry_id), fields) for entry_id, fields in entries])
 
-    def _accept(self, entry_id: str, fields: dict[bytes, bytes]) -> None:
-        try:
-            wf_id = s(fields[b"wf"])
-            stage = s(fields[b"s"])
-            attempt = int(fields[b"a"])
-            if stage != self.stage or not wf_id or attempt < 1:
-                raise ValueError(f"task for stage {stage!r} attempt {attempt} on {self.stage}'s stream")
-        except (KeyError, ValueError) as exc:
-            self.stats["dead_letters"] += 1
-            task = asyncio.create_task(self._dead_letter(entry_id, fields, f"malformed task entry: {exc!r}"))
-            self._sessions[f"dlq:{entry_id}"] = (None, task)
-            task.add_done_callback(lambda _t, k=f"dlq:{entry_id}": self._release(k))
-            return
-        key = f"{wf_id}|{attempt}"
-        for other, (_sess, stale) in list(self._sessions.items()):
-            # An older attempt of this session still running here was declared lost (our lease lapsed,
-            # or we lost Redis): it is fenced anyway; stop it so it cannot hold this stage's inputs.
-            w, _, a = other.partition("|")
-            if w == wf_id and a.isdigit() and int(a) < attempt:
-                stale.cancel()
-        task = asyncio.create_task(self._session(entry_id, wf_id, attempt), name=f"session:{wf_id}")
-        self._sessions[key] = (None, task)
-        task.add_done_callback(lambda _t, k=key: self._release(k))
+    def _accept(self, entries: list[tuple[str, dict[bytes, bytes]]]) -> None:
+        """Validate delivered tasks (malformed ones go to the dead-letter stream) and claim the rest in one call."""
+        claims: list[tuple[str, str, int]] = []
+        for entry_id, fields in entries:
+            try:
+                wf_id = s(fields[b"wf"])
+                stage = s(fields[b"s"])
+                attempt = int(fields[b"a"])
+                if stage != self.stage or not wf_id or attempt < 1:
+                    raise ValueError(f"task for stage {stage!r} attempt {attempt} on {self.stage}'s stream")
+            except (KeyError, ValueError) as exc:
+                self.stats["dead_letters"] += 1
+                self._spawn(f"dlq:{entry_id}", self._dead_letter(entry_id, fields, f"malformed task entry: {exc!r}"))
+                continue
+            for older in range(1, attempt):
+                # An older attempt of this session still running here was declared lost (our lease lapsed,
+                # or we lost Redis): it is fenced anyway; stop it so it cannot hold this stage's inputs.
+                stale = self._sessions.get(f"{wf_id}|{older}")
+                if stale is not None:
+                    stale[1].cancel()
+            claims.append((entry_id, wf_id, attempt))
+        if claims:
+            self._claiming += len(claims)
+            task = asyncio.create_task(self._claim(claims))
+            self._claim_tasks.add(task)
+            task.add_done_callback(self._claim_tasks.discard)
+
+    def _spawn(self, key: str, coro: Any, session: Session | None = None) -> None:
+        task = asyncio.create_task(coro, name=key)
+        self._sessions[key] = (session, task)
+        task.add_done_callback(lambda _t: self._release(key))
 
     def _release(self, key: str) -> None:
         self._sessions.pop(key, None)
@@ -235,23 +244,44 @@ class Worker:
         await pipe.execute()
 
     # ------------------------------------------------------------ sessions
-    async def _session(self, entry_id: str, wf_id: str, attempt: int) -> None:
+    async def _claim(self, claims: list[tuple[str, str, int]]) -> None:
+        """Claim a batch of tasks with one `claim.lua` call, then start a session for each one kept."""
         upstream = self.pipeline.inputs[self.stage]
-        edge_keys = {e.src: self.keys.edge(wf_id, e.src, self.stage) for e in upstream}
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        for src, key in edge_keys.items():
-            self.mux.watch(key, queue=queue, tag=src)
-        session: Session | None = None
-        outcome, detail, retryable = "failed", "aborted", False
+        watches: list[tuple[dict[str, str], asyncio.Queue[Any]]] = []
+        for _entry_id, wf_id, _attempt in claims:
+            # watch the inputs before claiming: the claim wakes the reader, which then sees them
+            queue: asyncio.Queue[Any] = asyncio.Queue()
+            edge_keys = {e.src: self.keys.edge(wf_id, e.src, self.stage) for e in upstream}
+            for src, key in edge_keys.items():
+                self.mux.watch(key, queue=queue, tag=src)
+            watches.append((edge_keys, queue))
+        args = [self.settings.prefix, TASK_GROUP, self.id, now_ms(), "1" if upstream else "0", self.stage,
+                *(x for claim in claims for x in claim)]
+        replies = None
+        backoff = 0.05
         try:
-            reply = await self.batcher.script(
-                "claim", [self.keys.wf(wf_id), self.tasks_key, self.mux.wake_key],
-                [TASK_GROUP, entry_id, self.stage, attempt, self.id, now_ms(), "1" if upstream else "0"],
-            )
+            while replies is None:
+                try:
+                    replies = await self.batcher.script("claim", [self.tasks_key, self.mux.wake_key], args)
+                except REDIS_ERRORS as exc:     # a retried claim is harmless (same replica: 'ok' again)
+                    if self._stopping:
+                        return
+                    logger.warning("worker %s: claim failed: %s; retrying in %.2fs", self.id, exc, backoff)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+        finally:
+            self._claiming -= len(claims)
+            self._slot_free.set()
+            if replies is None:
+                for edge_keys, queue in watches:
+                    for key in edge_keys.values():
+                        self.mux.unwatch(key, queue)
+        for (entry_id, wf_id, attempt), (edge_keys, queue), reply in zip(claims, watches, replies, strict=True):
             if s(reply[0]) != "ok":
                 self.stats["dropped"] += 1
-                logger.debug("dropped task %s of %s: %s", entry_id, wf_id, s(reply[1]))
-                return
+                for key in edge_keys.values():
+                    self.mux.unwatch(key, queue)
+                continue
             self.stats["claimed"] += 1
             _, raw_input, raw_params, stages, finals, seq = (s(x) for x in reply)
             required = csv(stages)
@@ -263,11 +293,15 @@ class Worker:
                 upstream=tuple(edge_keys), _queue=queue,
                 _input_timeout_s=self.spec.retry.input_timeout_s, waiting_input=bool(upstream),
             )
-            key = f"{wf_id}|{attempt}"
-            self._sessions[key] = (session, self._sessions[key][1])
+            self._spawn(f"{wf_id}|{attempt}", self._session(entry_id, session, edge_keys), session)
+
+    async def _session(self, entry_id: str, session: Session, edge_keys: dict[str, str]) -> None:
+        wf_id, attempt = session.wf_id, session.attempt
+        outcome, detail, retryable = "failed", "aborted", False
+        try:
             outcome, detail, retryable = await self._execute(session)
         except asyncio.CancelledError:
-            if self._stopping and not (session and session.aborted):
+            if self._stopping and not session.aborted:
                 raise      # shutting down: the reconciler re-queues what we hold
         except REDIS_ERRORS as exc:
             # Redis went away mid-session (restart, failover, a dropped connection): writes of this
@@ -278,11 +312,17 @@ class Worker:
             return
         finally:
             for key in edge_keys.values():
-                self.mux.unwatch(key, queue)
+                self.mux.unwatch(key, session._queue)
         try:
-            await self._finish(entry_id, wf_id, attempt, session, outcome, detail, retryable)
+            code = await session.close(tasks_key=self.tasks_key, events_key=self.keys.events, group=TASK_GROUP,
+                                       entry_id=entry_id, outcome=outcome, detail=detail, retryable=retryable)
         except REDIS_ERRORS as exc:      # the finish may or may not have landed: 'lost' is idempotent
             await self._report_lost(entry_id, wf_id, attempt, f"worker {self.id} lost Redis at finish: {exc}")
+            return
+        if code == "fenced":
+            self.stats["fenced"] += 1
+        else:
+            self.stats["done" if outcome == "done" else "failed"] += 1
 
     async def _report_lost(self, entry_id: str, wf_id: str, attempt: int, why: str,
                            *, give_up_s: float = 600.0) -> None:
@@ -306,7 +346,10 @@ class Worker:
         try:
             async with asyncio.timeout(self.spec.retry.attempt_timeout_s):
                 usage = await self.executor.run(session)
-                await session.flush()
+            if session.fenced:
+                raise Fenced("fenced")
+            if session._write_error is not None:
+                raise session._write_error
             return "done", json.dumps(dict(usage or {})), True
         except Fenced:
             return "failed", "fenced", False
@@ -319,21 +362,6 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - an executor bug is a stage failure, never a worker crash
             logger.exception("executor %s failed on %s", self.stage, session.wf_id)
             return "failed", f"{type(exc).__name__}: {exc}", True
-
-    async def _finish(self, entry_id: str, wf_id: str, attempt: int, session: Session | None,
-                      outcome: str, detail: str, retryable: bool) -> None:
-        """Ack the task and report to the reconciler (always: a fenced finish still acks)."""
-        if session is not None and session._inflight:
-            await asyncio.gather(*list(session._inflight), return_exceptions=True)
-        reply = await self.batcher.script(
-            "finish", [self.keys.wf(wf_id), self.tasks_key, self.keys.events],
-            [TASK_GROUP, entry_id, self.stage, attempt, outcome, detail, "1" if retryable else "0",
-             now_ms(), session.seq if session else 0, ",".join(session.downstream if session else ())],
-        )
-        if s(reply) == "fenced":
-            self.stats["fenced"] += 1
-        else:
-            self.stats["done" if outcome == "done" else "failed"] += 1
 
     # ------------------------------------------------------------ abort
     async def _abort_listener(self) -> None:

@@ -30,10 +30,10 @@ async def store(any_server_url, settings_factory):
 async def claim_next(store: Store, stage: str, worker: str = "w1") -> tuple[str, list]:
     reply = await store.redis.xreadgroup(TASK_GROUP, worker, {store.keys.tasks(stage): ">"}, count=1)
     entry_id, fields = reply[0][1][0]
-    res = await scripts.call(store.redis, "claim",
-                             [store.keys.wf(s(fields[b"wf"])), store.keys.tasks(stage), store.keys.wake(worker)],
-                             [TASK_GROUP, s(entry_id), stage, s(fields[b"a"]), worker, now_ms(), "0"])
-    return s(entry_id), [s(x) for x in res]
+    res = await scripts.call(store.redis, "claim", [store.keys.tasks(stage), store.keys.wake(worker)],
+                             [store.settings.prefix, TASK_GROUP, worker, now_ms(), "0", stage,
+                              s(entry_id), s(fields[b"wf"]), s(fields[b"a"])])
+    return s(entry_id), [s(x) for x in res[0]]
 
 
 async def emit(store: Store, wf_id: str, stage: str, attempt: int, seq: int, text: str) -> str:
@@ -78,6 +78,18 @@ async def test_emit_is_idempotent_on_seq_and_fenced_by_attempt(store) -> None:
     assert res[0] == "ok" and res[-1] == "2"          # resumes after the 2 steps already written
     assert await emit(store, sub.id, "thinker", 2, 3, "c") == "ok"
     assert await store.text(sub.id, "thinker") == "abc"
+
+
+async def test_claim_is_idempotent_for_the_same_replica_only(store) -> None:
+    sub = await store.submit(request(modalities=["text"]))
+    reply = await store.redis.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("thinker"): ">"}, count=1)
+    entry_id = s(reply[0][1][0][0])
+    def claim(worker: str):
+        return scripts.call(store.redis, "claim", [store.keys.tasks("thinker"), store.keys.wake(worker)],
+                            [store.settings.prefix, TASK_GROUP, worker, now_ms(), "0", "thinker", entry_id, sub.id, "1"])
+    assert s((await claim("w1"))[0][0]) == "ok"
+    assert s((await claim("w1"))[0][0]) == "ok"        # a retried call after a lost reply
+    assert [s(x) for x in (await claim("w2"))[0]] == ["drop", "stale"]
 
 
 async def test_finish_of_a_fenced_session_acks_but_reports_nothing(store) -> None:

@@ -68,3 +68,29 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
     redis.call('XADD', prefix .. ':notify', '*', 'wf', id, 'state', state)
   end
 end
+
+-- Close one session (outcome 'done' or 'failed') and report it to the reconciler.
+-- The task is acked first, always: a fenced session must not be redelivered.
+-- Returns 'ok' | 'fenced'.
+local function finish_session(wf, tasks_key, events_key, group, entry_id, stage, attempt, outcome, detail,
+                              retryable, now, seq, downstream)
+  local sk = wf .. ':stages'
+  redis.call('XACK', tasks_key, group, entry_id)
+  redis.call('XDEL', tasks_key, entry_id)
+  local rec = redis.call('HMGET', wf, 'state', 'id')
+  local cur = redis.call('HMGET', sk, stage, stage .. ':attempt')
+  if not is_live(rec[1]) or tostring(cur[2]) ~= tostring(attempt) then return 'fenced' end
+  if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
+  if outcome == 'done' then
+    for _, dst in ipairs(csv(downstream)) do
+      redis.call('XADD', wf .. ':edge:' .. stage .. ':' .. dst, '*', 'eos', '1', 'seq', seq, 'a', attempt)
+    end
+    redis.call('HSET', sk, stage, 'done', stage .. ':t_end', now, stage .. ':usage', detail)
+  else
+    redis.call('HSET', sk, stage, 'failed', stage .. ':t_end', now, stage .. ':error', detail)
+  end
+  redis.call('XADD', wf .. ':log', '*', 't', 'stage', 'stage', stage, 'status', outcome, 'attempt', attempt)
+  redis.call('XADD', events_key, '*', 't', outcome, 'wf', rec[2], 's', stage, 'a', attempt, 'd', detail,
+    'r', retryable)
+  return 'ok'
+end

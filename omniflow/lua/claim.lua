@@ -1,32 +1,53 @@
--- claim: bind one delivered stage task to this worker, or drop it.
--- KEYS[1] wf base key  KEYS[2] the stage's task stream  KEYS[3] the worker's wake stream
--- ARGV[1] group  ARGV[2] task entry id  ARGV[3] stage  ARGV[4] attempt
--- ARGV[5] replica (worker id)  ARGV[6] now_ms  ARGV[7] '1' if the stage has inputs
--- Returns {'ok', input, params, stages csv, finals csv, emitted seq}
---       | {'drop', reason}   (task acked and deleted: workflow gone/terminal/tombstoned, or stale attempt)
+-- claim: bind a batch of delivered stage tasks to this worker, dropping the ones that are void.
+-- KEYS[1] the stage's task stream  KEYS[2] the worker's wake stream
+-- ARGV[1] prefix  ARGV[2] group  ARGV[3] replica (worker id)  ARGV[4] now_ms
+-- ARGV[5] '1' if the stage has inputs  ARGV[6] stage
+-- ARGV[7..] triples: task entry id, workflow id, attempt
+-- Returns one reply per task, in order:
+--   {'ok', input, params, stages csv, finals csv, emitted seq}
+--   {'drop', reason}   (task acked and deleted: workflow gone/terminal/tombstoned, or stale attempt)
+-- Claiming again a task this replica already holds answers 'ok' again (a retried call is harmless).
 --@include _lib.lua
-local wf, stage = KEYS[1], ARGV[3]
-local sk = wf .. ':stages'
-local function drop(why)
-  redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
-  redis.call('XDEL', KEYS[2], ARGV[2])
-  return {'drop', why}
-end
-local rec = redis.call('HMGET', wf, 'state', 'input', 'params', 'stages', 'finals')
-if not rec[1] then return drop('gone') end
-if not is_live(rec[1]) then return drop(rec[1]) end
-local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq')
-if tostring(cur[2]) ~= ARGV[4] or cur[1] ~= 'pending' then return drop('stale') end
+local prefix, group, replica, now, stage = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[6]
 local status = 'running'
-if ARGV[7] == '1' then status = 'waiting_input' end
-redis.call('HSET', sk, stage, status, stage .. ':replica', ARGV[5], stage .. ':t_start', ARGV[6])
-if rec[1] == 'pending' then
-  redis.call('HSET', wf, 'state', 'running', 'updated_ms', ARGV[6])
-  redis.call('XADD', wf .. ':log', '*', 't', 'state', 'state', 'running')
+if ARGV[5] == '1' then status = 'waiting_input' end
+local out = {}
+local woke = false
+for i = 7, #ARGV, 3 do
+  local entry_id, id, attempt = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local wf = prefix .. ':wf:{' .. id .. '}'
+  local sk = wf .. ':stages'
+  local rec = redis.call('HMGET', wf, 'state', 'input', 'params', 'stages', 'finals')
+  local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':replica')
+  local why = nil
+  if not rec[1] then
+    why = 'gone'
+  elseif not is_live(rec[1]) then
+    why = rec[1]
+  elseif tostring(cur[2]) ~= attempt then
+    why = 'stale'
+  elseif cur[1] ~= 'pending' and not (cur[4] == replica and (cur[1] == 'running' or cur[1] == 'waiting_input')) then
+    why = 'stale'
+  end
+  if why then
+    redis.call('XACK', KEYS[1], group, entry_id)
+    redis.call('XDEL', KEYS[1], entry_id)
+    out[#out + 1] = {'drop', why}
+  else
+    if cur[1] == 'pending' then
+      redis.call('HSET', sk, stage, status, stage .. ':replica', replica, stage .. ':t_start', now)
+      if rec[1] == 'pending' then
+        redis.call('HSET', wf, 'state', 'running', 'updated_ms', now)
+        redis.call('XADD', wf .. ':log', '*', 't', 'state', 'state', 'running')
+      end
+      redis.call('XADD', wf .. ':log', '*', 't', 'stage', 'stage', stage, 'status', status,
+        'attempt', attempt, 'replica', replica)
+    end
+    woke = woke or ARGV[5] == '1'
+    out[#out + 1] = {'ok', rec[2], rec[3], rec[4], rec[5], cur[3] or '0'}
+  end
 end
-redis.call('XADD', wf .. ':log', '*', 't', 'stage', 'stage', stage, 'status', status,
-  'attempt', ARGV[4], 'replica', ARGV[5])
-if ARGV[7] == '1' then
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', '64', '*', 'w', '1')
+if woke then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', '64', '*', 'w', '1')
 end
-return {'ok', rec[2], rec[3], rec[4], rec[5], cur[3] or '0'}
+return out

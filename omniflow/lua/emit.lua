@@ -1,58 +1,82 @@
--- emit: write a session's output steps (fenced; idempotent on seq).
--- KEYS[1] wf base key
+-- emit: write a session's output steps (fenced; idempotent on seq), optionally then finish it.
+-- KEYS[1] wf base key  KEYS[2] the stage's task stream  KEYS[3] events stream (2 and 3: finish only)
 -- ARGV[1] stage  ARGV[2] attempt  ARGV[3] new stage status or ''  ARGV[4] now_ms
 -- ARGV[5] msgpack array of steps; a step is {seq, op, ...} with ops applied in order:
 --   'X', key suffix, {f1, v1, ..., fn, vn}   XADD <wf><suffix> * fields
 --   'A', key suffix, value                    APPEND <wf><suffix> value
 --   'H', field, value                         HSET stages field value
 --   'I', field, increment                     HINCRBY stages field increment
--- Steps whose seq is not above the stage's last written seq are skipped (replays).
--- Steps must be contiguous: one past a hole (a write lost with a Redis connection) is refused.
+--   Steps whose seq is not above the stage's last written seq are skipped (replays).
+--   Steps must be contiguous: one past a hole (a write lost with a Redis connection) is refused.
+-- ARGV[6] optional msgpack finish: {group, entry id, outcome, detail, retryable, last seq, downstream csv}
+--   (see finish.lua), applied after the steps.
 -- Returns 'ok' | 'dup' (every step was already written) | 'fenced' (session no longer owns the stage)
 --       | 'gap' (steps after a hole were not written: the attempt must end; a retry resumes)
+--@include _lib.lua
 local wf, stage = KEYS[1], ARGV[1]
 local sk = wf .. ':stages'
-if redis.call('HGET', wf, 'state') ~= 'running' then return 'fenced' end
-local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq')
-if tostring(cur[2]) ~= ARGV[2] then return 'fenced' end
-if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
-if ARGV[3] ~= '' and cur[1] ~= ARGV[3] then
-  redis.call('HSET', sk, stage, ARGV[3])
-  redis.call('XADD', wf .. ':log', '*', 't', 'stage', 'stage', stage, 'status', ARGV[3], 'attempt', ARGV[2])
-end
-local steps = cmsgpack.unpack(ARGV[5])
-local last = tonumber(cur[3] or '0')
-local wrote = 0
-local gap = false
-for _, step in ipairs(steps) do
-  local seq = tonumber(step[1])
-  if seq > last + 1 then gap = true break end   -- an earlier write of this attempt was lost
-  if seq > last then
-    local i = 2
-    while i <= #step do
-      local op = step[i]
-      if op == 'X' then
-        redis.call('XADD', wf .. step[i + 1], '*', unpack(step[i + 2]))
-      elseif op == 'A' then
-        redis.call('APPEND', wf .. step[i + 1], step[i + 2])
-      elseif op == 'H' then
-        redis.call('HSET', sk, step[i + 1], step[i + 2])
-      elseif op == 'I' then
-        redis.call('HINCRBY', sk, step[i + 1], step[i + 2])
-      else
-        return redis.error_reply('emit: unknown op ' .. tostring(op))
-      end
-      i = i + 3
-    end
-    last = seq
-    wrote = wrote + 1
+
+local function write_steps()
+  if redis.call('HGET', wf, 'state') ~= 'running' then return 'fenced' end
+  local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq')
+  if tostring(cur[2]) ~= ARGV[2] then return 'fenced' end
+  if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
+  if ARGV[3] ~= '' and cur[1] ~= ARGV[3] then
+    redis.call('HSET', sk, stage, ARGV[3])
+    redis.call('XADD', wf .. ':log', '*', 't', 'stage', 'stage', stage, 'status', ARGV[3], 'attempt', ARGV[2])
   end
+  local steps = cmsgpack.unpack(ARGV[5])
+  local last = tonumber(cur[3] or '0')
+  local wrote = 0
+  local gap = false
+  for _, step in ipairs(steps) do
+    local seq = tonumber(step[1])
+    if seq > last + 1 then
+      gap = true
+      break
+    end
+    if seq > last then
+      local i = 2
+      while i <= #step do
+        local op = step[i]
+        if op == 'X' then
+          redis.call('XADD', wf .. step[i + 1], '*', unpack(step[i + 2]))
+        elseif op == 'A' then
+          redis.call('APPEND', wf .. step[i + 1], step[i + 2])
+        elseif op == 'H' then
+          redis.call('HSET', sk, step[i + 1], step[i + 2])
+        elseif op == 'I' then
+          redis.call('HINCRBY', sk, step[i + 1], step[i + 2])
+        else
+          return redis.error_reply('emit: unknown op ' .. tostring(op))
+        end
+        i = i + 3
+      end
+      last = seq
+      wrote = wrote + 1
+    end
+  end
+  if wrote > 0 then
+    redis.call('HSET', sk, stage .. ':seq', last)
+  end
+  if gap then return 'gap' end
+  if wrote == 0 and #steps > 0 then
+    return 'dup'
+  end
+  return 'ok'
 end
-if wrote > 0 then
-  redis.call('HSET', sk, stage .. ':seq', last)
+
+local res = write_steps()
+if type(res) == 'table' then return res end   -- an error reply
+if ARGV[6] then
+  local f = cmsgpack.unpack(ARGV[6])
+  local outcome, detail, retryable = f[3], f[4], f[5]
+  if res == 'gap' then      -- never close as done over a hole: fail the attempt, the retry resumes
+    outcome, detail, retryable = 'failed', 'an earlier write of this attempt was lost', '1'
+  end
+  local closed = finish_session(wf, KEYS[2], KEYS[3], f[1], f[2], stage, ARGV[2], outcome, detail, retryable,
+    ARGV[4], f[6], f[7])
+  if res == 'fenced' or res == 'gap' then return res end
+  return closed
 end
-if gap then return 'gap' end
-if wrote == 0 and #steps > 0 then
-  return 'dup'
-end
-return 'ok'
+return res
