@@ -16,10 +16,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from omniflow.api.errors import error_body
 
 
-class BodyTooLarge(Exception):
-    """The request body passed the limit while it was being read."""
-
-
 class BodySizeLimit:
     """Pure ASGI middleware: 413 when Content-Length or the streamed body passes `max_bytes`."""
 
@@ -36,27 +32,32 @@ class BodySizeLimit:
             await self._reject(send)
             return
         seen = 0
-        started = False
+        exceeded = False
 
         async def limited_receive() -> Message:
-            nonlocal seen
+            # Past the limit the app sees the body end there; whatever it answers is replaced by a 413.
+            nonlocal seen, exceeded
+            if exceeded:
+                return {"type": "http.request", "body": b"", "more_body": False}
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise BodyTooLarge()
+                    exceeded = True
+                    return {"type": "http.request", "body": b"", "more_body": False}
             return message
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
+        replaced = False
 
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except BodyTooLarge:
-            if not started:
+        async def guarded_send(message: Message) -> None:
+            nonlocal replaced
+            if exceeded and message["type"] == "http.response.start":
+                replaced = True
                 await self._reject(send)
+            elif not replaced:
+                await send(message)
+
+        await self.app(scope, limited_receive, guarded_send)
 
     async def _reject(self, send: Send) -> None:
         body = json.dumps(error_body(

@@ -18,6 +18,10 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+AUTH_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorResponse, "description": "missing or unknown API key"}}
+
+
 class Links(BaseModel):
     self: str
     events: str

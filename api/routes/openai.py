@@ -32,7 +32,8 @@ from omniflow.api.openai_schemas import (
     ModelList,
     Usage,
 )
-from omniflow.api.routes.workflows import E, _AUTH
+from omniflow.api.schemas import AUTH_ERRORS as _AUTH
+from omniflow.api.schemas import ErrorResponse as E
 from omniflow.api.sse import EventStreamResponse, sse_event
 from omniflow.models import SubmitRequest, WorkflowInput, WorkflowState
 from omniflow.store import s

@@ -13,6 +13,7 @@ from omniflow.api.deps import ApiState, PrincipalDep, StateDep, SubmitterDep
 from omniflow.api.errors import ApiError
 from omniflow.api.hub import IDLE, is_stream_id
 from omniflow.api.schemas import (
+    AUTH_ERRORS,
     AbortResponse,
     ErrorResponse,
     Links,
@@ -33,7 +34,7 @@ router = APIRouter(prefix="/v1/workflows", tags=["workflows"])
 
 E = ErrorResponse
 WorkflowId = Annotated[str, Path(pattern=ID_PATTERN, description="workflow id")]
-_AUTH = {401: {"model": E, "description": "missing or unknown API key"}}
+_AUTH = AUTH_ERRORS
 _NOT_FOUND = {404: {"model": E, "description": "no such workflow for this tenant"},
               422: {"model": E, "description": "bad parameters"}, **_AUTH}
 

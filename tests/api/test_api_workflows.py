@@ -8,7 +8,8 @@ import time
 import numpy as np
 import soundfile as sf
 
-from conftest import toy_spec  # type: ignore[import-not-found]
+from apiserver import api_factory  # noqa: F401 - fixture
+from conftest import toy_spec
 
 SLOW = toy_spec(thinker={"token_delay_s": 0.05})
 

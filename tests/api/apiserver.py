@@ -48,7 +48,7 @@ class ApiServer:
 
     def client(self, key: str | None = None, **kwargs: Any) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=30, **kwargs)
+        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=30, verify=False, **kwargs)
 
 
 @pytest.fixture

@@ -1,0 +1,70 @@
+"""SSE events: the whole story of a workflow, resumable with Last-Event-ID."""
+from __future__ import annotations
+
+import json
+
+from apiserver import api_factory  # noqa: F401 - fixture
+from conftest import toy_spec
+
+
+async def read_sse(response) -> list[dict]:
+    """Parse an SSE body into [{'id', 'event', 'data'}] until the terminal event."""
+    events, current = [], {}
+    async for line in response.aiter_lines():
+        if line == "":
+            if "data" in current:
+                events.append(current)
+                if current.get("event") == "terminal":
+                    break
+            current = {}
+        elif not line.startswith(":"):
+            field, _, value = line.partition(": ")
+            current[field] = json.loads(value) if field == "data" else value
+    return events
+
+
+async def test_sse_streams_transitions_text_audio_and_terminal(api_factory):
+    async with api_factory(toy_spec(thinker={"token_delay_s": 0.02})) as (_engine, server), server.client() as http:
+        wf_id = (await http.post("/v1/workflows", json={"input": {"text": "stream it"}})).json()["id"]
+        async with http.stream("GET", f"/v1/workflows/{wf_id}/events") as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            events = await read_sse(r)
+        kinds = [e["event"] for e in events]
+        assert kinds[0] == "state" and kinds[-1] == "terminal" and events[-1]["data"]["state"] == "completed"
+        assert {"stage", "text", "audio"} <= set(kinds)
+        text = "".join(e["data"]["delta"] for e in events if e["event"] == "text")
+        doc = (await http.get(f"/v1/workflows/{wf_id}")).json()
+        assert text == doc["outputs"]["thinker"]["text"]
+        assert all(e["id"] == e["data"]["id"] for e in events)
+
+        # resume after the 5th event: exactly the rest, same ids
+        cut = events[4]["id"]
+        async with http.stream("GET", f"/v1/workflows/{wf_id}/events", headers={"Last-Event-ID": cut}) as r:
+            rest = await read_sse(r)
+        assert [e["id"] for e in rest] == [e["id"] for e in events[5:]]
+
+
+async def test_sse_resumes_mid_flight_without_gaps(api_factory):
+    async with api_factory(toy_spec(thinker={"token_delay_s": 0.05})) as (_engine, server), server.client() as http:
+        wf_id = (await http.post("/v1/workflows", json={"input": {"text": "drop and resume"}})).json()["id"]
+        seen = []
+        async with http.stream("GET", f"/v1/workflows/{wf_id}/events") as r:
+            async for line in r.aiter_lines():
+                if line.startswith("id: "):
+                    seen.append(line[4:])
+                if len(seen) == 4:
+                    break            # the client goes away mid-stream
+        async with http.stream("GET", f"/v1/workflows/{wf_id}/events", headers={"Last-Event-ID": seen[-1]}) as r:
+            rest = await read_sse(r)
+        assert rest[-1]["event"] == "terminal"
+        async with http.stream("GET", f"/v1/workflows/{wf_id}/events") as r:
+            full = await read_sse(r)
+        assert seen + [e["id"] for e in rest] == [e["id"] for e in full]
+
+
+async def test_sse_errors(api_factory):
+    async with api_factory() as (_engine, server), server.client() as http:
+        assert (await http.get("/v1/workflows/unknown/events")).status_code == 404
+        wf_id = (await http.post("/v1/workflows", json={"input": {"text": "x"}})).json()["id"]
+        r = await http.get(f"/v1/workflows/{wf_id}/events", headers={"Last-Event-ID": "garbage"})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
