@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -134,12 +135,29 @@ def _records(r: Any, prefix: str, ids: list[str]) -> list[tuple[str, float, floa
     return out
 
 
+def _cpu_s(pid: int) -> float:
+    """user + system CPU seconds of a process (from /proc; 0 where there is none)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _server_pid(r: Any) -> int:
+    return int(r.info("server")["process_id"])
+
+
 def run_throughput(redis_url: str, n: int, procs_per_stage: int) -> Result:
     eng = _Engine(redis_url, procs_per_stage)
     r = redis_client(redis_url)
     with running(eng.commands(), env=eng.env) as procs:
         eng.wait_ready(r, procs)
         before = command_calls(r)
+        watched = {getattr(p, "bench_name", str(p.pid)): p.pid for p in procs}
+        watched["valkey"] = _server_pid(r)
+        cpu0 = {name: _cpu_s(pid) for name, pid in watched.items()}
+        client0 = time.process_time()
         ids = asyncio.run(_submit_all(redis_url, eng.prefix, eng.yaml, n, concurrency=512))
         deadline = time.monotonic() + timeout_for(n, 100)
         while r.zcard(f"{eng.prefix}:inflight") > 0:
@@ -148,8 +166,16 @@ def run_throughput(redis_url: str, n: int, procs_per_stage: int) -> Result:
                 raise BenchError("omniflow throughput run timed out")
             time.sleep(0.01)
         after = command_calls(r)
+        cpu = {name: _cpu_s(pid) - cpu0[name] for name, pid in watched.items()}
+        cpu["client"] = time.process_time() - client0
         records = _records(r, eng.prefix, ids)
     extra = command_delta(before, after, n)
+    by_role: dict[str, float] = {}
+    for name, secs in cpu.items():
+        role = name.replace("omniflow-", "").rsplit("-", 1)[0] if name.startswith("omniflow-") else name
+        by_role[role] = by_role.get(role, 0.0) + secs
+    extra["cpu_us_per_wf"] = {role: round(1e6 * secs / n) for role, secs in sorted(by_role.items())}
+    extra["cpu_us_per_wf_total"] = round(1e6 * sum(by_role.values()) / n)
     return summarize("omniflow", "full path", procs_per_stage, records, extra=extra)
 
 

@@ -56,6 +56,23 @@ class Settings(BaseSettings):
     submit_rate_per_s: float = 0.0   # per tenant; 0 = unlimited
     webhook_allow_private: bool = False
 
+    # webhooks (delivered by `omniflow jobs`, see docs/webhooks-and-batch.md)
+    webhook_secret: str = ""          # "whsec_<base64>"; empty: one is generated and kept in Redis
+    webhook_allow_hosts: str = ""     # comma list of hosts, IPs or CIDRs exempt from the private-address rule
+    webhook_max_attempts: int = Field(8, ge=1)
+    webhook_timeout_s: float = Field(10.0, gt=0)
+    webhook_backoff_s: float = Field(5.0, gt=0)        # first retry; each next one x4
+    webhook_backoff_max_s: float = Field(3600.0, gt=0)
+
+    # arq job runner (`omniflow jobs`) and batch jobs
+    jobs_poll_delay_s: float = Field(0.5, gt=0)
+    jobs_max_concurrency: int = Field(32, ge=1)
+    jobs_grace_s: float = Field(5.0, ge=0)
+    batch_chunk_lines: int = Field(100, ge=1)
+    batch_concurrency: int = Field(16, ge=1)
+    batch_slice_s: float = Field(60.0, gt=0)
+    batch_max_lines: int = Field(100_000, ge=1)
+
     def pipeline_path(self) -> Path:
         return self.pipeline or DEFAULT_PIPELINE
 

@@ -72,6 +72,10 @@ class Keys:
     def worker_info(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"
 
+    def inbox(self, worker_id: str) -> str:
+        """A worker's input stream: chunks for its sessions, forwarded by the producers' emits."""
+        return f"{self.prefix}:inbox:{worker_id}"
+
     def wake(self, owner_id: str) -> str:
         """Private stream a process blocks on beside its data streams, to be woken."""
         return f"{self.prefix}:wake:{owner_id}"

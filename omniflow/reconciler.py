@@ -250,7 +250,7 @@ class Reconciler:
                 if all(r == 1 for r in reaped):
                     pipe = self.redis.pipeline(transaction=False)
                     pipe.zrem(self.keys.workers, worker_id)
-                    pipe.delete(self.keys.worker_info(worker_id), self.keys.wake(worker_id))
+                    pipe.delete(self.keys.worker_info(worker_id), self.keys.inbox(worker_id))
                     await pipe.execute(raise_on_error=False)
                     logger.warning("worker %s is gone; its sessions were re-queued", worker_id)
         self.counts["lost"] += requeued

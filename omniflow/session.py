@@ -61,6 +61,7 @@ class Session:
     _keys: Keys
     upstream: tuple[str, ...] = ()
     _queue: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
+    _catchup: list[tuple[str, dict[bytes, bytes]]] = field(default_factory=list)
     _input_timeout_s: float = 120.0
     seq: int = 0
     waiting_input: bool = False
@@ -86,15 +87,24 @@ class Session:
 
     # ------------------------------------------------------------ inputs
     async def inputs(self) -> AsyncIterator[Chunk]:
-        """Chunks from every upstream edge, in arrival order, until all have ended."""
+        """Chunks from every upstream edge, in order, until all have ended.
+
+        First what the edge logs held when the session was claimed (the catch-up the claim
+        returned), then what the producers forward to this worker's inbox.
+        """
         open_srcs = set(self.upstream)
         queue = self._queue
+        catchup, self._catchup = self._catchup, []
+        pos = 0
         while open_srcs:
-            if queue.empty():
+            if pos < len(catchup):
+                src, fields = catchup[pos]
+                pos += 1
+            elif queue.empty():
                 # the worker's watchdog cancels us if this wait outlasts the input timeout
                 self.waiting_since = time.monotonic()
                 try:
-                    src, entry = await queue.get()
+                    src, fields = await queue.get()
                 except asyncio.CancelledError:
                     if self.input_timed_out:
                         raise NonRetryableError(
@@ -104,8 +114,8 @@ class Session:
                 finally:
                     self.waiting_since = 0.0
             else:
-                src, entry = queue.get_nowait()
-            chunk = self._decode(src, entry)
+                src, fields = queue.get_nowait()
+            chunk = self._decode(src, fields)
             if chunk is None:
                 open_srcs.discard(src)
                 continue
@@ -117,8 +127,7 @@ class Session:
                 self._schedule()
             yield chunk
 
-    def _decode(self, src: str, entry: Any) -> Chunk | None:
-        _eid, fields = entry
+    def _decode(self, src: str, fields: dict[bytes, bytes]) -> Chunk | None:
         if fields.get(b"eos"):
             return None
         try:
@@ -167,7 +176,7 @@ class Session:
             payloads.update({dst: data for dst in self.downstream if dst not in payloads})
         for dst, payload in payloads.items():
             if dst in self.downstream:
-                step += ["X", f":edge:{self.stage}:{dst}", ["seq", seq, "a", self.attempt, "d", codec.dumps(payload)]]
+                step += ["E", dst, ["seq", seq, "a", self.attempt, "d", codec.dumps(payload)]]
         if self.waiting_input:
             self.waiting_input, self._status = False, "running"
         self._steps.append(step)
@@ -187,7 +196,8 @@ class Session:
         steps, self._steps = self._steps, []
         status, self._status = self._status, ""
         self._open = None
-        args = [self.stage, self.attempt, status, int(time.time() * 1000), msgpack.packb(steps, use_bin_type=False)]
+        args = [self.stage, self.attempt, status, int(time.time() * 1000), self._keys.prefix, self.wf_id,
+                msgpack.packb(steps, use_bin_type=False)]
         if self._finish is None:
             return evalsha_args("emit", [self._keys.wf(self.wf_id)], args)
         return evalsha_args("emit", [self._keys.wf(self.wf_id), *self._finish[0]], [*args, self._finish[1]])

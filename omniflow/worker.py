@@ -35,7 +35,6 @@ from omniflow.batcher import Batcher
 from omniflow.config import Settings
 from omniflow.errors import Fenced, PipelineError, RedisUnavailable, StageError
 from omniflow.keys import TASK_GROUP, Keys
-from omniflow.mux import StreamMux
 from omniflow.pipeline import Pipeline, import_executor
 from omniflow.session import Session
 from omniflow.store import connect, csv, now_ms, s
@@ -45,6 +44,11 @@ logger = logging.getLogger(__name__)
 
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, RedisUnavailable)
 DEFAULT_GRACE_S = 10.0
+
+
+def fields_dict(flat: list[bytes]) -> dict[bytes, bytes]:
+    """A stream entry's fields as Lua returns them (flat list) -> dict."""
+    return dict(zip(flat[::2], flat[1::2]))
 
 
 def new_worker_id(stage: str) -> str:
@@ -79,6 +83,7 @@ class Worker:
         self._slot_free = asyncio.Event()
         self._claiming = 0          # tasks read but not yet claimed (they hold session slots)
         self._claim_tasks: set[asyncio.Task[None]] = set()
+        self._inputs: dict[tuple[str, int], asyncio.Queue[Any]] = {}   # (wf, attempt) -> input queue
         self._stopping = False
         self.started = asyncio.Event()
         self.stats = {"claimed": 0, "dropped": 0, "done": 0, "failed": 0, "fenced": 0, "dead_letters": 0}
@@ -88,20 +93,20 @@ class Worker:
         stop = stop or asyncio.Event()
         self.redis = connect(self.redis_url)
         self._intake_redis = connect(self.redis_url)
-        self._mux_redis = connect(self.redis_url)
+        self._inbox_redis = connect(self.redis_url)
         self.batcher = Batcher(self.redis)
-        self.mux = StreamMux(self._mux_redis, self.keys, owner_id=self.id, block_ms=self.settings.block_ms)
+        self.inbox_key = self.keys.inbox(self.id)
         try:
             await scripts.load_all(self.redis)
             await ensure_group(self.redis, self.tasks_key, TASK_GROUP)
             await self.executor.setup()
             await self._heartbeat_once()
-            self.mux.start()
             background = [
                 asyncio.create_task(self._intake(), name="intake"),
                 asyncio.create_task(self._heartbeat(), name="heartbeat"),
                 asyncio.create_task(self._abort_listener(), name="abort-listener"),
                 asyncio.create_task(self._watchdog(), name="watchdog"),
+                asyncio.create_task(self._inbox(), name="inbox"),
             ]
             self.started.set()
             logger.info("worker %s serving stage %s (max_sessions=%d)", self.id, self.stage, self.max_sessions)
@@ -113,9 +118,8 @@ class Worker:
             stopper.cancel()
             await self._shutdown(background, grace_s)
         finally:
-            await self.mux.close()
             await self.executor.close()
-            for client in (self.redis, self._intake_redis, self._mux_redis):
+            for client in (self.redis, self._intake_redis, self._inbox_redis):
                 await client.aclose()
 
     async def _shutdown(self, background: list[asyncio.Task[Any]], grace_s: float) -> None:
@@ -135,6 +139,7 @@ class Worker:
             await self.batcher.drain()
             # Lease score 0: the reconciler re-queues what we still hold at its next sweep.
             await self.redis.zadd(self.keys.workers, {self.id: 0})
+            await self.redis.delete(self.inbox_key)
         except REDIS_ERRORS as exc:
             logger.warning("worker %s: could not deregister: %s", self.id, exc)
 
@@ -246,23 +251,21 @@ class Worker:
     # ------------------------------------------------------------ sessions
     async def _claim(self, claims: list[tuple[str, str, int]]) -> None:
         """Claim a batch of tasks with one `claim.lua` call, then start a session for each one kept."""
-        upstream = self.pipeline.inputs[self.stage]
-        watches: list[tuple[dict[str, str], asyncio.Queue[Any]]] = []
-        for _entry_id, wf_id, _attempt in claims:
-            # watch the inputs before claiming: the claim wakes the reader, which then sees them
+        upstream = [e.src for e in self.pipeline.inputs[self.stage]]
+        queues: list[asyncio.Queue[Any]] = []
+        for _entry_id, wf_id, attempt in claims:
+            # register before claiming: chunks forwarded to our inbox after the claim find their queue
             queue: asyncio.Queue[Any] = asyncio.Queue()
-            edge_keys = {e.src: self.keys.edge(wf_id, e.src, self.stage) for e in upstream}
-            for src, key in edge_keys.items():
-                self.mux.watch(key, queue=queue, tag=src)
-            watches.append((edge_keys, queue))
-        args = [self.settings.prefix, TASK_GROUP, self.id, now_ms(), "1" if upstream else "0", self.stage,
+            self._inputs[(wf_id, attempt)] = queue
+            queues.append(queue)
+        args = [self.settings.prefix, TASK_GROUP, self.id, now_ms(), ",".join(upstream), self.stage,
                 *(x for claim in claims for x in claim)]
         replies = None
         backoff = 0.05
         try:
             while replies is None:
                 try:
-                    replies = await self.batcher.script("claim", [self.tasks_key, self.mux.wake_key], args)
+                    replies = await self.batcher.script("claim", [self.tasks_key], args)
                 except REDIS_ERRORS as exc:     # a retried claim is harmless (same replica: 'ok' again)
                     if self._stopping:
                         return
@@ -273,29 +276,57 @@ class Worker:
             self._claiming -= len(claims)
             self._slot_free.set()
             if replies is None:
-                for edge_keys, queue in watches:
-                    for key in edge_keys.values():
-                        self.mux.unwatch(key, queue)
-        for (entry_id, wf_id, attempt), (edge_keys, queue), reply in zip(claims, watches, replies, strict=True):
+                for _entry_id, wf_id, attempt in claims:
+                    self._inputs.pop((wf_id, attempt), None)
+        for (entry_id, wf_id, attempt), queue, reply in zip(claims, queues, replies, strict=True):
             if s(reply[0]) != "ok":
                 self.stats["dropped"] += 1
-                for key in edge_keys.values():
-                    self.mux.unwatch(key, queue)
+                self._inputs.pop((wf_id, attempt), None)
                 continue
             self.stats["claimed"] += 1
-            _, raw_input, raw_params, stages, finals, seq = (s(x) for x in reply)
+            _, raw_input, raw_params, stages, finals, seq = (s(x) for x in reply[:6])
+            catchup = [(s(src), fields_dict(entry[1])) for src, entries in reply[6] for entry in entries]
             required = csv(stages)
             session = Session(
                 wf_id=wf_id, stage=self.stage, attempt=attempt,
                 input=json.loads(raw_input), params=json.loads(raw_params).get(self.stage, {}),
                 finals=tuple(csv(finals)), downstream=tuple(self.pipeline.downstream(self.stage, required)),
                 resume_seq=int(seq or 0), _batcher=self.batcher, _keys=self.keys,
-                upstream=tuple(edge_keys), _queue=queue,
+                upstream=tuple(upstream), _queue=queue, _catchup=catchup,
                 _input_timeout_s=self.spec.retry.input_timeout_s, waiting_input=bool(upstream),
             )
-            self._spawn(f"{wf_id}|{attempt}", self._session(entry_id, session, edge_keys), session)
+            self._spawn(f"{wf_id}|{attempt}", self._session(entry_id, session), session)
 
-    async def _session(self, entry_id: str, session: Session, edge_keys: dict[str, str]) -> None:
+    async def _inbox(self) -> None:
+        """Read this worker's inbox (inputs forwarded by producers) and hand each entry to its session."""
+        last: bytes | str = "0-0"
+        backoff = 0.05
+        while True:
+            try:
+                reply = await self._inbox_redis.xread({self.inbox_key: last}, count=1024, block=self.settings.block_ms)
+                backoff = 0.05
+            except REDIS_ERRORS as exc:
+                logger.warning("worker %s: inbox read failed: %s; retrying in %.2fs", self.id, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            for _key, entries in reply or []:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    try:
+                        target = (s(fields[b"wf"]), int(fields[b"da"]))
+                        src = s(fields[b"src"])
+                    except (KeyError, ValueError):
+                        logger.warning("worker %s: malformed inbox entry %s dropped", self.id, s(entry_id))
+                        continue
+                    queue = self._inputs.get(target)
+                    if queue is not None:       # else: a session that ended (its inputs are durable anyway)
+                        queue.put_nowait((src, fields))
+                if entries:
+                    # consumed: trim, so the inbox stays as small as what is in flight
+                    self.batcher.send("XTRIM", self.inbox_key, "MINID", "~", s(entries[-1][0]))
+
+    async def _session(self, entry_id: str, session: Session) -> None:
         wf_id, attempt = session.wf_id, session.attempt
         outcome, detail, retryable = "failed", "aborted", False
         try:
@@ -311,8 +342,7 @@ class Worker:
             await self._report_lost(entry_id, wf_id, attempt, f"worker {self.id} lost Redis: {exc}")
             return
         finally:
-            for key in edge_keys.values():
-                self.mux.unwatch(key, session._queue)
+            self._inputs.pop((wf_id, attempt), None)
         try:
             code = await session.close(tasks_key=self.tasks_key, events_key=self.keys.events, group=TASK_GROUP,
                                        entry_id=entry_id, outcome=outcome, detail=detail, retryable=retryable)

@@ -30,15 +30,16 @@ async def store(any_server_url, settings_factory):
 async def claim_next(store: Store, stage: str, worker: str = "w1") -> tuple[str, list]:
     reply = await store.redis.xreadgroup(TASK_GROUP, worker, {store.keys.tasks(stage): ">"}, count=1)
     entry_id, fields = reply[0][1][0]
-    res = await scripts.call(store.redis, "claim", [store.keys.tasks(stage), store.keys.wake(worker)],
-                             [store.settings.prefix, TASK_GROUP, worker, now_ms(), "0", stage,
+    res = await scripts.call(store.redis, "claim", [store.keys.tasks(stage)],
+                             [store.settings.prefix, TASK_GROUP, worker, now_ms(), "", stage,
                               s(entry_id), s(fields[b"wf"]), s(fields[b"a"])])
-    return s(entry_id), [s(x) for x in res[0]]
+    return s(entry_id), [s(x) for x in res[0][:6]]
 
 
 async def emit(store: Store, wf_id: str, stage: str, attempt: int, seq: int, text: str) -> str:
     steps = msgpack.packb([[seq, "A", f":out:{stage}", text]], use_bin_type=False)
-    res = await scripts.call(store.redis, "emit", [store.keys.wf(wf_id)], [stage, attempt, "", now_ms(), steps])
+    res = await scripts.call(store.redis, "emit", [store.keys.wf(wf_id)],
+                             [stage, attempt, "", now_ms(), store.settings.prefix, wf_id, steps])
     return s(res)
 
 
@@ -75,7 +76,7 @@ async def test_emit_is_idempotent_on_seq_and_fenced_by_attempt(store) -> None:
     assert await emit(store, sub.id, "thinker", 1, 3, "stale") == "fenced"
     assert await store.text(sub.id, "thinker") == "ab"
     _, res = await claim_next(store, "thinker", "w2")
-    assert res[0] == "ok" and res[-1] == "2"          # resumes after the 2 steps already written
+    assert res[0] == "ok" and res[5] == "2"           # resumes after the 2 steps already written
     assert await emit(store, sub.id, "thinker", 2, 3, "c") == "ok"
     assert await store.text(sub.id, "thinker") == "abc"
 
@@ -85,8 +86,8 @@ async def test_claim_is_idempotent_for_the_same_replica_only(store) -> None:
     reply = await store.redis.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("thinker"): ">"}, count=1)
     entry_id = s(reply[0][1][0][0])
     def claim(worker: str):
-        return scripts.call(store.redis, "claim", [store.keys.tasks("thinker"), store.keys.wake(worker)],
-                            [store.settings.prefix, TASK_GROUP, worker, now_ms(), "0", "thinker", entry_id, sub.id, "1"])
+        return scripts.call(store.redis, "claim", [store.keys.tasks("thinker")],
+                            [store.settings.prefix, TASK_GROUP, worker, now_ms(), "", "thinker", entry_id, sub.id, "1"])
     assert s((await claim("w1"))[0][0]) == "ok"
     assert s((await claim("w1"))[0][0]) == "ok"        # a retried call after a lost reply
     assert [s(x) for x in (await claim("w2"))[0]] == ["drop", "stale"]
@@ -98,7 +99,8 @@ async def test_finish_of_a_fenced_session_acks_but_reports_nothing(store) -> Non
     await store.abort(sub.id)
     res = await scripts.call(store.redis, "finish",
                              [store.keys.wf(sub.id), store.keys.tasks("thinker"), store.keys.events],
-                             [TASK_GROUP, entry_id, "thinker", 1, "done", "{}", "1", now_ms(), 0, ""])
+                             [TASK_GROUP, entry_id, "thinker", 1, "done", "{}", "1", now_ms(), 0, "",
+                              store.settings.prefix])
     assert s(res) == "fenced"
     assert (await store.redis.xpending(store.keys.tasks("thinker"), TASK_GROUP))["pending"] == 0
     assert await store.redis.xlen(store.keys.events) == 0

@@ -69,11 +69,23 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
   end
 end
 
+-- Append one entry to the edge log <a> -> <dst> and, when a session of <dst> is already
+-- bound to a worker, forward a copy to that worker's inbox (`<prefix>:inbox:<replica>`):
+-- a worker reads one stream for all its sessions' inputs. Entries written before the
+-- claim are in the edge log, which claim.lua returns (catch-up); after it, in the inbox.
+local function edge_append(wf, prefix, id, src, dst, fields)
+  redis.call('XADD', wf .. ':edge:' .. src .. ':' .. dst, '*', unpack(fields))
+  local cur = redis.call('HMGET', wf .. ':stages', dst, dst .. ':replica', dst .. ':attempt')
+  if (cur[1] == 'waiting_input' or cur[1] == 'running') and cur[2] then
+    redis.call('XADD', prefix .. ':inbox:' .. cur[2], '*', 'wf', id, 'da', cur[3], 'src', src, unpack(fields))
+  end
+end
+
 -- Close one session (outcome 'done' or 'failed') and report it to the reconciler.
 -- The task is acked first, always: a fenced session must not be redelivered.
 -- Returns 'ok' | 'fenced'.
-local function finish_session(wf, tasks_key, events_key, group, entry_id, stage, attempt, outcome, detail,
-                              retryable, now, seq, downstream)
+local function finish_session(wf, prefix, tasks_key, events_key, group, entry_id, stage, attempt, outcome,
+                              detail, retryable, now, seq, downstream)
   local sk = wf .. ':stages'
   redis.call('XACK', tasks_key, group, entry_id)
   redis.call('XDEL', tasks_key, entry_id)
@@ -83,7 +95,7 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
   if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
   if outcome == 'done' then
     for _, dst in ipairs(csv(downstream)) do
-      redis.call('XADD', wf .. ':edge:' .. stage .. ':' .. dst, '*', 'eos', '1', 'seq', seq, 'a', attempt)
+      edge_append(wf, prefix, rec[2], stage, dst, {'eos', '1', 'seq', seq, 'a', attempt})
     end
     redis.call('HSET', sk, stage, 'done', stage .. ':t_end', now, stage .. ':usage', detail)
   else

@@ -1,18 +1,20 @@
 -- claim: bind a batch of delivered stage tasks to this worker, dropping the ones that are void.
--- KEYS[1] the stage's task stream  KEYS[2] the worker's wake stream
+-- KEYS[1] the stage's task stream
 -- ARGV[1] prefix  ARGV[2] group  ARGV[3] replica (worker id)  ARGV[4] now_ms
--- ARGV[5] '1' if the stage has inputs  ARGV[6] stage
+-- ARGV[5] upstream stages csv ('' for the entry stage)  ARGV[6] stage
 -- ARGV[7..] triples: task entry id, workflow id, attempt
 -- Returns one reply per task, in order:
---   {'ok', input, params, stages csv, finals csv, emitted seq}
+--   {'ok', input, params, stages csv, finals csv, emitted seq, catch-up}
+--       catch-up: for each upstream stage, {src, entries of its edge log so far}; entries written
+--       after this call reach the worker's inbox instead (see edge_append in _lib.lua)
 --   {'drop', reason}   (task acked and deleted: workflow gone/terminal/tombstoned, or stale attempt)
 -- Claiming again a task this replica already holds answers 'ok' again (a retried call is harmless).
 --@include _lib.lua
 local prefix, group, replica, now, stage = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[6]
+local upstream = csv(ARGV[5])
 local status = 'running'
-if ARGV[5] == '1' then status = 'waiting_input' end
+if #upstream > 0 then status = 'waiting_input' end
 local out = {}
-local woke = false
 for i = 7, #ARGV, 3 do
   local entry_id, id, attempt = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   local wf = prefix .. ':wf:{' .. id .. '}'
@@ -43,11 +45,11 @@ for i = 7, #ARGV, 3 do
       redis.call('XADD', wf .. ':log', '*', 't', 'stage', 'stage', stage, 'status', status,
         'attempt', attempt, 'replica', replica)
     end
-    woke = woke or ARGV[5] == '1'
-    out[#out + 1] = {'ok', rec[2], rec[3], rec[4], rec[5], cur[3] or '0'}
+    local catchup = {}
+    for _, src in ipairs(upstream) do
+      catchup[#catchup + 1] = {src, redis.call('XRANGE', wf .. ':edge:' .. src .. ':' .. stage, '-', '+')}
+    end
+    out[#out + 1] = {'ok', rec[2], rec[3], rec[4], rec[5], cur[3] or '0', catchup}
   end
-end
-if woke then
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', '64', '*', 'w', '1')
 end
 return out

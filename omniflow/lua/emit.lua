@@ -1,14 +1,16 @@
 -- emit: write a session's output steps (fenced; idempotent on seq), optionally then finish it.
 -- KEYS[1] wf base key  KEYS[2] the stage's task stream  KEYS[3] events stream (2 and 3: finish only)
 -- ARGV[1] stage  ARGV[2] attempt  ARGV[3] new stage status or ''  ARGV[4] now_ms
--- ARGV[5] msgpack array of steps; a step is {seq, op, ...} with ops applied in order:
+-- ARGV[5] prefix  ARGV[6] workflow id
+-- ARGV[7] msgpack array of steps; a step is {seq, op, ...} with ops applied in order:
 --   'X', key suffix, {f1, v1, ..., fn, vn}   XADD <wf><suffix> * fields
+--   'E', downstream stage, {fields}           append to the edge log (+ forward to the consumer's inbox)
 --   'A', key suffix, value                    APPEND <wf><suffix> value
 --   'H', field, value                         HSET stages field value
 --   'I', field, increment                     HINCRBY stages field increment
 --   Steps whose seq is not above the stage's last written seq are skipped (replays).
 --   Steps must be contiguous: one past a hole (a write lost with a Redis connection) is refused.
--- ARGV[6] optional msgpack finish: {group, entry id, outcome, detail, retryable, last seq, downstream csv}
+-- ARGV[8] optional msgpack finish: {group, entry id, outcome, detail, retryable, last seq, downstream csv}
 --   (see finish.lua), applied after the steps.
 -- Returns 'ok' | 'dup' (every step was already written) | 'fenced' (session no longer owns the stage)
 --       | 'gap' (steps after a hole were not written: the attempt must end; a retry resumes)
@@ -25,7 +27,7 @@ local function write_steps()
     redis.call('HSET', sk, stage, ARGV[3])
     redis.call('XADD', wf .. ':log', '*', 't', 'stage', 'stage', stage, 'status', ARGV[3], 'attempt', ARGV[2])
   end
-  local steps = cmsgpack.unpack(ARGV[5])
+  local steps = cmsgpack.unpack(ARGV[7])
   local last = tonumber(cur[3] or '0')
   local wrote = 0
   local gap = false
@@ -41,6 +43,8 @@ local function write_steps()
         local op = step[i]
         if op == 'X' then
           redis.call('XADD', wf .. step[i + 1], '*', unpack(step[i + 2]))
+        elseif op == 'E' then
+          edge_append(wf, ARGV[5], ARGV[6], stage, step[i + 1], step[i + 2])
         elseif op == 'A' then
           redis.call('APPEND', wf .. step[i + 1], step[i + 2])
         elseif op == 'H' then
@@ -68,14 +72,14 @@ end
 
 local res = write_steps()
 if type(res) == 'table' then return res end   -- an error reply
-if ARGV[6] then
-  local f = cmsgpack.unpack(ARGV[6])
+if ARGV[8] then
+  local f = cmsgpack.unpack(ARGV[8])
   local outcome, detail, retryable = f[3], f[4], f[5]
   if res == 'gap' then      -- never close as done over a hole: fail the attempt, the retry resumes
     outcome, detail, retryable = 'failed', 'an earlier write of this attempt was lost', '1'
   end
-  local closed = finish_session(wf, KEYS[2], KEYS[3], f[1], f[2], stage, ARGV[2], outcome, detail, retryable,
-    ARGV[4], f[6], f[7])
+  local closed = finish_session(wf, ARGV[5], KEYS[2], KEYS[3], f[1], f[2], stage, ARGV[2], outcome, detail,
+    retryable, ARGV[4], f[6], f[7])
   if res == 'fenced' or res == 'gap' then return res end
   return closed
 end

@@ -3,10 +3,10 @@
 -- ARGV[1] group  ARGV[2] task entry id  ARGV[3] stage  ARGV[4] attempt
 -- ARGV[5] outcome 'done'|'failed'  ARGV[6] usage JSON (done) or error message (failed)
 -- ARGV[7] '1' if the failure is retryable  ARGV[8] now_ms  ARGV[9] last seq emitted
--- ARGV[10] downstream stages csv (an end-of-stream entry goes on each edge)
+-- ARGV[10] downstream stages csv (an end-of-stream entry goes on each edge)  ARGV[11] prefix
 -- The task is always acked: a fenced session must not be redelivered.
 -- (emit.lua can carry the same finish after a session's last steps, saving a call.)
 -- Returns 'ok' | 'fenced'
 --@include _lib.lua
-return finish_session(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6],
-  ARGV[7], ARGV[8], ARGV[9], ARGV[10])
+return finish_session(KEYS[1], ARGV[11], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5],
+  ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10])

@@ -1,0 +1,130 @@
+"""`omniflow jobs`: one process that runs the arq worker for both job kinds
+(`deliver_webhook`, `run_batch_chunk`) and the `<prefix>:notify` dispatcher.
+
+Any number may run against one Redis: arq hands each job to one of them, the
+dispatcher shares `<prefix>:notify` through a consumer group. SIGTERM stops
+picking jobs, lets running ones finish for `jobs_grace_s`, then cancels the
+rest; arq re-queues a cancelled job and both job kinds resume where they were.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from typing import Any
+
+from arq.worker import Worker, func
+from redis.exceptions import RedisError
+
+from omniflow.batch import CHUNK_MAX_TRIES, run_batch_chunk
+from omniflow.config import Settings
+from omniflow.egress import EgressPolicy
+from omniflow.jobkeys import JobKeys
+from omniflow.jobqueue import (
+    DELIVER_WEBHOOK,
+    RUN_BATCH_CHUNK,
+    create_job_pool,
+    job_deserializer,
+    job_serializer,
+    queue_name,
+)
+from omniflow.pipeline import Pipeline
+from omniflow.runtime import check_eviction_policy
+from omniflow.store import Store, connect
+from omniflow.webhooks import NotifyDispatcher, WebhookSender, deliver_webhook, http_client, load_secret, make_signer
+
+logger = logging.getLogger(__name__)
+
+HEALTH_CHECK_INTERVAL_S = 5
+WEBHOOK_RESULT_TTL_S = 24 * 3600     # arq keeps the result this long: a re-enqueued job id is a no-op meanwhile
+
+
+def worker_settings(settings: Settings) -> dict[str, Any]:
+    """arq `Worker` keyword arguments (a `WorkerSettings` as a dict), without the Redis connection."""
+    return {
+        "functions": [
+            func(deliver_webhook, name=DELIVER_WEBHOOK, timeout=settings.webhook_timeout_s + 10,
+                 keep_result=WEBHOOK_RESULT_TTL_S, max_tries=settings.webhook_max_attempts + 1),
+            func(run_batch_chunk, name=RUN_BATCH_CHUNK, timeout=settings.batch_slice_s + 60,
+                 keep_result=settings.result_ttl_s, max_tries=CHUNK_MAX_TRIES),
+        ],
+        "queue_name": queue_name(settings),
+        "job_serializer": job_serializer,
+        "job_deserializer": job_deserializer,
+        "max_jobs": settings.jobs_max_concurrency,
+        "poll_delay": settings.jobs_poll_delay_s,
+        "health_check_interval": HEALTH_CHECK_INTERVAL_S,
+        "handle_signals": False,
+    }
+
+
+class JobsRunner:
+    def __init__(self, *, settings: Settings, pipeline: Pipeline, redis_url: str, runner_id: str | None = None) -> None:
+        self.settings, self.pipeline, self.redis_url = settings, pipeline, redis_url
+        self.id = runner_id or f"jobs-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.started = asyncio.Event()
+        self.dispatcher: NotifyDispatcher | None = None
+        self.worker: Worker | None = None
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        stop = stop or asyncio.Event()
+        redis = connect(self.redis_url)
+        http = http_client(self.settings)
+        try:
+            await check_eviction_policy(redis)
+            signer = make_signer(await load_secret(redis, JobKeys(self.settings.prefix), self.settings))
+            pool = await create_job_pool(self.redis_url, self.settings)
+            ctx = {"store": Store(redis, self.settings, self.pipeline),
+                   "sender": WebhookSender(signer, EgressPolicy.from_settings(self.settings), http)}
+            self.worker = Worker(**worker_settings(self.settings), redis_pool=pool, ctx=ctx)
+            self.dispatcher = NotifyDispatcher(redis=connect(self.redis_url), pool=pool, settings=self.settings,
+                                               consumer=self.id)
+            halt = asyncio.Event()
+            tasks = [asyncio.create_task(self.worker.async_run(), name="arq-worker"),
+                     asyncio.create_task(self.dispatcher.run(halt), name="notify-dispatcher")]
+            self.started.set()
+            logger.info("jobs runner %s serving queue %s", self.id, self.worker.queue_name)
+            stopper = asyncio.create_task(stop.wait())
+            await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            halt.set()
+            await self._shutdown(tasks)
+        finally:
+            await http.aclose()
+            await redis.aclose()
+
+    async def _shutdown(self, tasks: list[asyncio.Task[Any]]) -> None:
+        worker, dispatcher = self.worker, self.dispatcher
+        assert worker is not None and dispatcher is not None
+        worker.allow_pick_jobs = False
+        deadline = time.monotonic() + self.settings.jobs_grace_s
+        while any(not t.done() for t in worker.tasks.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        # arq's Worker.close() calls the deprecated Redis.close(); this is the same, with aclose()
+        worker.handle_sig(signal.SIGTERM)       # cancels what is left: arq re-queues it
+        await asyncio.gather(*worker.tasks.values(), return_exceptions=True)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(RedisError, OSError):
+            await worker.pool.delete(worker.health_check_key)
+        await worker.pool.aclose()
+        await dispatcher.redis.aclose()
+        for task, result in zip(tasks, results):
+            if isinstance(result, Exception):
+                logger.error("jobs runner: %s ended with %r", task.get_name(), result)
+        logger.info("jobs runner %s stopped (%d notify entries dispatched; jobs: %d done, %d failed, %d retried)",
+                    self.id, dispatcher.dispatched, worker.jobs_complete, worker.jobs_failed, worker.jobs_retried)
+        failures = [r for r in results if isinstance(r, Exception)]
+        if failures:
+            raise failures[0]
+
+
+def run_jobs(settings: Settings, pipeline: Pipeline, redis_url: str) -> None:
+    """Run the job runner until SIGINT/SIGTERM (blocking)."""
+    from omniflow.runtime import run_until_signal
+
+    run_until_signal(JobsRunner(settings=settings, pipeline=pipeline, redis_url=redis_url).run)

@@ -1,0 +1,251 @@
+"""Webhook callbacks: a terminal workflow's document, POSTed to its `webhook_url`.
+
+Flow: the Lua `finalize` XADDs `{wf, state}` to `<prefix>:notify` when a
+workflow with a webhook ends. `NotifyDispatcher` (in every `omniflow jobs`
+process, consumer group `webhooks`, stale entries reclaimed with XAUTOCLAIM)
+turns each entry into one arq job `deliver_webhook` whose job id is stable per
+(workflow, state), then acks and deletes the entry. The job POSTs the workflow
+document with Standard Webhooks headers; a non-2xx answer or a network error
+is retried by arq with exponential backoff up to `webhook_max_attempts`.
+Addresses are checked by `omniflow.egress` first (no private targets).
+
+Outcomes are kept in `<prefix>:webhook:{<id>}` (hash) and counted in
+`<prefix>:stats` fields `webhook:delivered`, `webhook:failed`,
+`webhook:refused` and `webhook:retried` (read by `/metrics`).
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from enum import Enum
+from typing import Any
+
+import httpx
+from arq import Retry
+from arq.connections import ArqRedis
+from redis.asyncio import Redis
+from redis.exceptions import RedisError, ResponseError
+from standardwebhooks import Webhook
+
+from omniflow.config import Settings
+from omniflow.egress import EgressPolicy, EgressRefused, check_url, split_url
+from omniflow.errors import ConfigError, WorkflowNotFound
+from omniflow.jobkeys import NOTIFY_GROUP, JobKeys
+from omniflow.jobqueue import DELIVER_WEBHOOK
+from omniflow.store import Store, s
+
+logger = logging.getLogger(__name__)
+
+BACKOFF_FACTOR = 4
+USER_AGENT = "omniflow-webhooks/1"
+CLAIM_INTERVAL_S = 5.0
+READ_COUNT = 64
+ERROR_PAUSE_S = 1.0
+
+
+class DeliveryOutcome(str, Enum):
+    DELIVERED = "delivered"
+    RETRIED = "retried"     # one failed attempt; another is scheduled
+    FAILED = "failed"       # every attempt failed, or the workflow record is gone
+    REFUSED = "refused"     # the URL is not allowed (SSRF policy, bad scheme); never retried
+
+
+def backoff_s(attempt: int, *, base_s: float, max_s: float) -> float:
+    """Delay before attempt `attempt + 1`: base, x4 each time, capped."""
+    return float(min(max_s, base_s * BACKOFF_FACTOR ** max(0, attempt - 1)))
+
+
+def webhook_id(wf_id: str, state: str) -> str:
+    """The `webhook-id` header: the same on every retry of one (workflow, state), so receivers can dedupe."""
+    return f"msg_{wf_id}_{state}"
+
+
+def make_signer(secret: str) -> Webhook:
+    try:
+        return Webhook(secret)
+    except Exception as exc:    # noqa: BLE001 - the package raises bare errors for bad base64
+        raise ConfigError(f"OMNIFLOW_WEBHOOK_SECRET is not a valid 'whsec_<base64>' secret: {exc}") from exc
+
+
+async def load_secret(redis: Redis, keys: JobKeys, settings: Settings) -> str:
+    """`webhook_secret`, else the one kept in Redis (generated once, shared by every jobs process)."""
+    if settings.webhook_secret:
+        make_signer(settings.webhook_secret)
+        return settings.webhook_secret
+    fresh = "whsec_" + base64.b64encode(os.urandom(32)).decode()
+    if await redis.set(keys.webhook_secret, fresh, nx=True):
+        logger.warning("no OMNIFLOW_WEBHOOK_SECRET: generated one and stored it in Redis key %s "
+                       "(receivers need it to verify signatures)", keys.webhook_secret)
+    return s(await redis.get(keys.webhook_secret))
+
+
+@dataclass
+class WebhookSender:
+    """Signs and POSTs one payload, connecting to the address the egress policy approved."""
+
+    signer: Webhook
+    policy: EgressPolicy
+    http: httpx.AsyncClient
+
+    async def post(self, url: str, msg_id: str, body: str) -> int:
+        """The response status; EgressRefused or httpx.HTTPError when there is none."""
+        addr = await check_url(url, self.policy)
+        scheme, host, port = split_url(url)
+        now = datetime.now(tz=timezone.utc)
+        default_port = 443 if scheme == "https" else 80
+        headers = {
+            "content-type": "application/json",
+            "host": host if port == default_port else f"{host}:{port}",
+            "webhook-id": msg_id,
+            "webhook-timestamp": str(int(now.timestamp())),
+            "webhook-signature": self.signer.sign(msg_id, now, body),
+        }
+        pinned = httpx.URL(url).copy_with(host=str(addr))
+        extensions = {"sni_hostname": host} if scheme == "https" else {}
+        async with self.http.stream("POST", pinned, content=body.encode(), headers=headers,
+                                    extensions=extensions) as resp:
+            return resp.status_code
+
+
+def http_client(settings: Settings) -> httpx.AsyncClient:
+    # no redirects (a 3xx could point inside the network), no proxies from the environment
+    return httpx.AsyncClient(timeout=settings.webhook_timeout_s, follow_redirects=False, trust_env=False,
+                             headers={"user-agent": USER_AGENT})
+
+
+async def record(redis: Redis, keys: JobKeys, wf_id: str, outcome: DeliveryOutcome, *, ttl_s: int,
+                 **fields: Any) -> None:
+    """One pipeline: the per-workflow delivery record and the `<prefix>:stats` counter."""
+    now = int(time.time() * 1000)
+    values = {k: "" if v is None else str(v) for k, v in fields.items()}
+    values.update(outcome=outcome.value, updated_ms=str(now))
+    if outcome is DeliveryOutcome.DELIVERED:
+        values["delivered_ms"] = str(now)
+    pipe = redis.pipeline(transaction=True)
+    pipe.hset(keys.webhook(wf_id), mapping=values)
+    pipe.expire(keys.webhook(wf_id), ttl_s)
+    pipe.hincrby(keys.stats, f"webhook:{outcome.value}", 1)
+    await pipe.execute()
+
+
+async def deliver_webhook(ctx: dict[str, Any], *, wf_id: str, state: str) -> str:
+    """arq job: POST the document of workflow `wf_id` (ended in `state`) to its webhook URL."""
+    store: Store = ctx["store"]
+    sender: WebhookSender = ctx["sender"]
+    settings = store.settings
+    keys = JobKeys(settings.prefix)
+    attempt = int(ctx.get("job_try") or 1)
+    msg_id = webhook_id(wf_id, state)
+    prior = await store.redis.hmget(keys.webhook(wf_id), "outcome", "webhook_id")
+    if s(prior[0]) in (DeliveryOutcome.DELIVERED.value, DeliveryOutcome.REFUSED.value) and s(prior[1]) == msg_id:
+        return f"already {s(prior[0])}"
+    base = {"webhook_id": msg_id, "state": state, "attempts": attempt}
+
+    async def done(outcome: DeliveryOutcome, **fields: Any) -> str:
+        await asyncio.shield(record(store.redis, keys, wf_id, outcome, ttl_s=settings.result_ttl_s,
+                                    **base, **fields))
+        return outcome.value
+
+    url = s(await store.redis.hget(keys.wf(wf_id), "webhook"))
+    try:
+        doc = await store.document(wf_id)
+    except WorkflowNotFound:
+        logger.warning("webhook %s: workflow %s is gone (expired?); not delivered", msg_id, wf_id)
+        return await done(DeliveryOutcome.FAILED, error="workflow record expired before delivery")
+    if not url:
+        return await done(DeliveryOutcome.FAILED, error="workflow has no webhook_url")
+    body = json.dumps(doc, separators=(",", ":"))
+    status: int | None = None
+    try:
+        status = await sender.post(url, msg_id, body)
+        error = "" if 200 <= status < 300 else f"HTTP {status}"
+    except EgressRefused as exc:
+        logger.warning("webhook %s for workflow %s refused: %s", msg_id, wf_id, exc)
+        return await done(DeliveryOutcome.REFUSED, url=url, error=str(exc))
+    except httpx.HTTPError as exc:
+        error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if not error:
+        logger.info("webhook %s delivered to %s (attempt %d, HTTP %d)", msg_id, url, attempt, status)
+        return await done(DeliveryOutcome.DELIVERED, url=url, status=status, error="")
+    if attempt >= settings.webhook_max_attempts:
+        logger.warning("webhook %s to %s failed after %d attempts: %s", msg_id, url, attempt, error)
+        return await done(DeliveryOutcome.FAILED, url=url, status=status, error=error)
+    delay = backoff_s(attempt, base_s=settings.webhook_backoff_s, max_s=settings.webhook_backoff_max_s)
+    logger.info("webhook %s to %s: %s; attempt %d of %d in %.1fs", msg_id, url, error, attempt + 1,
+                settings.webhook_max_attempts, delay)
+    await done(DeliveryOutcome.RETRIED, url=url, status=status, error=error,
+               next_attempt_ms=int((time.time() + delay) * 1000))
+    raise Retry(defer=delay)
+
+
+class NotifyDispatcher:
+    """Turns `<prefix>:notify` entries into `deliver_webhook` jobs (consumer group, crash-safe)."""
+
+    def __init__(self, *, redis: Redis, pool: ArqRedis, settings: Settings, consumer: str) -> None:
+        self.redis, self.pool, self.settings, self.consumer = redis, pool, settings, consumer
+        self.keys = JobKeys(settings.prefix)
+        self.dispatched = 0
+
+    async def ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.keys.notify, NOTIFY_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.ensure_group()
+        next_claim = 0.0
+        while not stop.is_set():
+            try:
+                if time.monotonic() >= next_claim:
+                    next_claim = time.monotonic() + CLAIM_INTERVAL_S
+                    await self.claim_stale()
+                reply = await self.redis.xreadgroup(NOTIFY_GROUP, self.consumer, {self.keys.notify: ">"},
+                                                    count=READ_COUNT, block=self.settings.block_ms)
+                for _stream, entries in reply or []:
+                    await self.dispatch(entries)
+            except (RedisError, OSError) as exc:
+                logger.warning("notify dispatcher: %s; retrying in %.1fs", exc, ERROR_PAUSE_S)
+                await asyncio.sleep(ERROR_PAUSE_S)
+                if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
+                    await self.ensure_group()
+
+    async def claim_stale(self) -> None:
+        """Take over entries another dispatcher read but never acked (it died)."""
+        start = "0-0"
+        while True:
+            reply = await self.redis.xautoclaim(self.keys.notify, NOTIFY_GROUP, self.consumer,
+                                                min_idle_time=self.settings.event_claim_idle_ms,
+                                                start_id=start, count=READ_COUNT)
+            start, entries = s(reply[0]), reply[1]
+            if entries:
+                logger.info("notify dispatcher %s reclaimed %d stale entries", self.consumer, len(entries))
+                await self.dispatch(entries)
+            if start == "0-0" or not entries:
+                return
+
+    async def dispatch(self, entries: list[Any]) -> None:
+        done: list[Any] = []
+        for entry_id, fields in entries:
+            if fields:
+                wf_id, state = s(fields.get(b"wf")), s(fields.get(b"state"))
+                if wf_id and state:
+                    # None means a job with this id exists already (redelivered entry): nothing to do
+                    await self.pool.enqueue_job(DELIVER_WEBHOOK, _job_id=self.keys.job_id("webhook", wf_id, state),
+                                                wf_id=wf_id, state=state)
+                    self.dispatched += 1
+                else:
+                    logger.warning("notify entry %s is malformed (%s); dropped", s(entry_id), fields)
+            done.append(entry_id)
+        if done:
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.xack(self.keys.notify, NOTIFY_GROUP, *done)
+            pipe.xdel(self.keys.notify, *done)
+            await pipe.execute()
