@@ -21,7 +21,7 @@ import uuid
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from omniflow import scripts
@@ -47,6 +47,11 @@ redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
 return 1
 """
 SWEEP_BATCH = 200
+
+
+def _noscript(result: Any) -> bool:
+    """A NOSCRIPT reply (the server restarted or was flushed): redis-py says "No matching script"."""
+    return isinstance(result, NoScriptError) or (isinstance(result, ResponseError) and "NOSCRIPT" in str(result))
 
 
 def backoff_ms(attempt: int, *, base_s: float, cap_s: float, jitter: float, rng: random.Random) -> int:
@@ -150,7 +155,7 @@ class Reconciler:
         pipe.xack(self.keys.events, EVENT_GROUP, *ids)
         pipe.xdel(self.keys.events, *ids)
         results = await pipe.execute(raise_on_error=False)
-        if any(isinstance(r, ResponseError) and "NOSCRIPT" in str(r) for r in results):
+        if any(_noscript(r) for r in results):
             await scripts.load_all(self.redis)
             return await self.apply(entries)     # idempotent: applied ones are ignored the second time
         out = []
@@ -214,7 +219,7 @@ class Reconciler:
         for call in calls:
             pipe.execute_command(*call)
         results = list(await pipe.execute(raise_on_error=False))
-        missing = [i for i, r in enumerate(results) if isinstance(r, ResponseError) and "NOSCRIPT" in str(r)]
+        missing = [i for i, r in enumerate(results) if _noscript(r)]
         if missing:
             await scripts.load_all(self.redis)
             pipe = self.redis.pipeline(transaction=False)

@@ -55,7 +55,7 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
   end
   redis.call('ZREM', inflight_key, id)
   for _, edge in ipairs(csv(rec[2])) do
-    redis.call('DEL', wf .. ':edge:' .. edge)
+    redis.call('UNLINK', wf .. ':edge:' .. edge)
   end
   redis.call('XADD', wf .. ':log', '*', 't', 'terminal', 'state', state, 'error', err or '', 'stage', err_stage or '')
   redis.call('EXPIRE', wf, result_ttl)

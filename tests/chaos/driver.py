@@ -61,6 +61,7 @@ class ChaosConfig:
     sweep_interval_s: float = 0.25
     event_claim_idle_ms: int = 1500
     kill_every_s: float = 2.0
+    min_worker_kills: int = 8
     quiesce_timeout_s: float = 120.0
     seed: int = 1234
 
@@ -330,7 +331,6 @@ class ChaosRun:
                               sigstop: bool = True) -> None:
         """SIGKILL a random worker every ~kill_every_s (and restart it); once each: the reconciler,
         the API and a SIGSTOP past the lease."""
-        n = 0
         extra = []
         if kill_reconciler:
             extra.append("reconciler")
@@ -338,25 +338,41 @@ class ChaosRun:
             extra.append("api")
         if sigstop:
             extra.append("stop")
-        while self._submitting or n < 4:
+        n, kills = 0, 0
+        background: list[asyncio.Task[None]] = []
+        while self._submitting or extra or kills < self.cfg.min_worker_kills:
             await asyncio.sleep(self.cfg.kill_every_s * self.rng.uniform(0.75, 1.25))
             n += 1
-            if extra and n % 3 == 0:
+            if extra and (n % 3 == 0 or not self._submitting):
                 what = extra.pop(0)
-                if what == "stop":
-                    await self._stop_worker()
+                if what == "stop":     # runs beside the kills: the stopped worker stays stopped past its lease
+                    background.append(asyncio.create_task(self._stop_worker()))
                 else:
                     victim = self.cluster.live(what)[0]
                     self._fault(f"kill-{what}", victim)
                     self.cluster.kill(victim)
                     self.cluster.spawn(what)
                 continue
-            workers = self.cluster.live("worker:")
-            victim = self.rng.choice(workers)
+            stopped = {f.pid for f in self.faults if f.kind == "stop-worker" and not f.until_ms}
+            workers = [p for p in self.cluster.live("worker:") if p.popen.pid not in stopped]
+            # prefer workers that are serving (heartbeating): a kill should hit live sessions
+            serving = await self._serving(workers)
+            victim = self.rng.choice(serving or workers)
             self._fault("kill-worker", victim)
             self.cluster.kill(victim)
-            fresh = self.cluster.spawn(victim.role)
-            await self._sleep_until_worker_started(fresh)
+            self.cluster.spawn(victim.role)
+            kills += 1
+        await asyncio.gather(*background)
+
+    async def _serving(self, procs: list[Proc]) -> list[Proc]:
+        r = connect(self.redis_url, socket_timeout=2)
+        try:
+            members = [s(m) for m in await r.zrange(self.keys.workers, 0, -1)]
+        except Exception:  # noqa: BLE001
+            return []
+        finally:
+            await r.aclose()
+        return [p for p in procs if any(f"-{p.popen.pid}-" in m for m in members)]
 
     async def _stop_worker(self) -> None:
         victim = self.rng.choice(self.cluster.live("worker:"))
@@ -377,7 +393,18 @@ class ChaosRun:
         self.faults[-1].until_ms = int(time.time() * 1000)
 
     # ------------------------------------------------------------ run
+    async def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Until every worker process heartbeats (so the faults hit a serving cluster)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            workers = self.cluster.live("worker:")
+            if len(await self._serving(workers)) == len(workers):
+                return
+            await asyncio.sleep(0.2)
+        raise TimeoutError(f"workers not serving within {timeout_s}s; logs in {self.cluster.workdir}")
+
     async def run(self, chaos: Any) -> Report:
+        await self.wait_ready()
         t0 = time.monotonic()
         redis = connect(self.redis_url, socket_timeout=5)
         store = Store(redis, self.cluster.settings, self.cluster.pipeline)
