@@ -266,7 +266,11 @@ class Worker:
             while replies is None:
                 try:
                     replies = await self.batcher.script("claim", [self.tasks_key], args)
-                except REDIS_ERRORS as exc:     # a retried claim is harmless (same replica: 'ok' again)
+                    if not isinstance(replies, list) or len(replies) != len(claims):
+                        raise ResponseError(f"unexpected claim reply {replies!r:.200}")
+                except (*REDIS_ERRORS, ResponseError) as exc:   # e.g. LOADING after a restart
+                    # a retried claim is harmless (same replica: 'ok' again)
+                    replies = None
                     if self._stopping:
                         return
                     logger.warning("worker %s: claim failed: %s; retrying in %.2fs", self.id, exc, backoff)

@@ -568,10 +568,11 @@ class ChaosRun:
         stale = [w for w in workers if not any(f"-{pid}-" in w for pid in live_pids)]
         if stale:
             left["stale worker leases"] = stale
-        wakes = [s(k) async for k in redis.scan_iter(match=f"{self.keys.prefix}:wake:*", count=1000)]
-        stale_wakes = [k for k in wakes if not any(f"-{pid}-" in k for pid in live_pids)]
-        if stale_wakes:
-            left["stale wake streams"] = len(stale_wakes)
+        for kind in ("wake", "inbox"):        # a dead worker's private streams are deleted with its lease
+            keys = [s(k) async for k in redis.scan_iter(match=f"{self.keys.prefix}:{kind}:*", count=1000)]
+            stale_keys = [k for k in keys if not any(f"-{pid}-" in k for pid in live_pids)]
+            if stale_keys:
+                left[f"stale {kind} streams"] = len(stale_keys)
         rep.leftovers = left
         if left:
             rep.problems.append(f"leftovers after quiescence: {left}")
