@@ -36,6 +36,7 @@ from omniflow.config import Settings
 from omniflow.errors import Fenced, PipelineError, RedisUnavailable, StageError
 from omniflow.keys import TASK_GROUP, Keys
 from omniflow.pipeline import Pipeline, import_executor
+from omniflow.runtime import check_eviction_policy
 from omniflow.session import Session
 from omniflow.store import connect, csv, now_ms, s
 from omniflow.workers.base import Executor
@@ -97,6 +98,7 @@ class Worker:
         self.batcher = Batcher(self.redis)
         self.inbox_key = self.keys.inbox(self.id)
         try:
+            await check_eviction_policy(self.redis)
             await scripts.load_all(self.redis)
             await ensure_group(self.redis, self.tasks_key, TASK_GROUP)
             await self.executor.setup()
