@@ -9,7 +9,7 @@ counts the outcome exactly once. It works in slices of `batch_slice_s`: a
 slice that ends with lines still running raises `Retry`, so a crashed or
 stopped jobs process loses at most one slice of waiting, never a line.
 
-Keys (see `omniflow.jobkeys`): `<prefix>:batch:{<id>}` (hash: total,
+Keys (see `omniflow.keys`): `<prefix>:batch:{<id>}` (hash: total,
 submitted, completed, failed, invalid, state, created_ms, finished_ms),
 `...:input` (line -> request), `...:lines` (line -> {wf, state, error}),
 `...:done` (stream, one entry when the batch ends), `<prefix>:batches` (zset).
@@ -36,7 +36,7 @@ from redis.exceptions import RedisError
 
 from omniflow.config import Settings
 from omniflow.errors import AdmissionRefused, InvalidRequest, RedisUnavailable, WorkflowError, WorkflowNotFound
-from omniflow.jobkeys import JobKeys
+from omniflow.keys import Keys
 from omniflow.jobqueue import RUN_BATCH_CHUNK
 from omniflow.models import TERMINAL_STATES, SubmitRequest, WorkflowState
 from omniflow.pipeline import Pipeline
@@ -94,7 +94,8 @@ def parse_line(raw: str, pipeline: Pipeline, settings: Settings) -> SubmitReques
     if "text" in obj:
         if "input" in obj:
             raise InvalidRequest("give either 'input' or 'text', not both")
-        obj = {**obj, "input": {"text": obj.pop("text")}}
+        text = obj.pop("text")
+        obj = {**obj, "input": {"text": text}}
     elif isinstance(obj.get("input"), str):
         obj = {**obj, "input": {"text": obj["input"]}}
     try:
@@ -143,7 +144,7 @@ def line_workflow_id(batch_id: str, line: int) -> str:
 
 async def submit_batch(store: Store, pool: ArqRedis, batch: ParsedBatch, *, tenant: str = "default") -> dict[str, Any]:
     """Write the batch record and enqueue its chunk jobs. Returns {id, state, total, invalid: [...]}."""
-    settings, keys = store.settings, JobKeys(store.settings.prefix)
+    settings, keys = store.settings, Keys(store.settings.prefix)
     batch_id = uuid.uuid4().hex
     lines = sorted(batch.requests)
     chunks = [lines[i:i + settings.batch_chunk_lines] for i in range(0, len(lines), settings.batch_chunk_lines)]
@@ -174,10 +175,10 @@ class _Chunk:
     batch_id: str
     tenant: str
     deadline: float             # time.monotonic() when this slice ends
-    keys: JobKeys = field(init=False)
+    keys: Keys = field(init=False)
 
     def __post_init__(self) -> None:
-        self.keys = JobKeys(self.store.settings.prefix)
+        self.keys = Keys(self.store.settings.prefix)
 
     @property
     def redis(self) -> Redis:
@@ -265,7 +266,7 @@ async def run_batch_chunk(ctx: dict[str, Any], *, batch_id: str, lines: list[int
     """arq job: run some lines of a batch for one slice; `Retry` while any is still running."""
     store: Store = ctx["store"]
     settings = store.settings
-    tenant = s(await store.redis.hget(JobKeys(settings.prefix).batch(batch_id), "tenant"))
+    tenant = s(await store.redis.hget(Keys(settings.prefix).batch(batch_id), "tenant"))
     if not tenant:
         logger.warning("batch %s is gone (expired?); chunk dropped", batch_id)
         return "gone"
@@ -299,7 +300,7 @@ async def run_batch_chunk(ctx: dict[str, Any], *, batch_id: str, lines: list[int
 # ---------------------------------------------------------------- reading
 async def batch_status(store: Store, batch_id: str, *, lines: bool = True) -> dict[str, Any]:
     """The batch record, and with `lines` every line's workflow id, state and error."""
-    keys = JobKeys(store.settings.prefix)
+    keys = Keys(store.settings.prefix)
     rec = {s(k): s(v) for k, v in (await store.redis.hgetall(keys.batch(batch_id))).items()}
     if not rec:
         raise WorkflowNotFound(f"no batch {batch_id}")
@@ -332,7 +333,7 @@ async def batch_status(store: Store, batch_id: str, *, lines: bool = True) -> di
 
 async def wait_batch(store: Store, batch_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:
     """Block (on the batch's `done` stream, no polling) until it ends or the timeout passes; its status."""
-    keys = JobKeys(store.settings.prefix)
+    keys = Keys(store.settings.prefix)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         state = s(await store.redis.hget(keys.batch(batch_id), "state"))
@@ -349,4 +350,4 @@ async def wait_batch(store: Store, batch_id: str, *, timeout_s: float | None = N
 
 async def runner_alive(redis: Redis, settings: Settings) -> bool:
     """Whether some `omniflow jobs` process has reported in recently (arq's health-check key)."""
-    return bool(await redis.exists(JobKeys(settings.prefix).jobs_queue + ":health-check"))
+    return bool(await redis.exists(Keys(settings.prefix).jobs_queue + ":health-check"))

@@ -5,99 +5,32 @@ Every reporting command takes `--json` and then prints one JSON document.
 """
 from __future__ import annotations
 
-import asyncio
-import functools
 import json
 import sys
-from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from omniflow.config import Settings, get_settings
-from omniflow.errors import (
-    AdmissionRefused,
-    ConfigError,
-    InvalidRequest,
-    OmniflowError,
-    PipelineError,
-    RedisUnavailable,
-    WorkflowError,
-    WorkflowNotFound,
-    WorkflowRetired,
+from omniflow.cli_common import (
+    EXIT_WORKFLOW_FAILED,
+    JsonOpt,
+    _pipeline,
+    _print_json,
+    _run,
+    _settings,
+    _with_client,
+    console,
+    handle_errors,
 )
-from omniflow.pipeline import Pipeline, load_pipeline
-
-T = TypeVar("T")
-
-EXIT_OK, EXIT_WORKFLOW_FAILED, EXIT_BAD_INPUT, EXIT_REDIS = 0, 1, 2, 3
+from omniflow.errors import InvalidRequest
+from omniflow.pipeline import load_pipeline
 
 app = typer.Typer(help="omniflow: durable multi-stage model serving on Redis.", no_args_is_help=True,
                   pretty_exceptions_enable=False, add_completion=False)
 dlq_app = typer.Typer(help="Dead-letter streams.", no_args_is_help=True)
 app.add_typer(dlq_app, name="dlq")
-console = Console()
-err_console = Console(stderr=True)
-
-JsonOpt = typer.Option(False, "--json", help="print one JSON document on stdout")
-
-
-def _fail(code: int, message: str) -> None:
-    err_console.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
-
-
-def handle_errors(fn: Callable[..., T]) -> Callable[..., T]:
-    """Map omniflow errors to one line on stderr and the documented exit code."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> T:
-        try:
-            return fn(*args, **kwargs)
-        except (RedisUnavailable, ConnectionError) as exc:
-            _fail(EXIT_REDIS, f"{exc} (is `omniflow up` running, or OMNIFLOW_REDIS_URL right?)")
-        except ConfigError as exc:
-            _fail(EXIT_REDIS if "Redis" in str(exc) else EXIT_BAD_INPUT, str(exc))
-        except (PipelineError, InvalidRequest, WorkflowRetired, WorkflowNotFound, AdmissionRefused) as exc:
-            _fail(EXIT_BAD_INPUT, str(exc))
-        except (WorkflowError, OmniflowError) as exc:
-            _fail(EXIT_BAD_INPUT, str(exc))
-        raise AssertionError("unreachable")
-
-    return wrapper
-
-
-def _settings() -> Settings:
-    return get_settings()
-
-
-def _pipeline(path: Path | None = None) -> Pipeline:
-    settings = _settings()
-    return load_pipeline(path or settings.pipeline_path())
-
-
-def _run(coro_fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
-    """Run one coroutine with a client bound to this loop (connection errors surface as RedisUnavailable)."""
-    from redis.exceptions import ConnectionError as RedisConnectionError
-
-    try:
-        return asyncio.run(coro_fn(*args))
-    except RedisConnectionError as exc:
-        raise RedisUnavailable(f"Redis unreachable: {exc}") from exc
-
-
-async def _with_client(fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
-    from omniflow.client import AsyncClient
-
-    async with AsyncClient(settings=_settings(), pipeline=_pipeline()) as client:
-        return await fn(client, *args)
-
-
-def _print_json(doc: Any) -> None:
-    sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
 
 
 # ---------------------------------------------------------------- processes
@@ -383,6 +316,12 @@ def dlq_replay(stage: str = typer.Argument(...), entry: str = typer.Option(None,
     else:
         for row in rows:
             console.print(f"{row['entry']}: {row['wf']} -> {row.get('new_id') or row.get('skipped')}")
+
+
+from omniflow.cli_batch import batch_app, jobs_cmd  # noqa: E402 - uses the helpers above
+
+app.add_typer(batch_app, name="batch")
+app.command("jobs")(jobs_cmd)
 
 
 def main() -> None:

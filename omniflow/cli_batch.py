@@ -11,7 +11,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from omniflow.cli import (
+from omniflow.cli_common import (
     EXIT_WORKFLOW_FAILED,
     JsonOpt,
     _print_json,
@@ -21,7 +21,7 @@ from omniflow.cli import (
     err_console,
     handle_errors,
 )
-from omniflow.cli import _pipeline as load_cli_pipeline
+from omniflow.cli_common import _pipeline as load_cli_pipeline
 
 batch_app = typer.Typer(help="Batch jobs: one workflow per line of a JSONL file.", no_args_is_help=True)
 

@@ -13,7 +13,7 @@ import msgpack
 from arq.connections import ArqRedis, RedisSettings, create_pool
 
 from omniflow.config import Settings
-from omniflow.jobkeys import JobKeys
+from omniflow.keys import Keys
 
 DELIVER_WEBHOOK = "deliver_webhook"
 RUN_BATCH_CHUNK = "run_batch_chunk"
@@ -28,7 +28,7 @@ def job_deserializer(data: bytes) -> Any:
 
 
 def queue_name(settings: Settings) -> str:
-    return JobKeys(settings.prefix).jobs_queue
+    return Keys(settings.prefix).jobs_queue
 
 
 async def create_job_pool(redis_url: str, settings: Settings, *, conn_retries: int = 5) -> ArqRedis:

@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 from omniflow.batch import CHUNK_MAX_TRIES, run_batch_chunk
 from omniflow.config import Settings
 from omniflow.egress import EgressPolicy
-from omniflow.jobkeys import JobKeys
+from omniflow.keys import Keys
 from omniflow.jobqueue import (
     DELIVER_WEBHOOK,
     RUN_BATCH_CHUNK,
@@ -77,7 +77,7 @@ class JobsRunner:
         http = http_client(self.settings)
         try:
             await check_eviction_policy(redis)
-            signer = make_signer(await load_secret(redis, JobKeys(self.settings.prefix), self.settings))
+            signer = make_signer(await load_secret(redis, Keys(self.settings.prefix), self.settings))
             pool = await create_job_pool(self.redis_url, self.settings)
             ctx = {"store": Store(redis, self.settings, self.pipeline),
                    "sender": WebhookSender(signer, EgressPolicy.from_settings(self.settings), http)}

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 DEFAULT_PREFIX = "of"
 TASK_GROUP = "workers"
 EVENT_GROUP = "reconciler"
+NOTIFY_GROUP = "webhooks"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,37 @@ class Keys:
     def notify(self) -> str:
         """Stream of terminal workflows that asked for a webhook."""
         return f"{self.prefix}:notify"
+
+    # --- job runner (webhooks, batches) ---------------------------------
+    @property
+    def jobs_queue(self) -> str:
+        return f"{self.prefix}:jobs"
+
+    def job_id(self, kind: str, *parts: str) -> str:
+        return ":".join((self.prefix, kind, *parts))
+
+    def webhook(self, wf_id: str) -> str:
+        return f"{self.prefix}:webhook:{{{wf_id}}}"
+
+    @property
+    def webhook_secret(self) -> str:
+        return f"{self.prefix}:webhook-secret"
+
+    def batch(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{{{batch_id}}}"
+
+    def batch_input(self, batch_id: str) -> str:
+        return f"{self.batch(batch_id)}:input"
+
+    def batch_lines(self, batch_id: str) -> str:
+        return f"{self.batch(batch_id)}:lines"
+
+    def batch_done(self, batch_id: str) -> str:
+        return f"{self.batch(batch_id)}:done"
+
+    @property
+    def batches(self) -> str:
+        return f"{self.prefix}:batches"
 
     @property
     def leader(self) -> str:

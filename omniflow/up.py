@@ -67,7 +67,7 @@ class Supervisor:
 
     def plan_children(self) -> list[Child]:
         exe = [sys.executable, "-m", "omniflow.cli"]
-        children = [Child("reconciler", [*exe, "reconciler"])]
+        children = [Child("reconciler", [*exe, "reconciler"]), Child("jobs", [*exe, "jobs"])]
         for stage in self.pipeline.order:
             for i in range(self.pipeline.stages[stage].replicas):
                 children.append(Child(f"worker:{stage}:{i}", [*exe, "worker", "--stage", stage]))

@@ -35,8 +35,8 @@ from standardwebhooks import Webhook
 
 from omniflow.config import Settings
 from omniflow.egress import EgressPolicy, EgressRefused, check_url, split_url
-from omniflow.errors import ConfigError, WorkflowNotFound
-from omniflow.jobkeys import NOTIFY_GROUP, JobKeys
+from omniflow.errors import ConfigError, RedisUnavailable, WorkflowNotFound
+from omniflow.keys import NOTIFY_GROUP, Keys
 from omniflow.jobqueue import DELIVER_WEBHOOK
 from omniflow.store import Store, s
 
@@ -73,7 +73,7 @@ def make_signer(secret: str) -> Webhook:
         raise ConfigError(f"OMNIFLOW_WEBHOOK_SECRET is not a valid 'whsec_<base64>' secret: {exc}") from exc
 
 
-async def load_secret(redis: Redis, keys: JobKeys, settings: Settings) -> str:
+async def load_secret(redis: Redis, keys: Keys, settings: Settings) -> str:
     """`webhook_secret`, else the one kept in Redis (generated once, shared by every jobs process)."""
     if settings.webhook_secret:
         make_signer(settings.webhook_secret)
@@ -119,7 +119,7 @@ def http_client(settings: Settings) -> httpx.AsyncClient:
                              headers={"user-agent": USER_AGENT})
 
 
-async def record(redis: Redis, keys: JobKeys, wf_id: str, outcome: DeliveryOutcome, *, ttl_s: int,
+async def record(redis: Redis, keys: Keys, wf_id: str, outcome: DeliveryOutcome, *, ttl_s: int,
                  **fields: Any) -> None:
     """One pipeline: the per-workflow delivery record and the `<prefix>:stats` counter."""
     now = int(time.time() * 1000)
@@ -136,10 +136,18 @@ async def record(redis: Redis, keys: JobKeys, wf_id: str, outcome: DeliveryOutco
 
 async def deliver_webhook(ctx: dict[str, Any], *, wf_id: str, state: str) -> str:
     """arq job: POST the document of workflow `wf_id` (ended in `state`) to its webhook URL."""
+    try:
+        return await _deliver(ctx, wf_id, state)
+    except (RedisUnavailable, RedisError, OSError) as exc:
+        logger.warning("webhook for workflow %s: Redis error %s; trying again in %.0fs", wf_id, exc, ERROR_PAUSE_S)
+        raise Retry(defer=ERROR_PAUSE_S) from exc
+
+
+async def _deliver(ctx: dict[str, Any], wf_id: str, state: str) -> str:
     store: Store = ctx["store"]
     sender: WebhookSender = ctx["sender"]
     settings = store.settings
-    keys = JobKeys(settings.prefix)
+    keys = Keys(settings.prefix)
     attempt = int(ctx.get("job_try") or 1)
     msg_id = webhook_id(wf_id, state)
     prior = await store.redis.hmget(keys.webhook(wf_id), "outcome", "webhook_id")
@@ -189,7 +197,7 @@ class NotifyDispatcher:
 
     def __init__(self, *, redis: Redis, pool: ArqRedis, settings: Settings, consumer: str) -> None:
         self.redis, self.pool, self.settings, self.consumer = redis, pool, settings, consumer
-        self.keys = JobKeys(settings.prefix)
+        self.keys = Keys(settings.prefix)
         self.dispatched = 0
 
     async def ensure_group(self) -> None:
