@@ -16,6 +16,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from omniflow.api.errors import error_body
 
 
+DRAIN_FACTOR = 16
+
+
 class BodySizeLimit:
     """Pure ASGI middleware: 413 when Content-Length or the streamed body passes `max_bytes`."""
 
@@ -29,19 +32,26 @@ class BodySizeLimit:
             return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            if int(length) <= self.max_bytes * DRAIN_FACTOR:     # let the client finish sending, then answer
+                more = True
+                while more:
+                    message = await receive()
+                    more = message["type"] == "http.request" and message.get("more_body", False)
             await self._reject(send)
             return
         seen = 0
         exceeded = False
+        body_done = False
 
         async def limited_receive() -> Message:
             # Past the limit the app sees the body end there; whatever it answers is replaced by a 413.
-            nonlocal seen, exceeded
+            nonlocal seen, exceeded, body_done
             if exceeded:
                 return {"type": "http.request", "body": b"", "more_body": False}
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if seen > self.max_bytes:
                     exceeded = True
                     return {"type": "http.request", "body": b"", "more_body": False}
@@ -49,10 +59,22 @@ class BodySizeLimit:
 
         replaced = False
 
+        async def drain() -> None:
+            # Read (and drop) the rest of a moderately oversized body before answering, so the client
+            # is not cut off mid-upload and sees the 413; past DRAIN_FACTOR x the limit, just close.
+            nonlocal body_done, seen
+            while not body_done and seen <= self.max_bytes * DRAIN_FACTOR:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                seen += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
+
         async def guarded_send(message: Message) -> None:
             nonlocal replaced
             if exceeded and message["type"] == "http.response.start":
                 replaced = True
+                await drain()
                 await self._reject(send)
             elif not replaced:
                 await send(message)
