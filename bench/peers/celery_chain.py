@@ -98,7 +98,7 @@ def run_throughput(url: str, n: int, procs: int, warmup: int = 50) -> dict:
         for i in range(n):
             _submit(f"wf-{i}", time.time())
         submit_s = time.monotonic() - t0
-        records = reader.wait(n, timeout_for(n, 40, floor_s=60))
+        records = reader.wait(n, timeout_for(n, 15, floor_s=60))
         cmds = command_delta(before, command_calls(r), n)
     extra = {"topology": f"celery worker --pool prefork --concurrency {procs}", "submit_s": round(submit_s, 3),
              "submit_mode": "single", **cmds}
