@@ -59,24 +59,39 @@ class BenchCode2Wav(Executor):
         return {"chunks": 1}
 
 
-def pipeline_yaml(procs: int) -> dict[str, Any]:
+class SimThinker(Executor):
+    """A GPU-bound thinker: `service_s` of (simulated) GPU time per chunk."""
+
+    async def run(self, session: Session) -> Mapping[str, Any]:
+        for text in workload.thinker(session.text):
+            await asyncio.sleep(float(self.params["service_s"]))
+            await session.emit(text=text, data=text)
+        return {"chunks": workload.TEXT_CHUNKS}
+
+
+def pipeline_yaml(procs: int, *, thinker: str = "BenchThinker", thinker_replicas: int | None = None,
+                  thinker_sessions: int = MAX_SESSIONS, thinker_params: dict[str, Any] | None = None) -> dict[str, Any]:
     stage = lambda cls, final=None: {  # noqa: E731
         "executor": f"bench.omniflow_bench:{cls}", "final_output": final, "replicas": procs,
         "max_sessions": MAX_SESSIONS, "retry": {"max_attempts": 3, "input_timeout_s": 120},
     }
-    return {"name": "bench", "stages": {"thinker": stage("BenchThinker", "text"), "talker": stage("BenchTalker"),
+    spec = {"name": "bench", "stages": {"thinker": stage(thinker, "text"), "talker": stage("BenchTalker"),
                                         "code2wav": stage("BenchCode2Wav", "audio")},
             "edges": [{"from": "thinker", "to": "talker"}, {"from": "talker", "to": "code2wav"}]}
+    spec["stages"]["thinker"].update(replicas=thinker_replicas or procs, max_sessions=thinker_sessions,
+                                     params=thinker_params or {})
+    return spec
 
 
 class _Engine:
-    def __init__(self, redis_url: str, procs: int) -> None:
+    def __init__(self, redis_url: str, procs: int, spec: dict[str, Any] | None = None) -> None:
         self.url = redis_url
+        self.spec = spec or pipeline_yaml(procs)
         self.procs = procs
         self.prefix = f"b{uuid.uuid4().hex[:6]}"
         self.tmp = Path(tempfile.mkdtemp(prefix="omniflow-bench-"))
         self.yaml = self.tmp / "pipeline.yaml"
-        self.yaml.write_text(yaml.safe_dump(pipeline_yaml(procs), sort_keys=False))
+        self.yaml.write_text(yaml.safe_dump(self.spec, sort_keys=False))
         self.env = bench_env(OMNIFLOW_REDIS_URL=redis_url, OMNIFLOW_PREFIX=self.prefix,
                              OMNIFLOW_PIPELINE=str(self.yaml), OMNIFLOW_LOG_LEVEL="WARNING",
                              OMNIFLOW_MAX_IN_FLIGHT="1000000", OMNIFLOW_BLOCK_MS="1000",
@@ -86,7 +101,7 @@ class _Engine:
         exe = [sys.executable, "-m", "omniflow.cli"]
         cmds = [("omniflow-reconciler", [*exe, "reconciler"])]
         for stage in ("thinker", "talker", "code2wav"):
-            for i in range(self.procs):
+            for i in range(self.spec["stages"][stage]["replicas"]):
                 cmds.append((f"omniflow-{stage}-{i}", [*exe, "worker", "--stage", stage]))
         return cmds
 
@@ -94,21 +109,31 @@ class _Engine:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             check_alive(procs)
-            if r.zcount(f"{self.prefix}:workers", int(time.time() * 1000), "+inf") >= 3 * self.procs:
+            expected = sum(st["replicas"] for st in self.spec["stages"].values())
+            if r.zcount(f"{self.prefix}:workers", int(time.time() * 1000), "+inf") >= expected:
                 return
             time.sleep(0.05)
         raise BenchError("omniflow workers did not come up")
 
 
-async def _submit_all(url: str, prefix: str, yaml_path: Path, n: int, concurrency: int) -> list[str]:
+async def _submit_all(url: str, prefix: str, yaml_path: Path, n: int, concurrency: int,
+                      submit_mode: str = "single") -> list[str]:
     from omniflow.batcher import Batcher
     from omniflow.config import Settings
     from omniflow.models import SubmitRequest, WorkflowInput
     from omniflow.pipeline import load_pipeline
     from omniflow.store import Store, connect
 
-    redis = connect(url)
     settings = Settings(redis_url=url, prefix=prefix, max_in_flight=1_000_000)
+    if submit_mode == "single":
+        # one submit after another from the synchronous client, like the peers' clients
+        from omniflow.client import Client
+
+        def submit_sync() -> list[str]:
+            with Client(url, settings=settings, pipeline=load_pipeline(yaml_path)) as client:
+                return [client.submit(f"p{i}") for i in range(n)]
+        return await asyncio.to_thread(submit_sync)
+    redis = connect(url)
     store = Store(redis, settings, load_pipeline(yaml_path), batcher=Batcher(redis))
     sem = asyncio.Semaphore(concurrency)
 
@@ -148,8 +173,11 @@ def _server_pid(r: Any) -> int:
     return int(r.info("server")["process_id"])
 
 
-def run_throughput(redis_url: str, n: int, procs_per_stage: int) -> Result:
-    eng = _Engine(redis_url, procs_per_stage)
+def run_throughput(redis_url: str, n: int, procs_per_stage: int, *, submit_mode: str = "single",
+                   spec: dict[str, Any] | None = None) -> Result:
+    """`submit_mode` "single": one awaited submit at a time (as the peers submit); "pipelined":
+    512 concurrent submits, group-committed by the client's batcher."""
+    eng = _Engine(redis_url, procs_per_stage, spec)
     r = redis_client(redis_url)
     with running(eng.commands(), env=eng.env) as procs:
         eng.wait_ready(r, procs)
@@ -158,7 +186,7 @@ def run_throughput(redis_url: str, n: int, procs_per_stage: int) -> Result:
         watched["valkey"] = _server_pid(r)
         cpu0 = {name: _cpu_s(pid) for name, pid in watched.items()}
         client0 = time.process_time()
-        ids = asyncio.run(_submit_all(redis_url, eng.prefix, eng.yaml, n, concurrency=512))
+        ids = asyncio.run(_submit_all(redis_url, eng.prefix, eng.yaml, n, concurrency=512, submit_mode=submit_mode))
         deadline = time.monotonic() + timeout_for(n, 100)
         while r.zcard(f"{eng.prefix}:inflight") > 0:
             check_alive(procs)
@@ -176,7 +204,41 @@ def run_throughput(redis_url: str, n: int, procs_per_stage: int) -> Result:
         by_role[role] = by_role.get(role, 0.0) + secs
     extra["cpu_us_per_wf"] = {role: round(1e6 * secs / n) for role, secs in sorted(by_role.items())}
     extra["cpu_us_per_wf_total"] = round(1e6 * sum(by_role.values()) / n)
-    return summarize("omniflow", "full path", procs_per_stage, records, extra=extra)
+    extra["submit_mode"] = submit_mode
+    variant = "full path" if submit_mode == "single" else "full path, pipelined submit"
+    return summarize("omniflow", variant, procs_per_stage, records, extra=extra)
+
+
+SIM_SERVICE_S = 0.025        # GPU time per thinker chunk: 4 chunks = 100 ms per workflow
+SIM_SESSIONS = 4             # concurrent sessions (batch slots) per thinker replica
+
+
+def run_simulated_gpu(redis_url: str, replicas: int, *, per_replica: int = 60) -> Result:
+    """The thinker is GPU-bound (`SIM_SERVICE_S` per chunk, `SIM_SESSIONS` slots per replica); how much
+    of the pool's slot time does omniflow keep busy, and does throughput scale with replicas?"""
+    spec = pipeline_yaml(1, thinker="SimThinker", thinker_replicas=replicas, thinker_sessions=SIM_SESSIONS,
+                         thinker_params={"service_s": SIM_SERVICE_S})
+    n = per_replica * replicas
+    res = run_throughput(redis_url, n, 1, submit_mode="pipelined", spec=spec)
+    busy_s = n * workload.TEXT_CHUNKS * SIM_SERVICE_S
+    span = res.extra["span_s"]
+    capacity_s = span * replicas * SIM_SESSIONS
+    res.variant = f"simulated GPU, {replicas} thinker replica(s)"
+    res.procs = replicas
+    res.extra.update(utilization=round(busy_s / capacity_s, 3), ideal_wf_s=round(
+        replicas * SIM_SESSIONS / (workload.TEXT_CHUNKS * SIM_SERVICE_S), 1))
+    return res
+
+
+def run_extra(redis_url: str, *, quick: bool = False) -> list[Result]:
+    """Rows beyond the peer comparison: pipelined submits, and the simulated-GPU scaling run."""
+    from bench.common import start_server
+
+    rows = [run_throughput(redis_url, 500 if quick else 2000, 2, submit_mode="pipelined")]
+    for replicas in (1, 2, 4):
+        with start_server() as server:       # a fresh server per row
+            rows.append(run_simulated_gpu(server.url, replicas, per_replica=20 if quick else 60))
+    return rows
 
 
 async def _latency(url: str, prefix: str, yaml_path: Path, n: int) -> list[tuple[str, float, float]]:

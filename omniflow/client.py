@@ -16,7 +16,13 @@ from typing import Any
 
 import numpy as np
 
+from redis import Redis as SyncRedis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
+
+from omniflow import scripts
 from omniflow.config import Settings, get_settings
+from omniflow.errors import RedisUnavailable
 from omniflow.models import SubmitRequest, WorkflowInput
 from omniflow.pipeline import Pipeline, load_pipeline
 from omniflow.store import Store, connect
@@ -80,11 +86,13 @@ class AsyncClient:
 
 
 class Client:
-    """Synchronous twin of `AsyncClient`."""
+    """Synchronous twin of `AsyncClient`. Submits go straight through a synchronous redis-py
+    connection (cheaper per call than driving an event loop); the rest runs `AsyncClient`."""
 
     def __init__(self, redis_url: str | None = None, **kwargs: Any) -> None:
         self._loop = asyncio.new_event_loop()
         self._client = self._run(_make(redis_url, kwargs))
+        self._sync = SyncRedis.from_url(self._client.redis_url, decode_responses=False)
 
     def _run(self, coro: Any) -> Any:
         return self._loop.run_until_complete(coro)
@@ -100,9 +108,29 @@ class Client:
         if not self._loop.is_closed():
             self._run(self._client.close())
             self._loop.close()
+            self._sync.close()
 
-    def submit(self, text: str, **kwargs: Any) -> str:
-        return self._run(self._client.submit(text, **kwargs))  # type: ignore[no-any-return]
+    def submit(self, text: str, *, modalities: Sequence[str] | None = None,
+               stage_params: dict[str, dict[str, Any]] | None = None, request_id: str | None = None,
+               deadline_s: float | None = None, webhook_url: str | None = None) -> str:
+        """Submit one request; returns the workflow id (the existing one for a repeated request_id)."""
+        req = SubmitRequest(input=WorkflowInput(text=text), output_modalities=list(modalities) if modalities else None,
+                            stage_params=stage_params or {}, request_id=request_id, deadline_s=deadline_s,
+                            webhook_url=webhook_url)
+        store = self._client.store
+        keys, args = store.submit_call(req, tenant=self._client.tenant)
+        command = scripts.evalsha_args("submit", keys, args)
+        try:
+            try:
+                reply = self._sync.execute_command(*command)
+            except NoScriptError:
+                self._sync.script_load(scripts.SCRIPTS["submit"].source)
+                reply = self._sync.execute_command(*command)
+            if self._client.settings.wait_aof:
+                self._sync.execute_command("WAITAOF", 1, 0, 1000)
+        except RedisConnectionError as exc:
+            raise RedisUnavailable(f"Redis unreachable: {exc}") from exc
+        return store.submitted(reply).id
 
     def get(self, wf_id: str) -> dict[str, Any]:
         return self._run(self._client.get(wf_id))  # type: ignore[no-any-return]

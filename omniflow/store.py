@@ -108,6 +108,23 @@ class Store:
     # ---------------------------------------------------------------- submit
     @translate_errors
     async def submit(self, req: SubmitRequest, *, tenant: str = "default", wf_id: str | None = None) -> Submitted:
+        """Create, admit and pre-submit a workflow (one `submit.lua` call)."""
+        keys, args = self.submit_call(req, tenant=tenant, wf_id=wf_id)
+        if self.batcher is not None:
+            reply = await self.batcher.script("submit", keys, args)
+        else:
+            reply = await scripts.call(self.redis, "submit", keys, args)
+        result = self.submitted(reply)
+        if result.existing:
+            state = s(await self.redis.hget(self.keys.wf(result.id), "state")) or WorkflowState.PENDING.value
+            return Submitted(id=result.id, state=WorkflowState(state), existing=True)
+        if self.settings.wait_aof:
+            await self._wait_aof()
+        return result
+
+    def submit_call(self, req: SubmitRequest, *, tenant: str = "default",
+                    wf_id: str | None = None) -> tuple[list[str], list[Any]]:
+        """Validate a request and build the KEYS and ARGV of its `submit.lua` call (no I/O)."""
         plan = self.pipeline.plan(req.output_modalities)
         if len(req.input.text) > self.settings.max_prompt_chars:
             raise InvalidRequest(f"input.text: {len(req.input.text)} characters; the limit is {self.settings.max_prompt_chars}")
@@ -142,18 +159,15 @@ class Store:
         args = [self.settings.prefix, wf_id, now, now + int(deadline_s * 1000), self.settings.max_in_flight,
                 self.settings.idempotency_ttl_s if req.request_id else 0,
                 ",".join(plan.stages), ",".join(plan.admit), len(record), *flat]
-        if self.batcher is not None:
-            reply = await self.batcher.script("submit", keys, args)
-        else:
-            reply = await scripts.call(self.redis, "submit", keys, args)
+        return keys, args
+
+    def submitted(self, reply: Any) -> Submitted:
+        """Map a `submit.lua` reply to the result, or to the error it means."""
         code, ident = s(reply[0]), s(reply[1])
         if code == scripts.SubmitResult.OK:
-            if self.settings.wait_aof:
-                await self._wait_aof()
             return Submitted(id=ident, state=WorkflowState.PENDING)
         if code == scripts.SubmitResult.EXISTING:
-            state = s(await self.redis.hget(self.keys.wf(ident), "state")) or WorkflowState.PENDING.value
-            return Submitted(id=ident, state=WorkflowState(state), existing=True)
+            return Submitted(id=ident, state=WorkflowState.PENDING, existing=True)
         if code == scripts.SubmitResult.RETIRED:
             raise WorkflowRetired(
                 f"workflow {ident} is retired (aborted or failed) and cannot be resubmitted; "

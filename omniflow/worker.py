@@ -25,6 +25,7 @@ import time
 import uuid
 from typing import Any
 
+import msgpack
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
@@ -322,12 +323,14 @@ class Worker:
                     try:
                         target = (s(fields[b"wf"]), int(fields[b"da"]))
                         src = s(fields[b"src"])
-                    except (KeyError, ValueError):
+                        chunks = [fields_dict(flat) for flat in msgpack.unpackb(fields[b"m"], raw=True)]
+                    except (KeyError, ValueError, TypeError, msgpack.UnpackException):
                         logger.warning("worker %s: malformed inbox entry %s dropped", self.id, s(entry_id))
                         continue
                     queue = self._inputs.get(target)
                     if queue is not None:       # else: a session that ended (its inputs are durable anyway)
-                        queue.put_nowait((src, fields))
+                        for chunk in chunks:
+                            queue.put_nowait((src, chunk))
                 if entries:
                     # consumed: trim, so the inbox stays as small as what is in flight
                     self.batcher.send("XTRIM", self.inbox_key, "MINID", "~", s(entries[-1][0]))

@@ -69,16 +69,41 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
   end
 end
 
--- Append one entry to the edge log <a> -> <dst> and, when a session of <dst> is already
--- bound to a worker, forward a copy to that worker's inbox (`<prefix>:inbox:<replica>`):
+-- Append one entry to the edge log <src> -> <dst> and, when a session of <dst> is already
+-- bound to a worker, queue a copy for that worker's inbox (`<prefix>:inbox:<replica>`):
 -- a worker reads one stream for all its sessions' inputs. Entries written before the
 -- claim are in the edge log, which claim.lua returns (catch-up); after it, in the inbox.
+-- The copies of one script call go out as one inbox entry per consumer (`flush_forwards`).
+local forwards = {}        -- dst -> {inbox key, dst attempt, src, list of entries} (or false: not bound)
+local forward_order = {}
+
 local function edge_append(wf, prefix, id, src, dst, fields)
   redis.call('XADD', wf .. ':edge:' .. src .. ':' .. dst, '*', unpack(fields))
-  local cur = redis.call('HMGET', wf .. ':stages', dst, dst .. ':replica', dst .. ':attempt')
-  if (cur[1] == 'waiting_input' or cur[1] == 'running') and cur[2] then
-    redis.call('XADD', prefix .. ':inbox:' .. cur[2], '*', 'wf', id, 'da', cur[3], 'src', src, unpack(fields))
+  local fwd = forwards[dst]
+  if fwd == nil then
+    local cur = redis.call('HMGET', wf .. ':stages', dst, dst .. ':replica', dst .. ':attempt')
+    if (cur[1] == 'waiting_input' or cur[1] == 'running') and cur[2] then
+      fwd = {prefix .. ':inbox:' .. cur[2], cur[3], src, {}, id}
+    else
+      fwd = false
+    end
+    forwards[dst] = fwd
+    forward_order[#forward_order + 1] = dst
   end
+  if fwd then
+    local entries = fwd[4]
+    entries[#entries + 1] = fields
+  end
+end
+
+local function flush_forwards()
+  for _, dst in ipairs(forward_order) do
+    local fwd = forwards[dst]
+    if fwd and #fwd[4] > 0 then
+      redis.call('XADD', fwd[1], '*', 'wf', fwd[5], 'da', fwd[2], 'src', fwd[3], 'm', cmsgpack.pack(fwd[4]))
+    end
+  end
+  forwards, forward_order = {}, {}
 end
 
 -- Close one session (outcome 'done' or 'failed') and report it to the reconciler.

@@ -71,8 +71,15 @@ local function write_steps()
 end
 
 local res = write_steps()
-if type(res) == 'table' then return res end   -- an error reply
-if ARGV[8] then
+if type(res) == 'table' then      -- an error reply
+  flush_forwards()
+  return res
+end
+if not ARGV[8] then
+  flush_forwards()
+  return res
+end
+do
   local f = cmsgpack.unpack(ARGV[8])
   local outcome, detail, retryable = f[3], f[4], f[5]
   if res == 'gap' then      -- never close as done over a hole: fail the attempt, the retry resumes
@@ -80,7 +87,7 @@ if ARGV[8] then
   end
   local closed = finish_session(wf, ARGV[5], KEYS[2], KEYS[3], f[1], f[2], stage, ARGV[2], outcome, detail,
     retryable, ARGV[4], f[6], f[7])
+  flush_forwards()
   if res == 'fenced' or res == 'gap' then return res end
   return closed
 end
-return res

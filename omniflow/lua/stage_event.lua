@@ -45,8 +45,12 @@ if kind == 'done' then
   for _, s in ipairs(csv(rec[4])) do
     if not contains(finished, s) then return {'advanced'} end
   end
-  for _, s in ipairs(csv(rec[3])) do
-    if tonumber(redis.call('HGET', sk, s .. ':attempt')) > 0 and not contains(finished, s) then
+  local required = csv(rec[3])
+  local fields = {}
+  for i, s in ipairs(required) do fields[i] = s .. ':attempt' end
+  local attempts = redis.call('HMGET', sk, unpack(fields))
+  for i, s in ipairs(required) do
+    if tonumber(attempts[i]) > 0 and not contains(finished, s) then
       return {'advanced'}
     end
   end

@@ -27,12 +27,23 @@ if n >= tonumber(ARGV[5]) then return {'busy', tostring(n)} end
 local nf = tonumber(ARGV[9])
 redis.call('HSET', wf, 'id', id, 'state', 'pending', 'created_ms', now, 'updated_ms', now,
   'deadline_ms', ARGV[4], 'finished', '', 'gsub', '', unpack(ARGV, 10, 9 + 2 * nf))
-local sk = wf .. ':stages'
+-- every required stage in one HSET; the admitted ones with attempt 1 (they are queued below)
+local admit = csv(ARGV[8])
+local fields = {}
 for _, stage in ipairs(csv(ARGV[7])) do
-  redis.call('HSET', sk, stage, 'pending', stage .. ':attempt', 0, stage .. ':seq', 0)
+  local attempt = 0
+  if contains(admit, stage) then
+    attempt = 1
+    fields[#fields + 1] = stage .. ':t_submit'
+    fields[#fields + 1] = now
+  end
+  for _, v in ipairs({stage, 'pending', stage .. ':attempt', attempt, stage .. ':seq', 0}) do
+    fields[#fields + 1] = v
+  end
 end
-for _, stage in ipairs(csv(ARGV[8])) do
-  submit_stage(wf, prefix, id, stage, 1, now)
+redis.call('HSET', wf .. ':stages', unpack(fields))
+for _, stage in ipairs(admit) do
+  redis.call('XADD', prefix .. ':stage:' .. stage .. ':tasks', '*', 'wf', id, 's', stage, 'a', 1)
 end
 redis.call('ZADD', KEYS[2], ARGV[4], id)
 redis.call('ZADD', KEYS[5], now, id)
