@@ -237,7 +237,7 @@ def run_extra(redis_url: str, *, quick: bool = False) -> list[Result]:
     rows = [run_throughput(redis_url, 500 if quick else 2000, 2, submit_mode="pipelined")]
     for replicas in (1, 2, 4):
         with start_server() as server:       # a fresh server per row
-            rows.append(run_simulated_gpu(server.url, replicas, per_replica=20 if quick else 60))
+            rows.append(run_simulated_gpu(server.url, replicas, per_replica=20 if quick else 150))
     return rows
 
 
