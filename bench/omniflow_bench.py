@@ -63,10 +63,11 @@ class SimThinker(Executor):
     """A GPU-bound thinker: `service_s` of (simulated) GPU time per chunk."""
 
     async def run(self, session: Session) -> Mapping[str, Any]:
+        started = time.perf_counter()
         for text in workload.thinker(session.text):
             await asyncio.sleep(float(self.params["service_s"]))
             await session.emit(text=text, data=text)
-        return {"chunks": workload.TEXT_CHUNKS}
+        return {"chunks": workload.TEXT_CHUNKS, "busy_s": time.perf_counter() - started}
 
 
 def pipeline_yaml(procs: int, *, thinker: str = "BenchThinker", thinker_replicas: int | None = None,
@@ -148,6 +149,14 @@ async def _submit_all(url: str, prefix: str, yaml_path: Path, n: int, concurrenc
         await redis.aclose()
 
 
+def _busy_s(r: Any, prefix: str, ids: list[str], stage: str) -> float:
+    """Sum of the `busy_s` usage the stage's executor reported (time its sessions held a slot)."""
+    pipe = r.pipeline(transaction=False)
+    for wf_id in ids:
+        pipe.hget(f"{prefix}:wf:{{{wf_id}}}:stages", f"{stage}:usage")
+    return sum(json.loads(u).get("busy_s", 0.0) for u in pipe.execute() if u)
+
+
 def _records(r: Any, prefix: str, ids: list[str]) -> list[tuple[str, float, float]]:
     pipe = r.pipeline(transaction=False)
     for wf_id in ids:
@@ -174,7 +183,7 @@ def _server_pid(r: Any) -> int:
 
 
 def run_throughput(redis_url: str, n: int, procs_per_stage: int, *, submit_mode: str = "single",
-                   spec: dict[str, Any] | None = None) -> Result:
+                   spec: dict[str, Any] | None = None, busy_stage: str | None = None) -> Result:
     """`submit_mode` "single": one awaited submit at a time (as the peers submit); "pipelined":
     512 concurrent submits, group-committed by the client's batcher."""
     eng = _Engine(redis_url, procs_per_stage, spec)
@@ -197,7 +206,10 @@ def run_throughput(redis_url: str, n: int, procs_per_stage: int, *, submit_mode:
         cpu = {name: _cpu_s(pid) - cpu0[name] for name, pid in watched.items()}
         cpu["client"] = time.process_time() - client0
         records = _records(r, eng.prefix, ids)
+        busy = _busy_s(r, eng.prefix, ids, busy_stage) if busy_stage else None
     extra = command_delta(before, after, n)
+    if busy is not None:
+        extra["busy_s"] = round(busy, 3)
     by_role: dict[str, float] = {}
     for name, secs in cpu.items():
         role = name.replace("omniflow-", "").rsplit("-", 1)[0] if name.startswith("omniflow-") else name
@@ -219,8 +231,8 @@ def run_simulated_gpu(redis_url: str, replicas: int, *, per_replica: int = 60) -
     spec = pipeline_yaml(1, thinker="SimThinker", thinker_replicas=replicas, thinker_sessions=SIM_SESSIONS,
                          thinker_params={"service_s": SIM_SERVICE_S})
     n = per_replica * replicas
-    res = run_throughput(redis_url, n, 1, submit_mode="pipelined", spec=spec)
-    busy_s = n * workload.TEXT_CHUNKS * SIM_SERVICE_S
+    res = run_throughput(redis_url, n, 1, submit_mode="pipelined", spec=spec, busy_stage="thinker")
+    busy_s = res.extra["busy_s"]            # measured time the thinker sessions held their slots
     span = res.extra["span_s"]
     capacity_s = span * replicas * SIM_SESSIONS
     res.variant = f"simulated GPU, {replicas} thinker replica(s)"

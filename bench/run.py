@@ -349,8 +349,9 @@ def write_markdown(path: Path, results: list[Result], failures: list[str], args,
         base = sim[0].workflows_per_s / max(sim[0].procs, 1)
         md += ["## Simulated GPU: pool utilization and scaling", "",
                "The thinker is GPU-bound (`asyncio.sleep` of 25 ms per chunk, 4 chunks per workflow) with 4 sessions "
-               "(batch slots) per replica; utilization = slot time spent in the executor's GPU work / "
-               "(replicas × slots × wall time), first submit to last completion.", "",
+               "(batch slots) per replica; utilization = the time thinker sessions held a slot, as the executor "
+               "measured it / (replicas × slots × wall time, first submit to last completion). `ideal wf/s` assumes "
+               "exactly 25 ms per chunk; `asyncio.sleep` itself overshoots by a little.", "",
                "| thinker replicas | workflows | wf/s | ideal wf/s | utilization | scaling vs 1 replica |",
                "|---:|---:|---:|---:|---:|---:|"]
         for r in sim:

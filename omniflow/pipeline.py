@@ -48,6 +48,10 @@ class StageSpec(BaseModel):
     final_output: Literal["text", "audio"] | None = None
     replicas: int = Field(1, ge=1, le=256)
     max_sessions: int = Field(8, ge=1, le=4096)
+    prefetch: int | None = Field(
+        None, ge=0, le=4096,
+        description="sessions claimed ahead of a free slot, so a freed slot starts the next one with no "
+                    "round trip (default: max_sessions / 4, at least 1)")
     params: dict[str, Any] = Field(default_factory=dict)
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
 

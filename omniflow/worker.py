@@ -84,6 +84,11 @@ class Worker:
         self._sessions: dict[str, tuple[Session | None, asyncio.Task[None]]] = {}
         self._slot_free = asyncio.Event()
         self._claiming = 0          # tasks read but not yet claimed (they hold session slots)
+        # At most max_sessions run the executor at once (the GPU's batch slots); up to `prefetch` more
+        # are claimed and wait for a slot, so a freed slot starts the next session without a round trip.
+        prefetch = self.spec.prefetch if self.spec.prefetch is not None else max(1, self.max_sessions // 4)
+        self.capacity = self.max_sessions + prefetch
+        self._slots = asyncio.Semaphore(self.max_sessions)
         self._claim_tasks: set[asyncio.Task[None]] = set()
         self._inputs: dict[tuple[str, int], asyncio.Queue[Any]] = {}   # (wf, attempt) -> input queue
         self._stopping = False
@@ -182,7 +187,7 @@ class Worker:
     async def _intake(self) -> None:
         backoff = 0.05
         while True:
-            free = self.max_sessions - len(self._sessions) - self._claiming
+            free = self.capacity - len(self._sessions) - self._claiming
             if free <= 0:
                 self._slot_free.clear()
                 await self._slot_free.wait()
@@ -383,7 +388,7 @@ class Worker:
     async def _execute(self, session: Session) -> tuple[str, str, bool]:
         """Run the executor; map how it ended to (outcome, detail, retryable)."""
         try:
-            async with asyncio.timeout(self.spec.retry.attempt_timeout_s):
+            async with self._slots, asyncio.timeout(self.spec.retry.attempt_timeout_s):
                 usage = await self.executor.run(session)
             if session.fenced:
                 raise Fenced("fenced")
