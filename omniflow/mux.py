@@ -18,6 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from omniflow.keys import Keys
+from omniflow.runtime import Backoff
 
 logger = logging.getLogger(__name__)
 
@@ -73,20 +74,18 @@ class StreamMux:
             pass
 
     async def _run(self) -> None:
-        backoff = 0.05
+        backoff = Backoff()
         while not self._closed:
             streams: dict[Any, Any] = {self.wake_key: self._wake_id}
             asked = dict(self._watched)
             streams.update({k: v[0] for k, v in asked.items()})
             try:
                 reply = await self._redis.xread(streams, count=self._count, block=self._block_ms)
-                backoff = 0.05
+                backoff.reset()
             except asyncio.CancelledError:
                 raise
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-                logger.warning("stream reader: %s; retrying in %.2fs", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                await backoff.wait(logger, "stream reader", exc)
                 continue
             for raw_key, entries in reply or []:
                 key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key

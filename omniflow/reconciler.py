@@ -28,7 +28,7 @@ from omniflow import scripts
 from omniflow.config import Settings
 from omniflow.keys import EVENT_GROUP, TASK_GROUP, Keys
 from omniflow.pipeline import Pipeline
-from omniflow.runtime import check_eviction_policy
+from omniflow.runtime import Backoff, check_eviction_policy
 from omniflow.store import connect, now_ms, s
 from omniflow.worker import ensure_group
 
@@ -101,7 +101,7 @@ class Reconciler:
 
     # ------------------------------------------------------------ events
     async def _consume(self) -> None:
-        backoff = 0.05
+        backoff = Backoff()
         while True:
             try:
                 reply = await self._blocking.xreadgroup(
@@ -109,15 +109,13 @@ class Reconciler:
                 for _stream, entries in reply or []:
                     if entries:
                         await self.apply(entries)
-                backoff = 0.05
+                backoff.reset()
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
                 await ensure_group(self.redis, self.keys.events, EVENT_GROUP)
             except REDIS_ERRORS as exc:
-                logger.warning("reconciler: %s; retrying in %.2fs", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(2.0, backoff * 2)
+                await backoff.wait(logger, "reconciler", exc)
 
     def _event_call(self, fields: dict[bytes, bytes], now: int) -> tuple[Any, ...]:
         kind = s(fields[b"t"])

@@ -16,6 +16,24 @@ from omniflow.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 SAFE_POLICIES = frozenset({"noeviction"})
+DEFAULT_BACKOFF_FIRST_S = 0.05
+DEFAULT_BACKOFF_CAP_S = 2.0
+
+
+class Backoff:
+    """Exponential backoff for a loop that retries after a Redis error (reset on success)."""
+
+    def __init__(self, *, first_s: float = DEFAULT_BACKOFF_FIRST_S, cap_s: float = DEFAULT_BACKOFF_CAP_S) -> None:
+        self.first_s, self.cap_s = first_s, cap_s
+        self.delay_s = first_s
+
+    def reset(self) -> None:
+        self.delay_s = self.first_s
+
+    async def wait(self, log: logging.Logger, what: str, exc: BaseException) -> None:
+        log.warning("%s: %s; retrying in %.2fs", what, exc, self.delay_s)
+        await asyncio.sleep(self.delay_s)
+        self.delay_s = min(self.delay_s * 2, self.cap_s)
 
 
 def setup_logging(level: str | None = None) -> None:

@@ -37,7 +37,7 @@ from omniflow.config import Settings
 from omniflow.errors import Fenced, PipelineError, RedisUnavailable, StageError
 from omniflow.keys import TASK_GROUP, Keys
 from omniflow.pipeline import Pipeline, import_executor
-from omniflow.runtime import check_eviction_policy
+from omniflow.runtime import Backoff, check_eviction_policy
 from omniflow.session import Session
 from omniflow.store import connect, csv, now_ms, s
 from omniflow.workers.base import Executor
@@ -185,7 +185,7 @@ class Worker:
 
     # ------------------------------------------------------------ intake
     async def _intake(self) -> None:
-        backoff = 0.05
+        backoff = Backoff()
         while True:
             free = self.capacity - len(self._sessions) - self._claiming
             if free <= 0:
@@ -197,16 +197,14 @@ class Worker:
                     TASK_GROUP, self.id, {self.tasks_key: ">"},
                     count=min(free, self.settings.read_batch), block=self.settings.block_ms,
                 )
-                backoff = 0.05
+                backoff.reset()
             except ResponseError as exc:
                 if "NOGROUP" in str(exc):
                     await ensure_group(self.redis, self.tasks_key, TASK_GROUP)
                     continue
                 raise
             except REDIS_ERRORS as exc:
-                logger.warning("worker %s: intake read failed: %s; retrying in %.2fs", self.id, exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                await backoff.wait(logger, f"worker {self.id}: intake read failed", exc)
                 continue
             for _stream, entries in reply or []:
                 self._accept([(s(entry_id), fields) for entry_id, fields in entries])
@@ -269,7 +267,7 @@ class Worker:
         args = [self.settings.prefix, TASK_GROUP, self.id, now_ms(), ",".join(upstream), self.stage,
                 *(x for claim in claims for x in claim)]
         replies = None
-        backoff = 0.05
+        backoff = Backoff()
         try:
             while replies is None:
                 try:
@@ -281,9 +279,7 @@ class Worker:
                     replies = None
                     if self._stopping:
                         return
-                    logger.warning("worker %s: claim failed: %s; retrying in %.2fs", self.id, exc, backoff)
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 2.0)
+                    await backoff.wait(logger, f"worker {self.id}: claim failed", exc)
         finally:
             self._claiming -= len(claims)
             self._slot_free.set()
@@ -312,15 +308,13 @@ class Worker:
     async def _inbox(self) -> None:
         """Read this worker's inbox (inputs forwarded by producers) and hand each entry to its session."""
         last: bytes | str = "0-0"
-        backoff = 0.05
+        backoff = Backoff()
         while True:
             try:
                 reply = await self._inbox_redis.xread({self.inbox_key: last}, count=1024, block=self.settings.block_ms)
-                backoff = 0.05
+                backoff.reset()
             except REDIS_ERRORS as exc:
-                logger.warning("worker %s: inbox read failed: %s; retrying in %.2fs", self.id, exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                await backoff.wait(logger, f"worker {self.id}: inbox read failed", exc)
                 continue
             for _key, entries in reply or []:
                 for entry_id, fields in entries:
