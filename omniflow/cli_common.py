@@ -30,7 +30,8 @@ T = TypeVar("T")
 
 EXIT_OK, EXIT_WORKFLOW_FAILED, EXIT_BAD_INPUT, EXIT_REDIS = 0, 1, 2, 3
 
-console = Console()
+# rich falls back to 80 columns when stdout is not a terminal (pipes, `make demo`): tables wrap badly
+console = Console() if sys.stdout.isatty() else Console(width=120)
 err_console = Console(stderr=True)
 
 JsonOpt = typer.Option(False, "--json", help="print one JSON document on stdout")

@@ -348,23 +348,36 @@ class Store:
         return int(audio[stage]["sample_rate"] or 0), samples
 
     @translate_errors
+    async def list_page(self, *, state: str | None = None, tenant: str | None = None, offset: int = 0,
+                        limit: int = 50) -> tuple[list[dict[str, Any]], int | None]:
+        """One page of workflows, newest first, filtered by state and tenant.
+
+        `offset` counts positions in the creation-ordered index; the second value is the offset to
+        continue from (None at the end).
+        """
+        rows: list[dict[str, Any]] = []
+        pos, window = offset, max(limit * 2, 64)
+        while len(rows) < limit:
+            ids = [s(x) for x in await self.redis.zrevrange(self.keys.all_wf, pos, pos + window - 1)]
+            if not ids:
+                return rows, None
+            pipe = self.redis.pipeline(transaction=False)
+            for wf_id in ids:
+                pipe.hmget(self.keys.wf(wf_id), "state", "tenant", "created_ms", "finals", "error", "request_id")
+            for wf_id, vals in zip(ids, await pipe.execute()):
+                pos += 1
+                st, ten, created, finals, err, rid = (s(v) for v in vals)
+                if not st or (state and st != state) or (tenant is not None and ten != tenant):
+                    continue
+                rows.append({"id": wf_id, "state": st, "tenant": ten, "created_at": int(created or 0) / 1000,
+                             "final_stages": csv(finals), "error": err or None, "request_id": rid or None})
+                if len(rows) >= limit:
+                    break
+            if len(ids) < window:
+                return rows, (pos if len(rows) >= limit else None)
+        return rows, pos
+
     async def list(self, *, state: str | None = None, tenant: str | None = None, offset: int = 0,
                    limit: int = 50) -> list[dict[str, Any]]:
-        """Newest first. Filtering happens on the page read, so a page may hold fewer than `limit`."""
-        ids = [s(x) for x in await self.redis.zrevrange(self.keys.all_wf, offset, offset + limit * 4 - 1)]
-        if not ids:
-            return []
-        pipe = self.redis.pipeline(transaction=False)
-        for wf_id in ids:
-            pipe.hmget(self.keys.wf(wf_id), "state", "tenant", "created_ms", "finals", "error", "request_id")
-        rows = []
-        for wf_id, vals in zip(ids, await pipe.execute()):
-            st, ten, created, finals, err, rid = (s(v) for v in vals)
-            if not st or (state and st != state) or (tenant is not None and ten != tenant):
-                continue
-            rows.append({"id": wf_id, "state": st, "tenant": ten, "created_at": int(created or 0) / 1000,
-                         "final_stages": csv(finals), "error": err or None, "request_id": rid or None})
-            if len(rows) >= limit:
-                break
-        return rows
-
+        """Newest first (the first page of `list_page`)."""
+        return (await self.list_page(state=state, tenant=tenant, offset=offset, limit=limit))[0]

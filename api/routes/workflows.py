@@ -24,7 +24,7 @@ from omniflow.api.schemas import (
 )
 from omniflow.api.sse import EventStreamResponse, sse_comment, sse_event
 from omniflow.models import TERMINAL_STATES, SubmitRequest, WorkflowState
-from omniflow.store import csv, s
+from omniflow.store import s
 
 MAX_WAIT_S = 60.0
 SSE_KEEPALIVE_S = 15.0
@@ -77,36 +77,10 @@ async def list_workflows(state: StateDep, principal: PrincipalDep,
                          status: Annotated[WorkflowState | None, Query(alias="state")] = None,
                          offset: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
                          limit: Annotated[int, Query(ge=1, le=500)] = 50) -> WorkflowList:
-    rows, next_offset = await page(state, tenant=principal.scope, status=status, offset=offset, limit=limit)
+    rows, next_offset = await state.store.list_page(state=status.value if status else None, tenant=principal.scope,
+                                                    offset=offset, limit=limit)
     return WorkflowList(items=[WorkflowSummary(**r) for r in rows], offset=offset, limit=limit,
                         next_offset=next_offset)
-
-
-async def page(state: ApiState, *, tenant: str | None, status: WorkflowState | None, offset: int,
-               limit: int) -> tuple[list[dict[str, Any]], int | None]:
-    """One page of the creation-ordered id index, filtered; `offset` counts index positions."""
-    redis, keys = state.store.redis, state.store.keys
-    rows: list[dict[str, Any]] = []
-    pos, window = offset, max(limit * 2, 64)
-    while len(rows) < limit:
-        ids = [s(x) for x in await redis.zrevrange(keys.all_wf, pos, pos + window - 1)]
-        if not ids:
-            return rows, None
-        pipe = redis.pipeline(transaction=False)
-        for wf_id in ids:
-            pipe.hmget(keys.wf(wf_id), "state", "tenant", "created_ms", "finals", "error", "request_id")
-        for wf_id, vals in zip(ids, await pipe.execute()):
-            pos += 1
-            st, ten, created, finals, err, rid = (s(v) for v in vals)
-            if not st or (status and st != status.value) or (tenant is not None and ten != tenant):
-                continue
-            rows.append({"id": wf_id, "state": st, "tenant": ten, "created_at": int(created or 0) / 1000,
-                         "final_stages": csv(finals), "error": err or None, "request_id": rid or None})
-            if len(rows) >= limit:
-                break
-        if len(ids) < window:
-            return rows, (pos if len(rows) >= limit else None)
-    return rows, pos
 
 
 @router.get("/{wf_id}", response_model=WorkflowDocument, responses=_NOT_FOUND, name="get_workflow",
