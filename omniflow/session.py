@@ -1,10 +1,13 @@
 """One stage's work on one workflow, as an executor sees it.
 
-An executor reads `inputs()` (chunks from upstream edges, de-duplicated on
-`(stage, seq)`, ending at every upstream's end-of-stream) and calls `emit()`
-for each output step. Every emit is one fenced, seq-idempotent Lua call
-(`emit.lua`) queued on the worker's group-commit batcher; it returns without
-waiting for the round trip unless too many are in flight.
+An executor reads `inputs()` (first the catch-up the claim returned, then the
+chunks forwarded to the worker's inbox; de-duplicated on `(stage, seq)`, ending
+at every upstream's end-of-stream) and calls `emit()` for each output step.
+Emits are queued on the worker's group-commit batcher as one lazily built
+`emit.lua` call: steps emitted while the previous write is on the wire join the
+next call, and the session's finish (`close()`) rides on its last one. `emit()`
+returns without waiting for the round trip unless too many writes are in flight;
+the first failed or refused write is sticky (no step is ever written past a hole).
 
 Resume: a retried session starts with `resume_seq` = how many steps earlier
 attempts already wrote. Steps up to it are suppressed without touching Redis,
