@@ -23,6 +23,7 @@ from omniflow.cli_common import (
     _with_client,
     console,
     handle_errors,
+    print_rows,
 )
 from omniflow.errors import InvalidRequest
 from omniflow.pipeline import load_pipeline
@@ -194,19 +195,11 @@ def ls_cmd(state: str = typer.Option(None, "--state", help="pending|running|comp
     async def go(client: Any) -> list[dict[str, Any]]:
         return await client.list(state=state, limit=limit)  # type: ignore[no-any-return]
 
-    rows = _run(_with_client, go)
-    if as_json:
-        _print_json(rows)
-        return
-    table = Table()
-    for col in ("id", "state", "created", "finals", "error"):
-        table.add_column(col)
     import datetime as dt
 
-    for row in rows:
-        created = dt.datetime.fromtimestamp(row["created_at"]).strftime("%H:%M:%S")
-        table.add_row(row["id"], row["state"], created, ",".join(row["final_stages"]), row["error"] or "")
-    console.print(table)
+    print_rows(_run(_with_client, go), ("id", "state", "created", "finals", "error"),
+               lambda row: [row["id"], row["state"], dt.datetime.fromtimestamp(row["created_at"]).strftime("%H:%M:%S"),
+                            ",".join(row["final_stages"]), row["error"] or ""], as_json=as_json)
 
 
 @app.command()
@@ -287,17 +280,9 @@ def dlq_ls(stage: str = typer.Argument(None), limit: int = typer.Option(50, "--l
     async def go(client: Any) -> list[dict[str, Any]]:
         return await dlq_entries(client.store, stage, limit)
 
-    rows = _run(_with_client, go)
-    if as_json:
-        _print_json(rows)
-        return
-    table = Table()
-    for col in ("stream", "entry", "workflow", "stage", "reason"):
-        table.add_column(col)
-    for row in rows:
-        table.add_row(row["stream"], row["entry"], row.get("wf", ""), row.get("s", ""),
-                      row.get("error") or row.get("reason", ""))
-    console.print(table)
+    print_rows(_run(_with_client, go), ("stream", "entry", "workflow", "stage", "reason"),
+               lambda row: [row["stream"], row["entry"], row.get("wf", ""), row.get("s", ""),
+                            row.get("error") or row.get("reason", "")], as_json=as_json)
 
 
 @dlq_app.command("replay")

@@ -90,3 +90,19 @@ async def _with_client(fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) ->
 
 def _print_json(doc: Any) -> None:
     sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+
+
+def print_rows(rows: list[dict[str, Any]], columns: tuple[str, ...], cells: Callable[[dict[str, Any]], list[str]],
+               *, as_json: bool) -> None:
+    """A listing: one JSON document with `--json`, else a table with `columns`, one row per item."""
+    if as_json:
+        _print_json(rows)
+        return
+    from rich.table import Table
+
+    table = Table()
+    for col in columns:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*cells(row))
+    console.print(table)
