@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, RedisUnavailable)
 DEFAULT_GRACE_S = 10.0
+INBOX_TRIM_EVERY = 128      # inbox entries read between two trims
 
 
 def fields_dict(flat: list[bytes]) -> dict[bytes, bytes]:
@@ -308,6 +309,7 @@ class Worker:
     async def _inbox(self) -> None:
         """Read this worker's inbox (inputs forwarded by producers) and hand each entry to its session."""
         last: bytes | str = "0-0"
+        untrimmed = 0
         backoff = Backoff()
         while True:
             try:
@@ -330,9 +332,11 @@ class Worker:
                     if queue is not None:       # else: a session that ended (its inputs are durable anyway)
                         for chunk in chunks:
                             queue.put_nowait((src, chunk))
-                if entries:
-                    # consumed: trim, so the inbox stays as small as what is in flight
+                untrimmed += len(entries)
+                if untrimmed >= INBOX_TRIM_EVERY:
+                    # consumed entries are trimmed in bulk: the inbox stays about as small as what is in flight
                     self.batcher.send("XTRIM", self.inbox_key, "MINID", "~", s(entries[-1][0]))
+                    untrimmed = 0
 
     async def _session(self, entry_id: str, session: Session) -> None:
         wf_id, attempt = session.wf_id, session.attempt
