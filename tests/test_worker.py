@@ -77,3 +77,17 @@ async def test_stopping_a_worker_hands_unfinished_sessions_back(engine_factory) 
         assert doc["stages"]["thinker"]["attempt"] == 2         # re-queued at once: it deregistered
         assert doc["stages"]["thinker"]["usage"]["resumed_at"] >= 2
         assert doc["outputs"]["thinker"]["text"] == expected_text("hand over", 12)
+
+
+async def test_attempt_timeout_retries_then_fails_with_the_reason(engine_factory) -> None:
+    spec = toy_spec(thinker={"token_delay_s": 0.5})
+    spec["stages"]["thinker"]["retry"].update(attempt_timeout_s=0.2, max_attempts=2)
+    async with engine_factory(spec) as eng:
+        sub = await eng.store.submit(request("too slow per attempt"))
+        doc = await eng.store.wait(sub.id, timeout_s=15)
+        assert doc["state"] == "failed"
+        assert doc["error_stage"] == "thinker"
+        assert "attempt timed out after 0.2s" in doc["error"]
+        assert doc["stages"]["thinker"]["attempt"] == 2
+        dlq = await eng.redis.xrange(eng.store.keys.dlq("thinker"))
+        assert [f[b"wf"].decode() for _, f in dlq] == [sub.id]
