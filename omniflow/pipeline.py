@@ -177,6 +177,14 @@ class Pipeline:
         req = set(required)
         return [e.dst for e in self.outputs[stage] if e.dst in req]
 
+    def descendants(self, stage: str, required: Iterable[str]) -> list[str]:
+        """Every stage downstream of `stage` among `required`, in topological order."""
+        req, found = set(required), {stage}
+        for name in self.order:
+            if name != stage and any(e.src in found for e in self.inputs[name]) and name in req:
+                found.add(name)
+        return [name for name in self.order if name in found and name != stage]
+
     def upstream(self, stage: str, required: Iterable[str]) -> list[EdgeSpec]:
         req = set(required)
         return [e for e in self.inputs[stage] if e.src in req]

@@ -63,6 +63,7 @@ class Session:
     _batcher: Batcher
     _keys: Keys
     upstream: tuple[str, ...] = ()
+    required: tuple[str, ...] = ()        # every stage this workflow runs
     _queue: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     _catchup: list[tuple[str, dict[bytes, bytes]]] = field(default_factory=list)
     _input_timeout_s: float = 120.0

@@ -301,7 +301,7 @@ class Worker:
                 input=json.loads(raw_input), params=json.loads(raw_params).get(self.stage, {}),
                 finals=tuple(csv(finals)), downstream=tuple(self.pipeline.downstream(self.stage, required)),
                 resume_seq=int(seq or 0), _batcher=self.batcher, _keys=self.keys,
-                upstream=tuple(upstream), _queue=queue, _catchup=catchup,
+                upstream=tuple(upstream), required=tuple(required), _queue=queue, _catchup=catchup,
                 _input_timeout_s=self.spec.retry.input_timeout_s, waiting_input=bool(upstream),
             )
             self._spawn(f"{wf_id}|{attempt}", self._session(entry_id, session), session)
@@ -342,6 +342,8 @@ class Worker:
         wf_id, attempt = session.wf_id, session.attempt
         outcome, detail, retryable = "failed", "aborted", False
         try:
+            if session.resume_seq and not self.executor.resumable:
+                await self._restart(session)
             outcome, detail, retryable = await self._execute(session)
         except asyncio.CancelledError:
             if self._stopping and not session.aborted:
@@ -382,6 +384,19 @@ class Worker:
                     return
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
+
+    async def _restart(self, session: Session) -> None:
+        """This executor cannot resume: its output, and everything downstream of it, starts over
+        (`restart.lua` re-queues the downstream sessions and logs a `restart` event)."""
+        below = self.pipeline.descendants(self.stage, session.required)
+        edges = [f"{s}:{e.dst}" for s in (self.stage, *below) for e in self.pipeline.outputs[s]
+                 if e.dst in session.required]
+        reply = await self.batcher.script(
+            "restart", [self.keys.wf(session.wf_id)],
+            [self.settings.prefix, self.stage, session.attempt, now_ms(), ",".join(below), ",".join(edges)])
+        if s(reply) == "fenced":
+            session.fenced = True
+        session.resume_seq = 0
 
     async def _execute(self, session: Session) -> tuple[str, str, bool]:
         """Run the executor; map how it ended to (outcome, detail, retryable)."""

@@ -6,7 +6,7 @@ import asyncio
 from omniflow.keys import TASK_GROUP
 
 from conftest import toy_spec
-from helpers import eventually, expected_text, request
+from helpers import eventually, expected_text, log_entries, request
 
 
 async def test_malformed_task_entry_goes_to_dead_letter_and_worker_keeps_serving(engine_factory) -> None:
@@ -91,3 +91,21 @@ async def test_attempt_timeout_retries_then_fails_with_the_reason(engine_factory
         assert doc["stages"]["thinker"]["attempt"] == 2
         dlq = await eng.redis.xrange(eng.store.keys.dlq("thinker"))
         assert [f[b"wf"].decode() for _, f in dlq] == [sub.id]
+
+
+async def test_a_stage_that_cannot_resume_restarts_with_its_downstream(engine_factory) -> None:
+    spec = toy_spec(thinker={"fail_at_step": 4, "fail_attempts": 1, "token_delay_s": 0.01})
+    spec["stages"]["thinker"]["executor"] = "workers_fixtures:AttemptThinker"
+    async with engine_factory(spec) as eng:
+        sub = await eng.store.submit(request("start over"))
+        doc = await eng.store.wait(sub.id, timeout_s=15)
+        assert doc["state"] == "completed"
+        # the whole text is attempt 2's: nothing from the abandoned attempt survives
+        assert doc["outputs"]["thinker"]["text"] == " ".join(f"a2w{i}" for i in range(8))
+        assert doc["outputs"]["code2wav"]["chunks"] == 8
+        assert doc["stages"]["talker"]["attempt"] == 2 and doc["stages"]["code2wav"]["attempt"] == 2
+        log = await log_entries(eng.store, sub.id)
+        restarts = [f for f in log if f.get("t") == "restart"]
+        assert restarts == [{"t": "restart", "stage": "thinker", "attempt": "2", "stages": "thinker,talker,code2wav"}]
+        reasons = {f["stage"]: f["reason"] for f in log if f.get("t") == "retry" and f["stage"] != "thinker"}
+        assert reasons == {"talker": "upstream thinker restarted", "code2wav": "upstream thinker restarted"}

@@ -1,0 +1,38 @@
+-- restart: a retried session of a stage that cannot resume starts its output over, and so does
+-- every stage downstream of it (they consumed output that will now differ). Fenced.
+-- KEYS[1] wf base key
+-- ARGV[1] prefix  ARGV[2] stage  ARGV[3] its attempt  ARGV[4] now_ms
+-- ARGV[5] downstream stages of this workflow, transitively, csv
+-- ARGV[6] edges to clear, csv of '<src>:<dst>' (the stage's and its downstream stages' outgoing edges)
+-- Returns 'ok' | 'fenced'
+--@include _lib.lua
+local wf, prefix, stage, now = KEYS[1], ARGV[1], ARGV[2], ARGV[4]
+local sk = wf .. ':stages'
+local rec = redis.call('HMGET', wf, 'state', 'id')
+local cur = redis.call('HMGET', sk, stage, stage .. ':attempt')
+if not is_live(rec[1]) or tostring(cur[2]) ~= ARGV[3] then return 'fenced' end
+if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
+local id = rec[2]
+for _, edge in ipairs(csv(ARGV[6])) do
+  redis.call('UNLINK', wf .. ':edge:' .. edge)
+end
+local cleared = {stage}
+for _, s in ipairs(csv(ARGV[5])) do cleared[#cleared + 1] = s end
+for _, s in ipairs(cleared) do
+  redis.call('UNLINK', wf .. ':out:' .. s)
+  redis.call('HSET', sk, s .. ':seq', 0, s .. ':samples', 0)
+end
+-- downstream sessions already submitted start again with a new attempt (the old ones are fenced)
+for i = 2, #cleared do
+  local s = cleared[i]
+  local st = redis.call('HMGET', sk, s, s .. ':attempt')
+  local attempt = tonumber(st[2])
+  if attempt > 0 and not stage_terminal(st[1]) then
+    submit_stage(wf, prefix, id, s, attempt + 1, now)
+    redis.call('XADD', wf .. ':log', '*', 't', 'retry', 'stage', s, 'attempt', tostring(attempt + 1),
+      'reason', 'upstream ' .. stage .. ' restarted')
+  end
+end
+redis.call('XADD', wf .. ':log', '*', 't', 'restart', 'stage', stage, 'attempt', ARGV[3],
+  'stages', table.concat(cleared, ','))
+return 'ok'
