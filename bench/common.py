@@ -314,6 +314,23 @@ def run_latency_loop(
     return records
 
 
+def submit_and_collect(r, reader: "DoneReader", submit: Callable[[str, float], None], n: int, *, warmup: int,
+                       min_rate: float) -> tuple[list[tuple[str, float, float]], dict[str, Any], float]:
+    """Warm up, then submit `n` workflows one client call each and collect their completions.
+
+    Returns (records, Redis commands per workflow, seconds spent submitting)."""
+    for i in range(warmup):
+        submit(f"warm-{i}", time.time())
+    reader.wait(warmup, 60)
+    before = command_calls(r)
+    t0 = time.monotonic()
+    for i in range(n):
+        submit(f"wf-{i}", time.time())
+    submit_s = time.monotonic() - t0
+    records = reader.wait(n, timeout_for(n, min_rate, floor_s=60))
+    return records, command_delta(before, command_calls(r), n), submit_s
+
+
 def timeout_for(n: int, min_rate: float, floor_s: float = 30.0) -> float:
     """A bounded wait: n workflows at no less than min_rate per second, at least floor_s."""
     return max(floor_s, n / min_rate)

@@ -23,6 +23,7 @@ from omniflow.cli_common import (
     _with_client,
     console,
     handle_errors,
+    print_result,
     print_rows,
 )
 from omniflow.errors import InvalidRequest
@@ -211,10 +212,7 @@ def abort(wf_id: str = typer.Argument(..., metavar="ID"), as_json: bool = JsonOp
         return await client.abort(wf_id, reason="aborted by operator")  # type: ignore[no-any-return]
 
     state = _run(_with_client, go)
-    if as_json:
-        _print_json({"id": wf_id, "state": state})
-    else:
-        console.print(f"workflow {wf_id}: {state}")
+    print_result({"id": wf_id, "state": state}, f"workflow {wf_id}: {state}", as_json=as_json)
 
 
 @app.command()
@@ -227,10 +225,7 @@ def retry(wf_id: str = typer.Argument(..., metavar="ID"), as_json: bool = JsonOp
         return await retry_workflow(client.store, wf_id)
 
     new_id = _run(_with_client, go)
-    if as_json:
-        _print_json({"id": new_id, "retry_of": wf_id})
-    else:
-        console.print(f"workflow {wf_id} resubmitted as {new_id}")
+    print_result({"id": new_id, "retry_of": wf_id}, f"workflow {wf_id} resubmitted as {new_id}", as_json=as_json)
 
 
 @app.command()
@@ -268,7 +263,7 @@ def purge(yes: bool = typer.Option(False, "--yes", help="really delete"), as_jso
         return await purge_all(client.store)
 
     n = _run(_with_client, go)
-    _print_json({"deleted_keys": n}) if as_json else console.print(f"deleted {n} keys")
+    print_result({"deleted_keys": n}, f"deleted {n} keys", as_json=as_json)
 
 
 @dlq_app.command("ls")

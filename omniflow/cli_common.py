@@ -92,6 +92,14 @@ def _print_json(doc: Any) -> None:
     sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
 
 
+def print_result(doc: Any, line: str, *, as_json: bool) -> None:
+    """A command's outcome: `doc` as one JSON document with `--json`, else one human line."""
+    if as_json:
+        _print_json(doc)
+    else:
+        console.print(line)
+
+
 def print_rows(rows: list[dict[str, Any]], columns: tuple[str, ...], cells: Callable[[dict[str, Any]], list[str]],
                *, as_json: bool) -> None:
     """A listing: one JSON document with `--json`, else a table with `columns`, one row per item."""

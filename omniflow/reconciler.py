@@ -123,12 +123,12 @@ class Reconciler:
         if kind not in ("done", "failed", "lost") or stage not in self.pipeline.stages or not wf_id:
             raise ValueError(f"event type {kind!r} for stage {stage!r}")
         retry = self.pipeline.stages[stage].retry
-        due = now + backoff_ms(attempt, base_s=retry.backoff_s, cap_s=retry.backoff_max_s,
-                               jitter=retry.jitter, rng=self._rng)
-        task_args = ["", "", ""]
-        if kind == "lost":     # a live worker lost Redis mid-session: ack its task, retry it at once
+        due, task_args = now, ["", "", ""]
+        if kind == "failed":   # only a failure waits before its retry
+            due += backoff_ms(attempt, base_s=retry.backoff_s, cap_s=retry.backoff_max_s,
+                              jitter=retry.jitter, rng=self._rng)
+        elif kind == "lost":   # a live worker lost Redis mid-session: ack its task, retry it at once
             task_args = [self.keys.tasks(stage), s(fields.get(b"e")), TASK_GROUP]
-            due = now
         return scripts.evalsha_args(
             "stage_event", [self.keys.wf(wf_id), self.keys.inflight, self.keys.retries],
             [self.settings.prefix, kind, stage, attempt, now, s(fields.get(b"d")), s(fields.get(b"r")) or "0",

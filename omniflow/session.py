@@ -256,6 +256,10 @@ class Session:
             for result in done:
                 if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
                     raise result
+        self.raise_if_broken()
+
+    def raise_if_broken(self) -> None:
+        """Raise the first lost write of this attempt, or `Fenced` if a write was refused."""
         if self._write_error is not None:
             raise self._write_error
         if self.fenced:

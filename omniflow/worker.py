@@ -403,10 +403,7 @@ class Worker:
         try:
             async with self._slots, asyncio.timeout(self.spec.retry.attempt_timeout_s):
                 usage = await self.executor.run(session)
-            if session.fenced:
-                raise Fenced("fenced")
-            if session._write_error is not None:
-                raise session._write_error
+            session.raise_if_broken()
             return "done", json.dumps(dict(usage or {})), True
         except Fenced:
             return "failed", "fenced", False

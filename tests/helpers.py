@@ -15,6 +15,12 @@ def request(text: str = "hello world", modalities: list[str] | None = None, **kw
     return SubmitRequest(input=WorkflowInput(text=text), output_modalities=modalities, **kwargs)
 
 
+async def run_to_end(store: Store, req: SubmitRequest, *, timeout_s: float = 15.0) -> dict[str, Any]:
+    """Submit and wait for the terminal state; the document (its `id` names the workflow)."""
+    sub = await store.submit(req)
+    return await store.wait(sub.id, timeout_s=timeout_s)
+
+
 def expected_text(prompt: str, max_words: int = 8) -> str:
     return " ".join(reply_words(prompt, max_words))
 

@@ -28,13 +28,17 @@ def write_jsonl(path: Path, *lines: object) -> Path:
     return path
 
 
-async def run_batch(eng, path: Path) -> dict:
+async def submit_file(eng, path: Path) -> dict:
     parsed = parse_batch_file(path, eng.pipeline, eng.settings)
     pool = await create_job_pool(eng.url, eng.settings)
     try:
-        created = await submit_batch(eng.store, pool, parsed)
+        return await submit_batch(eng.store, pool, parsed)
     finally:
         await pool.aclose()
+
+
+async def run_batch(eng, path: Path) -> dict:
+    created = await submit_file(eng, path)
     return await wait_batch(eng.store, created["id"], timeout_s=20)
 
 
@@ -102,12 +106,7 @@ async def test_batch_resumes_in_a_new_runner_after_a_stop(engine_factory, tmp_pa
     path = write_jsonl(tmp_path / "b.jsonl",
                        *({"text": f"resume {i}", "output_modalities": ["text"]} for i in range(4)))
     async with engine_factory(spec, **FAST, jobs_grace_s=0.0) as eng:
-        parsed = parse_batch_file(path, eng.pipeline, eng.settings)
-        pool = await create_job_pool(eng.url, eng.settings)
-        try:
-            created = await submit_batch(eng.store, pool, parsed)
-        finally:
-            await pool.aclose()
+        created = await submit_file(eng, path)
         async with jobs_runner(eng):
             await asyncio.sleep(0.2)                  # submitted, still running: then the runner stops
         mid = await batch_status(eng.store, created["id"])

@@ -10,7 +10,7 @@ from omniflow.errors import AdmissionRefused, InvalidRequest, WorkflowRetired
 from omniflow.keys import TASK_GROUP
 
 from conftest import toy_spec
-from helpers import eventually, expected_text, log_entries, request, stage_status, terminal_count
+from helpers import eventually, expected_text, log_entries, request, run_to_end, stage_status, terminal_count
 
 
 async def test_output_modalities_outside_static_finals_is_refused_without_creating_anything(engine_factory) -> None:
@@ -147,8 +147,7 @@ async def test_admission_over_max_in_flight_refuses_and_creates_nothing(engine_f
 async def test_failed_stage_fails_workflow_and_aborts_the_others(engine_factory) -> None:
     spec = toy_spec(talker={"fail_at_step": 2, "fail_retryable": False}, thinker={"token_delay_s": 0.02})
     async with engine_factory(spec) as eng:
-        sub = await eng.store.submit(request("break the talker"))
-        doc = await eng.store.wait(sub.id, timeout_s=15)
+        doc = await run_to_end(eng.store, request("break the talker"), timeout_s=15)
         assert doc["state"] == "failed"
         assert doc["error_stage"] == "talker"
         assert "injected failure at step 2" in doc["error"]
@@ -156,25 +155,24 @@ async def test_failed_stage_fails_workflow_and_aborts_the_others(engine_factory)
         assert doc["stages"]["thinker"]["status"] in ("aborted", "done")
         assert doc["stages"]["code2wav"]["status"] == "aborted"
         dlq = await eng.redis.xrange(eng.store.keys.dlq("talker"))
-        assert [f[b"wf"].decode() for _, f in dlq] == [sub.id]
-        assert await terminal_count(eng.store, sub.id) == 1
+        assert [f[b"wf"].decode() for _, f in dlq] == [doc["id"]]
+        assert await terminal_count(eng.store, doc["id"]) == 1
         with pytest.raises(WorkflowRetired):
-            await eng.store.submit(request(), wf_id=sub.id)
+            await eng.store.submit(request(), wf_id=doc["id"])
 
 
 async def test_retryable_failure_resumes_without_duplicates(engine_factory) -> None:
     spec = toy_spec(thinker={"fail_at_step": 4, "fail_attempts": 1})
     async with engine_factory(spec) as eng:
-        sub = await eng.store.submit(request("resume after a crash"))
-        doc = await eng.store.wait(sub.id, timeout_s=15)
+        doc = await run_to_end(eng.store, request("resume after a crash"), timeout_s=15)
         assert doc["state"] == "completed"
         assert doc["stages"]["thinker"]["attempt"] == 2
         assert doc["stages"]["thinker"]["usage"]["resumed_at"] == 3
         assert doc["outputs"]["thinker"]["text"] == expected_text("resume after a crash")
         assert doc["outputs"]["code2wav"]["chunks"] == 8
-        seqs = [int(f["seq"]) for f in await log_entries(eng.store, sub.id) if f.get("t") == "text"]
+        seqs = [int(f["seq"]) for f in await log_entries(eng.store, doc["id"]) if f.get("t") == "text"]
         assert seqs == list(range(1, 9))
-        retries = [f for f in await log_entries(eng.store, sub.id) if f.get("t") == "retry"]
+        retries = [f for f in await log_entries(eng.store, doc["id"]) if f.get("t") == "retry"]
         assert len(retries) == 1 and "injected failure" in retries[0]["reason"]
 
 
@@ -195,8 +193,7 @@ async def test_two_reconcilers_process_one_event_stream_without_double_transitio
                                                (["text", "audio"], ["thinker", "code2wav"])])
 async def test_one_result_shape_outputs_keyed_by_stage(engine_factory, modalities, finals) -> None:
     async with engine_factory() as eng:
-        sub = await eng.store.submit(request("shape", modalities=modalities))
-        doc = await eng.store.wait(sub.id, timeout_s=10)
+        doc = await run_to_end(eng.store, request("shape", modalities=modalities), timeout_s=10)
         assert doc["state"] == "completed"
         assert doc["final_stages"] == finals
         assert sorted(doc["outputs"]) == sorted(finals)
@@ -204,7 +201,7 @@ async def test_one_result_shape_outputs_keyed_by_stage(engine_factory, modalitie
             assert doc["outputs"][stage]["type"] == eng.pipeline.stages[stage].final_output
         if modalities == ["audio"]:
             # text was not asked for: nothing is written for it, but the talker still got the chunks
-            assert await eng.redis.exists(eng.store.keys.out(sub.id, "thinker")) == 0
+            assert await eng.redis.exists(eng.store.keys.out(doc["id"], "thinker")) == 0
             assert doc["outputs"]["code2wav"]["chunks"] == 8
 
 
@@ -225,7 +222,6 @@ async def test_full_edge_successor_is_submitted_after_its_producer_finishes(engi
 async def test_deadline_fails_a_workflow_that_runs_too_long(engine_factory) -> None:
     spec = toy_spec(thinker={"token_delay_s": 0.5})
     async with engine_factory(spec) as eng:
-        sub = await eng.store.submit(request("too slow", deadline_s=0.5))
-        doc = await eng.store.wait(sub.id, timeout_s=10)
+        doc = await run_to_end(eng.store, request("too slow", deadline_s=0.5), timeout_s=10)
         assert doc["state"] == "failed"
         assert doc["error"] == "deadline exceeded"

@@ -6,7 +6,7 @@ import asyncio
 from omniflow.keys import TASK_GROUP
 
 from conftest import toy_spec
-from helpers import eventually, expected_text, log_entries, request
+from helpers import eventually, expected_text, log_entries, request, run_to_end
 
 
 async def test_malformed_task_entry_goes_to_dead_letter_and_worker_keeps_serving(engine_factory) -> None:
@@ -39,8 +39,7 @@ async def test_malformed_event_goes_to_dead_letter_and_reconciler_keeps_going(en
 async def test_executor_bug_is_a_stage_failure_not_a_worker_crash(engine_factory) -> None:
     spec = toy_spec(talker={"fail_at_step": 1, "fail_attempts": 1})
     async with engine_factory(spec) as eng:
-        sub = await eng.store.submit(request("flaky talker"))
-        doc = await eng.store.wait(sub.id, timeout_s=10)
+        doc = await run_to_end(eng.store, request("flaky talker"), timeout_s=10)
         assert doc["state"] == "completed"
         assert doc["stages"]["talker"]["attempt"] == 2
         assert doc["outputs"]["code2wav"]["chunks"] == 8
@@ -51,8 +50,7 @@ async def test_input_that_never_comes_fails_with_a_clear_reason(engine_factory) 
     spec = toy_spec(thinker={"token_delay_s": 5.0})
     spec["stages"]["talker"]["retry"]["input_timeout_s"] = 0.3
     async with engine_factory(spec) as eng:
-        sub = await eng.store.submit(request("silence"))
-        doc = await eng.store.wait(sub.id, timeout_s=10)
+        doc = await run_to_end(eng.store, request("silence"), timeout_s=10)
         assert doc["state"] == "failed"
         assert doc["error_stage"] == "talker"
         assert "no input from ['thinker'] within 0.3s" in doc["error"]
@@ -83,28 +81,26 @@ async def test_attempt_timeout_retries_then_fails_with_the_reason(engine_factory
     spec = toy_spec(thinker={"token_delay_s": 0.5})
     spec["stages"]["thinker"]["retry"].update(attempt_timeout_s=0.2, max_attempts=2)
     async with engine_factory(spec) as eng:
-        sub = await eng.store.submit(request("too slow per attempt"))
-        doc = await eng.store.wait(sub.id, timeout_s=15)
+        doc = await run_to_end(eng.store, request("too slow per attempt"), timeout_s=15)
         assert doc["state"] == "failed"
         assert doc["error_stage"] == "thinker"
         assert "attempt timed out after 0.2s" in doc["error"]
         assert doc["stages"]["thinker"]["attempt"] == 2
         dlq = await eng.redis.xrange(eng.store.keys.dlq("thinker"))
-        assert [f[b"wf"].decode() for _, f in dlq] == [sub.id]
+        assert [f[b"wf"].decode() for _, f in dlq] == [doc["id"]]
 
 
 async def test_a_stage_that_cannot_resume_restarts_with_its_downstream(engine_factory) -> None:
     spec = toy_spec(thinker={"fail_at_step": 4, "fail_attempts": 1, "token_delay_s": 0.01})
     spec["stages"]["thinker"]["executor"] = "workers_fixtures:AttemptThinker"
     async with engine_factory(spec) as eng:
-        sub = await eng.store.submit(request("start over"))
-        doc = await eng.store.wait(sub.id, timeout_s=15)
+        doc = await run_to_end(eng.store, request("start over"), timeout_s=15)
         assert doc["state"] == "completed"
         # the whole text is attempt 2's: nothing from the abandoned attempt survives
         assert doc["outputs"]["thinker"]["text"] == " ".join(f"a2w{i}" for i in range(8))
         assert doc["outputs"]["code2wav"]["chunks"] == 8
         assert doc["stages"]["talker"]["attempt"] == 2 and doc["stages"]["code2wav"]["attempt"] == 2
-        log = await log_entries(eng.store, sub.id)
+        log = await log_entries(eng.store, doc["id"])
         restarts = [f for f in log if f.get("t") == "restart"]
         assert restarts == [{"t": "restart", "stage": "thinker", "attempt": "2", "stages": "thinker,talker,code2wav"}]
         reasons = {f["stage"]: f["reason"] for f in log if f.get("t") == "retry" and f["stage"] != "thinker"}

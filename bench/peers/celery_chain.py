@@ -83,23 +83,12 @@ def _submit(wf: str, ts: float) -> None:
 
 
 def run_throughput(url: str, n: int, procs: int, warmup: int = 50) -> dict:
-    from bench.common import (DoneReader, bench_env, command_calls, command_delta, running, summarize,
-                              timeout_for, wait_ready)
+    from bench.common import DoneReader, bench_env, running, submit_and_collect, summarize, wait_ready
 
     r = redis.Redis.from_url(url)
     with running(_cmd(procs), env=bench_env(BENCH_REDIS_URL=url)) as ps:
         wait_ready(r, 1, ps)
-        reader = DoneReader(r, ps)
-        for i in range(warmup):
-            _submit(f"warm-{i}", time.time())
-        reader.wait(warmup, 60)
-        before = command_calls(r)
-        t0 = time.monotonic()
-        for i in range(n):
-            _submit(f"wf-{i}", time.time())
-        submit_s = time.monotonic() - t0
-        records = reader.wait(n, timeout_for(n, 15, floor_s=60))
-        cmds = command_delta(before, command_calls(r), n)
+        records, cmds, submit_s = submit_and_collect(r, DoneReader(r, ps), _submit, n, warmup=warmup, min_rate=15)
     extra = {"topology": f"celery worker --pool prefork --concurrency {procs}", "submit_s": round(submit_s, 3),
              "submit_mode": "single", **cmds}
     return summarize("celery", "redis broker+backend", procs, records, extra=extra).to_dict()

@@ -11,8 +11,8 @@ import sys
 import time
 
 from bench.common import (
-    DoneReader, Result, bench_env, command_calls, command_delta, redis_client, run_latency_loop, running,
-    summarize, timeout_for, wait_ready,
+    DoneReader, Result, bench_env, redis_client, run_latency_loop, running, submit_and_collect, summarize,
+    timeout_for, wait_ready,
 )
 
 THREADS = 8
@@ -41,17 +41,7 @@ def run_throughput(url: str, n: int, procs: int, warmup: int = 100) -> Result:
     broker, submit = _client(url)
     with running(_cmd(procs), env=bench_env(BENCH_REDIS_URL=url)) as ps:
         wait_ready(r, procs, ps)
-        reader = DoneReader(r, ps)
-        for i in range(warmup):
-            submit(f"warm-{i}", time.time())
-        reader.wait(warmup, 60)
-        before = command_calls(r)
-        t0 = time.monotonic()
-        for i in range(n):
-            submit(f"wf-{i}", time.time())
-        submit_s = time.monotonic() - t0
-        records = reader.wait(n, timeout_for(n, 100, floor_s=60))
-        cmds = command_delta(before, command_calls(r), n)
+        records, cmds, submit_s = submit_and_collect(r, DoneReader(r, ps), submit, n, warmup=warmup, min_rate=100)
     broker.close()
     extra = {"topology": f"dramatiq CLI --processes {procs} --threads {THREADS}", "submit_s": round(submit_s, 3),
              "submit_mode": "single", **cmds}

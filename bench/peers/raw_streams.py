@@ -22,7 +22,7 @@ import msgpack
 
 from bench import workload
 from bench.common import (
-    BenchError, DoneReader, Result, command_calls, command_delta, redis_client, run_latency_loop,
+    DoneReader, Result, command_calls, command_delta, redis_client, run_latency_loop,
     running, summarize, timeout_for, wait_ready,
 )
 
