@@ -43,14 +43,16 @@ async def collect_stats(store: Store) -> dict[str, Any]:
         except ResponseError:
             groups = []
         group = next((g for g in groups if s(g.get("name")) == TASK_GROUP), {})
-        mine = [i for i in infos if s(i[0]) == name]
+        # a worker serving several stages lists them (and its per-stage figures) comma-separated
+        mine = [(int(a or 0), int(c or 0)) for st, act, cap in infos
+                for x, a, c in zip(csv(s(st)), csv(s(act)), csv(s(cap))) if x == name]
         stages[name] = {
             "queued": await store.redis.xlen(store.keys.tasks(name)),
             "lag": int(group.get("lag") or 0),
             "pending": int(group.get("pending") or 0),
             "live_workers": len(mine),
-            "active_sessions": sum(int(i[1] or 0) for i in mine),
-            "capacity": sum(int(i[2] or 0) for i in mine),
+            "active_sessions": sum(a for a, _ in mine),
+            "capacity": sum(c for _, c in mine),
             "dlq": await store.redis.xlen(store.keys.dlq(name)),
         }
     return {

@@ -26,7 +26,7 @@ from omniflow.cli_common import (
     print_result,
     print_rows,
 )
-from omniflow.errors import InvalidRequest
+from omniflow.errors import InvalidRequest, PipelineError
 from omniflow.pipeline import load_pipeline
 
 app = typer.Typer(help="omniflow: durable multi-stage model serving on Redis.", no_args_is_help=True,
@@ -58,24 +58,28 @@ def up(pipeline: Path = typer.Option(None, "--pipeline", help="pipeline YAML (de
 
 @app.command()
 @handle_errors
-def worker(stage: str = typer.Option(..., "--stage", help="the stage this process serves"),
+def worker(stage: str = typer.Option(..., "--stage",
+                                     help="the stage this process serves; several that share a device: "
+                                          "`thinker,talker`, or `all`"),
            replicas: int = typer.Option(1, "--replicas", min=1, help="worker processes to run")) -> None:
-    """Serve one stage (one process per replica)."""
+    """Serve one stage, or several stages that share one device, in one process per replica."""
     from omniflow.runtime import setup_logging
-    from omniflow.worker import run_worker
+    from omniflow.worker import parse_stages, run_worker
 
     setup_logging()
     settings = _settings()
     pipe = _pipeline()
-    if stage not in pipe.stages:
-        raise InvalidRequest(f"--stage: unknown stage {stage!r}; pipeline {pipe.name!r} has {list(pipe.order)}")
+    try:
+        stages = parse_stages(stage, pipe)
+    except PipelineError as exc:
+        raise InvalidRequest(f"--stage: {exc}") from None
     url = settings.resolve_redis_url()
     if replicas == 1:
-        run_worker(settings, pipe, stage, url)
+        run_worker(settings, pipe, stages, url)
         return
     import subprocess
 
-    procs = [subprocess.Popen([sys.executable, "-m", "omniflow.cli", "worker", "--stage", stage])
+    procs = [subprocess.Popen([sys.executable, "-m", "omniflow.cli", "worker", "--stage", ",".join(stages)])
              for _ in range(replicas)]
     try:
         for proc in procs:

@@ -29,7 +29,7 @@ from omniflow.config import Settings
 from omniflow.keys import EVENT_GROUP, TASK_GROUP, Keys
 from omniflow.pipeline import Pipeline
 from omniflow.runtime import Backoff, check_eviction_policy
-from omniflow.store import connect, now_ms, s
+from omniflow.store import connect, csv, now_ms, s
 from omniflow.worker import ensure_group
 
 logger = logging.getLogger(__name__)
@@ -234,8 +234,8 @@ class Reconciler:
         dead = [s(w) for w in await self.redis.zrangebyscore(self.keys.workers, "-inf", now_ms(), start=0, num=50)]
         requeued = 0
         for worker_id in dead:
-            stage = s(await self.redis.hget(self.keys.worker_info(worker_id), "stage"))
-            stages = [stage] if stage in self.pipeline.stages else list(self.pipeline.order)
+            served = csv(s(await self.redis.hget(self.keys.worker_info(worker_id), "stage")))
+            stages = [x for x in served if x in self.pipeline.stages] or list(self.pipeline.order)
             left = 0
             for name in stages:
                 n, more = await self._requeue_pending(name, worker_id)

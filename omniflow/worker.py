@@ -1,7 +1,12 @@
-"""The worker runtime: one process serving one stage (`omniflow worker --stage NAME`).
+"""The worker runtime: one process serving one stage (`omniflow worker --stage NAME`),
+or several stages that share a device (`--stage thinker,talker`: DESIGN §1, a stage
+is not a GPU). Each stage served keeps its own executor, session slots and task
+stream; the process shares one intake read, one inbox, one group-commit
+connection and one heartbeat between them.
 
-- intake: XREADGROUP on `<p>:stage:<name>:tasks` (group `workers`, consumer =
-  worker id), only as many tasks as free session slots (backpressure);
+- intake: one XREADGROUP on `<p>:stage:<name>:tasks` of every stage served
+  (group `workers`, consumer = worker id), only as many tasks as free session
+  slots (backpressure; a stage with no free slot is left out of the read);
 - claim: `claim.lua` per task, group-committed; drops tasks of retired workflows;
 - inputs: one `StreamMux` blocks on the edge logs of every waiting session;
 - outputs: `emit.lua` / `finish.lua` through the group-commit `Batcher`;
@@ -23,6 +28,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -66,32 +72,66 @@ async def ensure_group(redis: Redis, stream: str, group: str) -> None:
             raise
 
 
-class Worker:
-    def __init__(self, *, settings: Settings, pipeline: Pipeline, stage: str, redis_url: str,
-                 worker_id: str | None = None, executor: Executor | None = None,
-                 max_sessions: int | None = None) -> None:
-        if stage not in pipeline.stages:
-            raise PipelineError(f"unknown stage {stage!r}; pipeline {pipeline.name!r} has {list(pipeline.order)}")
-        self.settings = settings
-        self.pipeline = pipeline
+class StagePool:
+    """One stage served by a worker: its executor, its session slots, its task stream."""
+
+    def __init__(self, pipeline: Pipeline, keys: Keys, stage: str, *, executor: Executor | None,
+                 max_sessions: int | None) -> None:
         self.stage = stage
         self.spec = pipeline.stages[stage]
-        self.id = worker_id or new_worker_id(stage)
-        self.keys = Keys(settings.prefix)
-        self.redis_url = redis_url
+        self.tasks_key = keys.tasks(stage)
+        self.upstream = tuple(e.src for e in pipeline.inputs[stage])
         self.max_sessions = max_sessions or self.spec.max_sessions
         self.executor = executor or import_executor(self.spec.executor)(stage=stage, params=self.spec.params)
-        self.tasks_key = self.keys.tasks(stage)
-        self._sessions: dict[str, tuple[Session | None, asyncio.Task[None]]] = {}
-        self._slot_free = asyncio.Event()
-        self._claiming = 0          # tasks read but not yet claimed (they hold session slots)
         # At most max_sessions run the executor at once (the GPU's batch slots); up to `prefetch` more
         # are claimed and wait for a slot, so a freed slot starts the next session without a round trip.
         prefetch = self.spec.prefetch if self.spec.prefetch is not None else max(1, self.max_sessions // 4)
         self.capacity = self.max_sessions + prefetch
-        self._slots = asyncio.Semaphore(self.max_sessions)
+        self.slots = asyncio.Semaphore(self.max_sessions)
+        self.active = 0             # sessions held (running or waiting for a slot)
+        self.claiming = 0           # tasks read but not yet claimed (they hold session slots too)
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.active - self.claiming
+
+
+def parse_stages(value: str | Sequence[str], pipeline: Pipeline) -> list[str]:
+    """`thinker`, `thinker,talker` or `all` -> the stage names, validated against the pipeline."""
+    names = [x.strip() for x in (value.split(",") if isinstance(value, str) else value) if x.strip()]
+    if names == ["all"]:
+        return list(pipeline.order)
+    if not names:
+        raise PipelineError(f"no stage given; pipeline {pipeline.name!r} has {list(pipeline.order)}")
+    for name in names:
+        if name not in pipeline.stages:
+            raise PipelineError(f"unknown stage {name!r}; pipeline {pipeline.name!r} has {list(pipeline.order)}")
+    if len(set(names)) != len(names):
+        raise PipelineError(f"stage listed twice in {','.join(names)!r}")
+    return names
+
+
+class Worker:
+    def __init__(self, *, settings: Settings, pipeline: Pipeline, stage: str | Sequence[str], redis_url: str,
+                 worker_id: str | None = None, executor: Executor | None = None,
+                 max_sessions: int | None = None) -> None:
+        stages = parse_stages(stage, pipeline)
+        if executor is not None and len(stages) > 1:
+            raise ValueError("an executor instance can serve one stage only")
+        self.settings = settings
+        self.pipeline = pipeline
+        self.keys = Keys(settings.prefix)
+        self.pools = {name: StagePool(pipeline, self.keys, name, executor=executor, max_sessions=max_sessions)
+                      for name in stages}
+        self.stage = ",".join(stages)          # what this worker serves (heartbeat, logs)
+        self.id = worker_id or new_worker_id("+".join(stages) if len(stages) < 3 else "multi")
+        self.redis_url = redis_url
+        self._by_stream = {pool.tasks_key: pool for pool in self.pools.values()}
+        self._sessions: dict[str, tuple[Session | None, asyncio.Task[None]]] = {}
+        self._slot_free = asyncio.Event()
         self._claim_tasks: set[asyncio.Task[None]] = set()
-        self._inputs: dict[tuple[str, int], asyncio.Queue[Any]] = {}   # (wf, attempt) -> input queue
+        # (wf, stage, attempt) -> the input queue of that session
+        self._inputs: dict[tuple[str, str, int], asyncio.Queue[Any]] = {}
         self._stopping = False
         self.started = asyncio.Event()
         self.stats = {"claimed": 0, "dropped": 0, "done": 0, "failed": 0, "fenced": 0, "dead_letters": 0}
@@ -107,8 +147,9 @@ class Worker:
         try:
             await check_eviction_policy(self.redis)
             await scripts.load_all(self.redis)
-            await ensure_group(self.redis, self.tasks_key, TASK_GROUP)
-            await self.executor.setup()
+            for pool in self.pools.values():
+                await ensure_group(self.redis, pool.tasks_key, TASK_GROUP)
+                await pool.executor.setup()
             await self._heartbeat_once()
             background = [
                 asyncio.create_task(self._intake(), name="intake"),
@@ -118,7 +159,8 @@ class Worker:
                 asyncio.create_task(self._inbox(), name="inbox"),
             ]
             self.started.set()
-            logger.info("worker %s serving stage %s (max_sessions=%d)", self.id, self.stage, self.max_sessions)
+            logger.info("worker %s serving %s", self.id,
+                        ", ".join(f"{p.stage} (max_sessions={p.max_sessions})" for p in self.pools.values()))
             stopper = asyncio.create_task(stop.wait())
             await asyncio.wait([stopper, *background], return_when=asyncio.FIRST_COMPLETED)
             for task in background:
@@ -127,7 +169,8 @@ class Worker:
             stopper.cancel()
             await self._shutdown(background, grace_s)
         finally:
-            await self.executor.close()
+            for pool in self.pools.values():
+                await pool.executor.close()
             for client in (self.redis, self._intake_redis, self._inbox_redis):
                 await client.aclose()
 
@@ -158,8 +201,10 @@ class Worker:
         pipe = self.redis.pipeline(transaction=False)
         pipe.zadd(self.keys.workers, {self.id: expiry})
         pipe.hset(self.keys.worker_info(self.id), mapping={
+            # per stage served, in the same order: "thinker,talker" / "8,4" / "3,1"
             "stage": self.stage, "host": socket.gethostname(), "pid": os.getpid(),
-            "capacity": self.max_sessions, "active": len(self._sessions), "seen_ms": now_ms(),
+            "capacity": ",".join(str(p.max_sessions) for p in self.pools.values()),
+            "active": ",".join(str(p.active) for p in self.pools.values()), "seen_ms": now_ms(),
             "stats": json.dumps(self.stats),
         })
         pipe.expire(self.keys.worker_info(self.id), 86_400)
@@ -175,12 +220,13 @@ class Worker:
 
     async def _watchdog(self) -> None:
         """Input-wait timeouts, checked once a second for all sessions (cheaper than a timer per read)."""
-        limit = self.spec.retry.input_timeout_s
+        period = min(1.0, *(p.spec.retry.input_timeout_s / 2 for p in self.pools.values()))
         while True:
-            await asyncio.sleep(min(1.0, limit / 2))
+            await asyncio.sleep(period)
             now = time.monotonic()
             for session, task in list(self._sessions.values()):
-                if session is not None and session.waiting_since and now - session.waiting_since > limit:
+                if session is not None and session.waiting_since and \
+                        now - session.waiting_since > self.pools[session.stage].spec.retry.input_timeout_s:
                     session.input_timed_out = True
                     task.cancel()
 
@@ -188,29 +234,32 @@ class Worker:
     async def _intake(self) -> None:
         backoff = Backoff()
         while True:
-            free = self.capacity - len(self._sessions) - self._claiming
-            if free <= 0:
+            ready = [pool for pool in self.pools.values() if pool.free > 0]
+            if not ready:
                 self._slot_free.clear()
                 await self._slot_free.wait()
                 continue
+            # COUNT applies per stream: the stage with the fewest free slots bounds the read
+            count = min(self.settings.read_batch, *(pool.free for pool in ready))
             try:
                 reply = await self._intake_redis.xreadgroup(
-                    TASK_GROUP, self.id, {self.tasks_key: ">"},
-                    count=min(free, self.settings.read_batch), block=self.settings.block_ms,
+                    TASK_GROUP, self.id, {pool.tasks_key: ">" for pool in ready},
+                    count=count, block=self.settings.block_ms,
                 )
                 backoff.reset()
             except ResponseError as exc:
                 if "NOGROUP" in str(exc):
-                    await ensure_group(self.redis, self.tasks_key, TASK_GROUP)
+                    for pool in ready:
+                        await ensure_group(self.redis, pool.tasks_key, TASK_GROUP)
                     continue
                 raise
             except REDIS_ERRORS as exc:
                 await backoff.wait(logger, f"worker {self.id}: intake read failed", exc)
                 continue
-            for _stream, entries in reply or []:
-                self._accept([(s(entry_id), fields) for entry_id, fields in entries])
+            for stream, entries in reply or []:
+                self._accept(self._by_stream[s(stream)], [(s(entry_id), fields) for entry_id, fields in entries])
 
-    def _accept(self, entries: list[tuple[str, dict[bytes, bytes]]]) -> None:
+    def _accept(self, pool: StagePool, entries: list[tuple[str, dict[bytes, bytes]]]) -> None:
         """Validate delivered tasks (malformed ones go to the dead-letter stream) and claim the rest in one call."""
         claims: list[tuple[str, str, int]] = []
         for entry_id, fields in entries:
@@ -218,61 +267,66 @@ class Worker:
                 wf_id = s(fields[b"wf"])
                 stage = s(fields[b"s"])
                 attempt = int(fields[b"a"])
-                if stage != self.stage or not wf_id or attempt < 1:
-                    raise ValueError(f"task for stage {stage!r} attempt {attempt} on {self.stage}'s stream")
+                if stage != pool.stage or not wf_id or attempt < 1:
+                    raise ValueError(f"task for stage {stage!r} attempt {attempt} on {pool.stage}'s stream")
             except (KeyError, ValueError) as exc:
                 self.stats["dead_letters"] += 1
-                self._spawn(f"dlq:{entry_id}", self._dead_letter(entry_id, fields, f"malformed task entry: {exc!r}"))
+                self._spawn(f"dlq:{entry_id}",
+                            self._dead_letter(pool, entry_id, fields, f"malformed task entry: {exc!r}"))
                 continue
             for older in range(1, attempt):
                 # An older attempt of this session still running here was declared lost (our lease lapsed,
                 # or we lost Redis): it is fenced anyway; stop it so it cannot hold this stage's inputs.
-                stale = self._sessions.get(f"{wf_id}|{older}")
+                stale = self._sessions.get(f"{wf_id}|{stage}|{older}")
                 if stale is not None:
                     stale[1].cancel()
             claims.append((entry_id, wf_id, attempt))
         if claims:
-            self._claiming += len(claims)
-            task = asyncio.create_task(self._claim(claims))
+            pool.claiming += len(claims)
+            task = asyncio.create_task(self._claim(pool, claims))
             self._claim_tasks.add(task)
             task.add_done_callback(self._claim_tasks.discard)
 
-    def _spawn(self, key: str, coro: Any, session: Session | None = None) -> None:
+    def _spawn(self, key: str, coro: Any, session: Session | None = None, pool: StagePool | None = None) -> None:
         task = asyncio.create_task(coro, name=key)
         self._sessions[key] = (session, task)
-        task.add_done_callback(lambda _t: self._release(key))
+        if pool is not None:
+            pool.active += 1
+        task.add_done_callback(lambda _t: self._release(key, pool))
 
-    def _release(self, key: str) -> None:
+    def _release(self, key: str, pool: StagePool | None) -> None:
         self._sessions.pop(key, None)
+        if pool is not None:
+            pool.active -= 1
         self._slot_free.set()
 
-    async def _dead_letter(self, entry_id: str, fields: dict[bytes, bytes], reason: str) -> None:
+    async def _dead_letter(self, pool: StagePool, entry_id: str, fields: dict[bytes, bytes], reason: str) -> None:
         logger.warning("worker %s: dead-lettering task %s: %s", self.id, entry_id, reason)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.xadd(self.keys.dlq(self.stage), {**{k: v for k, v in fields.items()}, b"reason": reason.encode(),
+        pipe.xadd(self.keys.dlq(pool.stage), {**{k: v for k, v in fields.items()}, b"reason": reason.encode(),
                                               b"entry": entry_id.encode()})
-        pipe.xack(self.tasks_key, TASK_GROUP, entry_id)
-        pipe.xdel(self.tasks_key, entry_id)
+        pipe.xack(pool.tasks_key, TASK_GROUP, entry_id)
+        pipe.xdel(pool.tasks_key, entry_id)
         await pipe.execute()
 
     # ------------------------------------------------------------ sessions
-    async def _claim(self, claims: list[tuple[str, str, int]]) -> None:
+    async def _claim(self, pool: StagePool, claims: list[tuple[str, str, int]]) -> None:
         """Claim a batch of tasks with one `claim.lua` call, then start a session for each one kept."""
-        upstream = [e.src for e in self.pipeline.inputs[self.stage]]
+        stage, upstream = pool.stage, pool.upstream
         queues: list[asyncio.Queue[Any]] = []
         for _entry_id, wf_id, attempt in claims:
             # register before claiming: chunks forwarded to our inbox after the claim find their queue
             queue: asyncio.Queue[Any] = asyncio.Queue()
-            self._inputs[(wf_id, attempt)] = queue
+            self._inputs[(wf_id, stage, attempt)] = queue
             queues.append(queue)
-        args = [self.settings.prefix, TASK_GROUP, self.id, now_ms(), ",".join(upstream), self.stage,
+        args = [self.settings.prefix, TASK_GROUP, self.id, now_ms(), ",".join(upstream), stage,
                 *(x for claim in claims for x in claim)]
         replies = None
         backoff = Backoff()
         try:
             while replies is None:
                 try:
-                    replies = await self.batcher.script("claim", [self.tasks_key], args)
+                    replies = await self.batcher.script("claim", [pool.tasks_key], args)
                     if not isinstance(replies, list) or len(replies) != len(claims):
                         raise ResponseError(f"unexpected claim reply {replies!r:.200}")
                 except (*REDIS_ERRORS, ResponseError) as exc:   # e.g. LOADING after a restart
@@ -282,34 +336,35 @@ class Worker:
                         return
                     await backoff.wait(logger, f"worker {self.id}: claim failed", exc)
         finally:
-            self._claiming -= len(claims)
+            pool.claiming -= len(claims)
             self._slot_free.set()
             if replies is None:
                 for _entry_id, wf_id, attempt in claims:
-                    self._inputs.pop((wf_id, attempt), None)
+                    self._inputs.pop((wf_id, stage, attempt), None)
         for (entry_id, wf_id, attempt), queue, reply in zip(claims, queues, replies, strict=True):
             if s(reply[0]) != "ok":
                 self.stats["dropped"] += 1
-                self._inputs.pop((wf_id, attempt), None)
+                self._inputs.pop((wf_id, stage, attempt), None)
                 continue
             self.stats["claimed"] += 1
             _, raw_input, raw_params, stages, finals, seq = (s(x) for x in reply[:6])
             catchup = [(s(src), fields_dict(entry[1])) for src, entries in reply[6] for entry in entries]
             required = csv(stages)
             session = Session(
-                wf_id=wf_id, stage=self.stage, attempt=attempt,
-                input=json.loads(raw_input), params=json.loads(raw_params).get(self.stage, {}),
-                finals=tuple(csv(finals)), downstream=tuple(self.pipeline.downstream(self.stage, required)),
+                wf_id=wf_id, stage=stage, attempt=attempt,
+                input=json.loads(raw_input), params=json.loads(raw_params).get(stage, {}),
+                finals=tuple(csv(finals)), downstream=tuple(self.pipeline.downstream(stage, required)),
                 resume_seq=int(seq or 0), _batcher=self.batcher, _keys=self.keys,
-                upstream=tuple(upstream), required=tuple(required), _queue=queue, _catchup=catchup,
-                _input_timeout_s=self.spec.retry.input_timeout_s, waiting_input=bool(upstream),
+                upstream=upstream, required=tuple(required), _queue=queue, _catchup=catchup,
+                _input_timeout_s=pool.spec.retry.input_timeout_s, waiting_input=bool(upstream),
             )
-            self._spawn(f"{wf_id}|{attempt}", self._session(entry_id, session), session)
+            self._spawn(f"{wf_id}|{stage}|{attempt}", self._session(pool, entry_id, session), session, pool)
 
     async def _inbox(self) -> None:
         """Read this worker's inbox (inputs forwarded by producers) and hand each entry to its session."""
         last: bytes | str = "0-0"
         untrimmed = 0
+        only = next(iter(self.pools)) if len(self.pools) == 1 else None
         backoff = Backoff()
         while True:
             try:
@@ -322,7 +377,8 @@ class Worker:
                 for entry_id, fields in entries:
                     last = entry_id
                     try:
-                        target = (s(fields[b"wf"]), int(fields[b"da"]))
+                        dst = s(fields[b"ds"]) if b"ds" in fields else only
+                        target = (s(fields[b"wf"]), dst, int(fields[b"da"]))
                         src = s(fields[b"src"])
                         chunks = [fields_dict(flat) for flat in msgpack.unpackb(fields[b"m"], raw=True)]
                     except (KeyError, ValueError, TypeError, msgpack.UnpackException):
@@ -338,13 +394,13 @@ class Worker:
                     self.batcher.send("XTRIM", self.inbox_key, "MINID", "~", s(entries[-1][0]))
                     untrimmed = 0
 
-    async def _session(self, entry_id: str, session: Session) -> None:
-        wf_id, attempt = session.wf_id, session.attempt
+    async def _session(self, pool: StagePool, entry_id: str, session: Session) -> None:
+        wf_id, stage, attempt = session.wf_id, session.stage, session.attempt
         outcome, detail, retryable = "failed", "aborted", False
         try:
-            if session.resume_seq and not self.executor.resumable:
+            if session.resume_seq and not pool.executor.resumable:
                 await self._restart(session)
-            outcome, detail, retryable = await self._execute(session)
+            outcome, detail, retryable = await self._execute(pool, session)
         except asyncio.CancelledError:
             if self._stopping and not session.aborted:
                 raise      # shutting down: the reconciler re-queues what we hold
@@ -352,35 +408,35 @@ class Worker:
             # Redis went away mid-session (restart, failover, a dropped connection): writes of this
             # attempt may be lost, so it ends here. We are alive and keep our lease, so nobody else
             # would re-queue it: report it lost ourselves (the retry resumes from what was written).
-            logger.warning("session %s/%s lost Redis: %s", wf_id, self.stage, exc)
-            await self._report_lost(entry_id, wf_id, attempt, f"worker {self.id} lost Redis: {exc}")
+            logger.warning("session %s/%s lost Redis: %s", wf_id, stage, exc)
+            await self._report_lost(entry_id, wf_id, stage, attempt, f"worker {self.id} lost Redis: {exc}")
             return
         finally:
-            self._inputs.pop((wf_id, attempt), None)
+            self._inputs.pop((wf_id, stage, attempt), None)
         try:
-            code = await session.close(tasks_key=self.tasks_key, events_key=self.keys.events, group=TASK_GROUP,
+            code = await session.close(tasks_key=pool.tasks_key, events_key=self.keys.events, group=TASK_GROUP,
                                        entry_id=entry_id, outcome=outcome, detail=detail, retryable=retryable)
         except REDIS_ERRORS as exc:      # the finish may or may not have landed: 'lost' is idempotent
-            await self._report_lost(entry_id, wf_id, attempt, f"worker {self.id} lost Redis at finish: {exc}")
+            await self._report_lost(entry_id, wf_id, stage, attempt, f"worker {self.id} lost Redis at finish: {exc}")
             return
         if code == "fenced":
             self.stats["fenced"] += 1
         else:
             self.stats["done" if outcome == "done" else "failed"] += 1
 
-    async def _report_lost(self, entry_id: str, wf_id: str, attempt: int, why: str,
+    async def _report_lost(self, entry_id: str, wf_id: str, stage: str, attempt: int, why: str,
                            *, give_up_s: float = 600.0) -> None:
         """Tell the reconciler this session is lost (it acks the task and retries with attempt + 1),
         retrying until Redis answers again; past `give_up_s` our lease must lapse first."""
         deadline, backoff = asyncio.get_running_loop().time() + give_up_s, 0.05
         while True:
             try:
-                await self.redis.xadd(self.keys.events, {"t": "lost", "wf": wf_id, "s": self.stage, "a": attempt,
+                await self.redis.xadd(self.keys.events, {"t": "lost", "wf": wf_id, "s": stage, "a": attempt,
                                                          "d": why, "r": "1", "e": entry_id})
                 return
             except REDIS_ERRORS as exc:
                 if asyncio.get_running_loop().time() > deadline:
-                    logger.error("session %s/%s: could not report it lost: %s", wf_id, self.stage, exc)
+                    logger.error("session %s/%s: could not report it lost: %s", wf_id, stage, exc)
                     return
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
@@ -388,33 +444,34 @@ class Worker:
     async def _restart(self, session: Session) -> None:
         """This executor cannot resume: its output, and everything downstream of it, starts over
         (`restart.lua` re-queues the downstream sessions and logs a `restart` event)."""
-        below = self.pipeline.descendants(self.stage, session.required)
-        edges = [f"{s}:{e.dst}" for s in (self.stage, *below) for e in self.pipeline.outputs[s]
+        below = self.pipeline.descendants(session.stage, session.required)
+        edges = [f"{s}:{e.dst}" for s in (session.stage, *below) for e in self.pipeline.outputs[s]
                  if e.dst in session.required]
         reply = await self.batcher.script(
             "restart", [self.keys.wf(session.wf_id)],
-            [self.settings.prefix, self.stage, session.attempt, now_ms(), ",".join(below), ",".join(edges)])
+            [self.settings.prefix, session.stage, session.attempt, now_ms(), ",".join(below), ",".join(edges)])
         if s(reply) == "fenced":
             session.fenced = True
         session.resume_seq = 0
 
-    async def _execute(self, session: Session) -> tuple[str, str, bool]:
+    async def _execute(self, pool: StagePool, session: Session) -> tuple[str, str, bool]:
         """Run the executor; map how it ended to (outcome, detail, retryable)."""
+        retry = pool.spec.retry
         try:
-            async with self._slots, asyncio.timeout(self.spec.retry.attempt_timeout_s):
-                usage = await self.executor.run(session)
+            async with pool.slots, asyncio.timeout(retry.attempt_timeout_s):
+                usage = await pool.executor.run(session)
             session.raise_if_broken()
             return "done", json.dumps(dict(usage or {})), True
         except Fenced:
             return "failed", "fenced", False
         except TimeoutError:
-            return "failed", f"attempt timed out after {self.spec.retry.attempt_timeout_s:g}s", True
+            return "failed", f"attempt timed out after {retry.attempt_timeout_s:g}s", True
         except StageError as exc:
             return "failed", str(exc), exc.retryable
         except REDIS_ERRORS:
             raise
         except Exception as exc:  # noqa: BLE001 - an executor bug is a stage failure, never a worker crash
-            logger.exception("executor %s failed on %s", self.stage, session.wf_id)
+            logger.exception("executor %s failed on %s", session.stage, session.wf_id)
             return "failed", f"{type(exc).__name__}: {exc}", True
 
     # ------------------------------------------------------------ abort
@@ -444,7 +501,7 @@ class Worker:
         return n
 
 
-def run_worker(settings: Settings, pipeline: Pipeline, stage: str, redis_url: str) -> None:
+def run_worker(settings: Settings, pipeline: Pipeline, stage: str | Sequence[str], redis_url: str) -> None:
     """Blocking entry point used by the CLI: runs until SIGINT/SIGTERM."""
     from omniflow.runtime import run_until_signal
 

@@ -74,7 +74,7 @@ end
 -- a worker reads one stream for all its sessions' inputs. Entries written before the
 -- claim are in the edge log, which claim.lua returns (catch-up); after it, in the inbox.
 -- The copies of one script call go out as one inbox entry per consumer (`flush_forwards`).
-local forwards = {}        -- dst -> {inbox key, dst attempt, src, list of entries} (or false: not bound)
+local forwards = {}        -- dst -> {inbox key, dst attempt, src, entries, id, dst} (or false: not bound)
 local forward_order = {}
 
 local function edge_append(wf, prefix, id, src, dst, fields)
@@ -83,7 +83,7 @@ local function edge_append(wf, prefix, id, src, dst, fields)
   if fwd == nil then
     local cur = redis.call('HMGET', wf .. ':stages', dst, dst .. ':replica', dst .. ':attempt')
     if (cur[1] == 'waiting_input' or cur[1] == 'running') and cur[2] then
-      fwd = {prefix .. ':inbox:' .. cur[2], cur[3], src, {}, id}
+      fwd = {prefix .. ':inbox:' .. cur[2], cur[3], src, {}, id, dst}
     else
       fwd = false
     end
@@ -100,7 +100,7 @@ local function flush_forwards()
   for _, dst in ipairs(forward_order) do
     local fwd = forwards[dst]
     if fwd and #fwd[4] > 0 then
-      redis.call('XADD', fwd[1], '*', 'wf', fwd[5], 'da', fwd[2], 'src', fwd[3], 'm', cmsgpack.pack(fwd[4]))
+      redis.call('XADD', fwd[1], '*', 'wf', fwd[5], 'ds', fwd[6], 'da', fwd[2], 'src', fwd[3], 'm', cmsgpack.pack(fwd[4]))
     end
   end
   forwards, forward_order = {}, {}

@@ -1,0 +1,86 @@
+"""One worker process serving several stages that share a device (`--stage thinker,talker`, `--stage all`)."""
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+import pytest
+
+from omniflow.admin import collect_stats
+from omniflow.errors import PipelineError
+from omniflow.pipeline import build_pipeline
+from omniflow.worker import parse_stages
+
+from conftest import toy_spec
+from helpers import eventually, expected_text, request
+from test_cli import cli_env, omniflow  # noqa: F401 - fixture
+
+
+def test_stage_lists_are_validated_against_the_pipeline() -> None:
+    pipe = build_pipeline(toy_spec())
+    assert parse_stages("all", pipe) == ["thinker", "talker", "code2wav"]
+    assert parse_stages("talker, code2wav", pipe) == ["talker", "code2wav"]
+    with pytest.raises(PipelineError, match="unknown stage 'vocoder'"):
+        parse_stages("talker,vocoder", pipe)
+    with pytest.raises(PipelineError, match="listed twice"):
+        parse_stages("talker,talker", pipe)
+    with pytest.raises(PipelineError, match="no stage given"):
+        parse_stages(" , ", pipe)
+
+
+async def test_one_worker_serving_every_stage_runs_workflows_to_completion(engine_factory) -> None:
+    async with engine_factory(workers=False) as eng:
+        worker = await eng.add_worker("all")
+        subs = [await eng.store.submit(request(f"shared device {i}")) for i in range(6)]
+        docs = [await eng.store.wait(sub.id, timeout_s=20) for sub in subs]
+        for i, doc in enumerate(docs):
+            assert doc["state"] == "completed"
+            assert doc["outputs"]["thinker"]["text"] == expected_text(f"shared device {i}")
+            assert doc["outputs"]["code2wav"]["chunks"] == 8
+            # every session of the workflow ran in the one worker, its inputs came through one inbox
+            assert {st["replica"] for st in doc["stages"].values()} == {worker.id}
+        stats = await collect_stats(eng.store)
+        for name in ("thinker", "talker", "code2wav"):
+            assert stats["stages"][name]["live_workers"] == 1
+            assert stats["stages"][name]["capacity"] == eng.pipeline.stages[name].max_sessions
+
+
+async def test_sessions_of_a_multistage_worker_that_stops_are_requeued_for_every_stage(engine_factory) -> None:
+    spec = toy_spec(thinker={"token_delay_s": 0.1, "max_words": 12})
+    async with engine_factory(spec, workers=False) as eng:
+        await eng.add_worker("thinker,talker,code2wav", grace_s=0.05)
+        sub = await eng.store.submit(request("move house"))
+        async def midway() -> bool:
+            return int(await eng.redis.hget(eng.store.keys.stages(sub.id), "talker:seq") or 0) >= 2
+        await eventually(midway)
+        stop, task = eng._tasks[1]          # the multi-stage worker
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 20)
+        await eng.add_worker("thinker")
+        await eng.add_worker("talker,code2wav")
+        doc = await eng.store.wait(sub.id, timeout_s=20)
+        assert doc["state"] == "completed"
+        assert {name: st["attempt"] for name, st in doc["stages"].items()} == {"thinker": 2, "talker": 2,
+                                                                                "code2wav": 2}
+        assert doc["outputs"]["thinker"]["text"] == expected_text("move house", 12)
+        assert doc["outputs"]["code2wav"]["chunks"] == 12
+
+
+async def test_cli_worker_serves_all_stages_and_refuses_unknown_ones(engine_factory, cli_env) -> None:
+    async with engine_factory(workers=False) as eng:
+        env = cli_env(eng)
+        code, _, stderr = await omniflow("worker", "--stage", "thinker,vocoder", env=env)
+        assert code != 0
+        assert "unknown stage 'vocoder'" in stderr and "Traceback" not in stderr
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "omniflow.cli", "worker", "--stage", "all",
+                                                    env=env, stderr=asyncio.subprocess.PIPE)
+        try:
+            sub = await eng.store.submit(request("from a subprocess"))
+            doc = await eng.store.wait(sub.id, timeout_s=30)
+            assert doc["state"] == "completed"
+            assert len({st["replica"] for st in doc["stages"].values()}) == 1
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0, err.decode()
