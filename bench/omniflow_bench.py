@@ -85,10 +85,12 @@ def pipeline_yaml(procs: int, *, thinker: str = "BenchThinker", thinker_replicas
 
 
 class _Engine:
-    def __init__(self, redis_url: str, procs: int, spec: dict[str, Any] | None = None) -> None:
+    def __init__(self, redis_url: str, procs: int, spec: dict[str, Any] | None = None, *,
+                 colocated: bool = False) -> None:
         self.url = redis_url
         self.spec = spec or pipeline_yaml(procs)
         self.procs = procs
+        self.colocated = colocated        # `procs` worker processes, each serving all three stages
         self.prefix = f"b{uuid.uuid4().hex[:6]}"
         self.tmp = Path(tempfile.mkdtemp(prefix="omniflow-bench-"))
         self.yaml = self.tmp / "pipeline.yaml"
@@ -101,6 +103,8 @@ class _Engine:
     def commands(self) -> list[tuple[str, list[str]]]:
         exe = [sys.executable, "-m", "omniflow.cli"]
         cmds = [("omniflow-reconciler", [*exe, "reconciler"])]
+        if self.colocated:
+            return cmds + [(f"omniflow-worker-{i}", [*exe, "worker", "--stage", "all"]) for i in range(self.procs)]
         for stage in ("thinker", "talker", "code2wav"):
             for i in range(self.spec["stages"][stage]["replicas"]):
                 cmds.append((f"omniflow-{stage}-{i}", [*exe, "worker", "--stage", stage]))
@@ -110,7 +114,7 @@ class _Engine:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             check_alive(procs)
-            expected = sum(st["replicas"] for st in self.spec["stages"].values())
+            expected = self.procs if self.colocated else sum(st["replicas"] for st in self.spec["stages"].values())
             if r.zcount(f"{self.prefix}:workers", int(time.time() * 1000), "+inf") >= expected:
                 return
             time.sleep(0.05)
@@ -183,10 +187,12 @@ def _server_pid(r: Any) -> int:
 
 
 def run_throughput(redis_url: str, n: int, procs_per_stage: int, *, submit_mode: str = "single",
-                   spec: dict[str, Any] | None = None, busy_stage: str | None = None) -> Result:
+                   spec: dict[str, Any] | None = None, busy_stage: str | None = None,
+                   colocated: bool = False) -> Result:
     """`submit_mode` "single": one awaited submit at a time (as the peers submit); "pipelined":
-    512 concurrent submits, group-committed by the client's batcher."""
-    eng = _Engine(redis_url, procs_per_stage, spec)
+    512 concurrent submits, group-committed by the client's batcher. `colocated`: `procs_per_stage`
+    worker processes that each serve all three stages (as the peers' workers run all three steps)."""
+    eng = _Engine(redis_url, procs_per_stage, spec, colocated=colocated)
     r = redis_client(redis_url)
     with running(eng.commands(), env=eng.env) as procs:
         eng.wait_ready(r, procs)
@@ -218,6 +224,8 @@ def run_throughput(redis_url: str, n: int, procs_per_stage: int, *, submit_mode:
     extra["cpu_us_per_wf_total"] = round(1e6 * sum(by_role.values()) / n)
     extra["submit_mode"] = submit_mode
     variant = "full path" if submit_mode == "single" else "full path, pipelined submit"
+    if colocated:
+        variant += ", stages co-located"
     return summarize("omniflow", variant, procs_per_stage, records, extra=extra)
 
 
@@ -277,14 +285,15 @@ async def _latency(url: str, prefix: str, yaml_path: Path, n: int) -> list[tuple
     return records
 
 
-def run_latency(redis_url: str, n: int) -> Result:
-    eng = _Engine(redis_url, 1)
+def run_latency(redis_url: str, n: int, *, colocated: bool = False) -> Result:
+    eng = _Engine(redis_url, 1, colocated=colocated)
     r = redis_client(redis_url)
     with running(eng.commands(), env=eng.env) as procs:
         eng.wait_ready(r, procs)
         asyncio.run(_latency(redis_url, eng.prefix, eng.yaml, 20))      # warm up
         records = asyncio.run(_latency(redis_url, eng.prefix, eng.yaml, n))
-    return summarize("omniflow", "full path", 1, records, mode="latency")
+    return summarize("omniflow", "full path, stages co-located" if colocated else "full path", 1, records,
+                     mode="latency")
 
 
 if __name__ == "__main__":

@@ -108,6 +108,10 @@ def build_specs(args: argparse.Namespace, omni) -> list[Spec]:
         for procs in (1, 2):
             add(Spec("omniflow", f"omniflow {procs} proc/stage",
                      lambda u, p=procs: omni.run_throughput(u, n, p)))
+        # the peers' workers run all three steps in one process: so can omniflow's (`--stage all`)
+        for procs in (1, 2):
+            add(Spec("omniflow", f"omniflow {procs} proc, stages co-located",
+                     lambda u, p=procs: omni.run_throughput(u, n, p, colocated=True)))
         add(Spec("omniflow", "omniflow 1 proc/stage, AOF everysec",
                  lambda u: omni.run_throughput(u, n, 1), aof=True))
         add(Spec("omniflow", "omniflow latency", lambda u: omni.run_latency(u, lat_n), mode="latency"))

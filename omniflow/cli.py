@@ -41,7 +41,9 @@ app.add_typer(dlq_app, name="dlq")
 def up(pipeline: Path = typer.Option(None, "--pipeline", help="pipeline YAML (default: the toy omni pipeline)"),
        api: bool = typer.Option(True, "--api/--no-api", help="also serve the HTTP API"),
        host: str = typer.Option("127.0.0.1", "--host"), port: int = typer.Option(8000, "--port"),
-       fsync: str = typer.Option("everysec", "--fsync", help="embedded Valkey appendfsync: always|everysec")) -> None:
+       fsync: str = typer.Option("everysec", "--fsync", help="embedded Valkey appendfsync: always|everysec"),
+       colocate: bool = typer.Option(False, "--colocate",
+                                     help="one worker process per replica serving every stage (small boxes)")) -> None:
     """Start everything: embedded Valkey (unless OMNIFLOW_REDIS_URL), reconciler, workers, API."""
     from omniflow.runtime import setup_logging
     from omniflow.up import Supervisor
@@ -52,7 +54,7 @@ def up(pipeline: Path = typer.Option(None, "--pipeline", help="pipeline YAML (de
     settings = _settings()
     path = pipeline or settings.pipeline_path()
     sup = Supervisor(settings=settings, pipeline=load_pipeline(path), pipeline_path=Path(path), api=api,
-                     host=host, port=port, fsync=fsync)
+                     host=host, port=port, fsync=fsync, colocate=colocate)
     raise typer.Exit(sup.run())
 
 

@@ -41,6 +41,10 @@ class Settings(BaseSettings):
 
     # worker runtime
     read_batch: int = Field(64, ge=1)
+    # a worker's writes go out over this many connections, each group-committing on its own;
+    # one workflow's writes always take the same one (their order is kept). More than one lets
+    # the worker prepare the next batch while Redis runs the last (see docs/benchmarks.md).
+    write_connections: int = Field(1, ge=1, le=16)
     block_ms: int = Field(2_000, ge=1)
     inline_chunk_max_bytes: int = Field(1 << 20, ge=1)
 

@@ -163,8 +163,7 @@ class Session:
         seq = self.seq
         step: list[Any] = [seq]
         if self.is_final and text:
-            step += ["A", f":out:{self.stage}", text,
-                     "X", ":log", ["t", "text", "stage", self.stage, "seq", seq, "delta", text]]
+            step += ["T", text, ""]
         if self.is_final and audio is not None:
             pcm = np.asarray(audio)
             if pcm.dtype != np.int16:

@@ -48,6 +48,7 @@ class Supervisor:
     host: str = "127.0.0.1"
     port: int = 8000
     fsync: str = "everysec"
+    colocate: bool = False       # one worker process per replica serving every stage (one small box)
     children: list[Child] = field(default_factory=list)
     server: EmbeddedServer | None = None
     _stop: bool = False
@@ -68,9 +69,14 @@ class Supervisor:
     def plan_children(self) -> list[Child]:
         exe = [sys.executable, "-m", "omniflow.cli"]
         children = [Child("reconciler", [*exe, "reconciler"]), Child("jobs", [*exe, "jobs"])]
-        for stage in self.pipeline.order:
-            for i in range(self.pipeline.stages[stage].replicas):
-                children.append(Child(f"worker:{stage}:{i}", [*exe, "worker", "--stage", stage]))
+        if self.colocate:
+            # the widest stage sets how many: each process serves every stage (DESIGN §1: a stage is not a GPU)
+            for i in range(max(spec.replicas for spec in self.pipeline.stages.values())):
+                children.append(Child(f"worker:all:{i}", [*exe, "worker", "--stage", "all"]))
+        else:
+            for stage in self.pipeline.order:
+                for i in range(self.pipeline.stages[stage].replicas):
+                    children.append(Child(f"worker:{stage}:{i}", [*exe, "worker", "--stage", stage]))
         if self.api:
             children.append(Child("api", [*exe, "api", "--host", self.host, "--port", str(self.port)]))
         return children

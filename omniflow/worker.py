@@ -8,7 +8,8 @@ connection and one heartbeat between them.
   (group `workers`, consumer = worker id), only as many tasks as free session
   slots (backpressure; a stage with no free slot is left out of the read);
 - claim: `claim.lua` per task, group-committed; drops tasks of retired workflows;
-- inputs: one `StreamMux` blocks on the edge logs of every waiting session;
+- inputs: the claim returns what the edge logs already hold; later chunks are
+  forwarded by their producers to this worker's inbox stream, one XREAD for all sessions;
 - outputs: `emit.lua` / `finish.lua` through the group-commit `Batcher`;
 - liveness: a heartbeat renews the worker's lease in `<p>:workers`; the
   reconciler re-queues the sessions of a worker whose lease lapsed (they are
@@ -58,6 +59,20 @@ INBOX_TRIM_EVERY = 128      # inbox entries read between two trims
 def fields_dict(flat: list[bytes]) -> dict[bytes, bytes]:
     """A stream entry's fields as Lua returns them (flat list) -> dict."""
     return dict(zip(flat[::2], flat[1::2]))
+
+
+def chunk_fields(fields: dict[bytes, bytes]) -> list[dict[bytes, bytes]]:
+    """The chunks of one edge or inbox entry (field `m`: a msgpack array of flat field lists).
+
+    An entry that does not decode yields one malformed chunk: the consuming session fails with a
+    clear error (`Session._decode`), the worker does not."""
+    packed = fields.get(b"m")
+    if packed is None:
+        return [fields]
+    try:
+        return [fields_dict(flat) for flat in msgpack.unpackb(packed, raw=True)]
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return [{b"malformed": b"1"}]
 
 
 def new_worker_id(stage: str) -> str:
@@ -142,7 +157,9 @@ class Worker:
         self.redis = connect(self.redis_url)
         self._intake_redis = connect(self.redis_url)
         self._inbox_redis = connect(self.redis_url)
-        self.batcher = Batcher(self.redis)
+        self._write_redis = [self.redis] + [connect(self.redis_url) for _ in range(self.settings.write_connections - 1)]
+        self._batchers = [Batcher(client) for client in self._write_redis]
+        self.batcher = self._batchers[0]
         self.inbox_key = self.keys.inbox(self.id)
         try:
             await check_eviction_policy(self.redis)
@@ -171,7 +188,7 @@ class Worker:
         finally:
             for pool in self.pools.values():
                 await pool.executor.close()
-            for client in (self.redis, self._intake_redis, self._inbox_redis):
+            for client in (*self._write_redis, self._intake_redis, self._inbox_redis):
                 await client.aclose()
 
     async def _shutdown(self, background: list[asyncio.Task[Any]], grace_s: float) -> None:
@@ -188,7 +205,8 @@ class Worker:
             task.cancel()
         await asyncio.gather(*background[1:], *[t for _, t in self._sessions.values()], return_exceptions=True)
         try:
-            await self.batcher.drain()
+            for batcher in self._batchers:
+                await batcher.drain()
             # Lease score 0: the reconciler re-queues what we still hold at its next sweep.
             await self.redis.zadd(self.keys.workers, {self.id: 0})
             await self.redis.delete(self.inbox_key)
@@ -348,17 +366,22 @@ class Worker:
                 continue
             self.stats["claimed"] += 1
             _, raw_input, raw_params, stages, finals, seq = (s(x) for x in reply[:6])
-            catchup = [(s(src), fields_dict(entry[1])) for src, entries in reply[6] for entry in entries]
+            catchup = [(s(src), chunk) for src, entries in reply[6] for entry in entries
+                       for chunk in chunk_fields(fields_dict(entry[1]))]
             required = csv(stages)
             session = Session(
                 wf_id=wf_id, stage=stage, attempt=attempt,
                 input=json.loads(raw_input), params=json.loads(raw_params).get(stage, {}),
                 finals=tuple(csv(finals)), downstream=tuple(self.pipeline.downstream(stage, required)),
-                resume_seq=int(seq or 0), _batcher=self.batcher, _keys=self.keys,
+                resume_seq=int(seq or 0), _batcher=self.batcher_for(wf_id), _keys=self.keys,
                 upstream=upstream, required=tuple(required), _queue=queue, _catchup=catchup,
                 _input_timeout_s=pool.spec.retry.input_timeout_s, waiting_input=bool(upstream),
             )
             self._spawn(f"{wf_id}|{stage}|{attempt}", self._session(pool, entry_id, session), session, pool)
+
+    def batcher_for(self, wf_id: str) -> Batcher:
+        """The write connection of one workflow: its writes keep their order on it."""
+        return self._batchers[hash(wf_id) % len(self._batchers)]
 
     async def _inbox(self) -> None:
         """Read this worker's inbox (inputs forwarded by producers) and hand each entry to its session."""
@@ -447,7 +470,7 @@ class Worker:
         below = self.pipeline.descendants(session.stage, session.required)
         edges = [f"{s}:{e.dst}" for s in (session.stage, *below) for e in self.pipeline.outputs[s]
                  if e.dst in session.required]
-        reply = await self.batcher.script(
+        reply = await self.batcher_for(session.wf_id).script(
             "restart", [self.keys.wf(session.wf_id)],
             [self.settings.prefix, session.stage, session.attempt, now_ms(), ",".join(below), ",".join(edges)])
         if s(reply) == "fenced":

@@ -41,6 +41,11 @@ async def log_entries(store: Store, wf_id: str) -> list[dict[str, str]]:
     return [fields for _, fields in await store.read_log(wf_id)]
 
 
+def text_steps(log: list[dict[str, str]]) -> list[int]:
+    """The step seqs the log's text entries cover, in order (one entry covers steps `from`..`seq`)."""
+    return [n for f in log if f.get("t") == "text" for n in range(int(f.get("from") or f["seq"]), int(f["seq"]) + 1)]
+
+
 async def terminal_count(store: Store, wf_id: str) -> int:
     return sum(1 for f in await log_entries(store, wf_id) if f.get("t") == "terminal")
 

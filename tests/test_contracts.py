@@ -10,7 +10,7 @@ from omniflow.errors import AdmissionRefused, InvalidRequest, WorkflowRetired
 from omniflow.keys import TASK_GROUP
 
 from conftest import toy_spec
-from helpers import eventually, expected_text, log_entries, request, run_to_end, stage_status, terminal_count
+from helpers import eventually, expected_text, log_entries, request, run_to_end, stage_status, terminal_count, text_steps
 
 
 async def test_output_modalities_outside_static_finals_is_refused_without_creating_anything(engine_factory) -> None:
@@ -170,7 +170,7 @@ async def test_retryable_failure_resumes_without_duplicates(engine_factory) -> N
         assert doc["stages"]["thinker"]["usage"]["resumed_at"] == 3
         assert doc["outputs"]["thinker"]["text"] == expected_text("resume after a crash")
         assert doc["outputs"]["code2wav"]["chunks"] == 8
-        seqs = [int(f["seq"]) for f in await log_entries(eng.store, doc["id"]) if f.get("t") == "text"]
+        seqs = text_steps(await log_entries(eng.store, doc["id"]))
         assert seqs == list(range(1, 9))
         retries = [f for f in await log_entries(eng.store, doc["id"]) if f.get("t") == "retry"]
         assert len(retries) == 1 and "injected failure" in retries[0]["reason"]

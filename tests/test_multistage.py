@@ -13,7 +13,7 @@ from omniflow.pipeline import build_pipeline
 from omniflow.worker import parse_stages
 
 from conftest import toy_spec
-from helpers import eventually, expected_text, request
+from helpers import eventually, expected_text, log_entries, request, text_steps
 from test_cli import cli_env, omniflow  # noqa: F401 - fixture
 
 
@@ -84,3 +84,18 @@ async def test_cli_worker_serves_all_stages_and_refuses_unknown_ones(engine_fact
             proc.send_signal(signal.SIGTERM)
             _, err = await asyncio.wait_for(proc.communicate(), 30)
         assert proc.returncode == 0, err.decode()
+
+
+async def test_writes_spread_over_several_connections_keep_each_workflows_order(engine_factory) -> None:
+    """With `write_connections` > 1 every workflow's writes still take one connection: no step is
+    refused as a gap, nothing is retried, every text step is logged once and in order."""
+    async with engine_factory(workers=False, write_connections=3) as eng:
+        worker = await eng.add_worker("all")
+        assert len({id(worker.batcher_for(f"wf{i}")) for i in range(50)}) == 3
+        subs = await asyncio.gather(*(eng.store.submit(request(f"ordered {i}")) for i in range(40)))
+        docs = await asyncio.gather(*(eng.store.wait(sub.id, timeout_s=30) for sub in subs))
+        for i, doc in enumerate(docs):
+            assert doc["state"] == "completed"
+            assert {st["attempt"] for st in doc["stages"].values()} == {1}
+            assert doc["outputs"]["thinker"]["text"] == expected_text(f"ordered {i}")
+            assert text_steps(await log_entries(eng.store, doc["id"])) == list(range(1, 9))

@@ -63,3 +63,21 @@ def test_up_restarts_a_killed_worker_and_shuts_down_cleanly(tmp_path: Path) -> N
     assert up.returncode == 0
     assert not (tmp_path / "home" / "redis.url").exists()
     assert cli("ls", env=env).returncode == 3          # everything is down, and the CLI says so
+
+
+def test_up_colocate_runs_one_worker_process_per_replica_serving_every_stage(tmp_path: Path) -> None:
+    from omniflow.config import Settings
+    from omniflow.pipeline import build_pipeline
+    from omniflow.up import Supervisor
+
+    from conftest import toy_spec
+
+    spec = toy_spec()
+    spec["stages"]["talker"]["replicas"] = 2
+    pipe = build_pipeline(spec)
+    plan = {c.name: c.argv[-2:] for c in Supervisor(settings=Settings(), pipeline=pipe, pipeline_path=tmp_path / "p.yaml",
+                                                      colocate=True).plan_children() if c.name.startswith("worker")}
+    assert plan == {"worker:all:0": ["--stage", "all"], "worker:all:1": ["--stage", "all"]}
+    separate = [c.name for c in Supervisor(settings=Settings(), pipeline=pipe, pipeline_path=tmp_path / "p.yaml")
+                .plan_children() if c.name.startswith("worker")]
+    assert separate == ["worker:thinker:0", "worker:talker:0", "worker:talker:1", "worker:code2wav:0"]

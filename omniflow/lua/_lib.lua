@@ -69,41 +69,42 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
   end
 end
 
--- Append one entry to the edge log <src> -> <dst> and, when a session of <dst> is already
--- bound to a worker, queue a copy for that worker's inbox (`<prefix>:inbox:<replica>`):
--- a worker reads one stream for all its sessions' inputs. Entries written before the
--- claim are in the edge log, which claim.lua returns (catch-up); after it, in the inbox.
--- The copies of one script call go out as one inbox entry per consumer (`flush_forwards`).
-local forwards = {}        -- dst -> {inbox key, dst attempt, src, entries, id, dst} (or false: not bound)
-local forward_order = {}
+-- Edge logs. One script call appends ONE entry per edge it writes to: field `m` holds the msgpack
+-- array of its chunks (each a flat field list {'seq', n, 'a', attempt, 'd', payload} or the
+-- end-of-stream {'eos', '1', 'seq', n, 'a', attempt}). When a session of <dst> is already bound to a
+-- worker, the same entry is copied to that worker's inbox (`<prefix>:inbox:<replica>`, fields wf,
+-- ds (dst stage), da (dst attempt), src, m): a worker reads one stream for all its sessions' inputs.
+-- Entries written before the claim are in the edge log, which claim.lua returns (catch-up); after
+-- it, in the inbox. `edge_append` buffers; `flush_edges` writes (once per script call).
+local edges = {}           -- dst -> {edge key, chunks, inbox key or false, dst attempt, src, id}
+local edge_order = {}
 
 local function edge_append(wf, prefix, id, src, dst, fields)
-  redis.call('XADD', wf .. ':edge:' .. src .. ':' .. dst, '*', unpack(fields))
-  local fwd = forwards[dst]
-  if fwd == nil then
+  local e = edges[dst]
+  if e == nil then
     local cur = redis.call('HMGET', wf .. ':stages', dst, dst .. ':replica', dst .. ':attempt')
+    local inbox = false
     if (cur[1] == 'waiting_input' or cur[1] == 'running') and cur[2] then
-      fwd = {prefix .. ':inbox:' .. cur[2], cur[3], src, {}, id, dst}
-    else
-      fwd = false
+      inbox = prefix .. ':inbox:' .. cur[2]
     end
-    forwards[dst] = fwd
-    forward_order[#forward_order + 1] = dst
+    e = {wf .. ':edge:' .. src .. ':' .. dst, {}, inbox, cur[3], src, id}
+    edges[dst] = e
+    edge_order[#edge_order + 1] = dst
   end
-  if fwd then
-    local entries = fwd[4]
-    entries[#entries + 1] = fields
-  end
+  local chunks = e[2]
+  chunks[#chunks + 1] = fields
 end
 
-local function flush_forwards()
-  for _, dst in ipairs(forward_order) do
-    local fwd = forwards[dst]
-    if fwd and #fwd[4] > 0 then
-      redis.call('XADD', fwd[1], '*', 'wf', fwd[5], 'ds', fwd[6], 'da', fwd[2], 'src', fwd[3], 'm', cmsgpack.pack(fwd[4]))
+local function flush_edges()
+  for _, dst in ipairs(edge_order) do
+    local e = edges[dst]
+    local m = cmsgpack.pack(e[2])
+    redis.call('XADD', e[1], '*', 'm', m)
+    if e[3] then
+      redis.call('XADD', e[3], '*', 'wf', e[6], 'ds', dst, 'da', e[4], 'src', e[5], 'm', m)
     end
   end
-  forwards, forward_order = {}, {}
+  edges, edge_order = {}, {}
 end
 
 -- Close one session (outcome 'done' or 'failed') and report it to the reconciler.

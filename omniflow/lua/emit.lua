@@ -4,7 +4,11 @@
 -- ARGV[5] prefix  ARGV[6] workflow id
 -- ARGV[7] msgpack array of steps; a step is {seq, op, ...} with ops applied in order:
 --   'X', key suffix, {f1, v1, ..., fn, vn}   XADD <wf><suffix> * fields
---   'E', downstream stage, {fields}           append to the edge log (+ forward to the consumer's inbox)
+--   'E', downstream stage, {fields}           append to the edge log (+ forward to the consumer's inbox);
+--                                             all of one call's chunks for one edge form ONE edge entry
+--   'T', text, ''                             a final text delta: the call's deltas are APPENDed to
+--                                             <wf>:out:<stage> and logged as ONE `text` entry
+--                                             {stage, from = first seq, seq = last seq, delta = all of them}
 --   'A', key suffix, value                    APPEND <wf><suffix> value
 --   'H', field, value                         HSET stages field value
 --   'I', field, increment                     HINCRBY stages field increment
@@ -29,6 +33,7 @@ local function write_steps()
   end
   local steps = cmsgpack.unpack(ARGV[7])
   local last = tonumber(cur[3] or '0')
+  local texts, tfirst = {}, nil
   local wrote = 0
   local gap = false
   for _, step in ipairs(steps) do
@@ -45,6 +50,9 @@ local function write_steps()
           redis.call('XADD', wf .. step[i + 1], '*', unpack(step[i + 2]))
         elseif op == 'E' then
           edge_append(wf, ARGV[5], ARGV[6], stage, step[i + 1], step[i + 2])
+        elseif op == 'T' then
+          texts[#texts + 1] = step[i + 1]
+          tfirst = tfirst or seq
         elseif op == 'A' then
           redis.call('APPEND', wf .. step[i + 1], step[i + 2])
         elseif op == 'H' then
@@ -60,6 +68,11 @@ local function write_steps()
       wrote = wrote + 1
     end
   end
+  if #texts > 0 then
+    local delta = table.concat(texts)
+    redis.call('APPEND', wf .. ':out:' .. stage, delta)
+    redis.call('XADD', wf .. ':log', '*', 't', 'text', 'stage', stage, 'from', tfirst, 'seq', last, 'delta', delta)
+  end
   if wrote > 0 then
     redis.call('HSET', sk, stage .. ':seq', last)
   end
@@ -72,11 +85,11 @@ end
 
 local res = write_steps()
 if type(res) == 'table' then      -- an error reply
-  flush_forwards()
+  flush_edges()
   return res
 end
 if not ARGV[8] then
-  flush_forwards()
+  flush_edges()
   return res
 end
 do
@@ -87,7 +100,7 @@ do
   end
   local closed = finish_session(wf, ARGV[5], KEYS[2], KEYS[3], f[1], f[2], stage, ARGV[2], outcome, detail,
     retryable, ARGV[4], f[6], f[7])
-  flush_forwards()
+  flush_edges()
   if res == 'fenced' or res == 'gap' then return res end
   return closed
 end

@@ -10,5 +10,5 @@
 --@include _lib.lua
 local res = finish_session(KEYS[1], ARGV[11], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5],
   ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10])
-flush_forwards()
+flush_edges()
 return res

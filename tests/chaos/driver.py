@@ -491,13 +491,15 @@ class ChaosRun:
             want_text, want_chunks = expected_output(prompt_for(i), cfg)
             got_text = s(text)
             # text: the final output and the client stream (log text deltas) must match exactly
-            deltas = [(int(f[b"seq"]), s(f[b"delta"])) for _, f in log if f.get(b"t") == b"text"]
-            seqs = [q for q, _ in deltas]
+            # one text entry carries the deltas of steps `from`..`seq` (one entry per script call)
+            deltas = [(int(f.get(b"from") or f[b"seq"]), int(f[b"seq"]), s(f[b"delta"]))
+                      for _, f in log if f.get(b"t") == b"text"]
+            seqs = [q for first, last, _ in deltas for q in range(first, last + 1)]
             if len(seqs) != len(set(seqs)) or got_text != want_text and len(got_text) > len(want_text):
                 rep.duplicated += 1
                 rep.problems.append(f"{wf_id}: duplicated text: {got_text!r} vs {want_text!r}")
             elif got_text != want_text or seqs != list(range(1, len(want_chunks) + 1)) \
-                    or "".join(d for _, d in deltas) != want_text:
+                    or "".join(d for _, _, d in deltas) != want_text:
                 rep.missing += 1
                 rep.problems.append(f"{wf_id}: text mismatch: {got_text!r} vs {want_text!r}; seqs {seqs}")
             # audio: chunk seqs 1..N once each, PCM equal to the fault-free output
