@@ -115,6 +115,8 @@ def build_specs(args: argparse.Namespace, omni) -> list[Spec]:
         add(Spec("omniflow", "omniflow 1 proc/stage, AOF everysec",
                  lambda u: omni.run_throughput(u, n, 1), aof=True))
         add(Spec("omniflow", "omniflow latency", lambda u: omni.run_latency(u, lat_n), mode="latency"))
+        add(Spec("omniflow", "omniflow latency, stages co-located",
+                 lambda u: omni.run_latency(u, lat_n, colocated=True), mode="latency"))
         if hasattr(omni, "run_extra"):
             # Optional: extra omniflow rows (e.g. the simulated-GPU run) -> list[Result].
             add(Spec("omniflow", "omniflow extra rows", lambda u: omni.run_extra(u, quick=args.quick),
@@ -407,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=",".join(GROUPS), help=f"comma list of {','.join(GROUPS)}")
     ap.add_argument("--celery-timeout", type=float, default=300.0)
     ap.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.{md,png}")
+    ap.add_argument("--render", action="store_true",
+                    help="measure nothing: rewrite docs/benchmarks.{md,png} from bench/out/ (e.g. after editing notes.md)")
     args = ap.parse_args(argv)
     args.n = args.n or (300 if args.quick else 2000)
     args.latency_n = args.latency_n or (50 if args.quick else 200)
@@ -415,6 +419,16 @@ def main(argv: list[str] | None = None) -> int:
     unknown = args.only - set(GROUPS)
     if unknown:
         ap.error(f"unknown --only {sorted(unknown)}; choose from {GROUPS}")
+
+    if args.render:
+        meta = json.loads((OUT_DIR / "run.json").read_text())
+        results = [Result.from_dict(d) for d in json.loads((OUT_DIR / "results.json").read_text())]
+        args.repeats, args.only = meta["repeats"], set(meta["only"])
+        have_plot = plot(results, DOCS / "benchmarks.png")
+        write_markdown(DOCS / "benchmarks.md", results, meta["failures"], args, meta["wall_s"],
+                       meta["omni_missing"], have_plot)
+        print(f"re-rendered {DOCS / 'benchmarks.md'} from {OUT_DIR / 'results.json'}")
+        return 0
 
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     (OUT_DIR / "errors.log").write_text("")
@@ -446,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wall time: {wall:.0f}s")
 
     (OUT_DIR / "results.json").write_text(json.dumps([r.to_dict() for r in results], indent=1, default=str))
+    (OUT_DIR / "run.json").write_text(json.dumps({"wall_s": wall, "repeats": args.repeats, "only": sorted(args.only),
+                                                  "failures": failures, "omni_missing": omni_missing}))
     if not args.no_docs:
         DOCS.mkdir(exist_ok=True)
         have_plot = plot(results, DOCS / "benchmarks.png")
