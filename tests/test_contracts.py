@@ -44,22 +44,29 @@ async def _status_is(eng, wf_id: str, stage: str, status: str) -> bool:
 @pytest.mark.parametrize("order", [("thinker", "code2wav", "talker"), ("thinker", "talker", "code2wav")],
                          ids=["audio-before-talker-terminal", "talker-terminal-before-audio"])
 async def test_completion_exactly_once_in_either_arrival_order(engine_factory, order) -> None:
-    """Workers finish normally, but the reconciler sees their events in the given order (and twice)."""
+    """Workers finish normally; the reconciler then gets every stage's `done` report, in the given
+    order (and twice), as it would from a pipeline where each report needs a decision."""
     async with engine_factory(reconciler=False) as eng:
         sub = await eng.store.submit(request("order matters"))
-        events = {}
-        async def all_finished() -> bool:
-            entries = await eng.redis.xrange(eng.store.keys.events)
-            for eid, fields in entries:
-                events[fields[b"s"].decode()] = (eid, fields)
-            return len(events) == 3
-        await eventually(all_finished)
+        wf_key = eng.store.keys.wf(sub.id)
+        async def reported() -> list[tuple[bytes, dict[bytes, bytes]]]:
+            return await eng.redis.xrange(eng.store.keys.events)
+        events = await eventually(reported)
+        # Only the report that completes the terminal set was sent; the two before it changed
+        # nothing but the `finished` set, which their finish scripts applied themselves.
+        assert [f[b"s"] for _, f in events] == [b"code2wav"]
+        assert set((await eng.redis.hget(wf_key, "finished")).decode().split(",")) == {"thinker", "talker"}
+        sent = events[0][1]
+        reports = {stage: (f"0-{i + 1}", {**sent, b"s": stage.encode(), b"d": b'{"stage": "%s"}' % stage.encode()})
+                   for i, stage in enumerate(order)}
+        await eng.redis.hset(wf_key, "finished", "")        # as if no report had been applied yet
         from omniflow.reconciler import Reconciler
         rec = Reconciler(settings=eng.settings, pipeline=eng.pipeline, redis_url=eng.url)
         rec.redis = eng.redis
-        results = [(await rec.apply([events[stage]]))[0] for stage in order]
+        results = [(await rec.apply([reports[stage]]))[0] for stage in order]
         assert results == ["advanced", "advanced", "completed"]
-        assert (await rec.apply([events[stage] for stage in order])) == ["ignored"] * 3   # redelivery
+        assert (await rec.apply([reports[stage] for stage in order])) == ["ignored"] * 3   # redelivery
+        assert (await rec.apply([events[0]])) == ["ignored"]                            # the real one, late
         doc = await eng.store.document(sub.id)
         assert doc["state"] == "completed"
         assert await terminal_count(eng.store, sub.id) == 1

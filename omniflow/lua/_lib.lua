@@ -107,28 +107,67 @@ local function flush_edges()
   edges, edge_order = {}, {}
 end
 
+-- Would the reconciler, given a `done` report of <stage>, do more than add it to `finished`?
+-- Yes when a `full`-edge group still waits on the stage (its successors may be due), or when the
+-- stage completes the terminal set (every final finished AND every submitted stage finished).
+-- rec = HMGET of the record's 'stages', 'finals', 'finished', 'groups', 'gsub'.
+local function done_needs_reconciler(sk, stage, rec)
+  local finished = csv(rec[3])
+  if contains(finished, stage) then return true, finished end       -- let the reconciler say 'duplicate'
+  if rec[4] and rec[4] ~= '[]' and rec[4] ~= '' then
+    local gsub = csv(rec[5])
+    for i, g in ipairs(cjson.decode(rec[4])) do
+      if not contains(gsub, tostring(i)) and contains(g['after'], stage) then return true, finished end
+    end
+  end
+  finished[#finished + 1] = stage
+  for _, s in ipairs(csv(rec[2])) do
+    if not contains(finished, s) then return false, finished end
+  end
+  local required = csv(rec[1])
+  local fields = {}
+  for i, s in ipairs(required) do fields[i] = s .. ':attempt' end
+  local attempts = redis.call('HMGET', sk, unpack(fields))
+  for i, s in ipairs(required) do
+    if tonumber(attempts[i]) > 0 and not contains(finished, s) then return false, finished end
+  end
+  return true, finished
+end
+
 -- Close one session (outcome 'done' or 'failed') and report it to the reconciler.
 -- The task is acked first, always: a fenced session must not be redelivered.
+-- A `done` report that would change nothing but the workflow's `finished` set (no `full`-edge
+-- successor waits on the stage, and the terminal set is not complete yet) is applied here, in
+-- the same atomic step, instead of being sent: the reconciler hears about the decisions it has
+-- to make (completion, successors, failures, retries), not about every stage (DESIGN §2).
 -- Returns 'ok' | 'fenced'.
 local function finish_session(wf, prefix, tasks_key, events_key, group, entry_id, stage, attempt, outcome,
                               detail, retryable, now, seq, downstream)
   local sk = wf .. ':stages'
   redis.call('XACK', tasks_key, group, entry_id)
   redis.call('XDEL', tasks_key, entry_id)
-  local rec = redis.call('HMGET', wf, 'state', 'id')
+  local rec = redis.call('HMGET', wf, 'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub')
   local cur = redis.call('HMGET', sk, stage, stage .. ':attempt')
   if not is_live(rec[1]) or tostring(cur[2]) ~= tostring(attempt) then return 'fenced' end
   if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
+  local report = true
   if outcome == 'done' then
     for _, dst in ipairs(csv(downstream)) do
       edge_append(wf, prefix, rec[2], stage, dst, {'eos', '1', 'seq', seq, 'a', attempt})
     end
     redis.call('HSET', sk, stage, 'done', stage .. ':t_end', now, stage .. ':usage', detail)
+    local finished
+    report, finished = done_needs_reconciler(sk, stage, {rec[3], rec[4], rec[5], rec[6], rec[7]})
+    if not report then
+      redis.call('HSET', wf, 'finished', table.concat(finished, ','), 'updated_ms', now)
+    end
   else
     redis.call('HSET', sk, stage, 'failed', stage .. ':t_end', now, stage .. ':error', detail)
   end
   redis.call('XADD', wf .. ':log', '*', 't', 'stage', 'stage', stage, 'status', outcome, 'attempt', attempt)
-  redis.call('XADD', events_key, '*', 't', outcome, 'wf', rec[2], 's', stage, 'a', attempt, 'd', detail,
-    'r', retryable)
+  if report then
+    redis.call('XADD', events_key, '*', 't', outcome, 'wf', rec[2], 's', stage, 'a', attempt, 'd', detail,
+      'r', retryable)
+  end
   return 'ok'
 end
