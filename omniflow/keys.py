@@ -28,6 +28,10 @@ class Keys:
     def log(self, wf_id: str) -> str:
         return f"{self.wf(wf_id)}:log"
 
+    def done(self, wf_id: str) -> str:
+        """One entry (`state`), written with the terminal log entry: what `wait` blocks on."""
+        return f"{self.wf(wf_id)}:done"
+
     def edge(self, wf_id: str, src: str, dst: str) -> str:
         return f"{self.wf(wf_id)}:edge:{src}:{dst}"
 

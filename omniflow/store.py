@@ -313,17 +313,25 @@ class Store:
                     return
 
     async def wait(self, wf_id: str, *, timeout_s: float | None = None, tenant: str | None = None) -> dict[str, Any]:
-        """Block on the event log (no polling) until the workflow is terminal or the timeout passes."""
+        """Block (no polling) until the workflow is terminal or the timeout passes; its document.
+
+        Blocks on `<wf>:done`, which gets its one entry together with the terminal log entry:
+        one wake-up per wait, however much the workflow logs meanwhile."""
         doc = await self.document(wf_id, tenant=tenant)
         if WorkflowState(doc["state"]) in TERMINAL_STATES:
             return doc
-        last = await self.redis.xrevrange(self.keys.log(wf_id), count=1)
-        after = s(last[0][0]) if last else "0-0"
-        if last and s(last[0][1].get(b"t")) == "terminal":
-            return await self.document(wf_id, tenant=tenant)
-        async for _eid, fields in self.follow(wf_id, after=after, timeout_s=timeout_s):
-            if fields.get("t") == "terminal":
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait_ms = 5_000
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                wait_ms = max(1, min(wait_ms, int(left * 1000)))
+            if await self.redis.xread({self.keys.done(wf_id): "0-0"}, count=1, block=wait_ms):
                 break
+            if await self.state(wf_id) is None:       # expired or purged while we waited
+                raise WorkflowNotFound(f"no workflow {wf_id}")
         return await self.document(wf_id, tenant=tenant)
 
     @translate_errors

@@ -58,6 +58,9 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
     redis.call('UNLINK', wf .. ':edge:' .. edge)
   end
   redis.call('XADD', wf .. ':log', '*', 't', 'terminal', 'state', state, 'error', err or '', 'stage', err_stage or '')
+  -- one entry, ever: a waiter that wants the outcome and not the progress blocks here (wakes once)
+  redis.call('XADD', wf .. ':done', '*', 'state', state)
+  redis.call('EXPIRE', wf .. ':done', result_ttl)
   redis.call('EXPIRE', wf, result_ttl)
   redis.call('EXPIRE', sk, result_ttl)
   redis.call('EXPIRE', wf .. ':log', result_ttl)
