@@ -11,6 +11,7 @@ import functools
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, ParamSpec, TypeVar
 
@@ -35,7 +36,7 @@ from omniflow.errors import (
 )
 from omniflow.keys import Keys
 from omniflow.models import TERMINAL_STATES, SubmitRequest, Submitted, WorkflowState
-from omniflow.pipeline import Pipeline
+from omniflow.pipeline import Pipeline, Plan
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -95,10 +96,20 @@ def new_id() -> str:
     return uuid.uuid4().hex
 
 
+@dataclass(frozen=True)
+class _PlanParts:
+    plan: Plan
+    fields: tuple[str, ...]        # record fields fixed by the plan (flat name/value pairs)
+    stages: str
+    admit: str
+    params: str                    # the stages' params JSON when the request overrides none
+
+
 class Store:
     """Client-side operations on workflows (used by the client, API, CLI and batch runner)."""
 
     def __init__(self, redis: Redis, settings: Settings, pipeline: Pipeline, *, batcher: Batcher | None = None) -> None:
+        self._plans: dict[tuple[str, ...] | None, _PlanParts] = {}
         self.redis = redis
         self.batcher = batcher          # when set, submits are group-committed (many callers, few round trips)
         self.settings = settings
@@ -125,7 +136,7 @@ class Store:
     def submit_call(self, req: SubmitRequest, *, tenant: str = "default",
                     wf_id: str | None = None) -> tuple[list[str], list[Any]]:
         """Validate a request and build the KEYS and ARGV of its `submit.lua` call (no I/O)."""
-        plan = self.pipeline.plan(req.output_modalities)
+        parts = self._plan_parts(tuple(req.output_modalities) if req.output_modalities is not None else None)
         if len(req.input.text) > self.settings.max_prompt_chars:
             raise InvalidRequest(f"input.text: {len(req.input.text)} characters; the limit is {self.settings.max_prompt_chars}")
         unknown = sorted(set(req.stage_params) - set(self.pipeline.stages))
@@ -136,30 +147,42 @@ class Store:
             raise InvalidRequest(f"deadline_s: {deadline_s} is over the limit of {self.settings.max_deadline_s}")
         wf_id = wf_id or new_id()
         now = now_ms()
-        params = {st: {**self.pipeline.stages[st].params, **req.stage_params.get(st, {})} for st in plan.stages}
-        edges = [f"{e.src}:{e.dst}" for st in plan.stages for e in self.pipeline.upstream(st, plan.stages)]
-        kinds = [f"{st}={self.pipeline.stages[st].final_output}" for st in plan.finals]
-        record = {
-            "tenant": tenant,
-            "request_id": req.request_id or "",
-            "pipeline": self.pipeline.name,
-            "pipeline_hash": self.pipeline.digest,
-            "input": req.input.model_dump_json(),
-            "params": json.dumps(params),
-            "stages": ",".join(plan.stages),
-            "finals": ",".join(plan.finals),
-            "kinds": ",".join(kinds),
-            "edges": ",".join(edges),
-            "groups": plan.record_groups(),
-            "webhook": req.webhook_url or "",
-        }
-        flat: list[Any] = [x for kv in record.items() for x in kv]
+        if req.stage_params:
+            params = json.dumps({st: {**self.pipeline.stages[st].params, **req.stage_params.get(st, {})}
+                                 for st in parts.plan.stages})
+        else:
+            params = parts.params
+        record = [
+            "tenant", tenant,
+            "request_id", req.request_id or "",
+            "input", req.input.model_dump_json(),
+            "params", params,
+            "webhook", req.webhook_url or "",
+            *parts.fields,
+        ]
         idem_key = self.keys.idem(tenant, req.request_id) if req.request_id else self.keys.idem(tenant, "-")
         keys = [self.keys.wf(wf_id), self.keys.inflight, self.keys.tomb(wf_id), idem_key, self.keys.all_wf]
         args = [self.settings.prefix, wf_id, now, now + int(deadline_s * 1000), self.settings.max_in_flight,
                 self.settings.idempotency_ttl_s if req.request_id else 0,
-                ",".join(plan.stages), ",".join(plan.admit), len(record), *flat]
+                parts.stages, parts.admit, len(record) // 2, *record]
         return keys, args
+
+    def _plan_parts(self, modalities: tuple[str, ...] | None) -> _PlanParts:
+        """What a submit writes that depends only on the pipeline and the requested modalities
+        (computed once per modality set: submits are the one hot call a client makes)."""
+        parts = self._plans.get(modalities)
+        if parts is None:
+            plan = self.pipeline.plan(modalities)
+            edges = [f"{e.src}:{e.dst}" for st in plan.stages for e in self.pipeline.upstream(st, plan.stages)]
+            kinds = [f"{st}={self.pipeline.stages[st].final_output}" for st in plan.finals]
+            fields = ("pipeline", self.pipeline.name, "pipeline_hash", self.pipeline.digest,
+                      "stages", ",".join(plan.stages), "finals", ",".join(plan.finals), "kinds", ",".join(kinds),
+                      "edges", ",".join(edges), "groups", plan.record_groups())
+            parts = _PlanParts(plan=plan, fields=fields, stages=",".join(plan.stages), admit=",".join(plan.admit),
+                               params=json.dumps({st: dict(self.pipeline.stages[st].params) for st in plan.stages}))
+            if len(self._plans) < 64:
+                self._plans[modalities] = parts
+        return parts
 
     def submitted(self, reply: Any) -> Submitted:
         """Map a `submit.lua` reply to the result, or to the error it means."""
