@@ -366,13 +366,15 @@ def write_markdown(path: Path, results: list[Result], failures: list[str], args,
         md.append("")
     cpu = [r for r in thr if r.extra.get("cpu_us_per_wf")]
     if cpu:
+        roles = sorted({role for r in cpu for role in r.extra["cpu_us_per_wf"]})
         md += ["## CPU per workflow, by process (µs, user + system)", "",
-               "| variant | procs | " + " | ".join(sorted(cpu[0].extra["cpu_us_per_wf"])) + " | total |",
-               "|---|---:|" + "---:|" * (len(cpu[0].extra["cpu_us_per_wf"]) + 1)]
+               "`worker`: the one process per replica that serves all three stages (co-located rows).", "",
+               "| variant | procs | " + " | ".join(roles) + " | total |",
+               "|---|---:|" + "---:|" * (len(roles) + 1)]
         for r in cpu:
             vals = r.extra["cpu_us_per_wf"]
-            md.append(f"| {r.variant} | {r.procs} | " + " | ".join(str(vals.get(k, "–"))
-                      for k in sorted(cpu[0].extra["cpu_us_per_wf"])) + f" | {r.extra.get('cpu_us_per_wf_total')} |")
+            md.append(f"| {r.variant} | {r.procs} | " + " | ".join(str(vals.get(k, "–")) for k in roles)
+                      + f" | {r.extra.get('cpu_us_per_wf_total')} |")
         md.append("")
     md += ["## Redis commands per workflow (top commands, throughput rows)", ""]
     for r in thr:
