@@ -147,6 +147,8 @@ class Worker:
         self._claim_tasks: set[asyncio.Task[None]] = set()
         # (wf, stage, attempt) -> the input queue of that session
         self._inputs: dict[tuple[str, str, int], asyncio.Queue[Any]] = {}
+        self._plans: dict[tuple[str, bytes, bytes], tuple[tuple[str, ...], ...]] = {}
+        self._params: dict[bytes, dict[str, Any]] = {}
         self._stopping = False
         self.started = asyncio.Event()
         self.stats = {"claimed": 0, "dropped": 0, "done": 0, "failed": 0, "fenced": 0, "dead_letters": 0}
@@ -365,19 +367,45 @@ class Worker:
                 self._inputs.pop((wf_id, stage, attempt), None)
                 continue
             self.stats["claimed"] += 1
-            _, raw_input, raw_params, stages, finals, seq = (s(x) for x in reply[:6])
+            _, raw_input, raw_params, raw_stages, raw_finals, seq = reply[:6]
             catchup = [(s(src), chunk) for src, entries in reply[6] for entry in entries
-                       for chunk in chunk_fields(fields_dict(entry[1]))]
-            required = csv(stages)
+                       for chunk in chunk_fields(fields_dict(entry[1]))] if upstream else []
+            required, finals, downstream = self._plan_of(stage, raw_stages, raw_finals)
             session = Session(
                 wf_id=wf_id, stage=stage, attempt=attempt,
-                input=json.loads(raw_input), params=json.loads(raw_params).get(stage, {}),
-                finals=tuple(csv(finals)), downstream=tuple(self.pipeline.downstream(stage, required)),
+                input=json.loads(raw_input), params=self._params_of(raw_params, stage),
+                finals=finals, downstream=downstream,
                 resume_seq=int(seq or 0), _batcher=self.batcher_for(wf_id), _keys=self.keys,
-                upstream=upstream, required=tuple(required), _queue=queue, _catchup=catchup,
+                upstream=upstream, required=required, _queue=queue, _catchup=catchup,
                 _input_timeout_s=pool.spec.retry.input_timeout_s, waiting_input=bool(upstream),
             )
             self._spawn(f"{wf_id}|{stage}|{attempt}", self._session(pool, entry_id, session), session, pool)
+
+    def _plan_of(self, stage: str, raw_stages: bytes, raw_finals: bytes) -> tuple[tuple[str, ...], ...]:
+        """(required stages, finals, this stage's downstream) of a workflow, from its record's csv
+        fields; the same few combinations recur for every workflow, so they are decoded once."""
+        key = (stage, raw_stages, raw_finals)
+        plan = self._plans.get(key)
+        if plan is None:
+            required = tuple(csv(raw_stages))
+            plan = (required, tuple(csv(raw_finals)), tuple(self.pipeline.downstream(stage, required)))
+            if len(self._plans) < 1024:
+                self._plans[key] = plan
+        return plan
+
+    def _params_of(self, raw_params: bytes, stage: str) -> dict[str, Any]:
+        """A stage's params from the record's JSON, parsed once per distinct JSON. Each session gets
+        its own dict; params with nested values are parsed afresh, so no session can change another's."""
+        parsed = self._params.get(raw_params)
+        if parsed is None:
+            parsed = json.loads(raw_params)
+            flat = all(isinstance(p, dict) and not any(isinstance(v, (dict, list)) for v in p.values())
+                       for p in parsed.values())
+            if not flat:
+                return parsed.get(stage, {})  # type: ignore[no-any-return]
+            if len(self._params) < 1024:
+                self._params[raw_params] = parsed
+        return dict(parsed.get(stage, {}))
 
     def batcher_for(self, wf_id: str) -> Batcher:
         """The write connection of one workflow: its writes keep their order on it."""
