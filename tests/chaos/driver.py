@@ -63,6 +63,7 @@ class ChaosConfig:
     min_worker_kills: int = 8
     quiesce_timeout_s: float = 120.0
     seed: int = 1234
+    colocated: bool = False             # `replicas` worker processes, each serving every stage
 
     def pipeline_yaml(self) -> dict[str, Any]:
         retry = {"max_attempts": self.max_attempts, "backoff_s": 0.05, "backoff_max_s": 0.5,
@@ -157,9 +158,10 @@ class Cluster:
     def start(self, *, reconcilers: int = 1, api: bool = False) -> None:
         for _ in range(reconcilers):
             self.spawn("reconciler")
-        for stage in STAGES:
+        roles = ["worker:all"] if self.cfg.colocated else [f"worker:{stage}" for stage in STAGES]
+        for role in roles:
             for _ in range(self.cfg.replicas):
-                self.spawn(f"worker:{stage}")
+                self.spawn(role)
         if api:
             self.spawn("api")
 
@@ -438,13 +440,24 @@ class ChaosRun:
             if not ids:
                 break
             await asyncio.sleep(0.5)
-        # let the last events, acks and sweeps land
+        # let the last events, acks and sweeps land; a worker killed after its last session ended
+        # holds nothing anyone waits for, so only its lease says it is gone: give that one lease
+        # timeout to lapse and the next sweeps to reap it
         settle = time.monotonic() + 10
         while time.monotonic() < settle:
             if not await self._pending_counts(redis):
                 break
             await asyncio.sleep(0.25)
+        reaped = time.monotonic() + self.cfg.lease_timeout_s + self.cfg.sweep_interval_s * 8
+        while time.monotonic() < reaped and await self._stale_leases(redis):
+            await asyncio.sleep(0.25)
         await asyncio.sleep(self.cfg.sweep_interval_s * 4)
+
+    async def _stale_leases(self, redis: Redis) -> list[str]:
+        """Leases of worker processes that are no longer running."""
+        live_pids = {p.popen.pid for p in self.cluster.procs if p.popen.poll() is None}
+        workers = [s(m) for m in await redis.zrange(self.keys.workers, 0, -1)]
+        return [w for w in workers if not any(f"-{pid}-" in w for pid in live_pids)]
 
     async def _pending_counts(self, redis: Redis) -> dict[str, int]:
         out = {}
@@ -564,10 +577,7 @@ class ChaosRun:
         edges = [k async for k in redis.scan_iter(match=f"{self.keys.prefix}:wf:*:edge:*", count=1000)]
         if edges:
             left["edge keys"] = len(edges)
-        live_pids = {p.popen.pid for p in self.cluster.procs if p.popen.poll() is None}
-        workers = [s(m) for m in await redis.zrange(self.keys.workers, 0, -1)]
-        stale = [w for w in workers if not any(f"-{pid}-" in w for pid in live_pids)]
-        if stale:
+        if stale := await self._stale_leases(redis):
             left["stale worker leases"] = stale
         for kind in ("wake", "inbox"):        # a dead worker's private streams are deleted with its lease
             keys = [s(k) async for k in redis.scan_iter(match=f"{self.keys.prefix}:{kind}:*", count=1000)]

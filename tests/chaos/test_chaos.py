@@ -82,6 +82,26 @@ async def test_chaos_kill_processes(server: EmbeddedServer, tmp_path: Path) -> N
 
 
 @pytest.mark.timeout(900 if SOAK else 300)
+async def test_chaos_kill_colocated_workers(server: EmbeddedServer, tmp_path: Path) -> None:
+    """The same worker SIGKILLs and SIGSTOP against processes that each serve all three stages
+    (`omniflow worker --stage all`): one kill takes a thinker, a talker and a code2wav session at once."""
+    cfg = config(colocated=True, workflows=max(120, config().workflows // 2))
+    cluster = Cluster(tmp_path, server.url, f"k{uuid.uuid4().hex[:8]}", cfg)
+    cluster.start(reconcilers=1)
+    try:
+        run = ChaosRun(cluster, server.url, scenario="colocated")
+        rep = await run.run(run.chaos_processes(kill_reconciler=False, kill_api=False))
+        rep.crashed = [f"{p.role} pid {p.popen.pid} rc {p.popen.returncode}" for p in cluster.crashed()]
+    finally:
+        cluster.stop()
+    _report(rep, tmp_path)
+    assert not rep.crashed, rep.crashed
+    assert rep.faults["kill-worker"] >= 3 and rep.faults["stop-worker"] == 1
+    assert rep.recovery_ms, "no recovery was measured"
+    _assert_clean(rep)
+
+
+@pytest.mark.timeout(900 if SOAK else 300)
 async def test_chaos_kill_redis(server: EmbeddedServer, tmp_path: Path) -> None:
     """SIGKILL Redis mid-run, restart it from its AOF (appendfsync always): zero accepted workflows lost."""
     cfg = config(workflows=max(100, config().workflows // 2))
