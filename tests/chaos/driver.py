@@ -579,6 +579,7 @@ class ChaosRun:
             left["edge keys"] = len(edges)
         if stale := await self._stale_leases(redis):
             left["stale worker leases"] = stale
+        live_pids = {p.popen.pid for p in self.cluster.procs if p.popen.poll() is None}
         for kind in ("wake", "inbox"):        # a dead worker's private streams are deleted with its lease
             keys = [s(k) async for k in redis.scan_iter(match=f"{self.keys.prefix}:{kind}:*", count=1000)]
             stale_keys = [k for k in keys if not any(f"-{pid}-" in k for pid in live_pids)]
