@@ -1,4 +1,6 @@
--- finish: a session ends (done or failed); ack its task and report to the reconciler.
+-- finish: a session ends (done or failed); ack its task and report to the reconciler what it must
+-- decide (a failure; a `done` that completes the terminal set or may release `full`-edge successors).
+-- A `done` that would only join the `finished` set is applied here (see finish_session in _lib.lua).
 -- KEYS[1] wf base key  KEYS[2] the stage's task stream  KEYS[3] events stream
 -- ARGV[1] group  ARGV[2] task entry id  ARGV[3] stage  ARGV[4] attempt
 -- ARGV[5] outcome 'done'|'failed'  ARGV[6] usage JSON (done) or error message (failed)
