@@ -11,8 +11,8 @@ import functools
 import json
 import time
 import uuid
-from dataclasses import dataclass
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 import hiredis

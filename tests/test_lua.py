@@ -81,6 +81,34 @@ async def test_emit_is_idempotent_on_seq_and_fenced_by_attempt(store) -> None:
     assert await store.text(sub.id, "thinker") == "abc"
 
 
+async def test_one_emit_call_writes_one_text_entry_and_one_entry_per_edge(store) -> None:
+    """Steps 1 (text + chunk), 2 (chunk only), 3 (text + chunk) of a thinker in one call, the talker
+    bound to worker w1: one text log entry for steps 1..3, one edge entry and one inbox entry with
+    the three chunks; replaying the call writes nothing."""
+    sub = await store.submit(request())
+    await claim_next(store, "thinker")
+    delivered = await store.redis.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("talker"): ">"}, count=1)
+    talker_task = s(delivered[0][1][0][0])
+    await scripts.call(store.redis, "claim", [store.keys.tasks("talker")],
+                       [store.settings.prefix, TASK_GROUP, "w1", now_ms(), "thinker", "talker", talker_task, sub.id, "1"])
+    chunk = lambda n: ["E", "talker", ["seq", n, "a", 1, "d", f"c{n}"]]  # noqa: E731
+    steps = msgpack.packb([[1, "T", "a", "", *chunk(1)], [2, *chunk(2)], [3, "T", "b", "", *chunk(3)]],
+                          use_bin_type=False)
+    args = ["thinker", 1, "", now_ms(), store.settings.prefix, sub.id, steps]
+    assert s(await scripts.call(store.redis, "emit", [store.keys.wf(sub.id)], args)) == "ok"
+    texts = [f for _, f in await store.read_log(sub.id) if f.get("t") == "text"]
+    assert texts == [{"t": "text", "stage": "thinker", "from": "1", "seq": "3", "delta": "ab"}]
+    assert await store.text(sub.id, "thinker") == "ab"
+    edge = await store.redis.xrange(store.keys.edge(sub.id, "thinker", "talker"))
+    inbox = await store.redis.xrange(store.keys.inbox("w1"))
+    assert len(edge) == 1 and len(inbox) == 1
+    chunks = msgpack.unpackb(edge[0][1][b"m"], raw=True)
+    assert [dict(zip(c[::2], c[1::2]))[b"seq"] for c in chunks] == [1, 2, 3]
+    assert inbox[0][1][b"m"] == edge[0][1][b"m"] and inbox[0][1][b"ds"] == b"talker"
+    assert s(await scripts.call(store.redis, "emit", [store.keys.wf(sub.id)], args)) == "dup"
+    assert await store.redis.xlen(store.keys.edge(sub.id, "thinker", "talker")) == 1
+
+
 async def test_claim_is_idempotent_for_the_same_replica_only(store) -> None:
     sub = await store.submit(request(modalities=["text"]))
     reply = await store.redis.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("thinker"): ">"}, count=1)

@@ -8,7 +8,7 @@
 --                                             all of one call's chunks for one edge form ONE edge entry
 --   'T', text, ''                             a final text delta: the call's deltas are APPENDed to
 --                                             <wf>:out:<stage> and logged as ONE `text` entry
---                                             {stage, from = first seq, seq = last seq, delta = all of them}
+--                                             {stage, from = first, seq = last step with text, delta = all}
 --   'A', key suffix, value                    APPEND <wf><suffix> value
 --   'H', field, value                         HSET stages field value
 --   'I', field, increment                     HINCRBY stages field increment
@@ -33,7 +33,7 @@ local function write_steps()
   end
   local steps = cmsgpack.unpack(ARGV[7])
   local last = tonumber(cur[3] or '0')
-  local texts, tfirst = {}, nil
+  local texts, tfirst, tlast = {}, nil, nil
   local wrote = 0
   local gap = false
   for _, step in ipairs(steps) do
@@ -52,7 +52,7 @@ local function write_steps()
           edge_append(wf, ARGV[5], ARGV[6], stage, step[i + 1], step[i + 2])
         elseif op == 'T' then
           texts[#texts + 1] = step[i + 1]
-          tfirst = tfirst or seq
+          tfirst, tlast = tfirst or seq, seq
         elseif op == 'A' then
           redis.call('APPEND', wf .. step[i + 1], step[i + 2])
         elseif op == 'H' then
@@ -71,7 +71,7 @@ local function write_steps()
   if #texts > 0 then
     local delta = table.concat(texts)
     redis.call('APPEND', wf .. ':out:' .. stage, delta)
-    redis.call('XADD', wf .. ':log', '*', 't', 'text', 'stage', stage, 'from', tfirst, 'seq', last, 'delta', delta)
+    redis.call('XADD', wf .. ':log', '*', 't', 'text', 'stage', stage, 'from', tfirst, 'seq', tlast, 'delta', delta)
   end
   if wrote > 0 then
     redis.call('HSET', sk, stage .. ':seq', last)
