@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, RedisUnavailable)
 DEFAULT_GRACE_S = 10.0
 INBOX_TRIM_EVERY = 128      # inbox entries read between two trims
+INTAKE_RECHECK_MS = 20      # a multi-stage worker with a full stage re-reads this often to add it back
 
 
 def fields_dict(flat: list[bytes]) -> dict[bytes, bytes]:
@@ -261,10 +262,14 @@ class Worker:
                 continue
             # COUNT applies per stream: the stage with the fewest free slots bounds the read
             count = min(self.settings.read_batch, *(pool.free for pool in ready))
+            # A stage left out because it was full is not in the blocking read: come back soon to add
+            # it when its slots free up (a blocking read cannot be interrupted without losing what
+            # it may already have delivered).
+            block = self.settings.block_ms if len(ready) == len(self.pools) else \
+                min(self.settings.block_ms, INTAKE_RECHECK_MS)
             try:
                 reply = await self._intake_redis.xreadgroup(
-                    TASK_GROUP, self.id, {pool.tasks_key: ">" for pool in ready},
-                    count=count, block=self.settings.block_ms,
+                    TASK_GROUP, self.id, {pool.tasks_key: ">" for pool in ready}, count=count, block=block,
                 )
                 backoff.reset()
             except ResponseError as exc:

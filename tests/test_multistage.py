@@ -99,3 +99,15 @@ async def test_writes_spread_over_several_connections_keep_each_workflows_order(
             assert {st["attempt"] for st in doc["stages"].values()} == {1}
             assert doc["outputs"]["thinker"]["text"] == expected_text(f"ordered {i}")
             assert text_steps(await log_entries(eng.store, doc["id"])) == list(range(1, 9))
+
+
+async def test_a_full_stage_of_a_multistage_worker_takes_tasks_again_as_soon_as_a_slot_frees(engine_factory) -> None:
+    """A stage with no free slot is left out of the worker's blocking intake read; it must be back
+    in the read when a slot frees, not only when the read times out (`block_ms`, 30 s here)."""
+    spec = toy_spec()
+    spec["stages"]["talker"].update(max_sessions=1, prefetch=0)
+    async with engine_factory(spec, workers=False, block_ms=30_000) as eng:
+        await eng.add_worker("all")
+        subs = [await eng.store.submit(request(f"one talker slot {i}")) for i in range(3)]
+        docs = [await eng.store.wait(sub.id, timeout_s=10) for sub in subs]
+        assert [d["state"] for d in docs] == ["completed"] * 3
