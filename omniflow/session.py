@@ -29,7 +29,7 @@ import numpy as np
 
 from omniflow import codec
 from omniflow.errors import Fenced, NonRetryableError, RedisUnavailable
-from omniflow.scripts import EmitResult
+from omniflow.scripts import EmitResult, evalsha_args
 
 if TYPE_CHECKING:
     from omniflow.batcher import Batcher
@@ -194,8 +194,6 @@ class Session:
 
     def _emit_command(self) -> tuple[Any, ...]:
         """Everything emitted since the last write, as one `emit.lua` call (built at flush time)."""
-        from omniflow.scripts import evalsha_args
-
         steps, self._steps = self._steps, []
         status, self._status = self._status, ""
         self._open = None

@@ -62,8 +62,17 @@ def fields_dict(flat: list[bytes]) -> dict[bytes, bytes]:
     return dict(zip(flat[::2], flat[1::2]))
 
 
+CHUNK_DECODE_ERRORS = (ValueError, TypeError, msgpack.UnpackException)
+
+
+def decode_chunks(packed: bytes) -> list[dict[bytes, bytes]]:
+    """The chunks of one edge or inbox entry's `m` field (a msgpack array of flat field lists);
+    raises one of `CHUNK_DECODE_ERRORS` when it does not decode."""
+    return [fields_dict(flat) for flat in msgpack.unpackb(packed, raw=True)]
+
+
 def chunk_fields(fields: dict[bytes, bytes]) -> list[dict[bytes, bytes]]:
-    """The chunks of one edge or inbox entry (field `m`: a msgpack array of flat field lists).
+    """The chunks of one edge-log entry (as the claim's catch-up returns it).
 
     An entry that does not decode yields one malformed chunk: the consuming session fails with a
     clear error (`Session._decode`), the worker does not."""
@@ -71,8 +80,8 @@ def chunk_fields(fields: dict[bytes, bytes]) -> list[dict[bytes, bytes]]:
     if packed is None:
         return [fields]
     try:
-        return [fields_dict(flat) for flat in msgpack.unpackb(packed, raw=True)]
-    except (ValueError, TypeError, msgpack.UnpackException):
+        return decode_chunks(packed)
+    except CHUNK_DECODE_ERRORS:
         return [{b"malformed": b"1"}]
 
 
@@ -436,8 +445,8 @@ class Worker:
                         dst = s(fields[b"ds"]) if b"ds" in fields else only
                         target = (s(fields[b"wf"]), dst, int(fields[b"da"]))
                         src = s(fields[b"src"])
-                        chunks = [fields_dict(flat) for flat in msgpack.unpackb(fields[b"m"], raw=True)]
-                    except (KeyError, ValueError, TypeError, msgpack.UnpackException):
+                        chunks = decode_chunks(fields[b"m"])
+                    except (KeyError, *CHUNK_DECODE_ERRORS):
                         logger.warning("worker %s: malformed inbox entry %s dropped", self.id, s(entry_id))
                         continue
                     queue = self._inputs.get(target)

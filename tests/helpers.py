@@ -2,9 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from omniflow.models import SubmitRequest, WorkflowInput
 from omniflow.store import Store, s
@@ -52,3 +57,28 @@ async def terminal_count(store: Store, wf_id: str) -> int:
 
 async def stage_status(store: Store, wf_id: str, stage: str) -> str:
     return s(await store.redis.hget(store.keys.stages(wf_id), stage))
+
+
+async def run_cli(*argv: str, env: dict[str, str]) -> tuple[int, str, str]:
+    """`python <argv>` as a subprocess (e.g. `-m omniflow.cli submit ...`): (exit code, stdout, stderr)."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, *argv, env=env,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+async def omniflow(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
+    """The `omniflow` CLI, run as a user runs it."""
+    return await run_cli("-m", "omniflow.cli", *args, env=env)
+
+
+def cli_env(eng: Any, tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The environment a CLI subprocess needs to reach the test engine (its server, prefix, pipeline)."""
+    from conftest import toy_spec
+
+    pipeline = tmp_path / "pipeline.yaml"
+    pipeline.write_text(yaml.safe_dump(toy_spec()))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNIFLOW_")}
+    env.update({"OMNIFLOW_REDIS_URL": eng.url, "OMNIFLOW_PREFIX": eng.settings.prefix,
+                "OMNIFLOW_PIPELINE": str(pipeline), "OMNIFLOW_HOME": str(tmp_path / "home"), **extra})
+    return env

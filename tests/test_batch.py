@@ -3,12 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from omniflow.batch import batch_status, parse_batch_file, submit_batch, wait_batch
 from omniflow.cli import app
@@ -18,6 +15,7 @@ from omniflow.jobqueue import create_job_pool
 from omniflow.pipeline import build_pipeline
 
 from conftest import toy_spec
+from helpers import cli_env, run_cli
 from jobs_support import FAST, jobs_runner
 
 FAIL = {"thinker": {"fail_at_step": 1, "fail_retryable": False}}
@@ -120,19 +118,7 @@ async def test_batch_resumes_in_a_new_runner_after_a_stop(engine_factory, tmp_pa
 async def cli(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
     registered = any(group.name == "batch" for group in app.registered_groups)
     argv = ["-m", "omniflow.cli", "batch"] if registered else ["-m", "omniflow.cli_batch"]
-    proc = await asyncio.create_subprocess_exec(sys.executable, *argv, *args, env=env,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    return proc.returncode or 0, out.decode(), err.decode()
-
-
-def cli_env(eng, tmp_path: Path, **extra: str) -> dict[str, str]:
-    pipeline = tmp_path / "pipeline.yaml"
-    pipeline.write_text(yaml.safe_dump(toy_spec()))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNIFLOW_")}
-    env.update({"OMNIFLOW_REDIS_URL": eng.url, "OMNIFLOW_PREFIX": eng.settings.prefix,
-                "OMNIFLOW_PIPELINE": str(pipeline), "OMNIFLOW_HOME": str(tmp_path / "home"), **extra})
-    return env
+    return await run_cli(*argv, *args, env=env)
 
 
 async def test_cli_batch_submit_wait_json_and_exit_codes(engine_factory, tmp_path: Path) -> None:

@@ -11,26 +11,13 @@ import pytest
 import soundfile as sf
 import yaml
 
-from conftest import toy_spec
-
-
-async def omniflow(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "omniflow.cli", *args, env=env,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    return proc.returncode or 0, out.decode(), err.decode()
+import helpers
+from helpers import omniflow
 
 
 @pytest.fixture
 def cli_env(tmp_path: Path):
-    def make(eng) -> dict[str, str]:
-        pipeline = tmp_path / "pipeline.yaml"
-        pipeline.write_text(yaml.safe_dump(toy_spec()))
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OMNIFLOW_")}
-        env.update({"OMNIFLOW_REDIS_URL": eng.url, "OMNIFLOW_PREFIX": eng.settings.prefix,
-                    "OMNIFLOW_PIPELINE": str(pipeline), "OMNIFLOW_HOME": str(tmp_path / "home")})
-        return env
-    return make
+    return lambda eng: helpers.cli_env(eng, tmp_path)
 
 
 async def test_cli_submit_wait_round_trip_writes_audio(engine_factory, cli_env, tmp_path) -> None:

@@ -13,8 +13,7 @@ from omniflow.pipeline import build_pipeline
 from omniflow.worker import parse_stages
 
 from conftest import toy_spec
-from helpers import eventually, expected_text, log_entries, request, text_steps
-from test_cli import cli_env, omniflow  # noqa: F401 - fixture
+from helpers import cli_env, eventually, expected_text, log_entries, omniflow, request, text_steps
 
 
 def test_stage_lists_are_validated_against_the_pipeline() -> None:
@@ -67,9 +66,9 @@ async def test_sessions_of_a_multistage_worker_that_stops_are_requeued_for_every
         assert doc["outputs"]["code2wav"]["chunks"] == 12
 
 
-async def test_cli_worker_serves_all_stages_and_refuses_unknown_ones(engine_factory, cli_env) -> None:
+async def test_cli_worker_serves_all_stages_and_refuses_unknown_ones(engine_factory, tmp_path) -> None:
     async with engine_factory(workers=False) as eng:
-        env = cli_env(eng)
+        env = cli_env(eng, tmp_path)
         code, _, stderr = await omniflow("worker", "--stage", "thinker,vocoder", env=env)
         assert code != 0
         assert "unknown stage 'vocoder'" in stderr and "Traceback" not in stderr

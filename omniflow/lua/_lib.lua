@@ -110,6 +110,22 @@ local function flush_edges()
   edges, edge_order = {}, {}
 end
 
+-- The terminal set: every final stage finished AND every submitted stage (attempt > 0) finished.
+-- `finished` is a list of stage names; finals and required are csv fields of the record.
+local function terminal_set_complete(sk, finished, finals, required)
+  for _, s in ipairs(csv(finals)) do
+    if not contains(finished, s) then return false end
+  end
+  local stages = csv(required)
+  local fields = {}
+  for i, s in ipairs(stages) do fields[i] = s .. ':attempt' end
+  local attempts = redis.call('HMGET', sk, unpack(fields))
+  for i, s in ipairs(stages) do
+    if tonumber(attempts[i]) > 0 and not contains(finished, s) then return false end
+  end
+  return true
+end
+
 -- Would the reconciler, given a `done` report of <stage>, do more than add it to `finished`?
 -- Yes when a `full`-edge group still waits on the stage (its successors may be due), or when the
 -- stage completes the terminal set (every final finished AND every submitted stage finished).
@@ -124,17 +140,7 @@ local function done_needs_reconciler(sk, stage, rec)
     end
   end
   finished[#finished + 1] = stage
-  for _, s in ipairs(csv(rec[2])) do
-    if not contains(finished, s) then return false, finished end
-  end
-  local required = csv(rec[1])
-  local fields = {}
-  for i, s in ipairs(required) do fields[i] = s .. ':attempt' end
-  local attempts = redis.call('HMGET', sk, unpack(fields))
-  for i, s in ipairs(required) do
-    if tonumber(attempts[i]) > 0 and not contains(finished, s) then return false, finished end
-  end
-  return true, finished
+  return terminal_set_complete(sk, finished, rec[2], rec[1]), finished
 end
 
 -- Close one session (outcome 'done' or 'failed') and report it to the reconciler.

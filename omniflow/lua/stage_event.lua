@@ -41,19 +41,7 @@ if kind == 'done' then
       end
     end
   end
-  -- terminal set: every final finished AND every submitted stage finished
-  for _, s in ipairs(csv(rec[4])) do
-    if not contains(finished, s) then return {'advanced'} end
-  end
-  local required = csv(rec[3])
-  local fields = {}
-  for i, s in ipairs(required) do fields[i] = s .. ':attempt' end
-  local attempts = redis.call('HMGET', sk, unpack(fields))
-  for i, s in ipairs(required) do
-    if tonumber(attempts[i]) > 0 and not contains(finished, s) then
-      return {'advanced'}
-    end
-  end
+  if not terminal_set_complete(sk, finished, rec[4], rec[3]) then return {'advanced'} end
   finalize(wf, KEYS[2], prefix, id, 'completed', nil, nil, now, ARGV[10], ARGV[11])
   return {'completed'}
 end
