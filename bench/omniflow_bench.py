@@ -34,7 +34,13 @@ from omniflow.workers.base import Executor, Session
 MAX_SESSIONS = 512
 
 
-class BenchThinker(Executor):
+class _AsyncStage(Executor):
+    """The bench stages are pure asyncio (they never block): they run on the worker's loop."""
+
+    runs_on = "loop"
+
+
+class BenchThinker(_AsyncStage):
     async def run(self, session: Session) -> Mapping[str, Any]:
         chunks = workload.thinker(session.text)
         for text in chunks:
@@ -42,7 +48,7 @@ class BenchThinker(Executor):
         return {"chunks": len(chunks)}
 
 
-class BenchTalker(Executor):
+class BenchTalker(_AsyncStage):
     async def run(self, session: Session) -> Mapping[str, Any]:
         n = 0
         async for chunk in session.inputs():
@@ -51,7 +57,7 @@ class BenchTalker(Executor):
         return {"chunks": n}
 
 
-class BenchCode2Wav(Executor):
+class BenchCode2Wav(_AsyncStage):
     async def run(self, session: Session) -> Mapping[str, Any]:
         codes = [chunk.data async for chunk in session.inputs()]
         pcm = np.frombuffer(workload.code2wav(codes), dtype=np.int16)
@@ -59,7 +65,7 @@ class BenchCode2Wav(Executor):
         return {"chunks": 1}
 
 
-class SimThinker(Executor):
+class SimThinker(_AsyncStage):
     """A GPU-bound thinker: `service_s` of (simulated) GPU time per chunk."""
 
     async def run(self, session: Session) -> Mapping[str, Any]:

@@ -13,16 +13,23 @@ Resume: a retried session starts with `resume_seq` = how many steps earlier
 attempts already wrote. Steps up to it are suppressed without touching Redis,
 so a deterministic executor that starts over produces no duplicate; an
 autoregressive one calls `fast_forward()` and continues from the text it gets
-back (prefill prompt + emitted tokens).
+back (prefill prompt + emitted tokens), or from `checkpoint`: what earlier
+attempts checkpointed with their steps (`emit(checkpoint=...)`, written in the
+same atomic step, so it always matches `resume_seq`).
+
+Threads: an executor may run on its stage's compute thread (`omniflow.compute`).
+The session belongs to the worker's event loop (`_home`); called from another
+loop, `emit` encodes the step on the caller's thread and hands it over without
+waiting, and `inputs`/`flush` run their Redis-facing part on the worker's loop.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgpack
 import numpy as np
@@ -38,6 +45,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_EMITS_IN_FLIGHT = 64
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +75,7 @@ class Session:
     required: tuple[str, ...] = ()        # every stage this workflow runs
     _queue: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     _catchup: list[tuple[str, dict[bytes, bytes]]] = field(default_factory=list)
+    _catchup_pos: int = 0
     _input_timeout_s: float = 120.0
     seq: int = 0
     waiting_input: bool = False
@@ -80,6 +90,10 @@ class Session:
     _open: asyncio.Future[Any] | None = None      # the queued write that is not built yet (takes more steps)
     _last_in: dict[str, int] = field(default_factory=dict)
     _write_error: BaseException | None = None
+    checkpoint: str = ""                # what earlier attempts checkpointed (resume), see emit(checkpoint=)
+    _home: asyncio.AbstractEventLoop | None = None   # the worker's loop (None: always called from it)
+    _waiter: asyncio.Task[Any] | None = None         # the task waiting for input (the watchdog interrupts it)
+    _closed: bool = False
 
     @property
     def text(self) -> str:
@@ -89,6 +103,18 @@ class Session:
     def is_final(self) -> bool:
         return self.stage in self.finals
 
+    # ------------------------------------------------------------ threads
+    def _remote(self) -> bool:
+        """True when called from a loop other than the worker's (the stage's compute thread)."""
+        return self._home is not None and asyncio.get_running_loop() is not self._home
+
+    async def _on_home(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` on the worker's loop and await it from wherever we are."""
+        if not self._remote():
+            return await coro
+        assert self._home is not None
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._home))
+
     # ------------------------------------------------------------ inputs
     async def inputs(self) -> AsyncIterator[Chunk]:
         """Chunks from every upstream edge, in order, until all have ended.
@@ -97,28 +123,8 @@ class Session:
         returned), then what the producers forward to this worker's inbox.
         """
         open_srcs = set(self.upstream)
-        queue = self._queue
-        catchup, self._catchup = self._catchup, []
-        pos = 0
         while open_srcs:
-            if pos < len(catchup):
-                src, fields = catchup[pos]
-                pos += 1
-            elif queue.empty():
-                # the worker's watchdog cancels us if this wait outlasts the input timeout
-                self.waiting_since = time.monotonic()
-                try:
-                    src, fields = await queue.get()
-                except asyncio.CancelledError:
-                    if self.input_timed_out:
-                        raise NonRetryableError(
-                            f"stage {self.stage}: no input from {sorted(open_srcs)} within {self._input_timeout_s:g}s"
-                        ) from None
-                    raise
-                finally:
-                    self.waiting_since = 0.0
-            else:
-                src, fields = queue.get_nowait()
+            src, fields = await self._on_home(self._next_raw(open_srcs))
             chunk = self._decode(src, fields)
             if chunk is None:
                 open_srcs.discard(src)
@@ -126,10 +132,34 @@ class Session:
             if chunk.seq <= self._last_in.get(src, 0):
                 continue   # replayed or duplicated: consumers are idempotent on (stage, seq)
             self._last_in[src] = chunk.seq
-            if self.waiting_input:
-                self.waiting_input, self._status = False, "running"
-                self._schedule()
             yield chunk
+
+    async def _next_raw(self, open_srcs: set[str]) -> tuple[str, dict[bytes, bytes]]:
+        """The next raw chunk (catch-up first, then the inbox queue); runs on the worker's loop."""
+        if self._catchup_pos < len(self._catchup):
+            src, fields = self._catchup[self._catchup_pos]
+            self._catchup_pos += 1
+        elif self._queue.empty():
+            # the worker's watchdog cancels this wait if it outlasts the input timeout
+            self.waiting_since = time.monotonic()
+            self._waiter = asyncio.current_task()
+            try:
+                src, fields = await self._queue.get()
+            except asyncio.CancelledError:
+                if self.input_timed_out:
+                    raise NonRetryableError(
+                        f"stage {self.stage}: no input from {sorted(open_srcs)} within {self._input_timeout_s:g}s"
+                    ) from None
+                raise
+            finally:
+                self.waiting_since = 0.0
+                self._waiter = None
+        else:
+            src, fields = self._queue.get_nowait()
+        if self.waiting_input and not fields.get(b"eos"):
+            self.waiting_input, self._status = False, "running"
+            self._schedule()
+        return src, fields
 
     def _decode(self, src: str, fields: dict[bytes, bytes]) -> Chunk | None:
         if fields.get(b"eos"):
@@ -147,20 +177,35 @@ class Session:
 
     async def emit(self, *, text: str | None = None, audio: np.ndarray | None = None,
                    sample_rate: int | None = None, data: Any = None,
-                   to: Mapping[str, Any] | None = None) -> None:
+                   to: Mapping[str, Any] | None = None, checkpoint: str | None = None) -> None:
         """Write one output step: a text delta, an audio chunk and/or a chunk for downstream stages.
 
         `data` goes to every downstream stage of this workflow; `to` maps a stage to its own payload.
+        `checkpoint` is appended to the stage's durable resume state in the same atomic write as the
+        step: a retried attempt finds everything checkpointed up to `resume_seq` in `self.checkpoint`.
         Steps queued while the previous write is on the wire go out together in one script call.
         """
         if self._write_error is not None:
             raise self._write_error
-        if self.fenced:
+        if self.fenced or self._closed:
             raise Fenced(f"stage {self.stage} attempt {self.attempt} of {self.wf_id} no longer owns the session")
         self.seq += 1
         if self.seq <= self.resume_seq:
             return
-        seq = self.seq
+        step = self._build_step(self.seq, text, audio, sample_rate, data, to, checkpoint)
+        if self._remote():
+            assert self._home is not None
+            self._home.call_soon_threadsafe(self._push, step)
+            if len(self._inflight) >= MAX_EMITS_IN_FLIGHT:
+                await self.flush()
+            return
+        self._push(step)
+        if len(self._inflight) >= MAX_EMITS_IN_FLIGHT:
+            await self.flush()
+
+    def _build_step(self, seq: int, text: str | None, audio: np.ndarray | None, sample_rate: int | None,
+                    data: Any, to: Mapping[str, Any] | None, checkpoint: str | None) -> list[Any]:
+        """One step's ops for `emit.lua` (payloads encoded here, on the caller's thread)."""
         step: list[Any] = [seq]
         if self.is_final and text:
             step += ["T", text, ""]
@@ -180,12 +225,18 @@ class Session:
         for dst, payload in payloads.items():
             if dst in self.downstream:
                 step += ["E", dst, ["seq", seq, "a", self.attempt, "d", codec.dumps(payload)]]
+        if checkpoint:
+            step += ["C", str(checkpoint), ""]
+        return step
+
+    def _push(self, step: list[Any]) -> None:
+        """Queue one built step for the next `emit.lua` call (on the worker's loop)."""
+        if self._closed:      # a compute thread emitting after its session was closed (abort, timeout)
+            return
         if self.waiting_input:
             self.waiting_input, self._status = False, "running"
         self._steps.append(step)
         self._schedule()
-        if len(self._inflight) >= MAX_EMITS_IN_FLIGHT:
-            await self.flush()
 
     def _schedule(self) -> None:
         if self._open is None:
@@ -209,6 +260,7 @@ class Session:
 
         Returns 'ok' or 'fenced'; raises the write error of an earlier step that was lost.
         """
+        self._closed = True
         fin = [group, entry_id, outcome, detail, "1" if retryable else "0", self.seq, ",".join(self.downstream)]
         self._finish = ([tasks_key, events_key], msgpack.packb(fin, use_bin_type=False))
         if self._open is not None:
@@ -248,6 +300,9 @@ class Session:
 
     async def flush(self) -> None:
         """Wait until every emit so far is written; raise `Fenced` if one was refused."""
+        await self._on_home(self._flush())
+
+    async def _flush(self) -> None:
         if self._inflight:
             done = await asyncio.gather(*list(self._inflight), return_exceptions=True)
             for result in done:

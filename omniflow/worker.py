@@ -10,6 +10,8 @@ connection and one heartbeat between them.
 - claim: `claim.lua` per task, group-committed; drops tasks of retired workflows;
 - inputs: the claim returns what the edge logs already hold; later chunks are
   forwarded by their producers to this worker's inbox stream, one XREAD for all sessions;
+- compute: each stage's executor runs on its own compute thread (`omniflow.compute`,
+  unless it says `runs_on = "loop"`), so blocking model code never delays this loop;
 - outputs: `emit.lua` / `finish.lua` through the group-commit `Batcher`;
 - liveness: a heartbeat renews the worker's lease in `<p>:workers`; the
   reconciler re-queues the sessions of a worker whose lease lapsed (they are
@@ -29,8 +31,8 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
 import msgpack
 from redis.asyncio import Redis
@@ -40,6 +42,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from omniflow import scripts
 from omniflow.batcher import Batcher
+from omniflow.compute import ComputeThread
 from omniflow.config import Settings
 from omniflow.errors import Fenced, PipelineError, RedisUnavailable, StageError
 from omniflow.keys import TASK_GROUP, Keys
@@ -50,6 +53,8 @@ from omniflow.store import connect, csv, now_ms, s
 from omniflow.workers.base import Executor
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, RedisUnavailable)
 DEFAULT_GRACE_S = 10.0
@@ -115,6 +120,25 @@ class StagePool:
         self.slots = asyncio.Semaphore(self.max_sessions)
         self.active = 0             # sessions held (running or waiting for a slot)
         self.claiming = 0           # tasks read but not yet claimed (they hold session slots too)
+        self.compute: ComputeThread | None = None    # where the executor runs (runs_on == "thread")
+
+    def start_compute(self) -> None:
+        if self.executor.runs_on == "thread" and self.compute is None:
+            self.compute = ComputeThread(self.stage)
+
+    async def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run one of the executor's coroutines where it runs (its compute thread, or this loop)."""
+        if self.compute is None:
+            return await coro
+        return await self.compute.run(coro)
+
+    async def close_executor(self) -> None:
+        try:
+            await self.call(self.executor.close())
+        finally:
+            if self.compute is not None:
+                self.compute.stop()
+                self.compute = None
 
     @property
     def free(self) -> int:
@@ -178,7 +202,8 @@ class Worker:
             await scripts.load_all(self.redis)
             for pool in self.pools.values():
                 await ensure_group(self.redis, pool.tasks_key, TASK_GROUP)
-                await pool.executor.setup()
+                pool.start_compute()
+                await pool.call(pool.executor.setup())
             await self._heartbeat_once()
             background = [
                 asyncio.create_task(self._intake(), name="intake"),
@@ -199,7 +224,7 @@ class Worker:
             await self._shutdown(background, grace_s)
         finally:
             for pool in self.pools.values():
-                await pool.executor.close()
+                await pool.close_executor()
             for client in (*self._write_redis, self._intake_redis, self._inbox_redis):
                 await client.aclose()
 
@@ -258,7 +283,8 @@ class Worker:
                 if session is not None and session.waiting_since and \
                         now - session.waiting_since > self.pools[session.stage].spec.retry.input_timeout_s:
                     session.input_timed_out = True
-                    task.cancel()
+                    if session._waiter is not None:      # the wait itself (on this loop, whoever awaits it)
+                        session._waiter.cancel()
 
     # ------------------------------------------------------------ intake
     async def _intake(self) -> None:
@@ -375,6 +401,7 @@ class Worker:
             if replies is None:
                 for _entry_id, wf_id, attempt in claims:
                     self._inputs.pop((wf_id, stage, attempt), None)
+        loop = asyncio.get_running_loop()
         for (entry_id, wf_id, attempt), queue, reply in zip(claims, queues, replies, strict=True):
             if s(reply[0]) != "ok":
                 self.stats["dropped"] += 1
@@ -382,6 +409,7 @@ class Worker:
                 continue
             self.stats["claimed"] += 1
             _, raw_input, raw_params, raw_stages, raw_finals, seq = reply[:6]
+            checkpoint = s(reply[7]) if len(reply) > 7 else ""
             catchup = [(s(src), chunk) for src, entries in reply[6] for entry in entries
                        for chunk in chunk_fields(fields_dict(entry[1]))] if upstream else []
             required, finals, downstream = self._plan_of(stage, raw_stages, raw_finals)
@@ -392,6 +420,7 @@ class Worker:
                 resume_seq=int(seq or 0), _batcher=self.batcher_for(wf_id), _keys=self.keys,
                 upstream=upstream, required=required, _queue=queue, _catchup=catchup,
                 _input_timeout_s=pool.spec.retry.input_timeout_s, waiting_input=bool(upstream),
+                checkpoint=checkpoint, _home=loop,
             )
             self._spawn(f"{wf_id}|{stage}|{attempt}", self._session(pool, entry_id, session), session, pool)
 
@@ -524,7 +553,7 @@ class Worker:
         retry = pool.spec.retry
         try:
             async with pool.slots, asyncio.timeout(retry.attempt_timeout_s):
-                usage = await pool.executor.run(session)
+                usage = await pool.call(pool.executor.run(session))
             session.raise_if_broken()
             return "done", json.dumps(dict(usage or {})), True
         except Fenced:

@@ -1,11 +1,14 @@
 """Executors used only by tests."""
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
-from omniflow.workers.base import Session
-from omniflow.workers.toy import ToyThinker, hidden_state
+from omniflow.workers.base import BatchedExecutor, Session, StepOutput
+from omniflow.workers.toy import ToyTalker, ToyThinker, hidden_state
 
 
 class AttemptThinker(ToyThinker):
@@ -19,3 +22,93 @@ class AttemptThinker(ToyThinker):
             await self._step(session, i + 1)
             await session.emit(text=word if i == 0 else " " + word, data={"hidden": hidden_state(word, i), "word": word})
         return {"completion_tokens": len(words)}
+
+
+class BlockingThinker(ToyThinker):
+    """A thinker whose first step is one blocking call (as a long forward pass is): `block_s` of
+    `time.sleep`, holding its thread. Runs where `runs_on` says (param-free: see the subclasses)."""
+
+    runs_on = "thread"
+    blocked = threading.Event()       # set while the blocking call is in progress
+    cancelled_after_block = threading.Event()
+
+    async def run(self, session: Session) -> Mapping[str, Any]:
+        type(self).blocked.set()
+        time.sleep(float(self._param(session, "block_s", 3.0)))
+        type(self).blocked.clear()
+        try:
+            await asyncio.sleep(0)      # the first point where a cancellation can land
+        except asyncio.CancelledError:
+            type(self).cancelled_after_block.set()
+            raise
+        return await super().run(session)
+
+
+class BlockingThinkerOnLoop(BlockingThinker):
+    """The same blocking call on the worker's own event loop: what `runs_on = "thread"` prevents."""
+
+    runs_on = "loop"
+
+
+class CountingLM(BatchedExecutor):
+    """A deterministic 'language model' with continuous batching: session i of prompt P emits the
+    words P-0, P-1, ... one per step, checkpointing each word, so resume and batching are checkable.
+    `fail_at_step` makes the step that would emit that word raise once per attempt <= fail_attempts."""
+
+    steps_seen: list[int] = []
+
+    def join(self, session: Session) -> dict[str, Any]:
+        done_words = [w for w in session.checkpoint.split(" ") if w]
+        if len(done_words) != session.resume_seq:
+            raise AssertionError(f"checkpoint {session.checkpoint!r} does not match resume_seq {session.resume_seq}")
+        session.fast_forward()
+        n = int(session.params.get("max_words", self.params.get("max_words", 6)))
+        return {"session": session, "prompt": session.text.split()[0] if session.text.split() else "x",
+                "i": len(done_words), "n": n}
+
+    def step(self, states: list[Any]) -> list[StepOutput]:
+        type(self).steps_seen.append(len(states))
+        outs = []
+        for st in states:
+            session = st["session"]
+            fail_at = int(session.params.get("fail_at_step", 0))
+            if fail_at and st["i"] + 1 == fail_at and session.attempt <= int(session.params.get("fail_attempts", 1)):
+                raise RuntimeError(f"injected step failure at word {fail_at}")
+            word = f"{st['prompt']}-{st['i']}"
+            st["i"] += 1
+            done = st["i"] >= st["n"]
+            outs.append(StepOutput(text=word if st["i"] == 1 else " " + word,
+                                   data={"word": word, "hidden": hidden_state(word, st["i"])},
+                                   checkpoint=word + " ", done=done,
+                                   usage={"words": st["n"]} if done else None))
+        return outs
+
+
+class TensorThinker(ToyThinker):
+    """Emits one torch tensor of each dtype (values from the word) on its edge."""
+
+    async def run(self, session: Session) -> Mapping[str, Any]:
+        import torch
+
+        dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.int64]
+        for i, dtype in enumerate(dtypes):
+            hidden = torch.full((2, 5), float(i + 1)).to(dtype)
+            await session.emit(text=f"t{i} ", data={"hidden": hidden, "word": f"t{i}", "check": float(i + 1)})
+        return {"chunks": len(dtypes)}
+
+
+class TensorCheckingTalker(ToyTalker):
+    """Checks each tensor's values and reports the dtypes and shapes it received."""
+
+    async def run(self, session: Session) -> Mapping[str, Any]:
+        import numpy as np
+        import torch
+
+        seen = []
+        async for chunk in session.inputs():
+            hidden = chunk.data["hidden"]
+            assert isinstance(hidden, torch.Tensor)
+            assert torch.all(hidden.float() == chunk.data["check"])
+            seen.append([str(hidden.dtype).removeprefix("torch."), list(hidden.shape)])
+            await session.emit(data={"codes": np.arange(4, dtype=np.int32), "word": chunk.data["word"]})
+        return {"seen": seen}

@@ -56,6 +56,7 @@ def tone(codes: np.ndarray, sample_rate: int, seconds: float = 0.08) -> np.ndarr
 class _ToyStage(Executor):
     """Shared failure injection and delays."""
 
+    runs_on = "loop"          # pure asyncio, never blocks: no thread hop per call
     delay_param = "chunk_delay_s"
 
     def _param(self, session: Session, name: str, default: Any) -> Any:
@@ -120,6 +121,8 @@ class ToyCode2Wav(_ToyStage):
 
 class Echo(Executor):
     """The smallest executor: the prompt back as text (used in docs and tests)."""
+
+    runs_on = "loop"
 
     async def run(self, session: Session) -> Mapping[str, Any]:
         await session.emit(text=session.text)

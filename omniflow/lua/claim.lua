@@ -4,9 +4,10 @@
 -- ARGV[5] upstream stages csv ('' for the entry stage)  ARGV[6] stage
 -- ARGV[7..] triples: task entry id, workflow id, attempt
 -- Returns one reply per task, in order:
---   {'ok', input, params, stages csv, finals csv, emitted seq, catch-up}
+--   {'ok', input, params, stages csv, finals csv, emitted seq, catch-up, checkpoint}
 --       catch-up: for each upstream stage, {src, entries of its edge log so far}; entries written
 --       after this call reach the worker's inbox instead (see edge_append in _lib.lua)
+--       checkpoint: what earlier attempts checkpointed with their steps (emit.lua op 'C'), '' if none
 --   {'drop', reason}   (task acked and deleted: workflow gone/terminal/tombstoned, or stale attempt)
 -- Claiming again a task this replica already holds answers 'ok' again (a retried call is harmless).
 --@include _lib.lua
@@ -20,7 +21,8 @@ for i = 7, #ARGV, 3 do
   local wf = prefix .. ':wf:{' .. id .. '}'
   local sk = wf .. ':stages'
   local rec = redis.call('HMGET', wf, 'state', 'input', 'params', 'stages', 'finals')
-  local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':replica')
+  local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':replica',
+    stage .. ':ckpt')
   local why = nil
   if not rec[1] then
     why = 'gone'
@@ -49,7 +51,7 @@ for i = 7, #ARGV, 3 do
     for _, src in ipairs(upstream) do
       catchup[#catchup + 1] = {src, redis.call('XRANGE', wf .. ':edge:' .. src .. ':' .. stage, '-', '+')}
     end
-    out[#out + 1] = {'ok', rec[2], rec[3], rec[4], rec[5], cur[3] or '0', catchup}
+    out[#out + 1] = {'ok', rec[2], rec[3], rec[4], rec[5], cur[3] or '0', catchup, cur[5] or ''}
   end
 end
 return out

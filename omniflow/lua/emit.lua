@@ -12,6 +12,8 @@
 --   'A', key suffix, value                    APPEND <wf><suffix> value
 --   'H', field, value                         HSET stages field value
 --   'I', field, increment                     HINCRBY stages field increment
+--   'C', checkpoint, ''                       append to the stage's resume checkpoint (`<stage>:ckpt` in
+--                                             the stages hash; the call's pieces in one HSET)
 --   Steps whose seq is not above the stage's last written seq are skipped (replays).
 --   Steps must be contiguous: one past a hole (a write lost with a Redis connection) is refused.
 -- ARGV[8] optional msgpack finish: {group, entry id, outcome, detail, retryable, last seq, downstream csv}
@@ -34,6 +36,7 @@ local function write_steps()
   local steps = cmsgpack.unpack(ARGV[7])
   local last = tonumber(cur[3] or '0')
   local texts, tfirst, tlast = {}, nil, nil
+  local ckpts = {}
   local wrote = 0
   local gap = false
   for _, step in ipairs(steps) do
@@ -59,6 +62,8 @@ local function write_steps()
           redis.call('HSET', sk, step[i + 1], step[i + 2])
         elseif op == 'I' then
           redis.call('HINCRBY', sk, step[i + 1], step[i + 2])
+        elseif op == 'C' then
+          ckpts[#ckpts + 1] = step[i + 1]
         else
           return redis.error_reply('emit: unknown op ' .. tostring(op))
         end
@@ -72,6 +77,10 @@ local function write_steps()
     local delta = table.concat(texts)
     redis.call('APPEND', wf .. ':out:' .. stage, delta)
     redis.call('XADD', wf .. ':log', '*', 't', 'text', 'stage', stage, 'from', tfirst, 'seq', tlast, 'delta', delta)
+  end
+  if #ckpts > 0 then
+    local prev = redis.call('HGET', sk, stage .. ':ckpt') or ''
+    redis.call('HSET', sk, stage .. ':ckpt', prev .. table.concat(ckpts))
   end
   if wrote > 0 then
     redis.call('HSET', sk, stage .. ':seq', last)

@@ -20,7 +20,7 @@ local cleared = {stage}
 for _, s in ipairs(csv(ARGV[5])) do cleared[#cleared + 1] = s end
 for _, s in ipairs(cleared) do
   redis.call('UNLINK', wf .. ':out:' .. s)
-  redis.call('HSET', sk, s .. ':seq', 0, s .. ':samples', 0)
+  redis.call('HSET', sk, s .. ':seq', 0, s .. ':samples', 0, s .. ':ckpt', '')
 end
 -- downstream sessions already submitted start again with a new attempt (the old ones are fenced)
 for i = 2, #cleared do
