@@ -81,7 +81,8 @@ def _ext_hook(code: int, data: bytes) -> Any:
 
 
 def dumps(obj: Any) -> bytes:
-    return msgpack.packb(obj, default=_default, use_bin_type=True)
+    packed: bytes = msgpack.packb(obj, default=_default, use_bin_type=True)
+    return packed
 
 
 def loads(data: bytes) -> Any:

@@ -91,6 +91,7 @@ class FakeSession:
         """The given chunks (round-tripped through the codec), then whatever is `feed()`-ed while live."""
         counters: dict[str, int] = {}
         for item in self.chunks:
+            chunk: Chunk | None
             if isinstance(item, Chunk):
                 chunk = item
             else:
@@ -165,7 +166,7 @@ class FakeSession:
 
     def retried(self, **changes: Any) -> FakeSession:
         """The session a retry would get after this attempt: same input, resume state carried over."""
-        fields = dict(input=self.input, params=self.params, stage=self.stage, wf_id=self.wf_id,
+        fields: dict[str, Any] = dict(input=self.input, params=self.params, stage=self.stage, wf_id=self.wf_id,
                       attempt=self.attempt + 1, finals=self.finals, downstream=self.downstream,
                       upstream=self.upstream, resume_seq=max(self.resume_seq, self.seq),
                       checkpoint=self.checkpoint_out, chunks=self.chunks)
@@ -177,7 +178,8 @@ async def run_executor(executor: Executor, session: Any, *, setup: bool = False)
     """Run one session through an executor (plain or batched) on this loop; optionally `setup()` first."""
     if setup:
         await executor.setup()
-    return await executor.run(session)
+    usage: Mapping[str, Any] | None = await executor.run(session)
+    return usage
 
 
 async def run_many(executor: Executor, sessions: Iterable[Any]) -> list[Mapping[str, Any] | None]:

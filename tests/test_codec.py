@@ -5,11 +5,10 @@ import msgpack
 import numpy as np
 import pytest
 import torch
-
-from omniflow import codec
-
 from conftest import toy_spec
 from helpers import request, run_to_end
+
+from omniflow import codec
 
 TORCH_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64]
 

@@ -7,13 +7,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import pytest
-
-from omniflow.compute import ComputeThread
-from omniflow.reconciler import Reconciler
-
 from conftest import toy_spec
 from helpers import eventually, request, run_to_end
 from workers_fixtures import BlockingThinker, CountingLM
+
+from omniflow.compute import ComputeThread
+from omniflow.reconciler import Reconciler
 
 LEASE_S = 1.0
 

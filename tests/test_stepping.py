@@ -5,12 +5,11 @@ import asyncio
 from typing import Any
 
 import pytest
+from omniflow.workers.base import BatchedExecutor, StepOutput
+from workers_fixtures import CountingLM
 
 from omniflow.errors import Fenced
 from omniflow.testing import FakeSession, run_executor, run_many
-from omniflow.workers.base import BatchedExecutor, StepOutput
-
-from workers_fixtures import CountingLM
 
 
 def lm(**params: Any) -> CountingLM:
@@ -29,7 +28,7 @@ async def test_batched_output_equals_unbatched() -> None:
     executor = lm(max_batch=8)
     await run_many(executor, together)
     assert [s.text_out for s in together] == [s.text_out for s in alone]
-    words = lambda s: [d["word"] for d in s.data_to("talker")]  # noqa: E731
+    words = lambda s: [d["word"] for d in s.data_to("talker")]
     assert [words(s) for s in together] == [words(s) for s in alone]
     assert executor.step_loop is not None and executor.step_loop.stats.max_batch_seen == 4
 
