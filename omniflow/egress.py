@@ -79,6 +79,26 @@ def split_url(url: str) -> tuple[str, str, int]:
     return parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80)
 
 
+def check_url_static(url: str, policy: EgressPolicy) -> None:
+    """What can be known about `url` without a DNS lookup (at submit time): scheme, host, no
+    credentials, and, for an address literal or `localhost`, that it is public or allowed."""
+    _scheme, host, _port = split_url(url)
+    if policy.host_allowed(host):
+        return
+    try:
+        addr = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        if host.lower().rstrip(".") in ("localhost", "localhost.localdomain"):
+            raise EgressRefused(f"{host} is a loopback address; webhooks go to public addresses only "
+                                "(allow it with OMNIFLOW_WEBHOOK_ALLOW_HOSTS or OMNIFLOW_WEBHOOK_ALLOW_PRIVATE)") from None
+        return
+    plain = addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped else addr
+    reason = forbidden_reason(plain)
+    if reason and not policy.address_allowed(plain):
+        raise EgressRefused(f"{host} is a {reason} address; webhooks go to public addresses only "
+                            "(allow it with OMNIFLOW_WEBHOOK_ALLOW_HOSTS or OMNIFLOW_WEBHOOK_ALLOW_PRIVATE)")
+
+
 async def resolve(host: str, port: int) -> list[IPAddress]:
     try:
         return [ipaddress.ip_address(host)]

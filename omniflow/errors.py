@@ -8,6 +8,7 @@
     │   ├── InvalidRequest     bad input: unknown modality, bad params, prompt too long (HTTP 422)
     │   ├── WorkflowNotFound   no such workflow, or not visible to this tenant (HTTP 404)
     │   ├── WorkflowRetired    the id was aborted/failed before: use a fresh id (HTTP 409)
+    │   ├── IdempotencyConflict a request_id reused with a different request (HTTP 409)
     │   ├── AdmissionRefused   over `max_in_flight`; carries retry_after_s (HTTP 429)
     │   └── NotReady           the thing asked for is not produced yet (HTTP 409)
     └── StageError             raised by executors
@@ -58,6 +59,12 @@ class WorkflowRetired(WorkflowError):
     """The id belongs to a retired (aborted or failed) workflow (HTTP 409)."""
 
     code = "retired"
+
+
+class IdempotencyConflict(WorkflowError):
+    """A request_id was reused with a different request body (HTTP 409)."""
+
+    code = "idempotency_conflict"
 
 
 class AdmissionRefused(WorkflowError):

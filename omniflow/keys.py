@@ -64,6 +64,19 @@ class Keys:
         """zset of every workflow id scored by creation time (listing, GC)."""
         return f"{self.prefix}:all"
 
+    def state_index(self, state: str) -> str:
+        """zset of the workflow ids in one state, scored by creation ms (kept by the Lua transitions)."""
+        return f"{self.prefix}:idx:state:{state}"
+
+    def tenant_index(self, tenant: str) -> str:
+        """zset of one tenant's workflow ids, scored by creation ms (written by submit.lua)."""
+        return f"{self.prefix}:idx:tenant:{tenant}"
+
+    @property
+    def tenants(self) -> str:
+        """set of the tenant names that have a tenant index (so the sweep can trim them)."""
+        return f"{self.prefix}:idx:tenants"
+
     @property
     def retries(self) -> str:
         """zset of scheduled retries, member ``<id>|<stage>|<attempt>``, score due ms."""
@@ -104,6 +117,10 @@ class Keys:
 
     def webhook(self, wf_id: str) -> str:
         return f"{self.prefix}:webhook:{{{wf_id}}}"
+
+    def webhook_attempts(self, wf_id: str) -> str:
+        """list of one workflow's webhook delivery attempts (JSON, oldest first)."""
+        return f"{self.webhook(wf_id)}:attempts"
 
     @property
     def webhook_secret(self) -> str:

@@ -34,7 +34,14 @@ class StageStatus(str, Enum):
 class WorkflowInput(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    text: str = Field(..., min_length=1, description="the user prompt")
+    text: str = Field(..., min_length=1, description="the user prompt (not empty, not only whitespace)")
+
+    @field_validator("text")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("the prompt is empty (only whitespace)")
+        return value
 
 
 class SubmitRequest(BaseModel):

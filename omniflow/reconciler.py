@@ -24,7 +24,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from omniflow import scripts
+from omniflow import listing, scripts
 from omniflow.config import Settings
 from omniflow.keys import EVENT_GROUP, TASK_GROUP, Keys
 from omniflow.pipeline import Pipeline
@@ -204,8 +204,8 @@ class Reconciler:
         """One pass of the periodic work. Safe to run concurrently (every step is idempotent)."""
         done = {"lost": await self._sweep_dead_workers(), "retries": await self._sweep_retries(),
                 "deadlines": await self._sweep_deadlines()}
-        await self.redis.zremrangebyscore(
-            self.keys.all_wf, "-inf", now_ms() - int((self.settings.result_ttl_s + self.settings.max_deadline_s) * 1000))
+        await listing.trim(self.redis, self.keys,
+                           now_ms() - int((self.settings.result_ttl_s + self.settings.max_deadline_s) * 1000))
         return done
 
     async def _run_scripts(self, calls: list[tuple[Any, ...]]) -> list[Any]:

@@ -8,12 +8,13 @@ boundary.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import hiredis
 import numpy as np
@@ -28,6 +29,7 @@ from omniflow.config import Settings
 from omniflow.errors import (
     AdmissionRefused,
     ConfigError,
+    IdempotencyConflict,
     InvalidRequest,
     NotReady,
     RedisUnavailable,
@@ -37,6 +39,9 @@ from omniflow.errors import (
 from omniflow.keys import Keys
 from omniflow.models import TERMINAL_STATES, SubmitRequest, Submitted, WorkflowState
 from omniflow.pipeline import Pipeline, Plan
+
+if TYPE_CHECKING:
+    from omniflow.listing import ListFilter, ListPage
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -96,6 +101,20 @@ def new_id() -> str:
     return uuid.uuid4().hex
 
 
+def body_hash(req: SubmitRequest) -> str:
+    """A digest of everything a request asks for except its idempotency key (canonical JSON)."""
+    body = json.dumps(req.model_dump(mode="json", exclude={"request_id"}), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()[:32]
+
+
+def check_same_body(wf_id: str, req: SubmitRequest, stored_hash: str) -> None:
+    """A reused idempotency key must come with the same request (records without a hash predate the check)."""
+    if stored_hash and stored_hash != body_hash(req):
+        raise IdempotencyConflict(
+            f"request_id {req.request_id!r} was used for workflow {wf_id} with a different request; "
+            "use a fresh request_id for a different request")
+
+
 @dataclass(frozen=True)
 class _PlanParts:
     plan: Plan
@@ -110,6 +129,7 @@ class Store:
 
     def __init__(self, redis: Redis, settings: Settings, pipeline: Pipeline, *, batcher: Batcher | None = None) -> None:
         self._plans: dict[tuple[str, ...] | None, _PlanParts] = {}
+        self._egress: Any = None        # the webhook egress policy, built on first use
         self.redis = redis
         self.batcher = batcher          # when set, submits are group-committed (many callers, few round trips)
         self.settings = settings
@@ -127,8 +147,9 @@ class Store:
             reply = await scripts.call(self.redis, "submit", keys, args)
         result = self.submitted(reply)
         if result.existing:
-            state = s(await self.redis.hget(self.keys.wf(result.id), "state")) or WorkflowState.PENDING.value
-            return Submitted(id=result.id, state=WorkflowState(state), existing=True)
+            state, stored_hash = (s(v) for v in await self.redis.hmget(self.keys.wf(result.id), "state", "body_hash"))
+            check_same_body(result.id, req, stored_hash)
+            return Submitted(id=result.id, state=WorkflowState(state or WorkflowState.PENDING.value), existing=True)
         if self.settings.wait_aof:
             await self._wait_aof()
         return result
@@ -160,12 +181,28 @@ class Store:
             "webhook", req.webhook_url or "",
             *parts.fields,
         ]
+        if req.webhook_url:
+            self._check_webhook(req.webhook_url)
+        if req.request_id:     # what a reuse of the key is compared with (409 idempotency_conflict)
+            record += ["body_hash", body_hash(req)]
         idem_key = self.keys.idem(tenant, req.request_id) if req.request_id else self.keys.idem(tenant, "-")
-        keys = [self.keys.wf(wf_id), self.keys.inflight, self.keys.tomb(wf_id), idem_key, self.keys.all_wf]
+        keys = [self.keys.wf(wf_id), self.keys.inflight, self.keys.tomb(wf_id), idem_key, self.keys.all_wf,
+                self.keys.tenant_index(tenant), self.keys.tenants]
         args = [self.settings.prefix, wf_id, now, now + int(deadline_s * 1000), self.settings.max_in_flight,
                 self.settings.idempotency_ttl_s if req.request_id else 0,
                 parts.stages, parts.admit, len(record) // 2, *record]
         return keys, args
+
+    def _check_webhook(self, url: str) -> None:
+        """Refuse a webhook URL that can never be delivered, as far as that is knowable without DNS."""
+        from omniflow.egress import EgressPolicy, EgressRefused, check_url_static
+
+        if self._egress is None:
+            self._egress = EgressPolicy.from_settings(self.settings)
+        try:
+            check_url_static(url, self._egress)
+        except EgressRefused as exc:
+            raise InvalidRequest(f"webhook_url: {exc}") from None
 
     def _plan_parts(self, modalities: tuple[str, ...] | None) -> _PlanParts:
         """What a submit writes that depends only on the pipeline and the requested modalities
@@ -261,12 +298,9 @@ class Store:
                 "submitted": attempt > 0,
             }
             for field, label in (("t_submit", "submitted_at"), ("t_start", "started_at"), ("t_end", "finished_at")):
-                if st.get(f"{name}:{field}"):
-                    entry[label] = int(st[f"{name}:{field}"]) / 1000
-            if st.get(f"{name}:usage"):
-                entry["usage"] = json.loads(st[f"{name}:usage"])
-            if st.get(f"{name}:error"):
-                entry["error"] = st[f"{name}:error"]
+                entry[label] = int(st[f"{name}:{field}"]) / 1000 if st.get(f"{name}:{field}") else None
+            entry["usage"] = json.loads(st[f"{name}:usage"]) if st.get(f"{name}:usage") else None
+            entry["error"] = st.get(f"{name}:error") or None
             stages[name] = entry
         outputs: dict[str, Any] = {}
         for name, kind in kinds.items():
@@ -296,7 +330,22 @@ class Store:
             "outputs": outputs,
             "error": rec.get("error") or None,
             "error_stage": rec.get("error_stage") or None,
+            "webhook": await self._webhook_view(wf_id, rec.get("webhook") or ""),
         }
+
+    async def _webhook_view(self, wf_id: str, url: str) -> dict[str, Any] | None:
+        """The webhook part of the document: its URL, the delivery outcome so far and every attempt."""
+        if not url:
+            return None
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(self.keys.webhook(wf_id))
+        pipe.lrange(self.keys.webhook_attempts(wf_id), 0, -1)
+        raw, attempts = await pipe.execute()
+        rec = {s(k): s(v) for k, v in (raw or {}).items()}
+        nxt = rec.get("next_attempt_ms") if rec.get("outcome") == "retried" else None
+        return {"url": url, "outcome": rec.get("outcome") or "pending",
+                "attempts": [json.loads(a) for a in attempts],
+                "next_attempt_at": int(nxt) / 1000 if nxt else None}
 
     @translate_errors
     async def state(self, wf_id: str) -> WorkflowState | None:
@@ -380,35 +429,35 @@ class Store:
 
     @translate_errors
     async def list_page(self, *, state: str | None = None, tenant: str | None = None, offset: int = 0,
-                        limit: int = 50) -> tuple[list[dict[str, Any]], int | None]:
-        """One page of workflows, newest first, filtered by state and tenant.
+                        limit: int = 50, stage: str | None = None, since_ms: int | None = None,
+                        request_id: str | None = None) -> tuple[list[dict[str, Any]], int | None]:
+        """One page of workflows, newest first, filtered (see `omniflow.listing`).
 
-        `offset` counts positions in the creation-ordered index; the second value is the offset to
+        `offset` counts positions in the index walked; the second value is the offset to
         continue from (None at the end).
         """
-        rows: list[dict[str, Any]] = []
-        pos, window = offset, max(limit * 2, 64)
-        while len(rows) < limit:
-            ids = [s(x) for x in await self.redis.zrevrange(self.keys.all_wf, pos, pos + window - 1)]
-            if not ids:
-                return rows, None
-            pipe = self.redis.pipeline(transaction=False)
-            for wf_id in ids:
-                pipe.hmget(self.keys.wf(wf_id), "state", "tenant", "created_ms", "finals", "error", "request_id")
-            for wf_id, vals in zip(ids, await pipe.execute()):
-                pos += 1
-                st, ten, created, finals, err, rid = (s(v) for v in vals)
-                if not st or (state and st != state) or (tenant is not None and ten != tenant):
-                    continue
-                rows.append({"id": wf_id, "state": st, "tenant": ten, "created_at": int(created or 0) / 1000,
-                             "final_stages": csv(finals), "error": err or None, "request_id": rid or None})
-                if len(rows) >= limit:
-                    break
-            if len(ids) < window:
-                return rows, (pos if len(rows) >= limit else None)
-        return rows, pos
+        from omniflow.listing import ListFilter
+
+        page = await self.list_workflows(ListFilter(state=state, tenant=tenant, stage=stage, since_ms=since_ms,
+                                                    request_id=request_id), offset=offset, limit=limit)
+        return page.rows, page.next_offset
+
+    @translate_errors
+    async def list_workflows(self, flt: ListFilter, *, offset: int = 0, limit: int = 50) -> ListPage:
+        """One page of the workflows matching `flt` (the listing indexes: `omniflow.listing`)."""
+        from omniflow import listing     # imported here: listing builds on this module's helpers
+
+        return await listing.query(self.redis, self.keys, flt, offset=offset, limit=limit)
+
+    @translate_errors
+    async def state_counts(self) -> dict[str, int]:
+        """Workflows per state, from the listing indexes."""
+        from omniflow import listing
+
+        return await listing.state_counts(self.redis, self.keys)
 
     async def list(self, *, state: str | None = None, tenant: str | None = None, offset: int = 0,
                    limit: int = 50) -> list[dict[str, Any]]:
         """Newest first (the first page of `list_page`)."""
         return (await self.list_page(state=state, tenant=tenant, offset=offset, limit=limit))[0]
+

@@ -9,7 +9,8 @@ document with Standard Webhooks headers; a non-2xx answer or a network error
 is retried by arq with exponential backoff up to `webhook_max_attempts`.
 Addresses are checked by `omniflow.egress` first (no private targets).
 
-Outcomes are kept in `<prefix>:webhook:{<id>}` (hash) and counted in
+Outcomes are kept in `<prefix>:webhook:{<id>}` (hash: the last one), every attempt in
+`<prefix>:webhook:{<id>}:attempts` (list of JSON, shown in the workflow document) and counted in
 `<prefix>:stats` fields `webhook:delivered`, `webhook:failed`,
 `webhook:refused` and `webhook:retried` (read by `/metrics`).
 """
@@ -47,6 +48,7 @@ USER_AGENT = "omniflow-webhooks/1"
 CLAIM_INTERVAL_S = 5.0
 READ_COUNT = 64
 ERROR_PAUSE_S = 1.0
+MAX_RECORDED_ATTEMPTS = 50
 
 
 class DeliveryOutcome(str, Enum):
@@ -127,9 +129,14 @@ async def record(redis: Redis, keys: Keys, wf_id: str, outcome: DeliveryOutcome,
     values.update(outcome=outcome.value, updated_ms=str(now))
     if outcome is DeliveryOutcome.DELIVERED:
         values["delivered_ms"] = str(now)
+    attempt = {"attempt": int(fields.get("attempts") or 1), "at": now / 1000, "outcome": outcome.value,
+               "status": fields.get("status"), "error": fields.get("error") or None}
     pipe = redis.pipeline(transaction=True)
     pipe.hset(keys.webhook(wf_id), mapping=values)
     pipe.expire(keys.webhook(wf_id), ttl_s)
+    pipe.rpush(keys.webhook_attempts(wf_id), json.dumps(attempt))
+    pipe.ltrim(keys.webhook_attempts(wf_id), -MAX_RECORDED_ATTEMPTS, -1)
+    pipe.expire(keys.webhook_attempts(wf_id), ttl_s)
     pipe.hincrby(keys.stats, f"webhook:{outcome.value}", 1)
     await pipe.execute()
 

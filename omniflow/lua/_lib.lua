@@ -25,6 +25,14 @@ local function stage_terminal(status)
   return status == 'done' or status == 'failed' or status == 'aborted'
 end
 
+-- Listing indexes: `<prefix>:idx:state:<state>`, one zset per workflow state (member id, score
+-- creation ms), kept exact by the transitions that change a workflow's state: submit, the first
+-- claim (pending -> running) and finalize. `omniflow.listing` reads them.
+local function index_state(prefix, id, from, to, created)
+  if from then redis.call('ZREM', prefix .. ':idx:state:' .. from, id) end
+  redis.call('ZADD', prefix .. ':idx:state:' .. to, created, id)
+end
+
 local function submit_stage(wf, prefix, id, stage, attempt, now)
   redis.call('HSET', wf .. ':stages', stage, 'pending', stage .. ':attempt', attempt, stage .. ':t_submit', now)
   redis.call('XADD', prefix .. ':stage:' .. stage .. ':tasks', '*', 'wf', id, 's', stage, 'a', attempt)
@@ -34,8 +42,9 @@ end
 -- Partial outputs stay (labelled by stage); edge logs go; the rest expires.
 local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now, tomb_ttl, result_ttl)
   local sk = wf .. ':stages'
-  local rec = redis.call('HMGET', wf, 'stages', 'edges', 'finals', 'webhook')
+  local rec = redis.call('HMGET', wf, 'stages', 'edges', 'finals', 'webhook', 'state', 'created_ms')
   redis.call('HSET', wf, 'state', state, 'finished_ms', now, 'updated_ms', now)
+  index_state(prefix, id, rec[5], state, rec[6] or now)
   if err and err ~= '' then
     redis.call('HSET', wf, 'error', err, 'error_stage', err_stage or '')
   end

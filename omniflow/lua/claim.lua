@@ -20,7 +20,7 @@ for i = 7, #ARGV, 3 do
   local entry_id, id, attempt = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   local wf = prefix .. ':wf:{' .. id .. '}'
   local sk = wf .. ':stages'
-  local rec = redis.call('HMGET', wf, 'state', 'input', 'params', 'stages', 'finals')
+  local rec = redis.call('HMGET', wf, 'state', 'input', 'params', 'stages', 'finals', 'created_ms')
   local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':replica',
     stage .. ':ckpt')
   local why = nil
@@ -42,6 +42,7 @@ for i = 7, #ARGV, 3 do
       redis.call('HSET', sk, stage, status, stage .. ':replica', replica, stage .. ':t_start', now)
       if rec[1] == 'pending' then
         redis.call('HSET', wf, 'state', 'running', 'updated_ms', now)
+        index_state(prefix, id, 'pending', 'running', rec[6] or now)
         redis.call('XADD', wf .. ':log', '*', 't', 'state', 'state', 'running')
       end
       redis.call('XADD', wf .. ':log', '*', 't', 'stage', 'stage', stage, 'status', status,

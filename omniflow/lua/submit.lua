@@ -4,10 +4,11 @@
 -- KEYS[3] tombstone     `<p>:tomb:<id>`
 -- KEYS[4] idempotency   `<p>:idem:<tenant>:<key>` (ignored when ARGV[6] == 0)
 -- KEYS[5] all-ids zset  `<p>:all`
+-- KEYS[6] tenant index  `<p>:idx:tenant:<tenant>`  KEYS[7] tenant names set `<p>:idx:tenants`
 -- ARGV[1] prefix  ARGV[2] id  ARGV[3] now_ms  ARGV[4] deadline_ms
 -- ARGV[5] max_in_flight  ARGV[6] idempotency ttl s (0: no key)
 -- ARGV[7] required stages csv  ARGV[8] stages submitted at admission csv
--- ARGV[9] n record fields, then that many field/value pairs
+-- ARGV[9] n record fields, then that many field/value pairs (the first pair is 'tenant', <tenant>)
 -- Returns {'ok', id} | {'existing', id} | {'retired', id} | {'exists', id} | {'busy', n}
 --@include _lib.lua
 local wf, prefix, id, now = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
@@ -47,6 +48,9 @@ for _, stage in ipairs(admit) do
 end
 redis.call('ZADD', KEYS[2], ARGV[4], id)
 redis.call('ZADD', KEYS[5], now, id)
+index_state(prefix, id, nil, 'pending', now)
+redis.call('ZADD', KEYS[6], now, id)
+redis.call('SADD', KEYS[7], ARGV[11])
 redis.call('XADD', wf .. ':log', '*', 't', 'state', 'state', 'pending')
 if use_idem then redis.call('SET', KEYS[4], id, 'EX', ARGV[6]) end
 return {'ok', id}

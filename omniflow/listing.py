@@ -1,0 +1,154 @@
+"""Finding one workflow among many: filtered, paged listing over the listing indexes.
+
+The indexes are zsets (member: workflow id, score: creation ms), kept exact by the Lua
+transitions, so a listing never scans the keyspace:
+
+    <p>:all                    every workflow                      submit.lua
+    <p>:idx:state:<state>      one per `WorkflowState`              submit, first claim, finalize
+    <p>:idx:tenant:<tenant>    one per tenant (+ <p>:idx:tenants)   submit.lua
+
+A query walks ONE index newest first: the smallest of those its filters name. `since`
+bounds the walk (ZCOUNT gives the rank where older records start), so an age filter never
+reads past it. The filters no index serves (`stage`, a `request_id` substring, the second of
+state and tenant) are checked against the records, one pipelined HMGET per window; such a
+walk stops after `max_scan` records and says where to continue (`next_offset`), so one call
+stays bounded however rare the match is. Offsets are ranks in the walked index.
+
+Every index is trimmed with `<p>:all` by the reconciler's sweep (`trim`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+
+from omniflow.keys import Keys
+from omniflow.models import WorkflowState
+from omniflow.store import csv, s
+
+DEFAULT_MAX_SCAN = 20_000
+SCAN_WINDOW = 1_000
+FIELDS = ("state", "tenant", "created_ms", "finished_ms", "finals", "stages", "error", "error_stage", "request_id")
+STATES = tuple(x.value for x in WorkflowState)
+
+
+@dataclass(frozen=True)
+class ListFilter:
+    """What to list; every field left None matches everything."""
+
+    state: str | None = None
+    tenant: str | None = None
+    stage: str | None = None            # the stage is part of the workflow's plan
+    since_ms: int | None = None         # created at or after (epoch ms)
+    request_id: str | None = None       # substring of the request id
+
+
+@dataclass
+class ListPage:
+    rows: list[dict[str, Any]]
+    next_offset: int | None             # rank to continue from; None when the walk reached the end
+    total: int | None                   # how many match, when the index alone answers the filters
+    scanned: int                        # records read to build this page
+
+
+def summary(wf_id: str, values: list[Any]) -> dict[str, Any]:
+    """One listing row from the record fields `FIELDS`."""
+    state, tenant, created, finished, finals, stages, error, error_stage, rid = (s(v) for v in values)
+    return {"id": wf_id, "state": state, "tenant": tenant or None, "created_at": int(created or 0) / 1000,
+            "finished_at": int(finished) / 1000 if finished else None, "final_stages": csv(finals),
+            "stages": csv(stages), "error": error or None, "error_stage": error_stage or None,
+            "request_id": rid or None}
+
+
+def _matches(row: dict[str, Any], flt: ListFilter) -> bool:
+    if not row["state"]:                        # expired since it was indexed
+        return False
+    if flt.state and row["state"] != flt.state:
+        return False
+    if flt.tenant is not None and (row["tenant"] or "") != flt.tenant:
+        return False
+    if flt.stage and flt.stage not in row["stages"]:
+        return False
+    if flt.since_ms is not None and row["created_at"] * 1000 < flt.since_ms:
+        return False
+    return not (flt.request_id and flt.request_id not in (row["request_id"] or ""))
+
+
+async def _pick_index(redis: Redis, keys: Keys, flt: ListFilter) -> tuple[str, int, bool]:
+    """(index key, entries in range, whether the index alone answers every filter)."""
+    candidates = [keys.state_index(flt.state)] if flt.state else []
+    if flt.tenant is not None:
+        candidates.append(keys.tenant_index(flt.tenant))
+    candidates = candidates or [keys.all_wf]
+    low = "-inf" if flt.since_ms is None else flt.since_ms
+    pipe = redis.pipeline(transaction=False)
+    for key in candidates:
+        pipe.zcount(key, low, "+inf")
+    counts = [int(n) for n in await pipe.execute()]
+    best = min(range(len(candidates)), key=counts.__getitem__)
+    exact = len(candidates) == 1 and not flt.stage and not flt.request_id
+    return candidates[best], counts[best], exact
+
+
+async def query(redis: Redis, keys: Keys, flt: ListFilter, *, offset: int = 0, limit: int = 50,
+                max_scan: int = DEFAULT_MAX_SCAN) -> ListPage:
+    """One page of workflows matching `flt`, newest first, starting at rank `offset` of the walked index."""
+    index, end, exact = await _pick_index(redis, keys, flt)
+    rows: list[dict[str, Any]] = []
+    pos, scanned = offset, 0
+    window = limit if exact else SCAN_WINDOW
+    while len(rows) < limit and pos < end and scanned < max_scan:
+        n = min(window, end - pos, max_scan - scanned)
+        ids = [s(x) for x in await redis.zrevrange(index, pos, pos + n - 1)]
+        if not ids:
+            pos = end
+            break
+        pipe = redis.pipeline(transaction=False)
+        for wf_id in ids:
+            pipe.hmget(keys.wf(wf_id), *FIELDS)
+        for wf_id, values in zip(ids, await pipe.execute()):
+            pos += 1
+            scanned += 1
+            row = summary(wf_id, values)
+            if _matches(row, flt):
+                rows.append(row)
+                if len(rows) >= limit:
+                    break
+    return ListPage(rows=rows, next_offset=pos if pos < end else None, total=end if exact else None,
+                    scanned=scanned)
+
+
+async def state_counts(redis: Redis, keys: Keys) -> dict[str, int]:
+    """Workflows per state (ZCARD of each state index: O(1) each)."""
+    pipe = redis.pipeline(transaction=False)
+    for state in STATES:
+        pipe.zcard(keys.state_index(state))
+    return {state: int(n) for state, n in zip(STATES, await pipe.execute())}
+
+
+async def finished_before(redis: Redis, keys: Keys, states: tuple[str, ...], cutoff_ms: int, *,
+                          count: int = 500) -> list[str]:
+    """Up to `count` ids of workflows in `states` created before `cutoff_ms`, oldest first."""
+    pipe = redis.pipeline(transaction=False)
+    for state in states:
+        pipe.zrangebyscore(keys.state_index(state), "-inf", f"({cutoff_ms}", start=0, num=count)
+    ids = [s(x) for reply in await pipe.execute() for x in reply]
+    return ids[:count]
+
+
+async def trim(redis: Redis, keys: Keys, cutoff_ms: int) -> None:
+    """Drop index entries created before `cutoff_ms` (their records have expired by then)."""
+    tenants = [s(t) for t in await redis.smembers(keys.tenants)]
+    pipe = redis.pipeline(transaction=False)
+    for key in (keys.all_wf, *(keys.state_index(x) for x in STATES), *(keys.tenant_index(t) for t in tenants)):
+        pipe.zremrangebyscore(key, "-inf", f"({cutoff_ms}")
+    await pipe.execute()
+
+
+def unindex(pipe: Any, keys: Keys, wf_id: str, tenant: str) -> None:
+    """Queue the removal of one workflow from every index on `pipe` (purge)."""
+    pipe.zrem(keys.all_wf, wf_id)
+    for state in STATES:
+        pipe.zrem(keys.state_index(state), wf_id)
+    pipe.zrem(keys.tenant_index(tenant), wf_id)
