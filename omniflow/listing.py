@@ -10,9 +10,10 @@ transitions, so a listing never scans the keyspace:
 A query walks ONE index newest first: the smallest of those its filters name. `since`
 bounds the walk (ZCOUNT gives the rank where older records start), so an age filter never
 reads past it. The filters no index serves (`stage`, a `request_id` substring, the second of
-state and tenant) are checked against the records, one pipelined HMGET per window; such a
-walk stops after `max_scan` records and says where to continue (`next_offset`), so one call
-stays bounded however rare the match is. Offsets are ranks in the walked index.
+state and tenant) are checked against the records on the server (`list_scan.lua`, a
+read-only script reading at most `SCAN_STEP` records per call); a query stops after
+`max_scan` records and says where to continue (`next_offset`), so it stays bounded however
+rare the match is. Offsets are ranks in the walked index.
 
 Every index is trimmed with `<p>:all` by the reconciler's sweep (`trim`).
 """
@@ -23,12 +24,13 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from omniflow import scripts
 from omniflow.keys import Keys
 from omniflow.models import WorkflowState
 from omniflow.store import csv, s
 
-DEFAULT_MAX_SCAN = 20_000
-SCAN_WINDOW = 1_000
+DEFAULT_MAX_SCAN = 100_000     # records one query may read to fill a page (then: next_offset)
+SCAN_STEP = 2_000              # records one list_scan.lua call reads (bounds how long it holds the server)
 FIELDS = ("state", "tenant", "created_ms", "finished_ms", "finals", "stages", "error", "error_stage", "request_id")
 STATES = tuple(x.value for x in WorkflowState)
 
@@ -61,20 +63,6 @@ def summary(wf_id: str, values: list[Any]) -> dict[str, Any]:
             "request_id": rid or None}
 
 
-def _matches(row: dict[str, Any], flt: ListFilter) -> bool:
-    if not row["state"]:                        # expired since it was indexed
-        return False
-    if flt.state and row["state"] != flt.state:
-        return False
-    if flt.tenant is not None and (row["tenant"] or "") != flt.tenant:
-        return False
-    if flt.stage and flt.stage not in row["stages"]:
-        return False
-    if flt.since_ms is not None and row["created_at"] * 1000 < flt.since_ms:
-        return False
-    return not (flt.request_id and flt.request_id not in (row["request_id"] or ""))
-
-
 async def _pick_index(redis: Redis, keys: Keys, flt: ListFilter) -> tuple[str, int, bool]:
     """(index key, entries in range, whether the index alone answers every filter)."""
     candidates = [keys.state_index(flt.state)] if flt.state else []
@@ -95,28 +83,39 @@ async def query(redis: Redis, keys: Keys, flt: ListFilter, *, offset: int = 0, l
                 max_scan: int = DEFAULT_MAX_SCAN) -> ListPage:
     """One page of workflows matching `flt`, newest first, starting at rank `offset` of the walked index."""
     index, end, exact = await _pick_index(redis, keys, flt)
+    if exact:
+        ids = [s(x) for x in await redis.zrevrange(index, offset, min(end, offset + limit) - 1)] \
+            if offset < end else []
+        pos, scanned = offset + len(ids), len(ids)
+    else:
+        ids, pos, scanned = await _scan(redis, keys, index, flt, offset, end, limit, max_scan)
     rows: list[dict[str, Any]] = []
-    pos, scanned = offset, 0
-    window = limit if exact else SCAN_WINDOW
-    while len(rows) < limit and pos < end and scanned < max_scan:
-        n = min(window, end - pos, max_scan - scanned)
-        ids = [s(x) for x in await redis.zrevrange(index, pos, pos + n - 1)]
-        if not ids:
-            pos = end
-            break
+    if ids:
         pipe = redis.pipeline(transaction=False)
         for wf_id in ids:
             pipe.hmget(keys.wf(wf_id), *FIELDS)
-        for wf_id, values in zip(ids, await pipe.execute()):
-            pos += 1
-            scanned += 1
-            row = summary(wf_id, values)
-            if _matches(row, flt):
-                rows.append(row)
-                if len(rows) >= limit:
-                    break
+        rows = [row for row in (summary(wf_id, values) for wf_id, values in zip(ids, await pipe.execute()))
+                if row["state"]]      # a record that expired since it was indexed
     return ListPage(rows=rows, next_offset=pos if pos < end else None, total=end if exact else None,
                     scanned=scanned)
+
+
+async def _scan(redis: Redis, keys: Keys, index: str, flt: ListFilter, pos: int, end: int, limit: int,
+                max_scan: int) -> tuple[list[str], int, int]:
+    """Matching ids from rank `pos` on, checked server-side by `list_scan.lua` in bounded steps."""
+    ids: list[str] = []
+    scanned = 0
+    while len(ids) < limit and pos < end and scanned < max_scan:
+        step = min(SCAN_STEP, max_scan - scanned)
+        reply = await scripts.call(redis, "list_scan", [index], [
+            keys.prefix, pos, end, step, limit - len(ids), flt.state or "",
+            "1" if flt.tenant is not None else "0", flt.tenant or "", flt.stage or "", flt.request_id or ""])
+        pos, read = int(reply[0]), int(reply[1])
+        scanned += read
+        ids.extend(s(x) for x in reply[2:])
+        if read == 0:
+            break
+    return ids, pos, scanned
 
 
 async def state_counts(redis: Redis, keys: Keys) -> dict[str, int]:

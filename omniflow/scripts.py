@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
 LUA_DIR = Path(__file__).resolve().parent / "lua"
-SCRIPT_NAMES = ("submit", "claim", "emit", "finish", "stage_event", "abort", "retry_due", "restart")
+SCRIPT_NAMES = ("submit", "claim", "emit", "finish", "stage_event", "abort", "retry_due", "restart", "list_scan")
 
 
 class SubmitResult(str, Enum):
