@@ -93,7 +93,7 @@ async def query(redis: Redis, keys: Keys, flt: ListFilter, *, offset: int = 0, l
     if ids:
         pipe = redis.pipeline(transaction=False)
         for wf_id in ids:
-            pipe.hmget(keys.wf(wf_id), *FIELDS)
+            pipe.hmget(keys.wf(wf_id), list(FIELDS))
         rows = [row for row in (summary(wf_id, values) for wf_id, values in zip(ids, await pipe.execute()))
                 if row["state"]]      # a record that expired since it was indexed
     return ListPage(rows=rows, next_offset=pos if pos < end else None, total=end if exact else None,
@@ -138,7 +138,9 @@ async def finished_before(redis: Redis, keys: Keys, states: tuple[str, ...], cut
 
 async def trim(redis: Redis, keys: Keys, cutoff_ms: int) -> None:
     """Drop index entries created before `cutoff_ms` (their records have expired by then)."""
-    tenants = [s(t) for t in await redis.smembers(keys.tenants)]
+    pipe = redis.pipeline(transaction=False)
+    pipe.smembers(keys.tenants)
+    tenants = [s(t) for t in (await pipe.execute())[0]]
     pipe = redis.pipeline(transaction=False)
     for key in (keys.all_wf, *(keys.state_index(x) for x in STATES), *(keys.tenant_index(t) for t in tenants)):
         pipe.zremrangebyscore(key, "-inf", f"({cutoff_ms}")

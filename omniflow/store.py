@@ -147,7 +147,7 @@ class Store:
             reply = await scripts.call(self.redis, "submit", keys, args)
         result = self.submitted(reply)
         if result.existing:
-            state, stored_hash = (s(v) for v in await self.redis.hmget(self.keys.wf(result.id), "state", "body_hash"))
+            state, stored_hash = (s(v) for v in await self.redis.hmget(self.keys.wf(result.id), ["state", "body_hash"]))
             check_same_body(result.id, req, stored_hash)
             return Submitted(id=result.id, state=WorkflowState(state or WorkflowState.PENDING.value), existing=True)
         if self.settings.wait_aof:

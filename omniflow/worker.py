@@ -18,7 +18,11 @@ connection and one heartbeat between them.
   the worker's pending entries in the consumer group), and fencing by attempt
   keeps a worker that comes back from writing for them;
 - abort: pub/sub on `<p>:abort` cancels a workflow's sessions at once (the
-  tombstone and the fenced scripts are the durable truth).
+  tombstone and the fenced scripts are the durable truth);
+- drain: `omniflow drain` sets `drain` on the worker's info hash; the heartbeat reads it
+  and intake stops claiming until it is cleared, while the sessions held run to their end
+  (graceful rolling restarts). The heartbeat also publishes the last minute of work
+  (`omniflow.window`) for `omniflow stats` and the dashboard.
 
 The worker never decides workflow state: it reports to the reconciler.
 """
@@ -50,6 +54,7 @@ from omniflow.pipeline import Pipeline, import_executor
 from omniflow.runtime import Backoff, check_eviction_policy
 from omniflow.session import Session
 from omniflow.store import connect, csv, now_ms, s
+from omniflow.window import StageWindow
 from omniflow.workers.base import Executor
 
 logger = logging.getLogger(__name__)
@@ -186,6 +191,9 @@ class Worker:
         self._stopping = False
         self.started = asyncio.Event()
         self.stats = {"claimed": 0, "dropped": 0, "done": 0, "failed": 0, "fenced": 0, "dead_letters": 0}
+        self.window = StageWindow(self.pools)
+        self._undrained = asyncio.Event()       # cleared while an operator drains this worker
+        self._undrained.set()
 
     # ------------------------------------------------------------ lifecycle
     async def run(self, stop: asyncio.Event | None = None, *, grace_s: float = DEFAULT_GRACE_S) -> None:
@@ -260,10 +268,21 @@ class Worker:
             "stage": self.stage, "host": socket.gethostname(), "pid": os.getpid(),
             "capacity": ",".join(str(p.max_sessions) for p in self.pools.values()),
             "active": ",".join(str(p.active) for p in self.pools.values()), "seen_ms": now_ms(),
-            "stats": json.dumps(self.stats),
+            "stats": json.dumps(self.stats), "window": json.dumps(self.window.snapshot()),
         })
         pipe.expire(self.keys.worker_info(self.id), 86_400)
-        await pipe.execute()
+        pipe.hget(self.keys.worker_info(self.id), "drain")
+        drain = (await pipe.execute())[-1]
+        if drain and self._undrained.is_set():
+            logger.info("worker %s: draining (claims nothing new; %d session(s) held)", self.id, len(self._sessions))
+            self._undrained.clear()
+        elif not drain and not self._undrained.is_set():
+            logger.info("worker %s: drain lifted", self.id)
+            self._undrained.set()
+
+    @property
+    def draining(self) -> bool:
+        return not self._undrained.is_set()
 
     async def _heartbeat(self) -> None:
         while True:
@@ -290,6 +309,9 @@ class Worker:
     async def _intake(self) -> None:
         backoff = Backoff()
         while True:
+            if self.draining:
+                await self._undrained.wait()
+                continue
             ready = [pool for pool in self.pools.values() if pool.free > 0]
             if not ready:
                 self._slot_free.clear()
@@ -408,6 +430,8 @@ class Worker:
                 self._inputs.pop((wf_id, stage, attempt), None)
                 continue
             self.stats["claimed"] += 1
+            if attempt > 1:
+                self.window.retried(stage)
             _, raw_input, raw_params, raw_stages, raw_finals, seq = reply[:6]
             checkpoint = s(reply[7]) if len(reply) > 7 else ""
             catchup = [(s(src), chunk) for src, entries in reply[6] for entry in entries
@@ -490,6 +514,7 @@ class Worker:
 
     async def _session(self, pool: StagePool, entry_id: str, session: Session) -> None:
         wf_id, stage, attempt = session.wf_id, session.stage, session.attempt
+        started = time.monotonic()
         outcome, detail, retryable = "failed", "aborted", False
         try:
             if session.resume_seq and not pool.executor.resumable:
@@ -517,6 +542,7 @@ class Worker:
             self.stats["fenced"] += 1
         else:
             self.stats["done" if outcome == "done" else "failed"] += 1
+            self.window.finished(stage, outcome, time.monotonic() - started)
 
     async def _report_lost(self, entry_id: str, wf_id: str, stage: str, attempt: int, why: str,
                            *, give_up_s: float = 600.0) -> None:
