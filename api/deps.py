@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
 from omniflow.api.errors import ApiError, retry_after
+from omniflow.api.fleet import PoolsCache
 from omniflow.api.hub import LogHub
 from omniflow.api.limits import RateLimiter
 from omniflow.api.metrics import StageLatency
@@ -65,6 +66,7 @@ class ApiState:
     submit_limiter: RateLimiter
     registry: CollectorRegistry
     latency: StageLatency
+    pools: PoolsCache = field(default_factory=PoolsCache)
     background: set[asyncio.Task[Any]] = field(default_factory=set)
 
     @property
@@ -118,7 +120,15 @@ def check_submit_rate(state: Annotated[ApiState, Depends(get_state)],
     return principal
 
 
+def require_admin(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+    """The admin routes (the dashboard's reads and actions on the fleet) need an admin key."""
+    if not principal.admin:
+        raise ApiError(403, "forbidden", "this route needs an admin key (OMNIFLOW_ADMIN_KEYS)")
+    return principal
+
+
 StateDep = Annotated[ApiState, Depends(get_state)]
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
+AdminDep = Annotated[Principal, Depends(require_admin)]
 SubmitterDep = Annotated[Principal, Depends(check_submit_rate)]
 StoreDep = Annotated[Store, Depends(get_store)]

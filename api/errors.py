@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from omniflow.errors import (
     AdmissionRefused,
     ConfigError,
+    IdempotencyConflict,
     InvalidRequest,
     NotReady,
     OmniflowError,
@@ -32,6 +33,7 @@ STATUS_BY_ERROR: tuple[tuple[type[OmniflowError], int], ...] = (
     (InvalidRequest, 422),
     (WorkflowNotFound, 404),
     (WorkflowRetired, 409),
+    (IdempotencyConflict, 409),
     (NotReady, 409),
     (AdmissionRefused, 429),
     (RedisUnavailable, 503),

@@ -61,6 +61,22 @@ class OutputView(BaseModel):
     chunks: int | None = None
 
 
+class WebhookAttempt(BaseModel):
+    attempt: int
+    at: float = Field(..., description="epoch seconds of the attempt's outcome")
+    outcome: Literal["delivered", "retried", "failed", "refused"]
+    status: int | None = Field(None, description="the receiver's HTTP status, when it answered")
+    error: str | None = None
+
+
+class WebhookView(BaseModel):
+    url: str
+    outcome: Literal["pending", "delivered", "retried", "failed", "refused"] = Field(
+        ..., description="pending until the first attempt; retried while another attempt is scheduled")
+    attempts: list[WebhookAttempt]
+    next_attempt_at: float | None = None
+
+
 class WorkflowDocument(BaseModel):
     """DESIGN §5: the workflow document (the same shape the CLI prints with --json)."""
 
@@ -80,6 +96,7 @@ class WorkflowDocument(BaseModel):
     outputs: dict[str, OutputView]
     error: str | None = None
     error_stage: str | None = None
+    webhook: WebhookView | None = Field(None, description="delivery attempts, when the workflow has a webhook_url")
 
 
 class WorkflowSummary(BaseModel):
@@ -87,8 +104,11 @@ class WorkflowSummary(BaseModel):
     state: WorkflowState
     tenant: str | None = None
     created_at: float
+    finished_at: float | None = None
     final_stages: list[str]
+    stages: list[str] = Field(default_factory=list, description="every stage in the workflow's plan")
     error: str | None = None
+    error_stage: str | None = None
     request_id: str | None = None
 
 
@@ -97,6 +117,107 @@ class WorkflowList(BaseModel):
     offset: int
     limit: int
     next_offset: int | None = Field(None, description="pass as `offset` for the next page; null on the last")
+    total: int | None = Field(None, description="how many match, when the listing index alone answers the filters")
+    scanned: int = Field(0, description="records read to build this page")
+
+
+class GanttAttempt(BaseModel):
+    attempt: int
+    replica: str | None = None
+    start: int = Field(..., description="ms after creation: claimed by `replica`")
+    running: int | None = Field(None, description="ms after creation: first input or output")
+    end: int | None = None
+    outcome: Literal["running", "done", "failed", "retried", "aborted"]
+
+
+class GanttTick(BaseModel):
+    t: int
+    seq: int
+    kind: Literal["text", "audio"]
+
+
+class GanttRetry(BaseModel):
+    t: int
+    attempt: int
+    reason: str
+
+
+class GanttLane(BaseModel):
+    stage: str
+    attempts: list[GanttAttempt]
+    ticks: list[GanttTick]
+    retries: list[GanttRetry]
+
+
+class TimelineEvent(BaseModel):
+    t: int
+    event: str
+    state: str | None = None
+    stage: str | None = None
+    error: str | None = None
+
+
+class Timeline(BaseModel):
+    """A workflow's event log as Gantt lanes (times in ms after its creation)."""
+
+    id: str
+    state: WorkflowState
+    created_at: float
+    duration_ms: int
+    lanes: list[GanttLane]
+    events: list[TimelineEvent]
+
+
+class WorkerView(BaseModel):
+    id: str
+    stages: list[str]
+    host: str | None = None
+    pid: int | None = None
+    alive: bool = Field(..., description="its lease is current (a dead one is reaped by the reconciler)")
+    lease_left_s: float
+    heartbeat_age_s: float | None = None
+    draining: bool
+    sessions: dict[str, int] = Field(..., description="sessions held per stage served")
+    capacity: dict[str, int] = Field(..., description="max_sessions per stage served")
+    sessions_held: int
+    window: dict[str, Any] = Field(default_factory=dict, description="its last minute of work, per stage")
+
+
+class LastMinute(BaseModel):
+    done: int
+    failed: int
+    retries: int = Field(..., description="attempts after the first claimed in the last minute")
+    throughput_per_s: float
+    p50_s: float | None = Field(None, description="session time (claim -> finish), from the workers' histograms")
+    p99_s: float | None = None
+
+
+class StagePool(BaseModel):
+    queued: int = Field(..., description="entries in the stage's task stream")
+    lag: int = Field(..., description="tasks no worker has read yet")
+    pending: int = Field(..., description="tasks read by a worker and not finished (sessions held)")
+    oldest_pending_age_s: float | None = None
+    oldest_queued_age_s: float | None = None
+    live_workers: int
+    draining_workers: int
+    active_sessions: int
+    capacity: int
+    dlq: int
+    last_minute: LastMinute
+
+
+class Pools(BaseModel):
+    """Every stage pool at a glance (the dashboard's top panel, `omniflow stats --json`)."""
+
+    at: float
+    in_flight: int
+    max_in_flight: int
+    scheduled_retries: int
+    events_backlog: int
+    dlq_events: int
+    workflows: dict[str, int] = Field(..., description="workflows per state (listing indexes)")
+    stages: dict[str, StagePool]
+    workers: list[WorkerView]
 
 
 class AbortResponse(BaseModel):

@@ -1,22 +1,150 @@
-"""Operator actions behind the CLI (and the API's admin routes)."""
+"""Operator actions and fleet reads behind the admin CLI and the API's admin routes (the dashboard).
+
+- `collect_stats`: the pools snapshot (per stage: workers, sessions, queue lag/pending and the
+  age of the oldest entry, the last minute of work from the workers' windows, dead letters;
+  workflows per state and in flight against the admission limit); `list_workers`.
+- `set_drain`: drain / undrain a worker (it reads the flag with its heartbeat).
+- `retry_workflow`, `purge_finished`, `purge_all`, and the dead-letter streams
+  (`dlq_entries`, `dlq_replay`, `dlq_drop`).
+"""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
-from redis.exceptions import ResponseError
-
+from omniflow import listing
 from omniflow.errors import InvalidRequest, WorkflowNotFound
 from omniflow.keys import TASK_GROUP
-from omniflow.models import SubmitRequest, WorkflowInput
+from omniflow.models import TERMINAL_STATES, SubmitRequest, WorkflowInput
 from omniflow.store import Store, csv, decode_fields, now_ms, s, translate_errors
+from omniflow.window import WINDOW_S, merge, percentile
+
+DLQ_EVENTS = "events"           # the dead-letter stream of malformed events (not a stage)
+PURGE_BATCH = 500
+FINISHED_STATES = tuple(x.value for x in TERMINAL_STATES)
+
+
+def _ms_of(entry_id: Any) -> int | None:
+    """The creation ms of a stream entry id ('1700000000000-3')."""
+    text = s(entry_id)
+    return int(text.split("-")[0]) if text and text[0].isdigit() else None
+
+
+def _age_s(ms: int | None, now: int) -> float | None:
+    return round(max(0, now - ms) / 1000, 3) if ms else None
+
+
+def _worker_row(wid: str, expiry: float, info: dict[str, str], now: int) -> dict[str, Any]:
+    stages = csv(info.get("stage"))
+    active = [int(x) for x in csv(info.get("active"))]
+    capacity = [int(x) for x in csv(info.get("capacity"))]
+    seen = int(info.get("seen_ms") or 0)
+    return {
+        "id": wid, "stages": stages, "host": info.get("host") or None,
+        "pid": int(info["pid"]) if info.get("pid", "").isdigit() else None,
+        "alive": expiry > now, "lease_left_s": round(max(0.0, expiry - now) / 1000, 3),
+        "heartbeat_age_s": _age_s(seen, now), "draining": bool(info.get("drain")),
+        "sessions": dict(zip(stages, active)), "capacity": dict(zip(stages, capacity)),
+        "sessions_held": sum(active),
+        "window": json.loads(info["window"]) if info.get("window") else {},
+    }
 
 
 @translate_errors
-async def retry_workflow(store: Store, wf_id: str) -> str:
+async def list_workers(store: Store) -> list[dict[str, Any]]:
+    """Every registered worker (live or not yet reaped), by id: stages, host, heartbeat age, sessions."""
+    now = now_ms()
+    members = await store.redis.zrange(store.keys.workers, 0, -1, withscores=True)
+    pipe = store.redis.pipeline(transaction=False)
+    for wid, _ in members:
+        pipe.hgetall(store.keys.worker_info(s(wid)))
+    infos = await pipe.execute() if members else []
+    rows = [_worker_row(s(wid), float(score), {s(k): s(v) for k, v in info.items()}, now)
+            for (wid, score), info in zip(members, infos)]
+    return sorted(rows, key=lambda r: r["id"])
+
+
+@translate_errors
+async def collect_stats(store: Store) -> dict[str, Any]:
+    """The pools snapshot (`omniflow stats`, `GET /v1/admin/pools`, the dashboard)."""
+    redis, keys, order = store.redis, store.keys, store.pipeline.order
+    workers = await list_workers(store)
+    now = now_ms()
+    pipe = redis.pipeline(transaction=False)
+    for name in order:
+        pipe.xlen(keys.tasks(name))
+        pipe.xinfo_groups(keys.tasks(name))
+        pipe.xpending(keys.tasks(name), TASK_GROUP)
+        pipe.xlen(keys.dlq(name))
+    pipe.xlen(keys.dlq(DLQ_EVENTS))
+    pipe.zcard(keys.inflight)
+    pipe.zcard(keys.retries)
+    pipe.xlen(keys.events)
+    replies = await pipe.execute(raise_on_error=False)
+    per_stage = {name: replies[4 * i: 4 * i + 4] for i, name in enumerate(order)}
+    dlq_events, in_flight, retries, events = replies[4 * len(order):]
+    groups = {name: next((g for g in (r[1] if isinstance(r[1], list) else []) if s(g.get("name")) == TASK_GROUP), {})
+              for name, r in per_stage.items()}
+    pipe = redis.pipeline(transaction=False)       # the oldest task nobody has read yet, per stage
+    for name in order:
+        pipe.xrange(keys.tasks(name), f"({s(groups[name].get('last-delivered-id')) or '0-0'}", "+", count=1)
+    oldest_queued = await pipe.execute(raise_on_error=False)
+    stages: dict[str, Any] = {}
+    for (name, (queued, _, pending, dlq)), first in zip(per_stage.items(), oldest_queued):
+        group = groups[name]
+        mine = [w for w in workers if w["alive"] and name in w["stages"]]
+        window = merge(w["window"].get(name, {}) for w in mine)
+        pending_info = pending if isinstance(pending, dict) else {}
+        stages[name] = {
+            "queued": int(queued) if isinstance(queued, int) else 0,
+            "lag": int(group.get("lag") or 0),
+            "pending": int(group.get("pending") or 0),
+            "oldest_pending_age_s": _age_s(_ms_of(pending_info.get("min")), now),
+            "oldest_queued_age_s": _age_s(_ms_of(first[0][0]), now) if isinstance(first, list) and first else None,
+            "live_workers": len(mine),
+            "draining_workers": sum(1 for w in mine if w["draining"]),
+            "active_sessions": sum(w["sessions"].get(name, 0) for w in mine),
+            "capacity": sum(w["capacity"].get(name, 0) for w in mine),
+            "dlq": int(dlq) if isinstance(dlq, int) else 0,
+            "last_minute": {
+                "done": window["done"], "failed": window["failed"], "retries": window["retries"],
+                "throughput_per_s": round(window["done"] / WINDOW_S, 3),
+                "p50_s": percentile(window["hist"], 50), "p99_s": percentile(window["hist"], 99),
+            },
+        }
+    return {
+        "at": now / 1000,
+        "in_flight": int(in_flight),
+        "max_in_flight": store.settings.max_in_flight,
+        "scheduled_retries": int(retries),
+        "events_backlog": int(events) if isinstance(events, int) else 0,
+        "dlq_events": int(dlq_events) if isinstance(dlq_events, int) else 0,
+        "workflows": await store.state_counts(),
+        "stages": stages,
+        "workers": workers,
+    }
+
+
+@translate_errors
+async def set_drain(store: Store, worker_id: str, *, drain: bool) -> dict[str, Any]:
+    """Drain (or undrain) a live worker: it stops claiming within a heartbeat; what it holds runs to the end."""
+    score = await store.redis.zscore(store.keys.workers, worker_id)
+    if score is None or float(score) <= now_ms():
+        raise InvalidRequest(f"no live worker {worker_id!r} (see `omniflow workers`)")
+    info = store.keys.worker_info(worker_id)
+    if drain:
+        await store.redis.hset(info, "drain", str(now_ms()))
+    else:
+        await store.redis.hdel(info, "drain")
+    return next(w for w in await list_workers(store) if w["id"] == worker_id)
+
+
+@translate_errors
+async def retry_workflow(store: Store, wf_id: str, *, tenant: str | None = None) -> str:
     """Resubmit a failed/aborted workflow's input as a new workflow; returns the new id."""
     rec = {s(k): s(v) for k, v in (await store.redis.hgetall(store.keys.wf(wf_id))).items()}
-    if not rec:
+    if not rec or (tenant is not None and rec.get("tenant") != tenant):
         raise WorkflowNotFound(f"no workflow {wf_id} (it may have expired)")
     if rec["state"] not in ("failed", "aborted"):
         raise InvalidRequest(f"workflow {wf_id} is {rec['state']}; only failed or aborted ones are retried")
@@ -27,77 +155,144 @@ async def retry_workflow(store: Store, wf_id: str) -> str:
     return (await store.submit(req, tenant=rec.get("tenant") or "default")).id
 
 
+def finished_states(state: str | None) -> tuple[str, ...]:
+    """The states `purge --older-than` may delete: the finished ones, or the one asked for."""
+    if state is None:
+        return FINISHED_STATES
+    if state not in FINISHED_STATES:
+        raise InvalidRequest(f"--state: {state!r} is not a finished state; one of {list(FINISHED_STATES)}")
+    return (state,)
+
+
 @translate_errors
-async def collect_stats(store: Store) -> dict[str, Any]:
-    now = now_ms()
-    workers = await store.redis.zrangebyscore(store.keys.workers, now, "+inf")
+async def count_finished(store: Store, states: tuple[str, ...], older_than_s: float) -> int:
+    """How many finished workflows in `states` were created more than `older_than_s` ago."""
+    cutoff = now_ms() - int(older_than_s * 1000)
     pipe = store.redis.pipeline(transaction=False)
-    for wid in workers:
-        pipe.hmget(store.keys.worker_info(s(wid)), "stage", "active", "capacity")
-    infos = await pipe.execute() if workers else []
-    stages: dict[str, Any] = {}
-    for name in store.pipeline.order:
-        groups: list[dict[Any, Any]] = []
-        try:
-            groups = await store.redis.xinfo_groups(store.keys.tasks(name))
-        except ResponseError:
-            groups = []
-        group = next((g for g in groups if s(g.get("name")) == TASK_GROUP), {})
-        # a worker serving several stages lists them (and its per-stage figures) comma-separated
-        mine = [(int(a or 0), int(c or 0)) for st, act, cap in infos
-                for x, a, c in zip(csv(s(st)), csv(s(act)), csv(s(cap))) if x == name]
-        stages[name] = {
-            "queued": await store.redis.xlen(store.keys.tasks(name)),
-            "lag": int(group.get("lag") or 0),
-            "pending": int(group.get("pending") or 0),
-            "live_workers": len(mine),
-            "active_sessions": sum(a for a, _ in mine),
-            "capacity": sum(c for _, c in mine),
-            "dlq": await store.redis.xlen(store.keys.dlq(name)),
-        }
-    return {
-        "in_flight": await store.redis.zcard(store.keys.inflight),
-        "max_in_flight": store.settings.max_in_flight,
-        "scheduled_retries": await store.redis.zcard(store.keys.retries),
-        "events_backlog": await store.redis.xlen(store.keys.events),
-        "stages": stages,
-    }
+    for state in states:
+        pipe.zcount(store.keys.state_index(state), "-inf", f"({cutoff}")
+    return sum(int(n) for n in await pipe.execute())
+
+
+@translate_errors
+async def purge_finished(store: Store, states: tuple[str, ...], older_than_s: float) -> int:
+    """Delete finished workflows (records, logs, outputs, webhook records, idempotency keys, index
+    entries) created more than `older_than_s` ago; live workflows are never touched. Returns how many."""
+    redis, keys = store.redis, store.keys
+    cutoff = now_ms() - int(older_than_s * 1000)
+    deleted = 0
+    while True:
+        ids = await listing.finished_before(redis, keys, states, cutoff, count=PURGE_BATCH)
+        if not ids:
+            return deleted
+        pipe = redis.pipeline(transaction=False)
+        for wf_id in ids:
+            pipe.hmget(keys.wf(wf_id), ["state", "tenant", "request_id", "finals"])
+        records = await pipe.execute()
+        pipe = redis.pipeline(transaction=True)
+        for wf_id, (state, tenant, rid, finals) in zip(ids, records):
+            if s(state) and s(state) not in FINISHED_STATES:
+                continue            # the index said finished: never delete a live record on a stale entry
+            pipe.unlink(keys.wf(wf_id), keys.stages(wf_id), keys.log(wf_id), keys.done(wf_id),
+                        keys.webhook(wf_id), keys.webhook_attempts(wf_id),
+                        *(keys.out(wf_id, stage) for stage in csv(finals)))
+            if s(rid):
+                pipe.unlink(keys.idem(s(tenant), s(rid)))
+            listing.unindex(pipe, keys, wf_id, s(tenant))
+            deleted += 1
+        await pipe.execute()
 
 
 @translate_errors
 async def purge_all(store: Store) -> int:
+    """Delete every key under the prefix (the whole deployment's state). Returns how many."""
     n = 0
     async for key in store.redis.scan_iter(match=f"{store.keys.prefix}:*", count=1000):
         n += await store.redis.unlink(key)
     return n
 
 
+def dlq_names(store: Store, stage: str | None) -> list[str]:
+    """The dead-letter streams meant by `stage` (None: all of them); unknown names are refused."""
+    known = [*store.pipeline.order, DLQ_EVENTS]
+    if stage is None:
+        return known
+    if stage not in known:
+        raise InvalidRequest(f"unknown stage {stage!r}; dead-letter streams: {known}")
+    return [stage]
+
+
 @translate_errors
 async def dlq_entries(store: Store, stage: str | None, limit: int) -> list[dict[str, Any]]:
-    names = [stage] if stage else [*store.pipeline.order, "events"]
+    """Dead letters, newest first (of one stage, or of all, up to `limit` in total)."""
     rows = []
-    for name in names:
+    for name in dlq_names(store, stage):
         key = store.keys.dlq(name)
         for eid, fields in await store.redis.xrevrange(key, count=limit):
-            rows.append({"stream": key, "entry": s(eid), **decode_fields(fields)})
-    return rows[:limit] if stage is None else rows
+            rows.append({"stream": key, "dlq": name, "entry": s(eid), "at": (_ms_of(eid) or 0) / 1000,
+                         **decode_fields(fields)})
+    return rows[:limit]
 
 
 @translate_errors
-async def dlq_replay(store: Store, stage: str, entry: str | None) -> list[dict[str, str]]:
-    key = store.keys.dlq(stage)
-    entries = await store.redis.xrange(key, entry, entry) if entry else await store.redis.xrange(key, count=1000)
+async def dlq_replay(store: Store, stage: str | None, entry: str | None) -> list[dict[str, str]]:
+    """Resubmit the workflows of dead letters as new workflows and drop the replayed entries."""
     out = []
-    for eid, fields in entries:
-        row = {"entry": s(eid), "wf": s(fields.get(b"wf"))}
-        if not row["wf"]:
-            row["skipped"] = "malformed entry: nothing to replay"
-        else:
-            try:
-                row["new_id"] = await retry_workflow(store, row["wf"])
-            except (WorkflowNotFound, InvalidRequest) as exc:
-                row["skipped"] = str(exc)
-        if "new_id" in row:
-            await store.redis.xdel(key, eid)
-        out.append(row)
+    for name in dlq_names(store, stage):
+        key = store.keys.dlq(name)
+        entries = await store.redis.xrange(key, entry, entry) if entry else await store.redis.xrange(key, count=1000)
+        for eid, fields in entries:
+            row = {"dlq": name, "entry": s(eid), "wf": s(fields.get(b"wf"))}
+            if not row["wf"]:
+                row["skipped"] = "malformed entry: nothing to replay"
+            else:
+                try:
+                    row["new_id"] = await retry_workflow(store, row["wf"])
+                except (WorkflowNotFound, InvalidRequest) as exc:
+                    row["skipped"] = str(exc)
+            if "new_id" in row:
+                await store.redis.xdel(key, eid)
+            out.append(row)
     return out
+
+
+@translate_errors
+async def dlq_count(store: Store, stage: str | None, entry: str | None) -> int:
+    """How many dead letters `dlq_drop` would delete."""
+    if entry:
+        return sum(len(await store.redis.xrange(store.keys.dlq(n), entry, entry)) for n in dlq_names(store, stage))
+    return sum([await store.redis.xlen(store.keys.dlq(n)) for n in dlq_names(store, stage)])
+
+
+@translate_errors
+async def dlq_drop(store: Store, stage: str | None, entry: str | None) -> int:
+    """Delete dead letters (one entry, one stage's, or all); returns how many."""
+    n = 0
+    for name in dlq_names(store, stage):
+        key = store.keys.dlq(name)
+        if entry:
+            n += await store.redis.xdel(key, entry)
+        else:
+            n += await store.redis.xlen(key)
+            await store.redis.unlink(key)
+    return n
+
+
+def parse_duration(text: str) -> float:
+    """'90', '90s', '10m', '2h', '7d' -> seconds (> 0)."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+    raw = text.strip().lower()
+    factor = units.get(raw[-1:], None)
+    number = raw[:-1] if factor else raw
+    try:
+        value = float(number) * (factor or 1)
+    except ValueError:
+        raise InvalidRequest(f"{text!r} is not a duration like 90s, 10m, 2h or 7d") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise InvalidRequest(f"{text!r}: a duration must be positive")
+    return value
+
+
+def since_ms(seconds: float | None) -> int | None:
+    """The creation-time bound of an age filter: now minus `seconds`."""
+    return None if seconds is None else int((time.time() - seconds) * 1000)

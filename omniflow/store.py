@@ -353,6 +353,12 @@ class Store:
         return WorkflowState(s(raw)) if raw else None
 
     @translate_errors
+    async def last_event(self, wf_id: str) -> tuple[str, dict[str, str]] | None:
+        """The newest entry of the workflow's event log (None when it has none)."""
+        last = await self.redis.xrevrange(self.keys.log(wf_id), count=1)
+        return (s(last[0][0]), decode_fields(last[0][1])) if last else None
+
+    @translate_errors
     async def read_log(self, wf_id: str, *, after: str = "0-0", count: int = LOG_ENTRY_LIMIT,
                        block_ms: int | None = None) -> list[tuple[str, dict[str, str]]]:
         """Event-log entries after `after`; with `block_ms`, wait for the next ones."""

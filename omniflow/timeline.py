@@ -52,3 +52,67 @@ def timeline_table(doc: dict[str, Any], rows: list[dict[str, Any]]) -> Table:
         event = row["event"] if row["count"] == 1 else f"{row['event']} ×{row['count']}"
         table.add_row(when, event, row["stage"], row["detail"])
     return table
+
+
+def gantt(entries: list[tuple[str, dict[str, str]]], doc: dict[str, Any]) -> dict[str, Any]:
+    """A workflow's timeline as Gantt lanes, one per stage (ms since creation):
+
+    each lane has its `attempts` (`start`, `running` when input arrived, `end`, `replica`,
+    `outcome`: done | failed | retried | aborted | running), its output `ticks` (one per
+    text/audio log entry: `t`, `seq`, `kind`) and its `retries` (`t`, `attempt`, `reason`);
+    `events` holds the workflow's own transitions (`state`, `terminal`, `restart`).
+    """
+    created_ms = int(doc["created_at"] * 1000)
+    order = list(doc.get("required_stages") or doc.get("stages") or [])
+    lanes: dict[str, dict[str, Any]] = {name: {"stage": name, "attempts": [], "ticks": [], "retries": []}
+                                        for name in order}
+    open_attempts: dict[str, dict[str, Any]] = {}
+    events: list[dict[str, Any]] = []
+    end_ms = 0
+
+    def lane(name: str) -> dict[str, Any]:
+        return lanes.setdefault(name, {"stage": name, "attempts": [], "ticks": [], "retries": []})
+
+    def close(name: str, t_ms: int, outcome: str) -> None:
+        attempt = open_attempts.pop(name, None)
+        if attempt is not None:
+            attempt.update(end=t_ms, outcome=outcome)
+
+    for eid, fields in entries:
+        t_ms = int(eid.split("-")[0]) - created_ms
+        end_ms = max(end_ms, t_ms)
+        kind, stage = fields.get("t", ""), fields.get("stage", "")
+        if kind == "stage" and stage:
+            status = fields.get("status", "")
+            attempt_no = int(fields.get("attempt") or 0)
+            current = open_attempts.get(stage)
+            if status in ("running", "waiting_input"):
+                if current is None or current["attempt"] != attempt_no:
+                    close(stage, t_ms, "retried")
+                    current = {"attempt": attempt_no, "replica": fields.get("replica") or None, "start": t_ms,
+                               "running": t_ms if status == "running" else None, "end": None, "outcome": "running"}
+                    open_attempts[stage] = current
+                    lane(stage)["attempts"].append(current)
+                elif status == "running" and current["running"] is None:
+                    current["running"] = t_ms
+            elif status in ("done", "failed"):
+                if current is not None and current["running"] is None:
+                    current["running"] = current["start"]
+                close(stage, t_ms, status)
+        elif kind in ("text", "audio") and stage:
+            lane(stage)["ticks"].append({"t": t_ms, "seq": int(fields.get("seq") or 0), "kind": kind})
+            current = open_attempts.get(stage)
+            if current is not None and current["running"] is None:
+                current["running"] = t_ms
+        elif kind == "retry" and stage:
+            close(stage, t_ms, "retried")
+            lane(stage)["retries"].append({"t": t_ms, "attempt": int(fields.get("attempt") or 0),
+                                           "reason": fields.get("reason", "")})
+        elif kind in ("state", "terminal", "restart"):
+            events.append({"t": t_ms, "event": kind, "state": fields.get("state"), "stage": stage or None,
+                           "error": fields.get("error") or None})
+            if kind == "terminal":
+                for name in list(open_attempts):
+                    close(name, t_ms, "aborted" if fields.get("state") != "completed" else "done")
+    return {"id": doc["id"], "state": doc["state"], "created_at": doc["created_at"],
+            "duration_ms": end_ms, "lanes": list(lanes.values()), "events": events}

@@ -1,4 +1,4 @@
-"""The workflows resource: submit, read (long-poll), list, abort, events (SSE), audio."""
+"""The workflows resource: submit, read (long-poll), list, abort, retry, events (SSE), timeline, audio."""
 from __future__ import annotations
 
 import json
@@ -7,24 +7,30 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from omniflow import admin
+from omniflow.admin import since_ms
 
 from omniflow.api.audio import AudioFormat, encode, media_type
 from omniflow.api.deps import ApiState, PrincipalDep, StateDep, SubmitterDep
 from omniflow.api.errors import ApiError
-from omniflow.api.hub import IDLE, is_stream_id
+from omniflow.api.hub import IDLE, is_stream_id, stream_id
 from omniflow.api.schemas import (
     AUTH_ERRORS,
     AbortResponse,
     ErrorResponse,
     Links,
     SubmitResponse,
+    Timeline,
     WorkflowDocument,
     WorkflowList,
     WorkflowSummary,
 )
 from omniflow.api.sse import EventStreamResponse, sse_comment, sse_event
+from omniflow.listing import ListFilter
 from omniflow.models import TERMINAL_STATES, SubmitRequest, WorkflowState
-from omniflow.store import s
+from omniflow.timeline import gantt
 
 MAX_WAIT_S = 60.0
 SSE_KEEPALIVE_S = 15.0
@@ -54,15 +60,20 @@ def links(request: Request, wf_id: str) -> Links:
 @router.post(
     "", status_code=202, response_model=SubmitResponse,
     responses={200: {"model": SubmitResponse, "description": "request_id matched an existing workflow"},
-               409: {"model": E, "description": "the id or request_id belongs to a retired workflow"},
+               409: {"model": E, "description": "`retired`: the id or request_id belongs to a retired workflow; "
+                                                "`idempotency_conflict`: the request_id was used with a different body"},
                413: {"model": E, "description": "body too large"},
                422: {"model": E, "description": "bad input (field-level messages)"},
                429: {"model": E, "description": "over admission or the tenant's submit rate; see Retry-After"},
                **_AUTH},
     summary="Submit a workflow",
 )
-async def submit_workflow(body: SubmitRequest, request: Request, state: StateDep,
-                          principal: SubmitterDep) -> Any:
+async def submit_workflow(body: SubmitRequest, request: Request, state: StateDep, principal: SubmitterDep,
+                          idempotency_key: Annotated[str | None, Header(
+                              alias="Idempotency-Key", max_length=128,
+                              description="the same as `request_id` (either, or both when equal)")] = None) -> Any:
+    if idempotency_key is not None:
+        body = _with_idempotency_key(body, idempotency_key)
     submitted = await state.store.submit(body, tenant=principal.tenant)
     payload = SubmitResponse(id=submitted.id, state=submitted.state, existing=submitted.existing,
                              links=links(request, submitted.id))
@@ -71,16 +82,37 @@ async def submit_workflow(body: SubmitRequest, request: Request, state: StateDep
                         headers={"Location": payload.links.self})
 
 
+def _with_idempotency_key(body: SubmitRequest, key: str) -> SubmitRequest:
+    """The `Idempotency-Key` header is honoured as the body's `request_id` (they must agree)."""
+    if body.request_id is not None and body.request_id != key:
+        raise ApiError(422, "invalid_request", "Idempotency-Key and request_id differ; send one, or both equal")
+    try:
+        return SubmitRequest.model_validate({**body.model_dump(exclude_unset=True), "request_id": key})
+    except ValidationError as exc:
+        raise ApiError(422, "invalid_request", f"Idempotency-Key: {exc.errors()[0]['msg']}") from None
+
+
 @router.get("", response_model=WorkflowList, responses={422: {"model": E}, **_AUTH},
-            summary="List workflows, newest first")
+            summary="List workflows, newest first, filtered")
 async def list_workflows(state: StateDep, principal: PrincipalDep,
                          status: Annotated[WorkflowState | None, Query(alias="state")] = None,
-                         offset: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
+                         stage: Annotated[str | None, Query(pattern=r"^[a-z][a-z0-9_]{0,31}$",
+                                                            description="the stage is in the workflow's plan")] = None,
+                         tenant: Annotated[str | None, Query(max_length=128, description=(
+                             "admins: one tenant's workflows; a tenant key only ever sees its own"))] = None,
+                         since_s: Annotated[float | None, Query(gt=0, le=10 * 365 * 86400, description=(
+                             "created in the last this many seconds"))] = None,
+                         request_id: Annotated[str | None, Query(min_length=1, max_length=128, description=(
+                             "substring of the request id (a bounded server-side scan)"))] = None,
+                         offset: Annotated[int, Query(ge=0, le=100_000_000)] = 0,
                          limit: Annotated[int, Query(ge=1, le=500)] = 50) -> WorkflowList:
-    rows, next_offset = await state.store.list_page(state=status.value if status else None, tenant=principal.scope,
-                                                    offset=offset, limit=limit)
-    return WorkflowList(items=[WorkflowSummary(**r) for r in rows], offset=offset, limit=limit,
-                        next_offset=next_offset)
+    if principal.scope is not None and tenant is not None and tenant != principal.scope:
+        return WorkflowList(items=[], offset=offset, limit=limit, next_offset=None, total=0, scanned=0)
+    flt = ListFilter(state=status.value if status else None, tenant=principal.scope or tenant, stage=stage,
+                     since_ms=since_ms(since_s), request_id=request_id)
+    page = await state.store.list_workflows(flt, offset=offset, limit=limit)
+    return WorkflowList(items=[WorkflowSummary(**r) for r in page.rows], offset=offset, limit=limit,
+                        next_offset=page.next_offset, total=page.total, scanned=page.scanned)
 
 
 @router.get("/{wf_id}", response_model=WorkflowDocument, responses=_NOT_FOUND, name="get_workflow",
@@ -88,17 +120,16 @@ async def list_workflows(state: StateDep, principal: PrincipalDep,
 async def get_workflow(wf_id: WorkflowId, state: StateDep, principal: PrincipalDep,
                        wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S,
                                                     description="seconds to wait for a terminal state")] = 0) -> Any:
+    # answered as the store builds it: the very JSON a webhook carries (no field added or dropped)
     doc = await state.store.document(wf_id, tenant=principal.scope)
     if wait <= 0 or WorkflowState(doc["state"]) in TERMINAL_STATES:
-        return doc
-    last = await state.redis.xrevrange(state.store.keys.log(wf_id), count=1)
-    if last and s(last[0][1].get(b"t")) == "terminal":
-        return await state.store.document(wf_id, tenant=principal.scope)
-    after = s(last[0][0]) if last else "0-0"
-    async with state.hub.follow(wf_id, after=after, timeout_s=wait) as events:
-        async for _ in events:
-            pass
-    return await state.store.document(wf_id, tenant=principal.scope)
+        return JSONResponse(doc)
+    last = await state.store.last_event(wf_id)
+    if last is None or last[1].get("t") != "terminal":
+        async with state.hub.follow(wf_id, after=last[0] if last else "0-0", timeout_s=wait) as events:
+            async for _ in events:
+                pass
+    return JSONResponse(await state.store.document(wf_id, tenant=principal.scope))
 
 
 @router.post("/{wf_id}/abort", response_model=AbortResponse, responses=_NOT_FOUND, summary="Abort a workflow")
@@ -107,11 +138,30 @@ async def abort_workflow(wf_id: WorkflowId, state: StateDep, principal: Principa
     return AbortResponse(id=wf_id, state=WorkflowState(final))
 
 
+@router.post("/{wf_id}/retry", status_code=202, response_model=SubmitResponse,
+             responses={**_NOT_FOUND, 422: {"model": E, "description": "the workflow is not failed or aborted"},
+                        429: {"model": E, "description": "over admission or the tenant's submit rate"}},
+             summary="Run a failed or aborted workflow again, as a new workflow with the same input")
+async def retry_workflow(wf_id: WorkflowId, request: Request, state: StateDep, principal: SubmitterDep) -> Any:
+    new_id = await admin.retry_workflow(state.store, wf_id, tenant=principal.scope)
+    payload = SubmitResponse(id=new_id, state=WorkflowState.PENDING, links=links(request, new_id))
+    return JSONResponse(payload.model_dump(mode="json"), status_code=202, headers={"Location": payload.links.self})
+
+
+@router.get("/{wf_id}/timeline", response_model=Timeline, responses=_NOT_FOUND,
+            summary="The workflow's event log as Gantt lanes: attempts, replicas, output ticks, retries")
+async def workflow_timeline(wf_id: WorkflowId, state: StateDep, principal: PrincipalDep) -> Any:
+    doc = await state.store.document(wf_id, tenant=principal.scope)
+    return gantt(await state.store.read_log(wf_id), doc)
+
+
 @router.get(
     "/{wf_id}/events", response_class=EventStreamResponse,
     responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
                      "description": "Server-sent events; `id` is the event-log entry id (resume with Last-Event-ID); "
                                     "`event` is one of state, stage, text, audio, retry, terminal"},
+               204: {"description": "resumed at or past the terminal event: nothing more will come "
+                                    "(an EventSource stops reconnecting)"},
                **json_errors(_NOT_FOUND)},
     summary="Stream a workflow's events (SSE)",
 )
@@ -123,6 +173,10 @@ async def workflow_events(wf_id: WorkflowId, state: StateDep, principal: Princip
     if not is_stream_id(cursor):
         raise ApiError(422, "invalid_request", f"Last-Event-ID/after: {cursor!r} is not an event id like 1700000000000-0")
     await state.store.document(wf_id, tenant=principal.scope)
+    if cursor != "0-0":
+        last = await state.store.last_event(wf_id)
+        if last is not None and last[1].get("t") == "terminal" and stream_id(last[0]) <= stream_id(cursor):
+            return Response(status_code=204)
     return EventStreamResponse(_sse(state, wf_id, cursor))
 
 
@@ -149,7 +203,12 @@ async def _sse(state: ApiState, wf_id: str, after: str) -> AsyncIterator[bytes]:
 async def workflow_audio(wf_id: WorkflowId, state: StateDep, principal: PrincipalDep,
                          format: Annotated[AudioFormat, Query()] = AudioFormat.WAV,  # noqa: A002 - public name
                          stage: Annotated[str | None, Query(pattern=r"^[a-z][a-z0-9_]{0,31}$")] = None) -> Response:
-    await state.store.document(wf_id, tenant=principal.scope)
+    doc = await state.store.document(wf_id, tenant=principal.scope)
+    audio = [name for name, out in doc["outputs"].items() if out["type"] == "audio"]
+    if not audio or (stage is not None and stage not in audio):
+        which = f" from stage {stage!r}" if stage is not None and audio else ""
+        raise ApiError(404, "no_audio", f"workflow {wf_id} has no audio output{which} (its outputs: "
+                                        f"{sorted(doc['outputs'])})")
     sample_rate, pcm = await state.store.audio(wf_id, stage)
     if sample_rate <= 0 or pcm.size == 0:
         raise ApiError(404, "no_audio", f"workflow {wf_id} produced no audio")
