@@ -16,13 +16,13 @@ from typing import Any
 from omniflow import listing
 from omniflow.errors import InvalidRequest, WorkflowNotFound
 from omniflow.keys import TASK_GROUP
-from omniflow.models import TERMINAL_STATES, SubmitRequest, WorkflowInput
+from omniflow.models import TERMINAL_STATES, SubmitRequest, WorkflowInput, WorkflowState
 from omniflow.store import Store, csv, decode_fields, now_ms, s, translate_errors
 from omniflow.window import WINDOW_S, merge, percentile
 
 DLQ_EVENTS = "events"           # the dead-letter stream of malformed events (not a stage)
 PURGE_BATCH = 500
-FINISHED_STATES = tuple(x.value for x in TERMINAL_STATES)
+FINISHED_STATES = tuple(x.value for x in WorkflowState if x in TERMINAL_STATES)
 
 
 def _ms_of(entry_id: Any) -> int | None:

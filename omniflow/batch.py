@@ -23,6 +23,7 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -329,6 +330,33 @@ async def batch_status(store: Store, batch_id: str, *, lines: bool = True) -> di
                      **({"workflow_state": r["workflow_state"]} if "workflow_state" in r else {})}
                     for n, r in sorted(rows.items())]
     return doc
+
+
+async def batch_results(store: Store, batch_id: str, *, audio_dir: Path | None = None) -> AsyncIterator[dict[str, Any]]:
+    """Every line's outcome, in line order: line, workflow_id, state, text (its text output),
+    audio_path (with `audio_dir`: the completed line's audio saved there as line-<n>.wav), error."""
+    status = await batch_status(store, batch_id)
+    for line in status["lines"]:
+        wf_id, text, audio_path = line["workflow_id"], None, None
+        doc = None
+        if wf_id:
+            try:
+                doc = await store.document(wf_id)
+            except WorkflowNotFound:
+                doc = None          # expired: the line's record still says how it ended
+        if doc is not None:
+            texts = [o["text"] for o in doc["outputs"].values() if o["type"] == "text"]
+            text = texts[0] if texts else None
+            if audio_dir is not None and doc["state"] == "completed" and \
+                    any(o["type"] == "audio" for o in doc["outputs"].values()):
+                import soundfile as sf
+
+                rate, pcm = await store.audio(wf_id)
+                path = audio_dir / f"line-{line['line']}.wav"
+                sf.write(str(path), pcm, rate)
+                audio_path = str(path)
+        yield {"line": line["line"], "workflow_id": wf_id, "state": line["state"], "text": text,
+               "audio_path": audio_path, "error": line.get("error")}
 
 
 async def wait_batch(store: Store, batch_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:

@@ -1,19 +1,26 @@
 """The `omniflow` command: thin parsing over the engine.
 
-Exit codes: 0 ok, 1 the workflow failed or was aborted, 2 bad input, 3 Redis unreachable.
-Every reporting command takes `--json` and then prints one JSON document.
+Exit codes: 0 ok, 1 the workflow failed or was aborted (or a confirmation was declined), 2 bad
+input, 3 Redis unreachable, 4 `--wait` ran out of time (the workflow goes on).
+Every reporting command takes `--json` and then prints one JSON document. The operator's
+commands (stats, workers, drain, purge, dlq) are in `omniflow.cli_admin`, batches in
+`omniflow.cli_batch`.
 """
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import typer
+from pydantic import ValidationError
 from rich.table import Table
 
 from omniflow.cli_common import (
+    EXIT_TIMED_OUT,
     EXIT_WORKFLOW_FAILED,
     JsonOpt,
     _pipeline,
@@ -22,17 +29,22 @@ from omniflow.cli_common import (
     _settings,
     _with_client,
     console,
+    err_console,
     handle_errors,
     print_result,
     print_rows,
 )
 from omniflow.errors import InvalidRequest, PipelineError
-from omniflow.pipeline import load_pipeline
+from omniflow.models import SubmitRequest, WorkflowInput
+from omniflow.pipeline import Pipeline, load_pipeline
 
 app = typer.Typer(help="omniflow: durable multi-stage model serving on Redis.", no_args_is_help=True,
                   pretty_exceptions_enable=False, add_completion=False)
-dlq_app = typer.Typer(help="Dead-letter streams.", no_args_is_help=True)
-app.add_typer(dlq_app, name="dlq")
+
+# what the fields of a refused request are called on the command line
+REQUEST_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+ARG_NAMES = {"input.text": "TEXT", "text": "TEXT", "output_modalities": "--modalities", "request_id": "--request-id",
+             "deadline_s": "--deadline"}
 
 
 # ---------------------------------------------------------------- processes
@@ -118,6 +130,51 @@ def api_cmd(host: str = typer.Option(None, "--host"), port: int = typer.Option(N
 
 
 # ---------------------------------------------------------------- client commands
+def submit_request(pipe: Pipeline, text: str, *, modalities: str | None, request_id: str | None,
+                   deadline: float | None, out: Path | None) -> SubmitRequest:
+    """Check every argument of `submit` before anything runs; one clear `InvalidRequest` otherwise."""
+    if deadline is not None and not deadline > 0:
+        raise InvalidRequest(f"--deadline: {deadline:g} is not a positive number of seconds")
+    mods = [m.strip() for m in modalities.split(",") if m.strip()] if modalities is not None else None
+    if modalities is not None and not mods:
+        raise InvalidRequest("--modalities: give at least one, e.g. text,audio")
+    twice = sorted({m for m in mods or [] if mods.count(m) > 1})
+    if twice:
+        raise InvalidRequest(f"--modalities: {', '.join(twice)} given twice")
+    if not text.strip():
+        raise InvalidRequest("TEXT: the prompt is empty")
+    if request_id is not None and not REQUEST_ID.fullmatch(request_id):
+        raise InvalidRequest(f"--request-id: {request_id!r} must be 1-128 characters of letters, digits and _ . : -")
+    try:
+        req = SubmitRequest(input=WorkflowInput(text=text), output_modalities=mods, request_id=request_id,
+                            deadline_s=deadline)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise InvalidRequest(f"{ARG_NAMES.get(where, where)}: {first['msg'].removeprefix('Value error, ')}") from None
+    plan = pipe.plan(req.output_modalities)       # unknown modality: a clear error, nothing created
+    if out is not None:
+        if out.suffix.lower() not in (".wav", ".flac", ".ogg"):
+            raise InvalidRequest(f"--out: {out.name} must end in .wav, .flac or .ogg")
+        if not any(pipe.stages[f].final_output == "audio" for f in plan.finals):
+            raise InvalidRequest("--out: this request produces no audio (add audio to --modalities)")
+        folder = out.parent if str(out.parent) else Path(".")
+        if not folder.is_dir():
+            raise InvalidRequest(f"--out: folder {folder} does not exist")
+        if not os.access(folder, os.W_OK):
+            raise InvalidRequest(f"--out: folder {folder} is not writable")
+    return req
+
+
+def _output_line(stage: str, output: dict[str, Any], audio_file: str | None) -> str:
+    if output["type"] == "text":
+        return f"[bold]{stage}[/bold]: {output['text']}" + (" [dim](partial)[/dim]" if output.get("partial") else "")
+    if not output.get("sample_rate"):
+        return f"[bold]{stage}[/bold]: no audio yet"
+    return (f"[bold]{stage}[/bold]: {output['duration_s']:.2f}s of audio at {output['sample_rate']} Hz"
+            + (" [dim](partial)[/dim]" if output.get("partial") else "") + (f" -> {audio_file}" if audio_file else ""))
+
+
 @app.command()
 @handle_errors
 def submit(text: str = typer.Argument(..., help="the prompt"),
@@ -126,15 +183,16 @@ def submit(text: str = typer.Argument(..., help="the prompt"),
            wait: bool = typer.Option(False, "--wait", help="block until the workflow ends"),
            request_id: str = typer.Option(None, "--request-id", help="idempotency key"),
            deadline: float = typer.Option(None, "--deadline", help="seconds until the workflow fails"),
-           timeout: float = typer.Option(None, "--timeout", help="seconds to wait at most"),
+           timeout: float = typer.Option(None, "--timeout", help="seconds to wait at most (then exit 4)"),
            as_json: bool = JsonOpt) -> None:
-    """Submit one request; with --wait print its text and exit 0/1 by its outcome."""
-    if out is not None and out.suffix.lower() not in (".wav", ".flac", ".ogg"):
-        raise InvalidRequest(f"--out: {out.name} must end in .wav, .flac or .ogg")
-    mods = [m.strip() for m in modalities.split(",") if m.strip()] if modalities else None
+    """Submit one request; with --wait print its outputs and exit 0 (completed), 1 (failed or
+    aborted) or 4 (still running when --timeout ran out)."""
+    if timeout is not None and not timeout > 0:
+        raise InvalidRequest(f"--timeout: {timeout:g} is not a positive number of seconds")
+    req = submit_request(_pipeline(), text, modalities=modalities, request_id=request_id, deadline=deadline, out=out)
 
     async def go(client: Any) -> dict[str, Any]:
-        wf_id = await client.submit(text, modalities=mods, request_id=request_id, deadline_s=deadline)
+        wf_id = (await client.store.submit(req, tenant=client.tenant)).id
         if not (wait or out):
             return {"id": wf_id, "state": "pending"}
         doc = await client.wait(wf_id, timeout_s=timeout)
@@ -150,23 +208,22 @@ def submit(text: str = typer.Argument(..., help="the prompt"),
         console.print(doc["id"])
     else:
         for stage, output in doc["outputs"].items():
-            if output["type"] == "text":
-                console.print(f"[bold]{stage}[/bold]: {output['text']}")
-            else:
-                console.print(f"[bold]{stage}[/bold]: {output['duration_s']:.2f}s of audio at {output['sample_rate']} Hz"
-                              + (f" -> {doc['audio_file']}" if doc.get("audio_file") else ""))
-        console.print(f"workflow {doc['id']}: {doc['state']}" + (f" ({doc['error']})" if doc.get("error") else ""))
+            console.print(_output_line(stage, output, doc.get("audio_file")), highlight=False)
+        console.print(f"workflow {doc['id']}: {doc['state']}" + (f" ({doc['error']})" if doc.get("error") else ""),
+                      highlight=False)
     if doc.get("state") in ("failed", "aborted"):
         raise typer.Exit(EXIT_WORKFLOW_FAILED)
-    if "outputs" in doc and doc.get("state") not in ("completed",):
-        raise typer.Exit(EXIT_WORKFLOW_FAILED)
+    if "outputs" in doc and doc.get("state") != "completed":
+        err_console.print(f"workflow {doc['id']} is still {doc['state']} after {timeout:g}s; it goes on "
+                          f"(`omniflow inspect {doc['id']}`)", highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_TIMED_OUT)
 
 
 @app.command()
 @handle_errors
 def inspect(wf_id: str = typer.Argument(..., metavar="ID"), as_json: bool = JsonOpt) -> None:
-    """Show a workflow: stages, outputs and the timeline of its event log."""
-    from omniflow.timeline import timeline_rows, timeline_table
+    """Show a workflow: stages and their attempts, outputs, webhook deliveries and its event-log timeline."""
+    from omniflow.timeline import attempts_table, gantt, timeline_rows, timeline_table, webhook_table
 
     async def go(client: Any) -> tuple[dict[str, Any], list[Any]]:
         doc = await client.get(wf_id)
@@ -174,39 +231,50 @@ def inspect(wf_id: str = typer.Argument(..., metavar="ID"), as_json: bool = Json
 
     doc, entries = _run(_with_client, go)
     rows = timeline_rows(entries, int(doc["created_at"] * 1000))
+    lanes = gantt(entries, doc)
     if as_json:
-        _print_json({**doc, "timeline": rows})
+        _print_json({**doc, "timeline": rows, "lanes": lanes["lanes"]})
         return
     console.print(timeline_table(doc, rows))
-    stages = Table(title="stages")
-    for col in ("stage", "status", "attempt", "replica", "usage"):
-        stages.add_column(col)
-    for name, st in doc["stages"].items():
-        stages.add_row(name, st["status"], str(st["attempt"]), st.get("replica") or "-",
-                       json.dumps(st.get("usage", {})))
-    console.print(stages)
+    console.print(attempts_table(lanes))
+    if doc.get("webhook"):
+        console.print(webhook_table(doc["webhook"]))
     if doc.get("error"):
-        console.print(f"[red]error[/red]: {doc['error']}")
+        console.print(f"[red]error[/red]: {doc['error']}", highlight=False)
 
 
 @app.command("ls")
 @handle_errors
 def ls_cmd(state: str = typer.Option(None, "--state", help="pending|running|completed|failed|aborted"),
+           stage: str = typer.Option(None, "--stage", help="workflows whose plan includes this stage"),
+           tenant: str = typer.Option(None, "--tenant", help="one tenant's workflows"),
+           since: str = typer.Option(None, "--since", help="created in the last DURATION: 90s, 10m, 2h, 7d"),
+           request_id: str = typer.Option(None, "--request-id", help="request ids containing this text"),
            limit: int = typer.Option(20, "--limit", min=1, max=1000), as_json: bool = JsonOpt) -> None:
-    """List workflows, newest first."""
+    """List workflows, newest first, filtered."""
+    from omniflow.admin import parse_duration, since_ms
+    from omniflow.listing import ListFilter
     from omniflow.models import WorkflowState
 
     if state is not None and state not in {s.value for s in WorkflowState}:
         raise InvalidRequest(f"--state: {state!r} is not one of {[s.value for s in WorkflowState]}")
+    pipe = _pipeline()
+    if stage is not None and stage not in pipe.stages:
+        raise InvalidRequest(f"--stage: unknown stage {stage!r}; stages are {list(pipe.order)}")
+    flt = ListFilter(state=state, tenant=tenant, stage=stage, request_id=request_id or None,
+                     since_ms=since_ms(parse_duration(since)) if since is not None else None)
 
     async def go(client: Any) -> list[dict[str, Any]]:
-        return await client.list(state=state, limit=limit)  # type: ignore[no-any-return]
+        return (await client.store.list_workflows(flt, limit=limit)).rows  # type: ignore[no-any-return]
 
     import datetime as dt
 
-    print_rows(_run(_with_client, go), ("id", "state", "created", "finals", "error"),
-               lambda row: [row["id"], row["state"], dt.datetime.fromtimestamp(row["created_at"]).strftime("%H:%M:%S"),
-                            ",".join(row["final_stages"]), row["error"] or ""], as_json=as_json)
+    print_rows(_run(_with_client, go), ("id", "request id", "state", "tenant", "created", "stages", "error"),
+               lambda row: [row["id"], row["request_id"] or "", row["state"], row["tenant"] or "",
+                            dt.datetime.fromtimestamp(row["created_at"]).strftime("%m-%d %H:%M:%S"),
+                            ",".join(row["stages"]),
+                            (f"{row['error_stage']}: " if row["error_stage"] else "") + (row["error"] or "")],
+               as_json=as_json)
 
 
 @app.command()
@@ -234,83 +302,23 @@ def retry(wf_id: str = typer.Argument(..., metavar="ID"), as_json: bool = JsonOp
     print_result({"id": new_id, "retry_of": wf_id}, f"workflow {wf_id} resubmitted as {new_id}", as_json=as_json)
 
 
-@app.command()
-@handle_errors
-def stats(as_json: bool = JsonOpt) -> None:
-    """Per-stage lag, pending sessions, live workers; workflows in flight."""
-    from omniflow.admin import collect_stats
+from omniflow.cli_admin import register as register_admin  # noqa: E402 - uses the helpers above
+from omniflow.cli_batch import batch_app, jobs_cmd  # noqa: E402
 
-    async def go(client: Any) -> dict[str, Any]:
-        return await collect_stats(client.store)
-
-    data = _run(_with_client, go)
-    if as_json:
-        _print_json(data)
-        return
-    table = Table(title=f"in flight {data['in_flight']} / {data['max_in_flight']}")
-    for col in ("stage", "queued", "lag", "pending", "workers", "sessions", "dlq"):
-        table.add_column(col, justify="right")
-    for name, st in data["stages"].items():
-        table.add_row(name, str(st["queued"]), str(st["lag"]), str(st["pending"]), str(st["live_workers"]),
-                      f"{st['active_sessions']}/{st['capacity']}", str(st["dlq"]))
-    console.print(table)
-
-
-@app.command()
-@handle_errors
-def purge(yes: bool = typer.Option(False, "--yes", help="really delete"), as_json: bool = JsonOpt) -> None:
-    """Delete every omniflow key under the configured prefix."""
-    from omniflow.admin import purge_all
-
-    if not yes:
-        raise InvalidRequest("purge deletes every workflow; run again with --yes")
-
-    async def go(client: Any) -> int:
-        return await purge_all(client.store)
-
-    n = _run(_with_client, go)
-    print_result({"deleted_keys": n}, f"deleted {n} keys", as_json=as_json)
-
-
-@dlq_app.command("ls")
-@handle_errors
-def dlq_ls(stage: str = typer.Argument(None), limit: int = typer.Option(50, "--limit"), as_json: bool = JsonOpt) -> None:
-    """List dead-lettered tasks (all stages, or one)."""
-    from omniflow.admin import dlq_entries
-
-    async def go(client: Any) -> list[dict[str, Any]]:
-        return await dlq_entries(client.store, stage, limit)
-
-    print_rows(_run(_with_client, go), ("stream", "entry", "workflow", "stage", "reason"),
-               lambda row: [row["stream"], row["entry"], row.get("wf", ""), row.get("s", ""),
-                            row.get("error") or row.get("reason", "")], as_json=as_json)
-
-
-@dlq_app.command("replay")
-@handle_errors
-def dlq_replay(stage: str = typer.Argument(...), entry: str = typer.Option(None, "--entry", help="one entry id"),
-               as_json: bool = JsonOpt) -> None:
-    """Resubmit the workflows of dead-lettered tasks as new workflows, and drop the entries."""
-    from omniflow.admin import dlq_replay as replay
-
-    async def go(client: Any) -> list[dict[str, str]]:
-        return await replay(client.store, stage, entry)
-
-    rows = _run(_with_client, go)
-    if as_json:
-        _print_json(rows)
-    else:
-        for row in rows:
-            console.print(f"{row['entry']}: {row['wf']} -> {row.get('new_id') or row.get('skipped')}")
-
-
-from omniflow.cli_batch import batch_app, jobs_cmd  # noqa: E402 - uses the helpers above
-
+register_admin(app)
 app.add_typer(batch_app, name="batch")
 app.command("jobs")(jobs_cmd)
 
 
 def main() -> None:
+    # Python hands undecodable bytes of argv over as lone surrogates; they would fail deep inside
+    # (encoding for Redis, a JSON dump) with a traceback: refuse them here, in one line
+    for arg in sys.argv[1:]:
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            err_console.print(f"[red]error:[/red] argument {ascii(arg)} is not valid UTF-8", highlight=False)
+            raise SystemExit(2) from None
     app()
 
 

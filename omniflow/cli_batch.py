@@ -1,10 +1,14 @@
-"""`omniflow batch submit|status` and `omniflow jobs`: thin parsing over `omniflow.batch` and `omniflow.jobs`.
+"""`omniflow batch submit|status|results` and `omniflow jobs`: thin parsing over `omniflow.batch`
+and `omniflow.jobs`.
 
 Exit codes as everywhere: 0 ok, 1 some line of the batch failed (with --wait),
-2 bad input (unreadable file, not JSONL, unknown batch), 3 Redis unreachable.
+2 bad input (unreadable file, not JSONL, unknown batch), 3 Redis unreachable,
+4 `--wait` ran out of time (the batch goes on).
 """
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +16,7 @@ import typer
 from rich.table import Table
 
 from omniflow.cli_common import (
+    EXIT_TIMED_OUT,
     EXIT_WORKFLOW_FAILED,
     JsonOpt,
     _print_json,
@@ -22,6 +27,7 @@ from omniflow.cli_common import (
     handle_errors,
 )
 from omniflow.cli_common import _pipeline as load_cli_pipeline
+from omniflow.errors import InvalidRequest
 
 batch_app = typer.Typer(help="Batch jobs: one workflow per line of a JSONL file.", no_args_is_help=True)
 
@@ -76,7 +82,7 @@ def submit(file: Path = typer.Argument(..., metavar="FILE.jsonl", help="one JSON
             await pool.aclose()
         if not await runner_alive(store.redis, settings):
             err_console.print("[yellow]warning:[/yellow] no `omniflow jobs` process is running; "
-                              "the batch starts when one does", highlight=False)
+                              "the batch starts when one does", highlight=False, soft_wrap=True)
         if not wait:
             return created
         return {**await wait_batch(store, created["id"], timeout_s=timeout), "invalid_lines": created["invalid"]}
@@ -89,7 +95,10 @@ def submit(file: Path = typer.Argument(..., metavar="FILE.jsonl", help="one JSON
     else:
         console.print(doc["id"])
         for row in doc["invalid"]:
-            err_console.print(f"line {row['line']}: {row['error']}", highlight=False)
+            # one line per bad line however long, also when stderr is a pipe (rich would wrap at 80)
+            err_console.print(f"line {row['line']}: {row['error']}", highlight=False, soft_wrap=True)
+    if wait and doc["state"] == "running":
+        raise typer.Exit(EXIT_TIMED_OUT)
     if wait and doc["state"] != "completed":
         raise typer.Exit(EXIT_WORKFLOW_FAILED)
 
@@ -105,6 +114,26 @@ def status(batch_id: str = typer.Argument(..., metavar="ID"), as_json: bool = Js
 
     doc = _run(_with_store, go)
     _print_json(doc) if as_json else _show(doc)
+
+
+@batch_app.command("results")
+@handle_errors
+def results(batch_id: str = typer.Argument(..., metavar="ID"),
+            audio_dir: Path = typer.Option(None, "--audio-dir", help="save each completed line's audio here "
+                                                                    "as line-<n>.wav (its path is in audio_path)"),
+            as_json: bool = JsonOpt) -> None:
+    """One JSON object per line of the batch, on stdout (JSONL; --json changes nothing): line,
+    workflow_id, state, text (the text output), audio_path, error."""
+    from omniflow.batch import batch_results
+
+    if audio_dir is not None and not audio_dir.is_dir():
+        raise InvalidRequest(f"--audio-dir: folder {audio_dir} does not exist")
+
+    async def go(store: Any) -> None:
+        async for row in batch_results(store, batch_id, audio_dir=audio_dir):
+            sys.stdout.write(json.dumps(row) + "\n")
+
+    _run(_with_store, go)
 
 
 @handle_errors

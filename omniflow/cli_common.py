@@ -29,6 +29,7 @@ from omniflow.pipeline import Pipeline, load_pipeline
 T = TypeVar("T")
 
 EXIT_OK, EXIT_WORKFLOW_FAILED, EXIT_BAD_INPUT, EXIT_REDIS = 0, 1, 2, 3
+EXIT_TIMED_OUT = 4          # `--wait` ran out of time; the workflow (or batch, or drain) goes on
 
 # rich falls back to 80 columns when stdout is not a terminal (pipes, `make demo`): tables wrap badly
 console = Console() if sys.stdout.isatty() else Console(width=120)

@@ -1,4 +1,5 @@
-"""Render a workflow's event log as a timeline (used by `omniflow inspect`)."""
+"""A workflow's event log as a timeline: rows for `omniflow inspect`, Gantt lanes for
+`omniflow inspect --json` and the dashboard (`GET /v1/workflows/{id}/timeline`)."""
 from __future__ import annotations
 
 from typing import Any
@@ -116,3 +117,32 @@ def gantt(entries: list[tuple[str, dict[str, str]]], doc: dict[str, Any]) -> dic
                     close(name, t_ms, "aborted" if fields.get("state") != "completed" else "done")
     return {"id": doc["id"], "state": doc["state"], "created_at": doc["created_at"],
             "duration_ms": end_ms, "lanes": list(lanes.values()), "events": events}
+
+
+def attempts_table(lanes: dict[str, Any]) -> Table:
+    """Every attempt of every stage: replica, when (ms after creation), how it ended."""
+    table = Table(title="attempts")
+    for col in ("stage", "attempt", "replica", "claimed", "running", "ended", "outcome", "outputs"):
+        table.add_column(col)
+    for lane in lanes["lanes"]:
+        for a in lane["attempts"]:
+            ticks = [x for x in lane["ticks"] if a["start"] <= x["t"] <= (a["end"] if a["end"] is not None else 1 << 62)]
+            table.add_row(lane["stage"], str(a["attempt"]), a["replica"] or "-", f"{a['start']} ms",
+                          "-" if a["running"] is None else f"{a['running']} ms",
+                          "-" if a["end"] is None else f"{a['end']} ms", a["outcome"], str(len(ticks)))
+        if not lane["attempts"]:
+            table.add_row(lane["stage"], "-", "-", "-", "-", "-", "not started", "0")
+    return table
+
+
+def webhook_table(hook: dict[str, Any]) -> Table:
+    """A workflow's webhook: its URL and outcome in the title, one row per delivery attempt."""
+    title = f"webhook {hook['url']} — {hook['outcome']}"
+    if hook.get("next_attempt_at"):
+        title += " (another attempt scheduled)"
+    table = Table(title=title)
+    for col in ("attempt", "outcome", "HTTP", "error"):
+        table.add_column(col)
+    for a in hook["attempts"]:
+        table.add_row(str(a["attempt"]), a["outcome"], str(a["status"] or "-"), a.get("error") or "")
+    return table
