@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from omniflow.api.audio import AudioFormat
 
@@ -29,7 +29,8 @@ class StreamOptions(BaseModel):
 
 
 class ChatRequest(BaseModel):
-    """`POST /v1/chat/completions`. Unknown OpenAI parameters are accepted and ignored."""
+    """`POST /v1/chat/completions`. `n` other than 1 and `tools`/`functions` are refused (422);
+    other unknown OpenAI parameters (temperature, top_p, ...) are accepted and ignored."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -42,6 +43,24 @@ class ChatRequest(BaseModel):
     stage_params: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="omniflow extension: per-stage parameter overrides")
     deadline_s: float | None = Field(None, gt=0, description="omniflow extension: workflow deadline")
+    n: int | None = Field(None, description="choices to generate: only 1 is supported (anything else: 422)")
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="not supported: a request with tools (or functions) is refused with 422")
+    functions: list[dict[str, Any]] | None = Field(None, description="not supported (the legacy name of tools)")
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError("only n=1 is supported: one workflow gives one answer")
+        return value
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value:
+            raise ValueError("tool and function calls are not supported by this pipeline")
+        return value
 
 
 class ChatAudio(BaseModel):

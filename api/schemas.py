@@ -131,7 +131,10 @@ class GanttAttempt(BaseModel):
 
 
 class GanttTick(BaseModel):
+    """One output write: the text steps (or audio chunk) `first`..`seq`, logged at `t`."""
+
     t: int
+    first: int
     seq: int
     kind: Literal["text", "audio"]
 

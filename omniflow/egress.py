@@ -79,19 +79,30 @@ def split_url(url: str) -> tuple[str, str, int]:
     return parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80)
 
 
+def _literal(host: str) -> IPAddress | None:
+    """The address `host` spells, in any form a resolver reads without DNS (127.0.0.1, ::1, 127.1, 0x7f000001)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        pass
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(host))
+    except OSError:
+        return None
+
+
 def check_url_static(url: str, policy: EgressPolicy) -> None:
     """What can be known about `url` without a DNS lookup (at submit time): scheme, host, no
     credentials, and, for an address literal or `localhost`, that it is public or allowed."""
     _scheme, host, _port = split_url(url)
     if policy.host_allowed(host):
         return
-    try:
-        addr = ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
+    addr = _literal(host)
+    if addr is None:
         if host.lower().rstrip(".") in ("localhost", "localhost.localdomain"):
             raise EgressRefused(f"{host} is a loopback address; webhooks go to public addresses only "
-                                "(allow it with OMNIFLOW_WEBHOOK_ALLOW_HOSTS or OMNIFLOW_WEBHOOK_ALLOW_PRIVATE)") from None
-        return
+                                "(allow it with OMNIFLOW_WEBHOOK_ALLOW_HOSTS or OMNIFLOW_WEBHOOK_ALLOW_PRIVATE)")
+        return      # a name: resolved, and checked, when the webhook is sent
     plain = addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped else addr
     reason = forbidden_reason(plain)
     if reason and not policy.address_allowed(plain):

@@ -60,7 +60,8 @@ def gantt(entries: list[tuple[str, dict[str, str]]], doc: dict[str, Any]) -> dic
 
     each lane has its `attempts` (`start`, `running` when input arrived, `end`, `replica`,
     `outcome`: done | failed | retried | aborted | running), its output `ticks` (one per
-    text/audio log entry: `t`, `seq`, `kind`) and its `retries` (`t`, `attempt`, `reason`);
+    text/audio log entry, i.e. per worker write: `t`, steps `first`..`seq`, `kind`) and its
+    `retries` (`t`, `attempt`, `reason`);
     `events` holds the workflow's own transitions (`state`, `terminal`, `restart`).
     """
     created_ms = int(doc["created_at"] * 1000)
@@ -101,7 +102,8 @@ def gantt(entries: list[tuple[str, dict[str, str]]], doc: dict[str, Any]) -> dic
                     current["running"] = current["start"]
                 close(stage, t_ms, status)
         elif kind in ("text", "audio") and stage:
-            lane(stage)["ticks"].append({"t": t_ms, "seq": int(fields.get("seq") or 0), "kind": kind})
+            seq = int(fields.get("seq") or 0)
+            lane(stage)["ticks"].append({"t": t_ms, "first": int(fields.get("from") or seq), "seq": seq, "kind": kind})
             current = open_attempts.get(stage)
             if current is not None and current["running"] is None:
                 current["running"] = t_ms

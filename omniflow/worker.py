@@ -343,6 +343,11 @@ class Worker:
 
     def _accept(self, pool: StagePool, entries: list[tuple[str, dict[bytes, bytes]]]) -> None:
         """Validate delivered tasks (malformed ones go to the dead-letter stream) and claim the rest in one call."""
+        if self.draining:       # read by a blocking read that began before the drain: give them back
+            task = asyncio.create_task(self._hand_back(pool, entries))
+            self._claim_tasks.add(task)
+            task.add_done_callback(self._claim_tasks.discard)
+            return
         claims: list[tuple[str, str, int]] = []
         for entry_id, fields in entries:
             try:
@@ -381,6 +386,19 @@ class Worker:
         if pool is not None:
             pool.active -= 1
         self._slot_free.set()
+
+    async def _hand_back(self, pool: StagePool, entries: list[tuple[str, dict[bytes, bytes]]]) -> None:
+        """Re-queue unclaimed tasks as they were (same attempt: still valid for any other worker)."""
+        pipe = self.redis.pipeline(transaction=True)
+        for entry_id, fields in entries:
+            pipe.xadd(pool.tasks_key, fields)
+            pipe.xack(pool.tasks_key, TASK_GROUP, entry_id)
+            pipe.xdel(pool.tasks_key, entry_id)
+        try:
+            await pipe.execute()
+            logger.info("worker %s (draining): handed back %d task(s) of %s", self.id, len(entries), pool.stage)
+        except REDIS_ERRORS as exc:      # still pending here: re-queued when this worker stops
+            logger.warning("worker %s: could not hand back %d task(s): %s", self.id, len(entries), exc)
 
     async def _dead_letter(self, pool: StagePool, entry_id: str, fields: dict[bytes, bytes], reason: str) -> None:
         logger.warning("worker %s: dead-lettering task %s: %s", self.id, entry_id, reason)

@@ -10,6 +10,7 @@ from standardwebhooks import Webhook
 
 from omniflow.config import Settings
 from omniflow.egress import EgressPolicy, EgressRefused, check_url, forbidden_reason
+from omniflow.errors import InvalidRequest
 from omniflow.keys import NOTIFY_GROUP, Keys
 from omniflow.store import s
 from omniflow.webhooks import backoff_s, webhook_id
@@ -100,6 +101,10 @@ async def test_webhook_retries_with_backoff_and_the_same_id(engine_factory) -> N
             assert all(verified(rec, i)["id"] == sub.id for i in range(3))
             assert got["attempts"] == "3"
             assert await stats(eng) == {"webhook:retried": 2, "webhook:delivered": 1}
+            hook = (await eng.store.document(sub.id))["webhook"]     # every attempt, in the document
+            assert [(a["attempt"], a["outcome"], a["status"]) for a in hook["attempts"]] == [
+                (1, "retried", 500), (2, "retried", 500), (3, "delivered", 200)]
+            assert hook["outcome"] == "delivered" and hook["next_attempt_at"] is None
 
 
 async def test_webhook_gives_up_after_max_attempts(engine_factory) -> None:
@@ -111,16 +116,32 @@ async def test_webhook_gives_up_after_max_attempts(engine_factory) -> None:
             assert await stats(eng) == {"webhook:retried": 1, "webhook:failed": 1}
 
 
-async def test_webhook_to_a_private_address_is_refused_and_recorded(engine_factory, caplog) -> None:
+async def test_webhook_to_a_private_address_is_refused_at_submit(engine_factory) -> None:
+    async with engine_factory(workers=False, reconciler=False, **{**FAST, "webhook_allow_hosts": ""}) as eng:
+        for url in ("http://127.0.0.1:9/hook", "http://127.1/hook", "http://localhost/x", "http://[::1]/x",
+                    "http://10.0.0.7/x", "http://169.254.169.254/x", "gopher://example.com/x"):
+            with pytest.raises(InvalidRequest, match="webhook_url"):
+                await eng.store.submit(request("ssrf", ["text"], webhook_url=url))
+        assert await eng.redis.zcard(eng.store.keys.all_wf) == 0
+
+
+async def test_webhook_to_a_name_that_resolves_private_at_delivery_is_refused_and_recorded(engine_factory,
+                                                                                           caplog) -> None:
     with http_receiver() as rec:
-        async with engine_factory(**{**FAST, "webhook_allow_hosts": ""}) as eng, jobs_runner(eng):
-            sub = await eng.store.submit(request("ssrf", ["text"], webhook_url=rec.url()))
+        async with engine_factory(workers=False, **{**FAST, "webhook_allow_hosts": ""}) as eng, jobs_runner(eng):
+            sub = await eng.store.submit(request("ssrf", ["text"], webhook_url="http://hooks.example.com/x"))
+            # the name pointed somewhere public at submit and points inside by delivery time (rebinding)
+            await eng.redis.hset(eng.store.keys.wf(sub.id), "webhook", rec.url())
+            await eng.add_worker("thinker")
             got = await settled(eng, sub.id, "refused")
             assert "loopback" in got["error"] and "OMNIFLOW_WEBHOOK_ALLOW_HOSTS" in got["error"]
             assert any("refused" in r.getMessage() and sub.id in r.getMessage() for r in caplog.records)
             assert await stats(eng) == {"webhook:refused": 1}
             await asyncio.sleep(0.2)
             assert rec.hits == []
+            hook = (await eng.store.document(sub.id))["webhook"]
+            assert hook["outcome"] == "refused" and [a["outcome"] for a in hook["attempts"]] == ["refused"]
+            assert "loopback" in hook["attempts"][0]["error"]
 
 
 async def test_failed_workflow_webhook_carries_the_failure(engine_factory) -> None:

@@ -292,7 +292,7 @@ function gantt(tl, doc) {
     }
     for (const t of lane.ticks) {
       g.append(titled(el("svg:line", { class: `tick tick-${t.kind}`, x1: x(t.t), x2: x(t.t), y1: y + 2, y2: y + 30 }),
-                      `${t.kind} seq ${t.seq} at ${t.t} ms`));
+                      `${t.kind} ${t.first === t.seq ? "step " + t.seq : "steps " + t.first + "–" + t.seq} at ${t.t} ms`));
     }
     for (const r of lane.retries) {
       const cx = x(r.t);

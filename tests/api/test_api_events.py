@@ -68,3 +68,19 @@ async def test_sse_errors(api_factory):
         wf_id = (await http.post("/v1/workflows", json={"input": {"text": "x"}})).json()["id"]
         r = await http.get(f"/v1/workflows/{wf_id}/events", headers={"Last-Event-ID": "garbage"})
         assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
+
+
+async def test_sse_resumed_at_or_past_the_terminal_ends_at_once_with_204(api_factory):
+    """What a browser EventSource does after the server closed a finished stream: reconnect with
+    the last id. 204 tells it to stop (it would otherwise get keep-alives forever)."""
+    async with api_factory() as (_engine, server), server.client() as http:
+        wf_id = (await http.post("/v1/workflows", json={"input": {"text": "finish"}})).json()["id"]
+        async with http.stream("GET", f"/v1/workflows/{wf_id}/events") as r:
+            events = await read_sse(r)
+        terminal = events[-1]["id"]
+        ms, _, seq = terminal.partition("-")
+        for cursor in (terminal, f"{ms}-{int(seq) + 5}", f"{int(ms) + 60_000}-0"):
+            r = await http.get(f"/v1/workflows/{wf_id}/events", headers={"Last-Event-ID": cursor}, timeout=5)
+            assert r.status_code == 204 and r.content == b"", cursor
+        r = await http.get(f"/v1/workflows/{wf_id}/events", params={"after": events[-2]["id"]}, timeout=5)
+        assert r.status_code == 200 and '"terminal"' in r.text and r.text.count("event: ") == 1

@@ -116,3 +116,13 @@ async def test_openai_errors_are_openai_shaped(api_factory):
             assert info.value.code == "model_not_found"
             with pytest.raises(openai.UnprocessableEntityError):
                 await oai.chat.completions.create(model=MODEL, messages=[{"role": "assistant", "content": "x"}])
+
+
+async def test_chat_refuses_n_and_tools_it_cannot_honour(api_factory):
+    async with api_factory(workers=False) as (engine, server), server.client() as http:
+        base = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+        for extra, field in (({"n": 2}, "body.n"), ({"tools": [{"type": "function", "function": {"name": "f"}}]},
+                                                     "body.tools"), ({"functions": [{"name": "f"}]}, "body.functions")):
+            r = await http.post("/v1/chat/completions", json={**base, **extra})
+            assert r.status_code == 422 and r.json()["error"]["fields"][0]["loc"] == field, extra
+        assert await engine.redis.zcard(engine.store.keys.all_wf) == 0

@@ -125,8 +125,9 @@ async def test_audio_is_409_while_running_and_404_without_audio(api_factory):
                                                             "output_modalities": ["text"]})).json()["id"]
         await http.get(f"/v1/workflows/{text_only}", params={"wait": 10})
         r = await http.get(f"/v1/workflows/{text_only}/audio")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "no_audio"      # as docs/api.md says
+        r = await http.get("/v1/workflows/nope/audio")
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
-        assert (await http.get("/v1/workflows/nope/audio")).status_code == 404
         await http.get(f"/v1/workflows/{wf_id}", params={"wait": 10})
 
 
@@ -135,3 +136,104 @@ async def test_abort_of_unknown_workflow_is_404(api_factory):
         r = await http.post("/v1/workflows/does-not-exist/abort")
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
         await asyncio.sleep(0)
+
+
+async def test_request_id_reused_with_a_different_body_is_409_idempotency_conflict(api_factory):
+    async with api_factory() as (_engine, server), server.client() as http:
+        body = {"input": {"text": "the first"}, "request_id": "req-conflict", "stage_params": {"thinker": {"a": 1, "b": 2}}}
+        first = await http.post("/v1/workflows", json=body)
+        same = await http.post("/v1/workflows", json={**body, "stage_params": {"thinker": {"b": 2, "a": 1}}})
+        assert first.status_code == 202 and same.status_code == 200 and same.json()["id"] == first.json()["id"]
+        r = await http.post("/v1/workflows", json={**body, "input": {"text": "another"}})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "idempotency_conflict"
+        assert first.json()["id"] in r.json()["error"]["message"]
+        r = await http.post("/v1/workflows", json={**body, "deadline_s": 30})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "idempotency_conflict"
+
+
+async def test_idempotency_key_header_is_the_request_id(api_factory):
+    async with api_factory() as (_engine, server), server.client() as http:
+        body = {"input": {"text": "by header"}}
+        first = await http.post("/v1/workflows", json=body, headers={"Idempotency-Key": "hdr-1"})
+        again = await http.post("/v1/workflows", json={**body, "request_id": "hdr-1"})
+        assert first.status_code == 202 and again.status_code == 200 and again.json()["id"] == first.json()["id"]
+        doc = (await http.get(f"/v1/workflows/{first.json()['id']}")).json()
+        assert doc["request_id"] == "hdr-1"
+        r = await http.post("/v1/workflows", json={**body, "request_id": "other"}, headers={"Idempotency-Key": "hdr-1"})
+        assert r.status_code == 422 and "Idempotency-Key" in r.json()["error"]["message"]
+        r = await http.post("/v1/workflows", json=body, headers={"Idempotency-Key": "bad key/x"})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
+
+
+async def test_whitespace_only_prompt_is_refused_at_submit(api_factory):
+    async with api_factory() as (engine, server), server.client() as http:
+        r = await http.post("/v1/workflows", json={"input": {"text": " \n\t "}})
+        assert r.status_code == 422 and r.json()["error"]["fields"][0]["loc"] == "body.input.text"
+        assert await engine.redis.zcard(engine.store.keys.all_wf) == 0           # nothing was created
+
+
+async def test_a_webhook_url_that_can_never_be_delivered_is_refused_at_submit(api_factory):
+    async with api_factory() as (engine, server), server.client() as http:
+        for url in ("http://127.0.0.1:9/hook", "http://169.254.169.254/latest", "http://[::1]/x",
+                    "http://localhost/x", "ftp://example.com/x", "http://user:pw@example.com/x"):
+            r = await http.post("/v1/workflows", json={"input": {"text": "x"}, "webhook_url": url})
+            assert r.status_code == 422 and "webhook_url" in r.json()["error"]["message"], url
+        assert await engine.redis.zcard(engine.store.keys.all_wf) == 0
+        r = await http.post("/v1/workflows", json={"input": {"text": "x"}, "webhook_url": "https://hooks.example.com/x"})
+        assert r.status_code == 202              # a name is resolved (and checked again) at delivery time
+        doc = (await http.get(r.json()["links"]["self"])).json()
+        assert doc["webhook"] == {"url": "https://hooks.example.com/x", "outcome": "pending", "attempts": [],
+                                  "next_attempt_at": None}
+
+
+async def test_document_has_every_field_with_nulls(api_factory):
+    async with api_factory() as (_engine, server), server.client() as http:
+        wf_id = (await http.post("/v1/workflows", json={"input": {"text": "fields"}})).json()["id"]
+        doc = (await http.get(f"/v1/workflows/{wf_id}", params={"wait": 10})).json()
+        assert doc["webhook"] is None and doc["error"] is None and doc["error_stage"] is None
+        assert all({"usage", "error", "submitted_at", "started_at", "finished_at"} <= set(st)
+                   for st in doc["stages"].values())
+        assert doc["stages"]["thinker"]["error"] is None
+
+
+async def test_list_filters_by_stage_tenant_age_and_request_id(api_factory):
+    async with api_factory(workers=False) as (_engine, server), server.client() as http:
+        text = (await http.post("/v1/workflows", json={"input": {"text": "t"}, "output_modalities": ["text"],
+                                                      "request_id": "shop-order-17"})).json()["id"]
+        both = (await http.post("/v1/workflows", json={"input": {"text": "b"}, "request_id": "shop-order-18"})).json()["id"]
+        r = (await http.get("/v1/workflows", params={"stage": "code2wav"})).json()
+        assert [x["id"] for x in r["items"]] == [both] and r["items"][0]["stages"] == ["thinker", "talker", "code2wav"]
+        r = (await http.get("/v1/workflows", params={"request_id": "order-1"})).json()
+        assert {x["id"] for x in r["items"]} == {text, both} and r["total"] is None and r["scanned"] == 2
+        r = (await http.get("/v1/workflows", params={"request_id": "-17"})).json()
+        assert [x["id"] for x in r["items"]] == [text]
+        r = (await http.get("/v1/workflows", params={"since_s": 3600, "tenant": "default"})).json()
+        assert len(r["items"]) == 2 and r["total"] == 2
+        assert (await http.get("/v1/workflows", params={"tenant": "other"})).json()["items"] == []
+        assert (await http.get("/v1/workflows", params={"stage": "Bad!"})).status_code == 422
+        assert (await http.get("/v1/workflows", params={"since_s": 0})).status_code == 422
+
+
+async def test_webhook_body_is_the_same_json_as_get_nulls_included(api_factory):
+    from jobs_support import FAST, SECRET, http_receiver, jobs_runner
+    from standardwebhooks import Webhook
+
+    from helpers import eventually
+
+    with http_receiver() as rec:
+        async with api_factory(toy_spec(thinker={"fail_at_step": 1, "fail_retryable": False}),
+                               engine_settings=FAST) as (engine, server), jobs_runner(engine), \
+                server.client() as http:
+            wf_id = (await http.post("/v1/workflows", json={"input": {"text": "hook"},
+                                                            "webhook_url": rec.url()})).json()["id"]
+            await eventually(lambda: _delivered(http, wf_id), timeout_s=15)
+            body = Webhook(SECRET).verify(rec.hits[0].body, rec.hits[0].headers)
+            got = (await http.get(f"/v1/workflows/{wf_id}")).json()
+        assert body["state"] == "failed" and body["stages"]["talker"]["usage"] is None    # nulls are sent
+        assert {k: v for k, v in body.items() if k != "webhook"} == {k: v for k, v in got.items() if k != "webhook"}
+        assert body["webhook"]["attempts"] == [] and got["webhook"]["attempts"][0]["outcome"] == "delivered"
+
+
+async def _delivered(http, wf_id: str) -> bool:
+    hook = (await http.get(f"/v1/workflows/{wf_id}")).json()["webhook"]
+    return hook["outcome"] == "delivered"
