@@ -12,6 +12,7 @@ import soundfile as sf
 import yaml
 
 import helpers
+from conftest import toy_spec
 from helpers import omniflow
 
 
@@ -56,15 +57,60 @@ async def test_cli_abort_then_exit_code_and_retry(engine_factory, cli_env) -> No
 @pytest.mark.parametrize("args,message", [
     (["submit", "x", "--modalities", "video"], "'video' is not produced"),
     (["submit", "x", "--out", "a.mp3"], "--out: a.mp3 must end in .wav"),
+    (["submit", ""], "TEXT: the prompt is empty"),
+    (["submit", " \t "], "TEXT: the prompt is empty"),
+    (["submit", "x", "--modalities", "text,text"], "--modalities: text given twice"),
+    (["submit", "x", "--modalities", ","], "--modalities: give at least one"),
+    (["submit", "x", "--deadline", "-1"], "--deadline: -1 is not a positive number"),
+    (["submit", "x", "--deadline", "0"], "--deadline: 0 is not a positive number"),
+    (["submit", "x", "--request-id", "bad id/x"], "--request-id: 'bad id/x' must be"),
+    (["submit", "x", "--out", "/nonexistent-dir/a.wav"], "--out: folder /nonexistent-dir does not exist"),
+    (["submit", "x", "--modalities", "text", "--out", "a.wav"], "--out: this request produces no audio"),
+    (["submit", "x", "--wait", "--timeout", "0"], "--timeout: 0 is not a positive number"),
     (["ls", "--state", "weird"], "--state: 'weird' is not one of"),
+    (["ls", "--stage", "nope"], "--stage: unknown stage 'nope'"),
+    (["ls", "--since", "ten minutes"], "'ten minutes' is not a duration"),
+    (["ls", "--since", "-5m"], "a duration must be positive"),
     (["inspect", "no-such-id"], "no workflow no-such-id"),
-    (["purge"], "--yes"),
+    (["purge"], "--older-than DURATION"),
+    (["purge", "--older-than", "1d", "--all"], "--older-than DURATION"),
+    (["purge", "--older-than", "1d", "--state", "running"], "'running' is not a finished state"),
+    (["dlq", "ls", "bogus"], "unknown stage 'bogus'"),
+    (["dlq", "ls", "--stage", "bogus"], "unknown stage 'bogus'"),
+    (["dlq", "replay", "bogus"], "unknown stage 'bogus'"),
+    (["dlq", "replay"], "give a STAGE (or --stage), or --all"),
+    (["dlq", "drop", "thinker", "--all"], "give a STAGE (or --stage), or --all"),
+    (["drain", "no-such-worker"], "no live worker 'no-such-worker'"),
 ])
-async def test_cli_bad_input_exits_2_with_a_clear_message(engine_factory, cli_env, args, message) -> None:
+async def test_cli_bad_input_exits_2_with_one_clear_line(engine_factory, cli_env, args, message) -> None:
     async with engine_factory(workers=False, reconciler=False) as eng:
-        code, _, stderr = await omniflow(*args, env=cli_env(eng))
-        assert code == 2
-        assert message in " ".join(stderr.split())
+        code, stdout, stderr = await omniflow(*args, env=cli_env(eng))
+        assert code == 2, stderr
+        assert message in stderr and stderr.count("\n") == 1 and "Traceback" not in stderr
+        assert await eng.redis.zcard(eng.store.keys.all_wf) == 0           # nothing ran
+
+
+async def test_cli_non_utf8_argument_exits_2(engine_factory, cli_env) -> None:
+    async with engine_factory(workers=False, reconciler=False) as eng:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "omniflow.cli", "submit", b"caf\xe9 \xff", env=cli_env(eng),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 2 and b"is not valid UTF-8" in err and b"Traceback" not in err
+        assert await eng.redis.zcard(eng.store.keys.all_wf) == 0
+
+
+async def test_cli_wait_running_out_of_time_exits_4_and_says_so(engine_factory, cli_env, tmp_path) -> None:
+    slow = toy_spec(thinker={"token_delay_s": 0.3})
+    async with engine_factory(slow) as eng:
+        env = cli_env(eng)
+        (tmp_path / "slow.yaml").write_text(yaml.safe_dump(slow))      # the CLI submits the slow params
+        env["OMNIFLOW_PIPELINE"] = str(tmp_path / "slow.yaml")
+        code, stdout, stderr = await omniflow("submit", "slow one", "--wait", "--timeout", "0.5", env=env)
+        assert code == 4 and "is still running after 0.5s" in stderr
+        assert "None Hz" not in stdout and "(partial)" in stdout
+        code, stdout, _ = await omniflow("submit", "slow json", "--wait", "--timeout", "0.5", "--json", env=env)
+        assert code == 4 and json.loads(stdout)["state"] in ("pending", "running")
 
 
 async def test_cli_without_redis_exits_3_saying_how_to_start_one(tmp_path) -> None:
@@ -102,3 +148,10 @@ async def test_make_demo_script_runs_end_to_end(tmp_path) -> None:
     assert "completed" in text and "terminal" in text
     assert not (tmp_path / ".omniflow" / "demo" / "redis.url").exists()   # shut down cleanly
     assert repo.exists()
+
+
+def test_an_audio_output_not_produced_yet_is_never_printed_with_none() -> None:
+    from omniflow.cli import _output_line
+
+    line = _output_line("code2wav", {"type": "audio", "sample_rate": None, "duration_s": 0.0, "partial": True}, None)
+    assert line.endswith("no audio yet") and "None" not in line
