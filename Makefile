@@ -5,7 +5,10 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast soak bench install clean up
+.PHONY: demo test test-fast soak bench install browser clean up
+
+# the dashboard's browser test drives Debian's chromium (never a browser downloaded at run time)
+CHROMIUM := /usr/bin/chromium
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,10 +18,15 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+$(CHROMIUM):
+	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver
+
+browser: $(CHROMIUM)
+
 demo: $(STAMP)
 	$(PY) -m omniflow.demo
 
-test: $(STAMP)
+test: $(STAMP) $(CHROMIUM)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: $(STAMP)

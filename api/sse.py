@@ -9,6 +9,7 @@ OpenAI stream aborts its workflow there).
 from __future__ import annotations
 
 from collections.abc import AsyncIterable
+from typing import Any
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -23,6 +24,14 @@ def sse_event(data: str, *, event: str | None = None, event_id: str | None = Non
         lines.append(f"event: {event}")
     lines.extend(f"data: {line}" for line in data.splitlines() or [""])
     return ("\n".join(lines) + "\n\n").encode()
+
+
+def event_schema(events: list[str], data: dict[str, Any] | None = None) -> dict[str, Any]:
+    """OpenAPI 3.1 schema of ONE event of a text/event-stream response (what each event carries)."""
+    return {"type": "object", "required": ["data"], "properties": {
+        "id": {"type": "string"}, "event": {"type": "string", "enum": events},
+        "data": {"type": "string", "contentMediaType": "application/json", **({"contentSchema": data} if data else {})},
+    }}
 
 
 def sse_comment(text: str) -> bytes:

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Path, Query
 from omniflow import admin
 from omniflow.api.deps import AdminDep, ApiState, StateDep
 from omniflow.api.schemas import AUTH_ERRORS, ErrorResponse, Pools, WorkerView
-from omniflow.api.sse import EventStreamResponse, sse_event
+from omniflow.api.sse import EventStreamResponse, event_schema, sse_event
 from omniflow.errors import RedisUnavailable
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
@@ -29,7 +29,8 @@ async def pools(state: StateDep, _: AdminDep) -> Any:
 
 @router.get(
     "/pools/events", response_class=EventStreamResponse,
-    responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+    responses={200: {"content": {"text/event-stream": {"schema": event_schema(
+                         ["pools", "unavailable"], {"$ref": "#/components/schemas/Pools"})}},
                      "description": "Server-sent events: `pools` (the same document as GET /v1/admin/pools) "
                                     "every `interval` seconds"},
                403: {"description": "the key is not an admin key",

@@ -27,7 +27,7 @@ from omniflow.api.schemas import (
     WorkflowList,
     WorkflowSummary,
 )
-from omniflow.api.sse import EventStreamResponse, sse_comment, sse_event
+from omniflow.api.sse import EventStreamResponse, event_schema, sse_comment, sse_event
 from omniflow.listing import ListFilter
 from omniflow.models import TERMINAL_STATES, SubmitRequest, WorkflowState
 from omniflow.timeline import gantt
@@ -157,7 +157,8 @@ async def workflow_timeline(wf_id: WorkflowId, state: StateDep, principal: Princ
 
 @router.get(
     "/{wf_id}/events", response_class=EventStreamResponse,
-    responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+    responses={200: {"content": {"text/event-stream": {"schema": event_schema(
+                         ["state", "stage", "text", "audio", "retry", "restart", "terminal"])}},
                      "description": "Server-sent events; `id` is the event-log entry id (resume with Last-Event-ID); "
                                     "`event` is one of state, stage, text, audio, retry, terminal"},
                204: {"description": "resumed at or past the terminal event: nothing more will come "
