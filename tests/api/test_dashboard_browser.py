@@ -87,7 +87,6 @@ def drive(base: str, extra_worker: subprocess.Popen[bytes], shots: Path) -> None
                 api.post("/v1/workflows", json={"input": {"text": f"more traffic {i}"}, "request_id": f"ui-demo-{i + 2}"})
             wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#wf-rows .state.completed")) >= 4)
             driver.save_screenshot(str(shots / "dashboard-pools.png"))
-            css("#list-section").screenshot(str(shots / "dashboard-list.png"))
 
             # its timeline: a Gantt chart with a lane per stage, attempts and ticks; then its audio plays
             click(f'#wf-rows tr[data-id="{done_id}"]')
@@ -117,6 +116,8 @@ def drive(base: str, extra_worker: subprocess.Popen[bytes], shots: Path) -> None
 
             # kill a worker: its pool loses it once the lease lapses, without a reload
             click("#back")
+            wait.until(lambda d: text(f'#wf-rows tr[data-id="{slow}"] .state') == "aborted")
+            css("#list-section").screenshot(str(shots / "dashboard-list.png"))
             os.killpg(extra_worker.pid, signal.SIGKILL)
             wait.until(lambda d: text('.pool[data-stage="talker"] .live-workers') == "1")
             assert driver.execute_script("return window.__same_page === true")
