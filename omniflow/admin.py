@@ -84,8 +84,9 @@ async def collect_stats(store: Store) -> dict[str, Any]:
     replies = await pipe.execute(raise_on_error=False)
     per_stage = {name: replies[4 * i: 4 * i + 4] for i, name in enumerate(order)}
     dlq_events, in_flight, retries, events = replies[4 * len(order):]
-    groups = {name: next((g for g in (r[1] if isinstance(r[1], list) else []) if s(g.get("name")) == TASK_GROUP), {})
-              for name, r in per_stage.items()}
+    groups: dict[str, dict[Any, Any]] = {
+        name: next((g for g in (r[1] if isinstance(r[1], list) else []) if s(g.get("name")) == TASK_GROUP), {})
+        for name, r in per_stage.items()}
     pipe = redis.pipeline(transaction=False)       # the oldest task nobody has read yet, per stage
     for name in order:
         pipe.xrange(keys.tasks(name), f"({s(groups[name].get('last-delivered-id')) or '0-0'}", "+", count=1)
@@ -259,9 +260,13 @@ async def dlq_replay(store: Store, stage: str | None, entry: str | None) -> list
 @translate_errors
 async def dlq_count(store: Store, stage: str | None, entry: str | None) -> int:
     """How many dead letters `dlq_drop` would delete."""
-    if entry:
-        return sum(len(await store.redis.xrange(store.keys.dlq(n), entry, entry)) for n in dlq_names(store, stage))
-    return sum([await store.redis.xlen(store.keys.dlq(n)) for n in dlq_names(store, stage)])
+    pipe = store.redis.pipeline(transaction=False)
+    for name in dlq_names(store, stage):
+        if entry:
+            pipe.xrange(store.keys.dlq(name), entry, entry)
+        else:
+            pipe.xlen(store.keys.dlq(name))
+    return sum(len(r) if isinstance(r, list) else int(r) for r in await pipe.execute())
 
 
 @translate_errors

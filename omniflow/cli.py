@@ -12,6 +12,7 @@ import json
 import os
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +139,7 @@ def submit_request(pipe: Pipeline, text: str, *, modalities: str | None, request
     mods = [m.strip() for m in modalities.split(",") if m.strip()] if modalities is not None else None
     if modalities is not None and not mods:
         raise InvalidRequest("--modalities: give at least one, e.g. text,audio")
-    twice = sorted({m for m in mods or [] if mods.count(m) > 1})
+    twice = sorted(m for m, n in Counter(mods or []).items() if n > 1)
     if twice:
         raise InvalidRequest(f"--modalities: {', '.join(twice)} given twice")
     if not text.strip():

@@ -151,7 +151,9 @@ async def test_dlq_ls_replay_and_drop(engine_factory, cli_env) -> None:
         await eventually(lambda: _dlq_len(eng, 3))
         code, _, err = await omniflow("dlq", "drop", "thinker", env=env)
         assert code == 2 and "Delete 3 dead letter(s) from thinker?" in err
-        assert await run_json("dlq", "drop", "--all", "--yes", env=env) == {"deleted": 3}
+        first = (await run_json("dlq", "ls", "thinker", env=env))[0]["entry"]
+        assert await run_json("dlq", "drop", "thinker", "--entry", first, "--yes", env=env) == {"deleted": 1}
+        assert await run_json("dlq", "drop", "--all", "--yes", env=env) == {"deleted": 2}
         assert await run_json("dlq", "ls", env=env) == []
 
 
