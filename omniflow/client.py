@@ -25,7 +25,7 @@ from omniflow.config import Settings, get_settings
 from omniflow.errors import RedisUnavailable
 from omniflow.models import SubmitRequest, WorkflowInput
 from omniflow.pipeline import Pipeline, load_pipeline
-from omniflow.store import Store, connect
+from omniflow.store import Store, check_same_body, connect, s
 
 
 class AsyncClient:
@@ -128,9 +128,12 @@ class Client:
                 reply = self._sync.execute_command(*command)
             if self._client.settings.wait_aof:
                 self._sync.execute_command("WAITAOF", 1, 0, 1000)
+            result = store.submitted(reply)
+            if result.existing:         # the same key with a different request is refused (IdempotencyConflict)
+                check_same_body(result.id, req, s(self._sync.hget(store.keys.wf(result.id), "body_hash")))
         except RedisConnectionError as exc:
             raise RedisUnavailable(f"Redis unreachable: {exc}") from exc
-        return store.submitted(reply).id
+        return result.id
 
     def get(self, wf_id: str) -> dict[str, Any]:
         return self._run(self._client.get(wf_id))  # type: ignore[no-any-return]

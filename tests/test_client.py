@@ -47,3 +47,22 @@ async def test_sync_client_admission_refusal(engine_factory) -> None:
                 with pytest.raises(AdmissionRefused):
                     client.submit("two")
         await asyncio.to_thread(work)
+
+
+async def test_sync_client_refuses_a_request_id_reused_with_a_different_request(engine_factory) -> None:
+    import asyncio
+
+    import pytest
+
+    from omniflow.client import Client
+    from omniflow.errors import IdempotencyConflict
+
+    async with engine_factory(workers=False, reconciler=False) as eng:
+        def run() -> None:
+            with Client(eng.url, settings=eng.settings, pipeline=eng.pipeline) as client:
+                first = client.submit("same key", request_id="k-1")
+                assert client.submit("same key", request_id="k-1") == first
+                with pytest.raises(IdempotencyConflict, match="different request"):
+                    client.submit("another text", request_id="k-1")
+
+        await asyncio.to_thread(run)
