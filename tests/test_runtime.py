@@ -123,8 +123,9 @@ def counting_text(prompt: str, n: int = 6) -> str:
 
 async def test_batched_executor_steps_concurrent_sessions_together_through_the_engine(engine_factory) -> None:
     CountingLM.steps_seen.clear()
-    async with engine_factory(counting_spec()) as eng:
-        subs = [await eng.store.submit(request(f"p{i} hello")) for i in range(6)]
+    async with engine_factory(counting_spec(step_s=0.05)) as eng:
+        # a session lasts 6 steps of 50 ms: submitted together, they overlap and share steps
+        subs = await asyncio.gather(*(eng.store.submit(request(f"p{i} hello")) for i in range(6)))
         docs = [await eng.store.wait(sub.id, timeout_s=20) for sub in subs]
     for i, doc in enumerate(docs):
         assert doc["state"] == "completed"

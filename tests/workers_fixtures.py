@@ -68,6 +68,7 @@ class CountingLM(BatchedExecutor):
 
     def step(self, states: list[Any]) -> list[StepOutput]:
         type(self).steps_seen.append(len(states))
+        time.sleep(float(self.params.get("step_s", 0.0)))      # a forward pass (blocking, on the compute thread)
         outs = []
         for st in states:
             session = st["session"]
