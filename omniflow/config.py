@@ -5,19 +5,21 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from omniflow.errors import ConfigError
+from omniflow.errors import ConfigError, RedisNotFound
 
 DEFAULT_PIPELINE = Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "omni-toy.yaml"
 DEFAULT_HOME = Path(".omniflow")
+REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
+ENV_PREFIX = "OMNIFLOW_"
 
 
 class Settings(BaseSettings):
     """Every knob of omniflow. Defaults run on a laptop CPU."""
 
-    model_config = SettingsConfigDict(env_prefix="OMNIFLOW_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     redis_url: str | None = None
     home: Path = DEFAULT_HOME
@@ -50,6 +52,7 @@ class Settings(BaseSettings):
 
     # durability
     wait_aof: bool = False
+    dlq_max_len: int = Field(10_000, ge=1)     # each dead-letter stream keeps about this many entries
 
     # API
     api_host: str = "127.0.0.1"
@@ -77,6 +80,13 @@ class Settings(BaseSettings):
     batch_slice_s: float = Field(60.0, gt=0)
     batch_max_lines: int = Field(100_000, ge=1)
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        if value and not value.startswith(REDIS_URL_SCHEMES):
+            raise ValueError(f"{value!r} is not a Redis URL: use redis://host:port/db (or rediss://, unix://)")
+        return value or None
+
     def pipeline_path(self) -> Path:
         return self.pipeline or DEFAULT_PIPELINE
 
@@ -87,15 +97,30 @@ class Settings(BaseSettings):
         url_file = self.home / "redis.url"
         if url_file.exists():
             return url_file.read_text().strip()
-        raise ConfigError(
+        raise RedisNotFound(
             "no Redis: set OMNIFLOW_REDIS_URL=redis://host:port/0, or run `omniflow up` "
             f"(it starts an embedded Valkey and writes {url_file})"
         )
 
 
+def settings_error(exc: ValidationError) -> ConfigError:
+    """One line naming the environment variable(s) that hold a bad value."""
+    problems = []
+    for err in exc.errors():
+        name = ENV_PREFIX + "_".join(str(p) for p in err.get("loc", ())).upper()
+        value = err.get("input")
+        shown = f" (got {value!r})" if isinstance(value, (str, int, float)) else ""
+        problems.append(f"{name}: {err.get('msg', 'invalid')}{shown}")
+    return ConfigError("bad setting: " + "; ".join(problems))
+
+
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
-    return Settings()
+    """The process's settings (from the environment), or a `ConfigError` naming the bad setting."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        raise settings_error(exc) from None
 
 
 def reset_settings_cache() -> None:

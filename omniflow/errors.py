@@ -1,9 +1,14 @@
 """The one exception tree of omniflow.
 
     OmniflowError
-    ├── ConfigError            settings or environment are unusable (no Redis, bad policy)
+    ├── ConfigError            settings or environment are unusable (names the setting)
+    │   └── RedisNotFound      no Redis configured and no `omniflow up` running (CLI exit 3)
     ├── PipelineError          a pipeline YAML is invalid (names the field and the reason)
-    ├── RedisUnavailable       the Redis server cannot be reached (translated from redis-py)
+    ├── RedisError             Redis did not do what was asked (translated from redis-py)
+    │   ├── RedisUnavailable   transient: the connection was lost, refused or timed out
+    │   │   └── RedisRefused   transient: the server answered with a refusal (OOM, READONLY, BUSY, LOADING...)
+    │   └── ScriptError        not transient: a script or command failed on its own terms (bug or bad data)
+    ├── MalformedEntry         a stream entry that does not decode or is out of bounds (poison: dead-lettered)
     ├── WorkflowError          a request about one workflow was refused
     │   ├── InvalidRequest     bad input: unknown modality, bad params, prompt too long (HTTP 422)
     │   ├── WorkflowNotFound   no such workflow, or not visible to this tenant (HTTP 404)
@@ -15,8 +20,10 @@
         ├── NonRetryableError  bad input for the stage: fail the workflow at once
         └── Fenced             this session's attempt was superseded or the workflow ended
 
-Third-party errors are translated at one boundary (`omniflow.store`) with
-`raise ... from exc`.
+redis-py errors are translated at one boundary (`omniflow.redisio`) with
+`raise ... from exc`; every loop has one rule per class: retry `RedisUnavailable`
+with backoff, dead-letter `MalformedEntry` (and the entry behind a `ScriptError`),
+never exit, never acknowledge what was not applied.
 """
 from __future__ import annotations
 
@@ -33,8 +40,34 @@ class PipelineError(OmniflowError):
     """A pipeline spec is invalid; the message names the field and the reason."""
 
 
-class RedisUnavailable(OmniflowError):
-    """The Redis server cannot be reached."""
+class RedisNotFound(ConfigError):
+    """No Redis is configured (`OMNIFLOW_REDIS_URL`) and no `omniflow up` wrote its URL."""
+
+
+class RedisError(OmniflowError):
+    """Redis did not do what was asked (translated from redis-py in `omniflow.redisio`)."""
+
+
+class RedisUnavailable(RedisError):
+    """Transient: the Redis server cannot be reached (connection lost, refused or timed out)."""
+
+
+class RedisRefused(RedisUnavailable):
+    """Transient: the server answered but refused the command (OOM, READONLY, BUSY, LOADING, ...).
+
+    Nothing of the refused command was applied, so it is always safe to send it again."""
+
+    def __init__(self, message: str, *, refusal: str) -> None:
+        super().__init__(message)
+        self.refusal = refusal          # the server's error code: 'OOM', 'READONLY', 'BUSY', ...
+
+
+class ScriptError(RedisError):
+    """Not transient: a script or command failed on its own terms (a bug, or data it cannot take)."""
+
+
+class MalformedEntry(OmniflowError):
+    """A stream entry that does not decode or is out of bounds: poison, dead-lettered with the reason."""
 
 
 class WorkflowError(OmniflowError):

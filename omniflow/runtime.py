@@ -12,13 +12,15 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from omniflow.errors import ConfigError
+from omniflow.errors import ConfigError, RedisUnavailable
+from omniflow.redisio import boundary
 
 logger = logging.getLogger(__name__)
 
 SAFE_POLICIES = frozenset({"noeviction"})
 DEFAULT_BACKOFF_FIRST_S = 0.05
 DEFAULT_BACKOFF_CAP_S = 2.0
+DEFAULT_STARTUP_BACKOFF_CAP_S = 5.0
 
 
 class Backoff:
@@ -35,6 +37,46 @@ class Backoff:
         log.warning("%s: %s; retrying in %.2fs", what, exc, self.delay_s)
         await asyncio.sleep(self.delay_s)
         self.delay_s = min(self.delay_s * 2, self.cap_s)
+
+
+async def when_redis_answers(setup: Callable[[], Coroutine[Any, Any, None]], *, what: str, url: str,
+                             stop: asyncio.Event | None = None) -> bool:
+    """Run `setup` (a daemon's first calls to Redis) until Redis answers; False if `stop` came first.
+
+    A daemon started while Redis is away (not started yet, restarting, failing over) waits for it
+    with backoff and says so in one line, instead of dying with a traceback."""
+    backoff = Backoff(cap_s=DEFAULT_STARTUP_BACKOFF_CAP_S)
+    said = False
+    while stop is None or not stop.is_set():
+        try:
+            await setup()
+        except RedisUnavailable as exc:
+            if not said:
+                logger.warning("%s: Redis at %s is not answering (%s); retrying with backoff", what, url, exc)
+                said = True
+            await asyncio.sleep(backoff.delay_s)
+            backoff.delay_s = min(backoff.delay_s * 2, backoff.cap_s)
+            continue
+        if said:
+            logger.info("%s: Redis at %s answers again", what, url)
+        return True
+    return False
+
+
+async def forever(name: str, loop: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run a daemon's background loop; if it ever raises (a bug: every loop handles Redis errors
+    itself), log it and start it again after a backoff. A loop of a daemon never ends the process."""
+    backoff = Backoff(first_s=0.5, cap_s=DEFAULT_STARTUP_BACKOFF_CAP_S)
+    while True:
+        try:
+            await loop()
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - logged with its traceback, then the loop restarts
+            logger.exception("%s stopped on an unexpected error; restarting it in %.1fs", name, backoff.delay_s)
+            await asyncio.sleep(backoff.delay_s)
+            backoff.delay_s = min(backoff.delay_s * 2, backoff.cap_s)
 
 
 def setup_logging(level: str | None = None) -> None:
@@ -76,11 +118,12 @@ def run_until_signal(main: Callable[[asyncio.Event], Coroutine[Any, Any, None]])
 
 async def check_eviction_policy(redis: Redis) -> None:
     """Refuse to run against a server that may evict keys: evicting a record loses a workflow."""
-    try:
-        reply = await redis.config_get("maxmemory-policy")
-    except ResponseError as exc:   # managed Redis may forbid CONFIG
-        logger.warning("cannot read maxmemory-policy (%s); make sure it is noeviction", exc)
-        return
+    with boundary():
+        try:
+            reply = await redis.config_get("maxmemory-policy")
+        except ResponseError as exc:   # managed Redis (or an ACL) may forbid CONFIG
+            logger.warning("cannot read maxmemory-policy (%s); make sure it is noeviction", exc)
+            return
     policy = reply.get(b"maxmemory-policy") or reply.get("maxmemory-policy")
     policy = policy.decode() if isinstance(policy, bytes) else policy
     if policy and policy not in SAFE_POLICIES:

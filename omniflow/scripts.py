@@ -1,7 +1,8 @@
 """The Lua script registry: every multi-key transition, loaded once, called by SHA.
 
 Scripts live in `omniflow/lua/*.lua`, each with a header listing KEYS, ARGV and
-returns. A line `--@include NAME.lua` splices a shared helper file in.
+returns. A line `--@include NAME.lua` splices a shared helper file in. Running
+them (NOSCRIPT reload, error translation) is `omniflow.redisio`'s job.
 """
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError
 
 LUA_DIR = Path(__file__).resolve().parent / "lua"
-SCRIPT_NAMES = ("submit", "claim", "emit", "finish", "stage_event", "abort", "retry_due", "restart", "list_scan")
+SCRIPT_NAMES = ("submit", "claim", "emit", "finish", "stage_event", "abort", "retry_due", "restart", "list_scan",
+                "heartbeat", "dead_letter", "reap_consumer")
 
 
 class SubmitResult(str, Enum):
@@ -30,6 +31,7 @@ class EmitResult(str, Enum):
     OK = "ok"
     DUP = "dup"
     FENCED = "fenced"
+    GAP = "gap"             # steps after a lost write were refused; with a finish: the attempt closed as failed
 
 
 class EventResult(str, Enum):
@@ -73,17 +75,14 @@ def evalsha_args(name: str, keys: list[str], args: list[Any]) -> tuple[Any, ...]
 
 
 async def load_all(redis: Redis) -> None:
-    """SCRIPT LOAD every script (cheap; idempotent). Called at start and after NOSCRIPT."""
-    pipe = redis.pipeline(transaction=False)
-    for script in SCRIPTS.values():
-        pipe.script_load(script.source)
-    await pipe.execute()
+    """SCRIPT LOAD every script (see `omniflow.redisio.load_scripts`)."""
+    from omniflow import redisio
+
+    await redisio.load_scripts(redis)
 
 
 async def call(redis: Redis, name: str, keys: list[str], args: list[Any]) -> Any:
-    """Call one script by SHA; on NOSCRIPT (server restarted or flushed) load and retry once."""
-    try:
-        return await redis.execute_command(*evalsha_args(name, keys, args))
-    except NoScriptError:
-        await load_all(redis)
-        return await redis.execute_command(*evalsha_args(name, keys, args))
+    """Call one script by SHA (see `omniflow.redisio.script`: NOSCRIPT handled, errors translated)."""
+    from omniflow import redisio
+
+    return await redisio.script(redis, name, keys, args)

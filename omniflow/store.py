@@ -1,29 +1,25 @@
-"""The workflow store: the one boundary between omniflow and Redis for clients.
+"""The workflow store: what clients (the Python client, the API, the CLI, the
+batch runner) do with workflows.
 
 Submit and abort (the two transitions a client triggers directly) run their
-Lua scripts here; the workflow document, event log, outputs and listings are
-read here. redis-py errors are translated to `omniflow.errors` at this
-boundary.
+Lua scripts here; the workflow document, event log, outputs, listings and the
+fleet reads the API needs are read here. Every method talks to Redis through
+`omniflow.redisio`, so its errors come out translated (`omniflow.errors`).
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any
 
-import hiredis
 import numpy as np
-from redis.asyncio import Connection as AsyncConnection
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from omniflow import scripts
+from omniflow import redisio, scripts
 from omniflow.batcher import Batcher
 from omniflow.config import Settings
 from omniflow.errors import (
@@ -32,50 +28,27 @@ from omniflow.errors import (
     IdempotencyConflict,
     InvalidRequest,
     NotReady,
-    RedisUnavailable,
+    RedisRefused,
+    ScriptError,
     WorkflowNotFound,
     WorkflowRetired,
 )
 from omniflow.keys import Keys
 from omniflow.models import TERMINAL_STATES, SubmitRequest, Submitted, WorkflowState
 from omniflow.pipeline import Pipeline, Plan
+from omniflow.redisio import connect, translated
 
 if TYPE_CHECKING:
     from omniflow.listing import ListFilter, ListPage
 
-P = ParamSpec("P")
-T = TypeVar("T")
+__all__ = ["LOG_ENTRY_LIMIT", "Store", "connect", "csv", "decode_fields", "new_id", "now_ms", "s",
+           "translate_errors"]
 
 LOG_ENTRY_LIMIT = 10_000
+#: a submit refused for memory is over capacity, like one over `max_in_flight`
+SUBMIT_OOM_RETRY_AFTER_S = 1.0
 
-
-class FastConnection(AsyncConnection):
-    """redis-py's asyncio connection packs commands in pure Python (its sync twin uses
-    hiredis); packing was the largest single cost per workflow. hiredis packs in C."""
-
-    def pack_command(self, *args: Any) -> list[bytes]:
-        if isinstance(args[0], str) and " " in args[0]:      # "XGROUP CREATE", "SCRIPT LOAD", ...
-            args = (*args[0].split(), *args[1:])
-        return [hiredis.pack_command(args)]
-
-    def pack_commands(self, commands: Any) -> list[bytes]:
-        return [b"".join(self.pack_command(*cmd)[0] for cmd in commands)]
-
-
-def connect(url: str, **kwargs: Any) -> Redis:
-    """A redis-py asyncio client with the options omniflow relies on (bytes replies, C packing)."""
-    return Redis.from_url(url, decode_responses=False, socket_keepalive=True, connection_class=FastConnection,
-                          **kwargs)
-
-
-def translate_errors(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
-    @functools.wraps(fn)
-    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-        try:
-            return await fn(*args, **kwargs)
-        except (RedisConnectionError, RedisTimeoutError, ConnectionRefusedError) as exc:
-            raise RedisUnavailable(f"Redis unreachable: {exc}") from exc
-    return wrapper
+translate_errors = translated     # the name the admin helpers use
 
 
 def now_ms() -> int:
@@ -137,14 +110,19 @@ class Store:
         self.keys = Keys(settings.prefix)
 
     # ---------------------------------------------------------------- submit
-    @translate_errors
+    @translated
     async def submit(self, req: SubmitRequest, *, tenant: str = "default", wf_id: str | None = None) -> Submitted:
-        """Create, admit and pre-submit a workflow (one `submit.lua` call)."""
+        """Create, admit and pre-submit a workflow (one `submit.lua` call).
+
+        A server out of memory refuses it like admission control does: `AdmissionRefused` (busy)."""
         keys, args = self.submit_call(req, tenant=tenant, wf_id=wf_id)
-        if self.batcher is not None:
-            reply = await self.batcher.script("submit", keys, args)
-        else:
-            reply = await scripts.call(self.redis, "submit", keys, args)
+        try:
+            if self.batcher is not None:
+                reply = await self.batcher.script("submit", keys, args)
+            else:
+                reply = await redisio.script(self.redis, "submit", keys, args)
+        except RedisRefused as exc:
+            raise self.refused(exc) from exc
         result = self.submitted(reply)
         if result.existing:
             state, stored_hash = (s(v) for v in await self.redis.hmget(self.keys.wf(result.id), ["state", "body_hash"]))
@@ -221,6 +199,14 @@ class Store:
                 self._plans[modalities] = parts
         return parts
 
+    @staticmethod
+    def refused(exc: RedisRefused) -> Exception:
+        """What a submit refused by the server means to its caller: busy when out of memory."""
+        if exc.refusal == "OOM":
+            return AdmissionRefused("Redis is out of memory (maxmemory reached); retry later",
+                                    retry_after_s=SUBMIT_OOM_RETRY_AFTER_S)
+        return exc
+
     def submitted(self, reply: Any) -> Submitted:
         """Map a `submit.lua` reply to the result, or to the error it means."""
         code, ident = s(reply[0]), s(reply[1])
@@ -242,18 +228,18 @@ class Store:
 
     async def _wait_aof(self) -> None:
         try:
-            await self.redis.execute_command("WAITAOF", 1, 0, 1000)
-        except Exception as exc:  # noqa: BLE001 - servers before 7.2 lack it
+            await redisio.call(self.redis, "WAITAOF", 1, 0, 1000)
+        except ScriptError as exc:      # servers before 7.2 lack it
             raise ConfigError(f"wait_aof is on but the server refused WAITAOF: {exc}") from exc
 
     # ---------------------------------------------------------------- abort
-    @translate_errors
+    @translated
     async def abort(self, wf_id: str, *, tenant: str | None = None, reason: str = "aborted by client",
                     state: WorkflowState = WorkflowState.ABORTED, stage: str = "") -> str:
         """Abort a live workflow. Returns the state it ends in (already-terminal ones are left as they are)."""
         if tenant is not None:
             await self._check_tenant(wf_id, tenant)
-        reply = await scripts.call(
+        reply = await redisio.script(
             self.redis, "abort", [self.keys.wf(wf_id), self.keys.inflight],
             [self.settings.prefix, now_ms(), state.value, reason, stage,
              self.settings.tombstone_ttl_s, self.settings.result_ttl_s],
@@ -269,7 +255,7 @@ class Store:
             raise WorkflowNotFound(f"no workflow {wf_id}")
 
     # ---------------------------------------------------------------- read
-    @translate_errors
+    @translated
     async def document(self, wf_id: str, *, tenant: str | None = None) -> dict[str, Any]:
         """The workflow document (DESIGN §5): state, stages, outputs keyed by stage."""
         pipe = self.redis.pipeline(transaction=False)
@@ -347,18 +333,18 @@ class Store:
                 "attempts": [json.loads(a) for a in attempts],
                 "next_attempt_at": int(nxt) / 1000 if nxt else None}
 
-    @translate_errors
+    @translated
     async def state(self, wf_id: str) -> WorkflowState | None:
         raw = await self.redis.hget(self.keys.wf(wf_id), "state")
         return WorkflowState(s(raw)) if raw else None
 
-    @translate_errors
+    @translated
     async def last_event(self, wf_id: str) -> tuple[str, dict[str, str]] | None:
         """The newest entry of the workflow's event log (None when it has none)."""
         last = await self.redis.xrevrange(self.keys.log(wf_id), count=1)
         return (s(last[0][0]), decode_fields(last[0][1])) if last else None
 
-    @translate_errors
+    @translated
     async def read_log(self, wf_id: str, *, after: str = "0-0", count: int = LOG_ENTRY_LIMIT,
                        block_ms: int | None = None) -> list[tuple[str, dict[str, str]]]:
         """Event-log entries after `after`; with `block_ms`, wait for the next ones."""
@@ -390,6 +376,7 @@ class Store:
                 if fields.get("t") == "terminal":
                     return
 
+    @translated
     async def wait(self, wf_id: str, *, timeout_s: float | None = None, tenant: str | None = None) -> dict[str, Any]:
         """Block (no polling) until the workflow is terminal or the timeout passes; its document.
 
@@ -412,11 +399,11 @@ class Store:
                 raise WorkflowNotFound(f"no workflow {wf_id}")
         return await self.document(wf_id, tenant=tenant)
 
-    @translate_errors
+    @translated
     async def text(self, wf_id: str, stage: str) -> str:
         return s(await self.redis.get(self.keys.out(wf_id, stage)))
 
-    @translate_errors
+    @translated
     async def audio(self, wf_id: str, stage: str | None = None) -> tuple[int, np.ndarray]:
         """(sample_rate, int16 PCM) of a final audio stage; `NotReady` while it is still running."""
         doc = await self.document(wf_id)
@@ -433,7 +420,7 @@ class Store:
         samples = np.concatenate(pcm) if pcm else np.zeros(0, dtype="<i2")
         return int(audio[stage]["sample_rate"] or 0), samples
 
-    @translate_errors
+    @translated
     async def list_page(self, *, state: str | None = None, tenant: str | None = None, offset: int = 0,
                         limit: int = 50, stage: str | None = None, since_ms: int | None = None,
                         request_id: str | None = None) -> tuple[list[dict[str, Any]], int | None]:
@@ -448,14 +435,14 @@ class Store:
                                                     request_id=request_id), offset=offset, limit=limit)
         return page.rows, page.next_offset
 
-    @translate_errors
+    @translated
     async def list_workflows(self, flt: ListFilter, *, offset: int = 0, limit: int = 50) -> ListPage:
         """One page of the workflows matching `flt` (the listing indexes: `omniflow.listing`)."""
         from omniflow import listing     # imported here: listing builds on this module's helpers
 
         return await listing.query(self.redis, self.keys, flt, offset=offset, limit=limit)
 
-    @translate_errors
+    @translated
     async def state_counts(self) -> dict[str, int]:
         """Workflows per state, from the listing indexes."""
         from omniflow import listing
@@ -467,3 +454,31 @@ class Store:
         """Newest first (the first page of `list_page`)."""
         return (await self.list_page(state=state, tenant=tenant, offset=offset, limit=limit))[0]
 
+    # ---------------------------------------------------------------- reads for the API and the CLI
+    @translated
+    async def ping(self) -> None:
+        """Raise `RedisUnavailable` unless Redis answers."""
+        await self.redis.ping()
+
+    @translated
+    async def audio_chunks(self, wf_id: str, stage: str, *, after: str = "-") -> list[tuple[str, bytes, int]]:
+        """Audio chunks of a final stage after entry `after` (exclusive unless '-'): (entry id, PCM, rate)."""
+        start = after if after == "-" else f"({after}"
+        return [(s(eid), bytes(f[b"pcm"]), int(s(f.get(b"sr")) or 0))
+                for eid, f in await self.redis.xrange(self.keys.out(wf_id, stage), min=start)]
+
+    @translated
+    async def live_workers(self) -> dict[str, int]:
+        """Live workers per stage of the pipeline: members of `<p>:workers` whose lease (score, ms) is
+        in the future. A worker serving several stages (`--stage a,b`, `up --colocate`) counts for each."""
+        ids = await self.redis.zrangebyscore(self.keys.workers, f"({now_ms()}", "+inf")
+        counts = dict.fromkeys(self.pipeline.order, 0)
+        if ids:
+            pipe = self.redis.pipeline(transaction=False)
+            for worker_id in ids:
+                pipe.hget(self.keys.worker_info(s(worker_id)), "stage")
+            for served in await pipe.execute():
+                for name in csv(served):
+                    if name in counts:
+                        counts[name] += 1
+        return counts

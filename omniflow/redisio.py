@@ -1,0 +1,268 @@
+"""The Redis boundary: connections, the one error mapping, the script runner.
+
+Every connection omniflow opens is made by `connect` (the one place a cluster or
+sentinel client would plug in). Every redis-py error is translated here, and
+only here, into the `omniflow.errors` tree, and every loop has one rule per class:
+
+| what happened                                              | class              | rule                          |
+|------------------------------------------------------------|--------------------|-------------------------------|
+| connection lost, refused or timed out                      | `RedisUnavailable` | retry with backoff            |
+| the server refused: OOM, READONLY, BUSY, LOADING, ...      | `RedisRefused`     | retry with backoff (nothing of the command was applied) |
+| NOSCRIPT (server restarted, or `SCRIPT FLUSH`)             | never leaves here  | scripts loaded, the call sent again |
+| a script or command failed on its own terms (bug, bad data) | `ScriptError`     | dead-letter what caused it    |
+| bad credentials, no permission                             | `ConfigError`      | stop with one line            |
+
+`execute` is the one script runner: it sends commands in one round trip (one
+command, or a pipeline), returns each reply in place (an error as its
+translated class), and reloads the scripts and resends on NOSCRIPT. Callers
+that need one reply use `call` / `script`, which raise instead.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, ParamSpec, TypeVar
+
+import hiredis
+from redis import Redis as SyncRedis
+from redis.asyncio import Connection as AsyncConnection
+from redis.asyncio import Redis
+from redis.exceptions import (
+    AuthenticationError,
+    BusyLoadingError,
+    DataError,
+    ExecAbortError,
+    NoPermissionError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+)
+from redis.exceptions import RedisError as ClientError
+
+from omniflow.errors import (
+    ConfigError,
+    OmniflowError,
+    RedisError,
+    RedisRefused,
+    RedisUnavailable,
+    ScriptError,
+)
+from omniflow.scripts import SCRIPTS, evalsha_args
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+#: what a redis-py call raises (its own errors, and socket errors it lets through)
+CLIENT_ERRORS: tuple[type[BaseException], ...] = (ClientError, OSError)
+#: what a Redis call raises before or after translation: catch it only around Redis calls
+#: (an executor's own OSError is a stage failure, never a Redis loss)
+REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, *CLIENT_ERRORS)
+
+#: error codes of a server that refuses for now: nothing of the command was applied
+REFUSALS = frozenset({"OOM", "READONLY", "BUSY", "LOADING", "MASTERDOWN", "MISCONF", "TRYAGAIN", "CLUSTERDOWN",
+                      "NOREPLICAS", "NOSCRIPT", "EXECABORT", "UNBLOCKED"})
+_REFUSED_CLASSES: tuple[tuple[type[BaseException], str], ...] = (
+    (OutOfMemoryError, "OOM"), (ReadOnlyError, "READONLY"), (NoScriptError, "NOSCRIPT"),
+    (BusyLoadingError, "LOADING"), (ExecAbortError, "EXECABORT"),
+)
+
+
+class FastConnection(AsyncConnection):
+    """redis-py's asyncio connection packs commands in pure Python (its sync twin uses
+    hiredis); packing was the largest single cost per workflow. hiredis packs in C."""
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        if isinstance(args[0], str) and " " in args[0]:      # "XGROUP CREATE", "SCRIPT LOAD", ...
+            args = (*args[0].split(), *args[1:])
+        return [hiredis.pack_command(args)]
+
+    def pack_commands(self, commands: Any) -> list[bytes]:
+        return [b"".join(self.pack_command(*cmd)[0] for cmd in commands)]
+
+
+def connect(url: str, **kwargs: Any) -> Redis:
+    """A redis-py asyncio client with the options omniflow relies on (bytes replies, C packing).
+
+    Every asyncio connection of omniflow is made here."""
+    try:
+        return Redis.from_url(url, decode_responses=False, socket_keepalive=True,
+                              connection_class=FastConnection, **kwargs)
+    except ValueError as exc:
+        raise ConfigError(f"OMNIFLOW_REDIS_URL: {url!r} is not a Redis URL ({exc})") from exc
+
+
+def connect_sync(url: str, **kwargs: Any) -> SyncRedis:
+    """The synchronous twin of `connect` (the synchronous client's submits)."""
+    try:
+        return SyncRedis.from_url(url, decode_responses=False, socket_keepalive=True, **kwargs)
+    except ValueError as exc:
+        raise ConfigError(f"OMNIFLOW_REDIS_URL: {url!r} is not a Redis URL ({exc})") from exc
+
+
+# ---------------------------------------------------------------- the error mapping
+def translate(exc: BaseException) -> OmniflowError:
+    """The omniflow error a redis-py (or socket) error means."""
+    if isinstance(exc, OmniflowError):
+        return exc
+    if isinstance(exc, (AuthenticationError, NoPermissionError)):
+        return ConfigError(f"Redis refused our credentials or permissions: {exc} (check OMNIFLOW_REDIS_URL)")
+    for cls, code in _REFUSED_CLASSES:
+        if isinstance(exc, cls):
+            return RedisRefused(f"Redis refused the command ({code}): {exc}", refusal=code)
+    if isinstance(exc, ResponseError):
+        code = str(exc).split(" ", 1)[0]
+        if code in REFUSALS:
+            return RedisRefused(f"Redis refused the command: {exc}", refusal=code)
+        return ScriptError(f"Redis error: {exc}")
+    if isinstance(exc, DataError):
+        return ScriptError(f"bad command arguments: {exc}")
+    return RedisUnavailable(f"Redis unreachable: {exc}")
+
+
+def is_refused(result: Any, code: str) -> bool:
+    return isinstance(result, RedisRefused) and result.refusal == code
+
+
+def is_nogroup(exc: BaseException) -> bool:
+    """The stream or its consumer group does not exist (deleted, or the server lost it)."""
+    return isinstance(exc, ScriptError) and "NOGROUP" in str(exc)
+
+
+@contextmanager
+def boundary() -> Iterator[None]:
+    """Translate redis-py errors raised inside the block: `with boundary(): await redis.xlen(k)`."""
+    try:
+        yield
+    except CLIENT_ERRORS as exc:
+        raise translate(exc) from exc
+
+
+def translated(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
+    """Decorator: an async function whose redis-py errors come out translated."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return await fn(*args, **kwargs)
+        except CLIENT_ERRORS as exc:
+            raise translate(exc) from exc
+
+    return wrapper
+
+
+# ---------------------------------------------------------------- the script runner
+async def load_scripts(redis: Redis) -> None:
+    """SCRIPT LOAD every script (cheap; idempotent). Called at start and after NOSCRIPT."""
+    with boundary():
+        pipe = redis.pipeline(transaction=False)
+        for source in SCRIPTS.values():
+            pipe.script_load(source.source)
+        await pipe.execute()
+
+
+async def execute(redis: Redis, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """Send `commands` in one round trip; each reply in place, an error as its translated class.
+
+    Scripts missing on the server (NOSCRIPT) are loaded and those calls sent again. Raises
+    `RedisUnavailable` (or `RedisRefused`) when the round trip itself failed: then nothing can be
+    said of any command."""
+    results = await _send(redis, commands)
+    missing = [i for i, r in enumerate(results) if is_refused(r, "NOSCRIPT")]
+    if missing:
+        await load_scripts(redis)
+        for i, result in zip(missing, await _send(redis, [commands[i] for i in missing])):
+            results[i] = result
+    return results
+
+
+async def _send(redis: Redis, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+    try:
+        if len(commands) == 1:
+            try:
+                return [await redis.execute_command(*commands[0])]
+            except ResponseError as exc:         # in place, like a pipeline
+                return [translate(exc)]
+        pipe = redis.pipeline(transaction=False)
+        for cmd in commands:
+            pipe.execute_command(*cmd)
+        results = await pipe.execute(raise_on_error=False)
+    except CLIENT_ERRORS as exc:
+        raise translate(exc) from exc
+    return [translate(r) if isinstance(r, Exception) else r for r in results]
+
+
+async def call(redis: Redis, *command: Any) -> Any:
+    """One command (NOSCRIPT handled); its reply, or its translated error raised."""
+    (result,) = await execute(redis, [command])
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+async def script(redis: Redis, name: str, keys: list[str], args: list[Any]) -> Any:
+    """Call one registered script by SHA (loaded again after a NOSCRIPT); errors translated."""
+    return await call(redis, *evalsha_args(name, keys, args))
+
+
+def script_sync(redis: SyncRedis, name: str, keys: list[str], args: list[Any]) -> Any:
+    """`script` for a synchronous client."""
+    command = evalsha_args(name, keys, args)
+    try:
+        try:
+            return redis.execute_command(*command)  # type: ignore[no-untyped-call]
+        except NoScriptError:
+            pipe = redis.pipeline(transaction=False)
+            for source in SCRIPTS.values():
+                pipe.script_load(source.source)
+            pipe.execute()
+            return redis.execute_command(*command)  # type: ignore[no-untyped-call]
+    except CLIENT_ERRORS as exc:
+        raise translate(exc) from exc
+
+
+# ---------------------------------------------------------------- streams and groups
+async def ensure_group(redis: Redis, stream: str, group: str) -> None:
+    """Create `group` on `stream` (and the stream) unless it exists."""
+    try:
+        await redis.xgroup_create(stream, group, id="0", mkstream=True)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise translate(exc) from exc
+    except CLIENT_ERRORS as exc:
+        raise translate(exc) from exc
+
+
+def dead_letter_call(dlq: str, source: str, group: str, entry_id: str | bytes, fields: dict[bytes, bytes] | None,
+                     reason: str, *, max_len: int) -> tuple[Any, ...]:
+    """The `dead_letter.lua` call that moves one poison entry of `source` to `dlq` with the reason
+    (acked in `group` when one is given; deleted from `source`) in one atomic step."""
+    flat: list[Any] = []
+    for k, v in list((fields or {}).items())[:DEAD_LETTER_MAX_FIELDS]:
+        flat += [k, v[:DEAD_LETTER_MAX_VALUE_BYTES] if isinstance(v, (bytes, str)) else v]
+    return evalsha_args("dead_letter", [dlq, source], [group, entry_id, max_len, reason[:DEAD_LETTER_MAX_VALUE_BYTES],
+                                                       *flat])
+
+
+DEAD_LETTER_MAX_FIELDS = 32
+DEAD_LETTER_MAX_VALUE_BYTES = 64 * 1024
+
+
+async def reap_idle_consumers(redis: Redis, stream: str, group: str, *, idle_ms: int, keep: str = "") -> int:
+    """Delete the consumers of `group` that hold nothing and have not read for `idle_ms` (their
+    process is gone: every live reader reads at least once per block). Atomic per consumer: one
+    that took an entry meanwhile is kept. Returns how many were deleted."""
+    with boundary():
+        consumers = await redis.xinfo_consumers(stream, group)
+    dead = [c["name"] for c in consumers
+            if int(c.get("pending") or 0) == 0 and int(c.get("idle") or 0) > idle_ms
+            and _text(c["name"]) != keep]
+    if not dead:
+        return 0
+    results = await execute(redis, [evalsha_args("reap_consumer", [stream], [group, name]) for name in dead])
+    return sum(1 for r in results if r == 1)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
