@@ -15,7 +15,6 @@ from types import TracebackType
 from typing import Any
 
 import numpy as np
-
 from redis import Redis as SyncRedis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError

@@ -5,6 +5,9 @@ Any number may run against one Redis: arq hands each job to one of them, the
 dispatcher shares `<prefix>:notify` through a consumer group. SIGTERM stops
 picking jobs, lets running ones finish for `jobs_grace_s`, then cancels the
 rest; arq re-queues a cancelled job and both job kinds resume where they were.
+While Redis is away or refusing (restart, failover, out of memory) the arq
+worker and the dispatcher wait and start again with backoff: the process never
+exits for it.
 """
 from __future__ import annotations
 
@@ -16,15 +19,14 @@ import signal
 import socket
 import time
 import uuid
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from arq.worker import Worker, func
-from redis.exceptions import RedisError
 
 from omniflow.batch import CHUNK_MAX_TRIES, run_batch_chunk
 from omniflow.config import Settings
 from omniflow.egress import EgressPolicy
-from omniflow.keys import Keys
 from omniflow.jobqueue import (
     DELIVER_WEBHOOK,
     RUN_BATCH_CHUNK,
@@ -33,10 +35,19 @@ from omniflow.jobqueue import (
     job_serializer,
     queue_name,
 )
+from omniflow.keys import Keys
 from omniflow.pipeline import Pipeline
-from omniflow.runtime import check_eviction_policy
+from omniflow.redisio import REDIS_ERRORS, boundary, translate
+from omniflow.runtime import Backoff, check_eviction_policy, when_redis_answers
 from omniflow.store import Store, connect
-from omniflow.webhooks import NotifyDispatcher, WebhookSender, deliver_webhook, http_client, load_secret, make_signer
+from omniflow.webhooks import (
+    NotifyDispatcher,
+    WebhookSender,
+    deliver_webhook,
+    http_client,
+    load_secret,
+    make_signer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,17 +87,25 @@ class JobsRunner:
         redis = connect(self.redis_url)
         http = http_client(self.settings)
         try:
-            await check_eviction_policy(redis)
-            signer = make_signer(await load_secret(redis, Keys(self.settings.prefix), self.settings))
-            pool = await create_job_pool(self.redis_url, self.settings)
-            ctx = {"store": Store(redis, self.settings, self.pipeline),
-                   "sender": WebhookSender(signer, EgressPolicy.from_settings(self.settings), http)}
-            self.worker = Worker(**worker_settings(self.settings), redis_pool=pool, ctx=ctx)
-            self.dispatcher = NotifyDispatcher(redis=connect(self.redis_url), pool=pool, settings=self.settings,
-                                               consumer=self.id)
+            async def setup() -> None:
+                with boundary():
+                    await check_eviction_policy(redis)
+                    signer = make_signer(await load_secret(redis, Keys(self.settings.prefix), self.settings))
+                    pool = await create_job_pool(self.redis_url, self.settings, conn_retries=0)
+                ctx = {"store": Store(redis, self.settings, self.pipeline),
+                       "sender": WebhookSender(signer, EgressPolicy.from_settings(self.settings), http)}
+                self.worker = Worker(**worker_settings(self.settings), redis_pool=pool, ctx=ctx)
+                self.dispatcher = NotifyDispatcher(redis=connect(self.redis_url), pool=pool, settings=self.settings,
+                                                   consumer=self.id)
+
+            if not await when_redis_answers(setup, what=f"jobs runner {self.id}", url=self.redis_url, stop=stop):
+                return
+            assert self.worker is not None and self.dispatcher is not None
             halt = asyncio.Event()
-            tasks = [asyncio.create_task(self.worker.async_run(), name="arq-worker"),
-                     asyncio.create_task(self.dispatcher.run(halt), name="notify-dispatcher")]
+            dispatcher = self.dispatcher
+            tasks = [asyncio.create_task(_again_and_again("arq worker", self.worker.async_run, halt), name="arq-worker"),
+                     asyncio.create_task(_again_and_again("notify dispatcher", lambda: dispatcher.run(halt), halt),
+                                         name="notify-dispatcher")]
             self.started.set()
             logger.info("jobs runner %s serving queue %s", self.id, self.worker.queue_name)
             stopper = asyncio.create_task(stop.wait())
@@ -109,7 +128,7 @@ class JobsRunner:
         worker.handle_sig(signal.SIGTERM)       # cancels what is left: arq re-queues it
         await asyncio.gather(*worker.tasks.values(), return_exceptions=True)
         results = await asyncio.gather(*tasks, return_exceptions=True)
-        with contextlib.suppress(RedisError, OSError):
+        with contextlib.suppress(*REDIS_ERRORS):
             await worker.pool.delete(worker.health_check_key)
         await worker.pool.aclose()
         await dispatcher.redis.aclose()
@@ -121,6 +140,26 @@ class JobsRunner:
         failures = [r for r in results if isinstance(r, Exception)]
         if failures:
             raise failures[0]
+
+
+async def _again_and_again(name: str, run: Callable[[], Coroutine[Any, Any, None]], halt: asyncio.Event) -> None:
+    """Run `run` until `halt`; when it ends on a Redis error (away, refusing, restarting), say so in
+    one line and start it again with backoff, so the process never exits for it."""
+    backoff = Backoff(first_s=0.5, cap_s=5.0)
+    failing = False
+    while not halt.is_set():
+        try:
+            await run()
+            return
+        except REDIS_ERRORS as exc:
+            if not failing:
+                logger.warning("jobs runner: %s stopped on a Redis error (%s); restarting it with backoff",
+                               name, translate(exc))
+            failing = True
+        except Exception:  # noqa: BLE001 - a bug: logged with its traceback, then restarted
+            logger.exception("jobs runner: %s stopped on an unexpected error; restarting it", name)
+        await asyncio.sleep(backoff.delay_s)
+        backoff.delay_s = min(backoff.delay_s * 2, backoff.cap_s)
 
 
 def run_jobs(settings: Settings, pipeline: Pipeline, redis_url: str) -> None:

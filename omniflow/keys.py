@@ -42,7 +42,9 @@ class Keys:
         return f"{self.prefix}:tomb:{wf_id}"
 
     def idem(self, tenant: str, key: str) -> str:
-        return f"{self.prefix}:idem:{tenant}:{key}"
+        """Idempotency key of (tenant, request id). The tenant is length-prefixed: both parts may
+        contain ':', and (`team`, `a:x`) must never meet (`team:a`, `x`)."""
+        return f"{self.prefix}:idem:{len(tenant)}:{tenant}:{key}"
 
     # --- global ---------------------------------------------------------
     def tasks(self, stage: str) -> str:

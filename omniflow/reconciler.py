@@ -2,9 +2,13 @@
 
 - consumes `<p>:events` (group `reconciler`) in batches and applies each event
   with `stage_event.lua` (idempotent, so two reconcilers, or a replay after a
-  crash, never double-transition); acks and deletes the batch in the same
-  round trip;
-- reclaims events left pending by a dead reconciler (XAUTOCLAIM);
+  crash, never double-transition), which acks and deletes the event in the same
+  atomic step: an event whose call was refused (OOM, READONLY...) or lost stays
+  pending and is applied again (this reconciler re-reads its pending entries
+  first); an event that does not decode, or that its script fails on, goes to
+  `<p>:dlq:events` with the reason;
+- reclaims events left pending by a dead reconciler (XAUTOCLAIM), and deletes
+  the consumers that dead reconcilers left in the group;
 - under a leased leader, sweeps periodically: workers whose lease lapsed
   (their sessions, i.e. their pending task entries, are re-queued with
   attempt + 1), scheduled retries that are due, workflow deadlines, and the
@@ -20,43 +24,32 @@ import socket
 import uuid
 from typing import Any
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
-from omniflow import listing, scripts
+from omniflow import listing, redisio
 from omniflow.config import Settings
+from omniflow.entries import EventKind, event, retry_member
+from omniflow.entries import task as task_entry
+from omniflow.errors import MalformedEntry, RedisError, RedisUnavailable, ScriptError
 from omniflow.keys import EVENT_GROUP, TASK_GROUP, Keys
 from omniflow.pipeline import Pipeline
-from omniflow.runtime import Backoff, check_eviction_policy
-from omniflow.store import connect, csv, now_ms, s
-from omniflow.worker import ensure_group
+from omniflow.redisio import connect, ensure_group
+from omniflow.runtime import Backoff, check_eviction_policy, forever, when_redis_answers
+from omniflow.scripts import evalsha_args
+from omniflow.store import csv, now_ms, s
 
 logger = logging.getLogger(__name__)
 
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 EVENT_BATCH = 256
-
-# Delete a consumer of a group only while it holds no pending entry (atomic: a worker declared dead
-# may still be alive and read tasks between our XPENDING and the delete). Returns 1 when gone.
-REAP_CONSUMER_LUA = """
-local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
-if not ok then return 1 end
-if #p > 0 then return 0 end
-redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
-return 1
-"""
 SWEEP_BATCH = 200
-
-
-def _noscript(result: Any) -> bool:
-    """A NOSCRIPT reply (the server restarted or was flushed): redis-py says "No matching script"."""
-    return isinstance(result, NoScriptError) or (isinstance(result, ResponseError) and "NOSCRIPT" in str(result))
+PENDING = "pending"                     # an event Redis refused or lost: it stays pending, applied later
+MAX_BACKOFF_DOUBLINGS = 60              # 2**60 x any base is past every cap: no overflow, whatever the attempt
+#: a consumer of the event group that holds nothing and has not read for this long belongs to a
+#: reconciler that is gone (a live one reads at least once per `block_ms`)
+MIN_DEAD_CONSUMER_IDLE_MS = 60_000
 
 
 def backoff_ms(attempt: int, *, base_s: float, cap_s: float, jitter: float, rng: random.Random) -> int:
     """Exponential backoff with jitter and a cap, for the retry after `attempt` failed."""
-    delay = min(cap_s, base_s * (2 ** max(0, attempt - 1)))
+    delay = min(cap_s, base_s * (2 ** min(MAX_BACKOFF_DOUBLINGS, max(0, attempt - 1))))
     return int(delay * (1 + rng.uniform(-jitter, jitter)) * 1000)
 
 
@@ -78,110 +71,157 @@ class Reconciler:
         self.redis = connect(self.redis_url)
         self._blocking = connect(self.redis_url)
         try:
-            await check_eviction_policy(self.redis)
-            await scripts.load_all(self.redis)
-            await ensure_group(self.redis, self.keys.events, EVENT_GROUP)
-            for stage in self.pipeline.order:
-                await ensure_group(self.redis, self.keys.tasks(stage), TASK_GROUP)
-            tasks = [asyncio.create_task(self._consume(), name="consume"),
-                     asyncio.create_task(self._sweeper(), name="sweeper")]
+            if not await when_redis_answers(self._setup, what=f"reconciler {self.id}", url=self.redis_url,
+                                            stop=stop):
+                return
+            tasks = [asyncio.create_task(forever(f"reconciler {self.id}: consume", self._consume), name="consume"),
+                     asyncio.create_task(forever(f"reconciler {self.id}: sweeps", self._sweeper), name="sweeper")]
             self.started.set()
             logger.info("reconciler %s running", self.id)
-            stopper = asyncio.create_task(stop.wait())
-            await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            await stop.wait()
             for task in tasks:
-                if task.done() and task.exception():
-                    logger.error("reconciler task %s died: %r", task.get_name(), task.exception())
                 task.cancel()
-            stopper.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await self._leave()
         finally:
             await self.redis.aclose()
             await self._blocking.aclose()
 
+    async def _setup(self) -> None:
+        await check_eviction_policy(self.redis)
+        await redisio.load_scripts(self.redis)
+        await ensure_group(self.redis, self.keys.events, EVENT_GROUP)
+        for stage in self.pipeline.order:
+            await ensure_group(self.redis, self.keys.tasks(stage), TASK_GROUP)
+
+    async def _leave(self) -> None:
+        """Delete our consumer from the event group if it holds nothing (a crashed reconciler's
+        consumer is deleted by the sweeps once it has been idle long enough)."""
+        try:
+            await redisio.call(self.redis, *evalsha_args("reap_consumer", [self.keys.events],
+                                                         [EVENT_GROUP, self.id]))
+        except RedisError as exc:
+            logger.warning("reconciler %s: could not leave the event group: %s", self.id, exc)
+
     # ------------------------------------------------------------ events
     async def _consume(self) -> None:
+        """Read events and apply them. After an event could not be applied (Redis refused or was
+        lost), this reconciler's own pending entries are read again first (XREADGROUP from 0)."""
         backoff = Backoff()
+        backlog = True                  # our pending entries first: at start, and after a failure
         while True:
             try:
-                reply = await self._blocking.xreadgroup(
-                    EVENT_GROUP, self.id, {self.keys.events: ">"}, count=EVENT_BATCH, block=self.settings.block_ms)
-                for _stream, entries in reply or []:
-                    if entries:
-                        await self.apply(entries)
+                with redisio.boundary():
+                    reply = await self._blocking.xreadgroup(
+                        EVENT_GROUP, self.id, {self.keys.events: "0" if backlog else ">"}, count=EVENT_BATCH,
+                        block=None if backlog else self.settings.block_ms)
+                entries = [e for _stream, got in reply or [] for e in got]
+                if backlog and not entries:
+                    backlog = False
+                    continue
+                if entries and PENDING in await self.apply(entries):
+                    backlog = True
+                    await backoff.wait(logger, f"reconciler {self.id}: events not applied", RedisUnavailable(
+                        "Redis refused or lost some stage_event calls"))
+                    continue
                 backoff.reset()
-            except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                await ensure_group(self.redis, self.keys.events, EVENT_GROUP)
-            except REDIS_ERRORS as exc:
-                await backoff.wait(logger, "reconciler", exc)
+            except RedisError as exc:
+                backlog = True
+                if redisio.is_nogroup(exc):
+                    try:
+                        await ensure_group(self.redis, self.keys.events, EVENT_GROUP)
+                        continue
+                    except RedisError as again:
+                        exc = again
+                await backoff.wait(logger, f"reconciler {self.id}: reading events failed", exc)
 
-    def _event_call(self, fields: dict[bytes, bytes], now: int) -> tuple[Any, ...]:
-        kind = s(fields[b"t"])
-        wf_id, stage, attempt = s(fields[b"wf"]), s(fields[b"s"]), int(fields[b"a"])
-        if kind not in ("done", "failed", "lost") or stage not in self.pipeline.stages or not wf_id:
-            raise ValueError(f"event type {kind!r} for stage {stage!r}")
-        retry = self.pipeline.stages[stage].retry
+    def _event_call(self, entry_id: bytes | str, fields: dict[bytes, bytes] | None, now: int) -> tuple[Any, ...]:
+        """The `stage_event.lua` call of one event entry; `MalformedEntry` when it does not decode."""
+        ev = event(fields, stages=self.pipeline.stages)
+        retry = self.pipeline.stages[ev.stage].retry
         due, task_args = now, ["", "", ""]
-        if kind == "failed":   # only a failure waits before its retry
-            due += backoff_ms(attempt, base_s=retry.backoff_s, cap_s=retry.backoff_max_s,
+        if ev.kind is EventKind.FAILED:   # only a failure waits before its retry
+            due += backoff_ms(ev.attempt, base_s=retry.backoff_s, cap_s=retry.backoff_max_s,
                               jitter=retry.jitter, rng=self._rng)
-        elif kind == "lost":   # a live worker lost Redis mid-session: ack its task, retry it at once
-            task_args = [self.keys.tasks(stage), s(fields.get(b"e")), TASK_GROUP]
-        return scripts.evalsha_args(
-            "stage_event", [self.keys.wf(wf_id), self.keys.inflight, self.keys.retries],
-            [self.settings.prefix, kind, stage, attempt, now, s(fields.get(b"d")), s(fields.get(b"r")) or "0",
-             retry.max_attempts, due, self.settings.tombstone_ttl_s, self.settings.result_ttl_s, *task_args],
+        elif ev.kind is EventKind.LOST:   # a live worker lost Redis mid-session: ack its task, retry it at once
+            task_args = [self.keys.tasks(ev.stage), ev.task_entry, TASK_GROUP]
+        return evalsha_args(
+            "stage_event", [self.keys.wf(ev.wf_id), self.keys.inflight, self.keys.retries, self.keys.events],
+            [self.settings.prefix, ev.kind.value, ev.stage, ev.attempt, now, ev.detail, "1" if ev.retryable else "0",
+             retry.max_attempts, due, self.settings.tombstone_ttl_s, self.settings.result_ttl_s, *task_args,
+             EVENT_GROUP, entry_id, self.settings.dlq_max_len],
         )
 
-    async def apply(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[str]:
-        """Apply a batch of events in one round trip (plus the ack); returns each result code."""
+    def _dead_letter_call(self, entry_id: bytes | str, fields: dict[bytes, bytes] | None, reason: str) -> tuple[Any, ...]:
+        return redisio.dead_letter_call(self.keys.dlq("events"), self.keys.events, EVENT_GROUP, entry_id, fields,
+                                        reason, max_len=self.settings.dlq_max_len)
+
+    async def apply(self, entries: list[tuple[bytes, dict[bytes, bytes] | None]]) -> list[str]:
+        """Apply a batch of events in one round trip; returns each result code.
+
+        Each event is acked by its own script call, so only applied events are acked. Codes: the
+        script's ('advanced', 'completed', 'retry', 'failed', 'ignored'), 'dead_letter' (malformed,
+        or its script failed: moved to `<p>:dlq:events` with the reason), or `PENDING` (Redis refused
+        or lost the call: the event stays pending and is applied later)."""
         now = now_ms()
-        pipe = self.redis.pipeline(transaction=False)
+        calls: list[tuple[Any, ...]] = []
         codes: list[str | None] = []
         for entry_id, fields in entries:
+            if not fields:                 # deleted while pending (an old reconciler's XDEL): just un-pend it
+                calls.append(("XACK", self.keys.events, EVENT_GROUP, entry_id))
+                codes.append("ignored")
+                continue
             try:
-                pipe.execute_command(*self._event_call(fields, now))
+                calls.append(self._event_call(entry_id, fields, now))
                 codes.append(None)
-            except (KeyError, ValueError) as exc:
-                self.counts["dead_letters"] += 1
-                pipe.xadd(self.keys.dlq("events"), {**fields, b"reason": f"malformed event: {exc!r}".encode(),
-                                                    b"entry": entry_id})
+            except MalformedEntry as exc:
+                calls.append(self._dead_letter_call(entry_id, fields, f"malformed event: {exc}"))
                 codes.append("dead_letter")
-        ids = [entry_id for entry_id, _ in entries]
-        pipe.xack(self.keys.events, EVENT_GROUP, *ids)
-        pipe.xdel(self.keys.events, *ids)
-        results = await pipe.execute(raise_on_error=False)
-        if any(_noscript(r) for r in results):
-            await scripts.load_all(self.redis)
-            return await self.apply(entries)     # idempotent: applied ones are ignored the second time
-        out = []
-        for code, result in zip(codes, results):
-            if code is None:
-                if isinstance(result, Exception):
-                    logger.error("stage_event failed: %s", result)
-                    code = "error"
-                else:
-                    code = s(result[0])
+        try:
+            results = await redisio.execute(self.redis, calls)
+        except RedisUnavailable as exc:
+            logger.warning("reconciler %s: applying %d event(s) failed: %s", self.id, len(entries), exc)
+            return [PENDING] * len(entries)
+        out: list[str] = []
+        poison: list[tuple[Any, ...]] = []
+        for (entry_id, fields), code, result in zip(entries, codes, results):
+            if isinstance(result, RedisUnavailable):
+                code = PENDING
+            elif isinstance(result, Exception):      # the script failed on this event: poison
+                logger.error("reconciler %s: event %s failed: %s", self.id, s(entry_id), result)
+                poison.append(self._dead_letter_call(entry_id, fields, f"stage_event failed: {result}"))
+                code = "dead_letter"
+            elif code is None:
+                code = s(result[0])
             self.counts[code] = self.counts.get(code, 0) + 1
             out.append(code)
         self.counts["events"] += len(entries)
+        if poison:
+            try:
+                failed = [r for r in await redisio.execute(self.redis, poison) if isinstance(r, Exception)]
+            except RedisUnavailable as exc:
+                failed = [exc]
+            if failed:        # they stay pending: the next pass tries again
+                logger.warning("reconciler %s: could not dead-letter %d event(s): %s", self.id, len(failed), failed[0])
+                out = [PENDING if c == "dead_letter" else c for c in out]
         return out
 
     # ------------------------------------------------------------ sweeps
     async def _sweeper(self) -> None:
+        failing = False
         while True:
             await asyncio.sleep(self.settings.sweep_interval_s)
             try:
                 await self._reclaim_events()
                 if await self._lead():
                     await self.sweep()
-            except REDIS_ERRORS as exc:
-                logger.warning("reconciler sweep: %s", exc)
-            except ResponseError as exc:     # e.g. a server restarting (LOADING): never stop sweeping
-                logger.error("reconciler sweep failed: %s", exc)
+                failing = False
+            except RedisError as exc:     # refused, lost, a server restarting: never stop sweeping
+                if not failing:
+                    logger.warning("reconciler %s: sweep failed: %s", self.id, exc)
+                failing = True
 
+    @redisio.translated
     async def _lead(self) -> bool:
         ttl_ms = int(self.settings.sweep_interval_s * 3000)
         if await self.redis.set(self.keys.leader, self.id, nx=True, px=ttl_ms):
@@ -191,40 +231,31 @@ class Reconciler:
             return True
         return False
 
+    @redisio.translated
     async def _reclaim_events(self) -> None:
         reply = await self.redis.xautoclaim(self.keys.events, EVENT_GROUP, self.id,
                                             min_idle_time=self.settings.event_claim_idle_ms,
                                             start_id="0-0", count=EVENT_BATCH)
-        entries = [e for e in reply[1] if e[1]]
+        entries = list(reply[1])
         if entries:
             logger.info("reconciler %s reclaimed %d pending event(s)", self.id, len(entries))
             await self.apply(entries)
 
+    @redisio.translated
     async def sweep(self) -> dict[str, int]:
         """One pass of the periodic work. Safe to run concurrently (every step is idempotent)."""
         done = {"lost": await self._sweep_dead_workers(), "retries": await self._sweep_retries(),
-                "deadlines": await self._sweep_deadlines()}
+                "deadlines": await self._sweep_deadlines(), "consumers": await self._sweep_consumers()}
         await listing.trim(self.redis, self.keys,
                            now_ms() - int((self.settings.result_ttl_s + self.settings.max_deadline_s) * 1000))
         return done
 
     async def _run_scripts(self, calls: list[tuple[Any, ...]]) -> list[Any]:
-        """Run script calls in one round trip; after NOSCRIPT (Redis restarted) load the scripts and
-        run those again (every script is idempotent). Errors are returned in place, never ignored."""
+        """Run script calls in one round trip (`redisio.execute`: NOSCRIPT handled); errors are
+        returned in place and logged, never ignored."""
         if not calls:
             return []
-        pipe = self.redis.pipeline(transaction=False)
-        for call in calls:
-            pipe.execute_command(*call)
-        results = list(await pipe.execute(raise_on_error=False))
-        missing = [i for i, r in enumerate(results) if _noscript(r)]
-        if missing:
-            await scripts.load_all(self.redis)
-            pipe = self.redis.pipeline(transaction=False)
-            for i in missing:
-                pipe.execute_command(*calls[i])
-            for i, result in zip(missing, await pipe.execute(raise_on_error=False)):
-                results[i] = result
+        results = await redisio.execute(self.redis, calls)
         for result in results:
             if isinstance(result, Exception):
                 logger.error("reconciler script failed: %s", result)
@@ -246,10 +277,8 @@ class Reconciler:
                 # entries, and a worker declared dead may still be alive (SIGSTOP, a long GC pause)
                 # and have read new tasks since we listed them. Such a worker re-registers with its
                 # next heartbeat; its stale sessions are fenced by attempt.
-                pipe = self.redis.pipeline(transaction=False)
-                for name in stages:
-                    pipe.eval(REAP_CONSUMER_LUA, 1, self.keys.tasks(name), TASK_GROUP, worker_id)
-                reaped = await pipe.execute(raise_on_error=False)
+                reaped = await self._run_scripts([evalsha_args("reap_consumer", [self.keys.tasks(name)],
+                                                               [TASK_GROUP, worker_id]) for name in stages])
                 if all(r == 1 for r in reaped):
                     pipe = self.redis.pipeline(transaction=False)
                     pipe.zrem(self.keys.workers, worker_id)
@@ -262,9 +291,10 @@ class Reconciler:
     async def _requeue_pending(self, stage: str, worker_id: str) -> tuple[int, int]:
         stream = self.keys.tasks(stage)
         try:
-            pending = await self.redis.xpending_range(stream, TASK_GROUP, min="-", max="+", count=SWEEP_BATCH,
-                                                      consumername=worker_id)
-        except ResponseError:
+            with redisio.boundary():
+                pending = await self.redis.xpending_range(stream, TASK_GROUP, min="-", max="+", count=SWEEP_BATCH,
+                                                          consumername=worker_id)
+        except ScriptError:             # no such stream or group (yet)
             return 0, 0
         if not pending:
             return 0, 0
@@ -281,13 +311,19 @@ class Reconciler:
         for p, rows in zip(pending, found):
             if not rows:
                 continue
-            fields = rows[0][1]
-            wf_id, attempt = s(fields.get(b"wf")), s(fields.get(b"a"))
-            calls.append(scripts.evalsha_args(
-                "stage_event", [self.keys.wf(wf_id), self.keys.inflight, self.keys.retries],
-                [self.settings.prefix, "lost", stage, attempt, now, f"worker {worker_id} stopped heartbeating",
+            entry_id, fields = s(p["message_id"]), rows[0][1]
+            try:
+                task = task_entry(fields, stage=stage)
+            except MalformedEntry as exc:
+                calls.append(redisio.dead_letter_call(self.keys.dlq(stage), stream, TASK_GROUP, entry_id, fields,
+                                                      f"malformed task entry: {exc}",
+                                                      max_len=self.settings.dlq_max_len))
+                continue
+            calls.append(evalsha_args(
+                "stage_event", [self.keys.wf(task.wf_id), self.keys.inflight, self.keys.retries, self.keys.events],
+                [self.settings.prefix, "lost", stage, task.attempt, now, f"worker {worker_id} stopped heartbeating",
                  "1", retry.max_attempts, now, self.settings.tombstone_ttl_s, self.settings.result_ttl_s,
-                 stream, s(p["message_id"]), TASK_GROUP]))
+                 stream, entry_id, TASK_GROUP, EVENT_GROUP, "", self.settings.dlq_max_len]))
         results = await self._run_scripts(calls)
         failed = sum(isinstance(r, Exception) for r in results)
         # entries whose script failed are still pending: keep the consumer, try again next sweep
@@ -298,12 +334,24 @@ class Reconciler:
                                                              num=SWEEP_BATCH)]
         if not due:
             return 0
-        calls = []
+        calls, poison = [], []
         for member in due:
-            wf_id, stage, attempt = member.rsplit("|", 2)
-            calls.append(scripts.evalsha_args(
+            try:
+                wf_id, stage, attempt = retry_member(member, stages=self.pipeline.stages)
+            except MalformedEntry as exc:
+                poison.append((member, str(exc)))
+                continue
+            calls.append(evalsha_args(
                 "retry_due", [self.keys.wf(wf_id), self.keys.retries], [self.settings.prefix, member, stage, attempt]))
         await self._run_scripts(calls)
+        if poison:
+            pipe = self.redis.pipeline(transaction=True)
+            for member, reason in poison:
+                pipe.xadd(self.keys.dlq("retries"), {"member": member, "reason": reason},
+                          maxlen=self.settings.dlq_max_len, approximate=True)
+                pipe.zrem(self.keys.retries, member)
+            await pipe.execute()
+            self.counts["dead_letters"] += len(poison)
         return len(due)
 
     async def _sweep_deadlines(self) -> int:
@@ -312,7 +360,7 @@ class Reconciler:
         if not late:
             return 0
         now = now_ms()
-        results = await self._run_scripts([scripts.evalsha_args(
+        results = await self._run_scripts([evalsha_args(
             "abort", [self.keys.wf(wf_id), self.keys.inflight],
             [self.settings.prefix, now, "failed", "deadline exceeded", "",
              self.settings.tombstone_ttl_s, self.settings.result_ttl_s]) for wf_id in late])
@@ -324,6 +372,16 @@ class Reconciler:
             await self.redis.zrem(self.keys.inflight, *stray)
         self.counts["deadline"] += len(late)
         return len(late)
+
+    async def _sweep_consumers(self) -> int:
+        """Delete the consumers crashed reconcilers left in the event group (one per crash, forever
+        otherwise); a restarted reconciler has a new name."""
+        idle_ms = max(MIN_DEAD_CONSUMER_IDLE_MS, 10 * self.settings.block_ms, 3 * self.settings.event_claim_idle_ms)
+        try:
+            return await redisio.reap_idle_consumers(self.redis, self.keys.events, EVENT_GROUP, idle_ms=idle_ms,
+                                                     keep=self.id)
+        except ScriptError:             # no such group yet
+            return 0
 
 
 def run_reconciler(settings: Settings, pipeline: Pipeline, redis_url: str) -> None:

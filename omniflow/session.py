@@ -258,7 +258,11 @@ class Session:
                     detail: str, retryable: bool) -> str:
         """Write what is left and end the session in the same script call (`emit.lua` + finish).
 
-        Returns 'ok' or 'fenced'; raises the write error of an earlier step that was lost.
+        The finish carries how many steps the session emitted; the script compares it with what is
+        stored, so a session whose write was refused or lost is never closed as done: it is closed
+        as a retryable failure instead ('gap'; the retry resumes from what was stored).
+        Returns 'ok', 'fenced' or 'gap'; raises the error of the call itself (translated), after
+        which calling `close` again is safe (the finish is fenced by status and by step count).
         """
         self._closed = True
         fin = [group, entry_id, outcome, detail, "1" if retryable else "0", self.seq, ",".join(self.downstream)]
@@ -272,9 +276,7 @@ class Session:
             await asyncio.gather(*earlier, return_exceptions=True)
         result = await last
         code = result.decode() if isinstance(result, bytes) else str(result)
-        if code == "gap" and self._write_error is not None:
-            raise self._write_error
-        return "fenced" if code in ("fenced", "gap") else code
+        return code if code in (EmitResult.FENCED, EmitResult.GAP) else EmitResult.OK.value
 
     def _track(self, fut: asyncio.Future[Any]) -> None:
         self._inflight.add(fut)

@@ -31,14 +31,17 @@ import httpx
 from arq import Retry
 from arq.connections import ArqRedis
 from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 from standardwebhooks import Webhook
 
+from omniflow import redisio
 from omniflow.config import Settings
 from omniflow.egress import EgressPolicy, EgressRefused, check_url, split_url
-from omniflow.errors import ConfigError, RedisUnavailable, WorkflowNotFound
-from omniflow.keys import NOTIFY_GROUP, Keys
+from omniflow.entries import notification
+from omniflow.errors import ConfigError, MalformedEntry, WorkflowNotFound
 from omniflow.jobqueue import DELIVER_WEBHOOK
+from omniflow.keys import NOTIFY_GROUP, Keys
+from omniflow.scripts import evalsha_args
 from omniflow.store import Store, s
 
 logger = logging.getLogger(__name__)
@@ -49,6 +52,9 @@ CLAIM_INTERVAL_S = 5.0
 READ_COUNT = 64
 ERROR_PAUSE_S = 1.0
 MAX_RECORDED_ATTEMPTS = 50
+#: a consumer of the notify group that holds nothing and has not read for this long is a jobs
+#: runner that is gone (a live one reads at least once per `block_ms`)
+DEAD_CONSUMER_IDLE_MS = 120_000
 
 
 class DeliveryOutcome(str, Enum):
@@ -145,7 +151,7 @@ async def deliver_webhook(ctx: dict[str, Any], *, wf_id: str, state: str) -> str
     """arq job: POST the document of workflow `wf_id` (ended in `state`) to its webhook URL."""
     try:
         return await _deliver(ctx, wf_id, state)
-    except (RedisUnavailable, RedisError, OSError) as exc:
+    except redisio.REDIS_ERRORS as exc:
         logger.warning("webhook for workflow %s: Redis error %s; trying again in %.0fs", wf_id, exc, ERROR_PAUSE_S)
         raise Retry(defer=ERROR_PAUSE_S) from exc
 
@@ -208,17 +214,16 @@ class NotifyDispatcher:
         self.dispatched = 0
 
     async def ensure_group(self) -> None:
-        try:
-            await self.redis.xgroup_create(self.keys.notify, NOTIFY_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        await redisio.ensure_group(self.redis, self.keys.notify, NOTIFY_GROUP)
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self.ensure_group()
         next_claim = 0.0
+        fresh = True
         while not stop.is_set():
             try:
+                if fresh:
+                    await self.ensure_group()
+                    fresh = False
                 if time.monotonic() >= next_claim:
                     next_claim = time.monotonic() + CLAIM_INTERVAL_S
                     await self.claim_stale()
@@ -226,14 +231,26 @@ class NotifyDispatcher:
                                                     count=READ_COUNT, block=self.settings.block_ms)
                 for _stream, entries in reply or []:
                     await self.dispatch(entries)
-            except (RedisError, OSError) as exc:
-                logger.warning("notify dispatcher: %s; retrying in %.1fs", exc, ERROR_PAUSE_S)
+            except redisio.REDIS_ERRORS as exc:
+                logger.warning("notify dispatcher: %s; retrying in %.1fs", redisio.translate(exc), ERROR_PAUSE_S)
                 await asyncio.sleep(ERROR_PAUSE_S)
-                if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
-                    await self.ensure_group()
+                fresh = fresh or (isinstance(exc, ResponseError) and "NOGROUP" in str(exc))
+        await self.leave()
+
+    async def leave(self) -> None:
+        """Delete our consumer from the group if it holds nothing (one left by a crash is deleted by
+        the other dispatchers once it has been idle long enough)."""
+        try:
+            await redisio.call(self.redis, *evalsha_args("reap_consumer", [self.keys.notify],
+                                                         [NOTIFY_GROUP, self.consumer]))
+        except redisio.REDIS_ERRORS as exc:
+            logger.warning("notify dispatcher %s: could not leave the group: %s", self.consumer, exc)
 
     async def claim_stale(self) -> None:
-        """Take over entries another dispatcher read but never acked (it died)."""
+        """Take over entries another dispatcher read but never acked (it died); delete the consumers
+        of dispatchers that are gone."""
+        await redisio.reap_idle_consumers(self.redis, self.keys.notify, NOTIFY_GROUP, idle_ms=max(
+            DEAD_CONSUMER_IDLE_MS, 10 * self.settings.block_ms), keep=self.consumer)
         start = "0-0"
         while True:
             reply = await self.redis.xautoclaim(self.keys.notify, NOTIFY_GROUP, self.consumer,
@@ -250,14 +267,18 @@ class NotifyDispatcher:
         done: list[Any] = []
         for entry_id, fields in entries:
             if fields:
-                wf_id, state = s(fields.get(b"wf")), s(fields.get(b"state"))
-                if wf_id and state:
-                    # None means a job with this id exists already (redelivered entry): nothing to do
-                    await self.pool.enqueue_job(DELIVER_WEBHOOK, _job_id=self.keys.job_id("webhook", wf_id, state),
-                                                wf_id=wf_id, state=state)
-                    self.dispatched += 1
-                else:
-                    logger.warning("notify entry %s is malformed (%s); dropped", s(entry_id), fields)
+                try:
+                    note = notification(fields)
+                except MalformedEntry as exc:
+                    logger.warning("notify entry %s is malformed (%s); dead-lettered", s(entry_id), exc)
+                    await redisio.call(self.redis, *redisio.dead_letter_call(
+                        self.keys.dlq("notify"), self.keys.notify, NOTIFY_GROUP, entry_id, fields,
+                        f"malformed notify entry: {exc}", max_len=self.settings.dlq_max_len))
+                    continue
+                # None means a job with this id exists already (redelivered entry): nothing to do
+                await self.pool.enqueue_job(DELIVER_WEBHOOK, _job_id=self.keys.job_id("webhook", note.wf_id, note.state),
+                                            wf_id=note.wf_id, state=note.state)
+                self.dispatched += 1
             done.append(entry_id)
         if done:
             pipe = self.redis.pipeline(transaction=True)

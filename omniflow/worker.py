@@ -39,30 +39,41 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 import msgpack
-from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from omniflow import scripts
+from omniflow import redisio
 from omniflow.batcher import Batcher
 from omniflow.compute import ComputeThread
 from omniflow.config import Settings
-from omniflow.errors import Fenced, PipelineError, RedisUnavailable, StageError
+from omniflow.entries import inbox as inbox_entry
+from omniflow.entries import task as task_entry
+from omniflow.errors import (
+    Fenced,
+    MalformedEntry,
+    PipelineError,
+    RedisError,
+    RedisUnavailable,
+    ScriptError,
+    StageError,
+)
 from omniflow.keys import TASK_GROUP, Keys
 from omniflow.pipeline import Pipeline, import_executor
-from omniflow.runtime import Backoff, check_eviction_policy
+from omniflow.redisio import REDIS_ERRORS, connect, ensure_group
+from omniflow.runtime import Backoff, check_eviction_policy, forever, when_redis_answers
+from omniflow.scripts import evalsha_args
 from omniflow.session import Session
-from omniflow.store import connect, csv, now_ms, s
+from omniflow.store import csv, now_ms, s
 from omniflow.window import StageWindow
 from omniflow.workers.base import Executor
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["Worker", "ensure_group", "parse_stages", "run_worker"]
+
 T = TypeVar("T")
 
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, RedisUnavailable)
 DEFAULT_GRACE_S = 10.0
+MAX_DETAIL_CHARS = 4096     # an executor's error message, as the workflow record keeps it
+WORKER_INFO_TTL_S = 86_400
 INBOX_TRIM_EVERY = 128      # inbox entries read between two trims
 INTAKE_RECHECK_MS = 20      # a multi-stage worker with a full stage re-reads this often to add it back
 
@@ -97,14 +108,6 @@ def chunk_fields(fields: dict[bytes, bytes]) -> list[dict[bytes, bytes]]:
 
 def new_worker_id(stage: str) -> str:
     return f"{stage}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-
-async def ensure_group(redis: Redis, stream: str, group: str) -> None:
-    try:
-        await redis.xgroup_create(stream, group, id="0", mkstream=True)
-    except ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise
 
 
 class StagePool:
@@ -206,20 +209,16 @@ class Worker:
         self.batcher = self._batchers[0]
         self.inbox_key = self.keys.inbox(self.id)
         try:
-            await check_eviction_policy(self.redis)
-            await scripts.load_all(self.redis)
+            if not await when_redis_answers(self._setup_redis, what=f"worker {self.id}", url=self.redis_url,
+                                            stop=stop):
+                return
             for pool in self.pools.values():
-                await ensure_group(self.redis, pool.tasks_key, TASK_GROUP)
                 pool.start_compute()
                 await pool.call(pool.executor.setup())
-            await self._heartbeat_once()
-            background = [
-                asyncio.create_task(self._intake(), name="intake"),
-                asyncio.create_task(self._heartbeat(), name="heartbeat"),
-                asyncio.create_task(self._abort_listener(), name="abort-listener"),
-                asyncio.create_task(self._watchdog(), name="watchdog"),
-                asyncio.create_task(self._inbox(), name="inbox"),
-            ]
+            background = [asyncio.create_task(forever(f"worker {self.id}: {name}", loop), name=name)
+                          for name, loop in (("intake", self._intake), ("heartbeat", self._heartbeat),
+                                             ("abort-listener", self._abort_listener),
+                                             ("watchdog", self._watchdog), ("inbox", self._inbox))]
             self.started.set()
             logger.info("worker %s serving %s", self.id,
                         ", ".join(f"{p.stage} (max_sessions={p.max_sessions})" for p in self.pools.values()))
@@ -236,6 +235,13 @@ class Worker:
             for client in (*self._write_redis, self._intake_redis, self._inbox_redis):
                 await client.aclose()
 
+    async def _setup_redis(self) -> None:
+        await check_eviction_policy(self.redis)
+        await redisio.load_scripts(self.redis)
+        for pool in self.pools.values():
+            await ensure_group(self.redis, pool.tasks_key, TASK_GROUP)
+        await self._heartbeat_once()
+
     async def _shutdown(self, background: list[asyncio.Task[Any]], grace_s: float) -> None:
         self._stopping = True
         background[0].cancel()          # stop taking tasks
@@ -251,6 +257,7 @@ class Worker:
         await asyncio.gather(*background[1:], *[t for _, t in self._sessions.values()], return_exceptions=True)
         try:
             for batcher in self._batchers:
+                batcher.closing = True          # a refused write now fails at once: our lease goes to 0
                 await batcher.drain()
             # Lease score 0: the reconciler re-queues what we still hold at its next sweep.
             await self.redis.zadd(self.keys.workers, {self.id: 0})
@@ -260,19 +267,17 @@ class Worker:
 
     # ------------------------------------------------------------ heartbeat
     async def _heartbeat_once(self) -> None:
+        """Renew the lease (`heartbeat.lua`: allowed while Redis is out of memory)."""
         expiry = now_ms() + int(self.settings.lease_timeout_s * 1000)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.zadd(self.keys.workers, {self.id: expiry})
-        pipe.hset(self.keys.worker_info(self.id), mapping={
+        info = {
             # per stage served, in the same order: "thinker,talker" / "8,4" / "3,1"
             "stage": self.stage, "host": socket.gethostname(), "pid": os.getpid(),
             "capacity": ",".join(str(p.max_sessions) for p in self.pools.values()),
             "active": ",".join(str(p.active) for p in self.pools.values()), "seen_ms": now_ms(),
             "stats": json.dumps(self.stats), "window": json.dumps(self.window.snapshot()),
-        })
-        pipe.expire(self.keys.worker_info(self.id), 86_400)
-        pipe.hget(self.keys.worker_info(self.id), "drain")
-        drain = (await pipe.execute())[-1]
+        }
+        drain = await redisio.script(self.redis, "heartbeat", [self.keys.workers, self.keys.worker_info(self.id)],
+                                     [self.id, expiry, WORKER_INFO_TTL_S, *(x for kv in info.items() for x in kv)])
         if drain and self._undrained.is_set():
             logger.info("worker %s: draining (claims nothing new; %d session(s) held)", self.id, len(self._sessions))
             self._undrained.clear()
@@ -285,12 +290,19 @@ class Worker:
         return not self._undrained.is_set()
 
     async def _heartbeat(self) -> None:
+        failing = False
         while True:
-            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            # after a failure, try again soon: the lease lapses after lease_timeout_s
+            await asyncio.sleep(self.settings.heartbeat_interval_s / (4 if failing else 1))
             try:
                 await self._heartbeat_once()
-            except REDIS_ERRORS as exc:
-                logger.warning("worker %s heartbeat failed: %s", self.id, exc)
+                if failing:
+                    logger.info("worker %s: heartbeat renewed again", self.id)
+                failing = False
+            except RedisError as exc:
+                if not failing:
+                    logger.warning("worker %s heartbeat failed: %s", self.id, exc)
+                failing = True
 
     async def _watchdog(self) -> None:
         """Input-wait timeouts, checked once a second for all sessions (cheaper than a timer per read)."""
@@ -325,17 +337,19 @@ class Worker:
             block = self.settings.block_ms if len(ready) == len(self.pools) else \
                 min(self.settings.block_ms, INTAKE_RECHECK_MS)
             try:
-                reply = await self._intake_redis.xreadgroup(
-                    TASK_GROUP, self.id, {pool.tasks_key: ">" for pool in ready}, count=count, block=block,
-                )
+                with redisio.boundary():
+                    reply = await self._intake_redis.xreadgroup(
+                        TASK_GROUP, self.id, {pool.tasks_key: ">" for pool in ready}, count=count, block=block,
+                    )
                 backoff.reset()
-            except ResponseError as exc:
-                if "NOGROUP" in str(exc):
-                    for pool in ready:
-                        await ensure_group(self.redis, pool.tasks_key, TASK_GROUP)
-                    continue
-                raise
-            except REDIS_ERRORS as exc:
+            except RedisError as exc:
+                if redisio.is_nogroup(exc):        # the stream was deleted (or the server lost it)
+                    try:
+                        for pool in ready:
+                            await ensure_group(self.redis, pool.tasks_key, TASK_GROUP)
+                        continue
+                    except RedisError as again:
+                        exc = again
                 await backoff.wait(logger, f"worker {self.id}: intake read failed", exc)
                 continue
             for stream, entries in reply or []:
@@ -351,22 +365,20 @@ class Worker:
         claims: list[tuple[str, str, int]] = []
         for entry_id, fields in entries:
             try:
-                wf_id = s(fields[b"wf"])
-                stage = s(fields[b"s"])
-                attempt = int(fields[b"a"])
-                if stage != pool.stage or not wf_id or attempt < 1:
-                    raise ValueError(f"task for stage {stage!r} attempt {attempt} on {pool.stage}'s stream")
-            except (KeyError, ValueError) as exc:
-                self.stats["dead_letters"] += 1
-                self._spawn(f"dlq:{entry_id}",
-                            self._dead_letter(pool, entry_id, fields, f"malformed task entry: {exc!r}"))
+                task = task_entry(fields, stage=pool.stage)
+            except MalformedEntry as exc:
+                self._dead_letter(pool.stage, pool.tasks_key, TASK_GROUP, entry_id, fields,
+                                  f"malformed task entry: {exc}")
                 continue
-            for older in range(1, attempt):
+            wf_id, stage, attempt = task.wf_id, task.stage, task.attempt
+            if attempt > 1:
                 # An older attempt of this session still running here was declared lost (our lease lapsed,
                 # or we lost Redis): it is fenced anyway; stop it so it cannot hold this stage's inputs.
-                stale = self._sessions.get(f"{wf_id}|{stage}|{older}")
-                if stale is not None:
-                    stale[1].cancel()
+                # (The sessions held are scanned, not the attempts: an attempt number is only bounded.)
+                prefix = f"{wf_id}|{stage}|"
+                for key, (_stale, task_of) in list(self._sessions.items()):
+                    if key.startswith(prefix) and int(key.rsplit("|", 1)[1]) < attempt:
+                        task_of.cancel()
             claims.append((entry_id, wf_id, attempt))
         if claims:
             pool.claiming += len(claims)
@@ -400,14 +412,29 @@ class Worker:
         except REDIS_ERRORS as exc:      # still pending here: re-queued when this worker stops
             logger.warning("worker %s: could not hand back %d task(s): %s", self.id, len(entries), exc)
 
-    async def _dead_letter(self, pool: StagePool, entry_id: str, fields: dict[bytes, bytes], reason: str) -> None:
-        logger.warning("worker %s: dead-lettering task %s: %s", self.id, entry_id, reason)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xadd(self.keys.dlq(pool.stage), {**{k: v for k, v in fields.items()}, b"reason": reason.encode(),
-                                              b"entry": entry_id.encode()})
-        pipe.xack(pool.tasks_key, TASK_GROUP, entry_id)
-        pipe.xdel(pool.tasks_key, entry_id)
-        await pipe.execute()
+    def _dead_letter(self, dlq_name: str, stream: str, group: str, entry_id: str,
+                     fields: dict[bytes, bytes] | None, reason: str) -> None:
+        """Move a poison entry of `stream` to the dead-letter stream `<p>:dlq:<dlq_name>` with the reason
+        (in the background, retried until Redis takes it: the entry stays where it is until then)."""
+        self.stats["dead_letters"] += 1
+        logger.warning("worker %s: dead-lettering entry %s of %s: %s", self.id, entry_id, stream, reason)
+        call = redisio.dead_letter_call(self.keys.dlq(dlq_name), stream, group, entry_id, fields, reason,
+                                        max_len=self.settings.dlq_max_len)
+        self._spawn(f"dlq:{stream}:{entry_id}", self._write_until_done(call, f"dead-letter {entry_id}"))
+
+    async def _write_until_done(self, call: tuple[Any, ...], what: str) -> None:
+        backoff = Backoff()
+        while True:
+            try:
+                await self.batcher.call(*call)
+                return
+            except RedisUnavailable as exc:
+                if self._stopping:
+                    return
+                await backoff.wait(logger, f"worker {self.id}: {what}", exc)
+            except RedisError as exc:
+                logger.error("worker %s: %s failed: %s", self.id, what, exc)
+                return
 
     # ------------------------------------------------------------ sessions
     async def _claim(self, pool: StagePool, claims: list[tuple[str, str, int]]) -> None:
@@ -419,22 +446,9 @@ class Worker:
             queue: asyncio.Queue[Any] = asyncio.Queue()
             self._inputs[(wf_id, stage, attempt)] = queue
             queues.append(queue)
-        args = [self.settings.prefix, TASK_GROUP, self.id, now_ms(), ",".join(upstream), stage,
-                *(x for claim in claims for x in claim)]
-        replies = None
-        backoff = Backoff()
+        replies: list[Any] | None = None
         try:
-            while replies is None:
-                try:
-                    replies = await self.batcher.script("claim", [pool.tasks_key], args)
-                    if not isinstance(replies, list) or len(replies) != len(claims):
-                        raise ResponseError(f"unexpected claim reply {replies!r:.200}")
-                except (*REDIS_ERRORS, ResponseError) as exc:   # e.g. LOADING after a restart
-                    # a retried claim is harmless (same replica: 'ok' again)
-                    replies = None
-                    if self._stopping:
-                        return
-                    await backoff.wait(logger, f"worker {self.id}: claim failed", exc)
+            replies = await self._claim_call(pool, claims)
         finally:
             pool.claiming -= len(claims)
             self._slot_free.set()
@@ -443,28 +457,79 @@ class Worker:
                     self._inputs.pop((wf_id, stage, attempt), None)
         loop = asyncio.get_running_loop()
         for (entry_id, wf_id, attempt), queue, reply in zip(claims, queues, replies, strict=True):
-            if s(reply[0]) != "ok":
+            if isinstance(reply, Exception) or s(reply[0]) != "ok":
+                if isinstance(reply, Exception):    # this task alone cannot be claimed: poison
+                    self._dead_letter(stage, pool.tasks_key, TASK_GROUP, entry_id,
+                                      {b"wf": wf_id.encode(), b"s": stage.encode(), b"a": str(attempt).encode()},
+                                      f"claim failed: {reply}")
                 self.stats["dropped"] += 1
                 self._inputs.pop((wf_id, stage, attempt), None)
+                continue
+            try:
+                _, raw_input, raw_params, raw_stages, raw_finals, seq = reply[:6]
+                checkpoint = s(reply[7]) if len(reply) > 7 else ""
+                catchup = [(s(src), chunk) for src, entries in reply[6] for entry in entries
+                           for chunk in chunk_fields(fields_dict(entry[1]))] if upstream else []
+                required, finals, downstream = self._plan_of(stage, raw_stages, raw_finals)
+                session = Session(
+                    wf_id=wf_id, stage=stage, attempt=attempt,
+                    input=json.loads(raw_input), params=self._params_of(raw_params, stage),
+                    finals=finals, downstream=downstream,
+                    resume_seq=int(seq or 0), _batcher=self.batcher_for(wf_id), _keys=self.keys,
+                    upstream=upstream, required=required, _queue=queue, _catchup=catchup,
+                    _input_timeout_s=pool.spec.retry.input_timeout_s, waiting_input=bool(upstream),
+                    checkpoint=checkpoint, _home=loop,
+                )
+            except Exception as exc:  # noqa: BLE001 - a record that does not decode fails its workflow, not us
+                self._inputs.pop((wf_id, stage, attempt), None)
+                self._spawn(f"{wf_id}|{stage}|{attempt}",
+                            self._fail_unstartable(pool, entry_id, wf_id, attempt, f"workflow record is malformed: "
+                                                   f"{type(exc).__name__}: {exc}"[:MAX_DETAIL_CHARS]))
                 continue
             self.stats["claimed"] += 1
             if attempt > 1:
                 self.window.retried(stage)
-            _, raw_input, raw_params, raw_stages, raw_finals, seq = reply[:6]
-            checkpoint = s(reply[7]) if len(reply) > 7 else ""
-            catchup = [(s(src), chunk) for src, entries in reply[6] for entry in entries
-                       for chunk in chunk_fields(fields_dict(entry[1]))] if upstream else []
-            required, finals, downstream = self._plan_of(stage, raw_stages, raw_finals)
-            session = Session(
-                wf_id=wf_id, stage=stage, attempt=attempt,
-                input=json.loads(raw_input), params=self._params_of(raw_params, stage),
-                finals=finals, downstream=downstream,
-                resume_seq=int(seq or 0), _batcher=self.batcher_for(wf_id), _keys=self.keys,
-                upstream=upstream, required=required, _queue=queue, _catchup=catchup,
-                _input_timeout_s=pool.spec.retry.input_timeout_s, waiting_input=bool(upstream),
-                checkpoint=checkpoint, _home=loop,
-            )
             self._spawn(f"{wf_id}|{stage}|{attempt}", self._session(pool, entry_id, session), session, pool)
+
+    async def _claim_call(self, pool: StagePool, claims: list[tuple[str, str, int]]) -> list[Any] | None:
+        """The `claim.lua` replies of a batch, one per task (an exception for a task that alone cannot
+        be claimed); None when the worker stopped first. A claim sent again is harmless (same replica:
+        'ok' again), so transient errors are retried; a batch the script fails on is split, to find
+        the task that causes it."""
+        args = [self.settings.prefix, TASK_GROUP, self.id, now_ms(), ",".join(pool.upstream), pool.stage,
+                *(x for claim in claims for x in claim)]
+        backoff = Backoff()
+        while True:
+            try:
+                replies = await self.batcher.script("claim", [pool.tasks_key], args)
+                if not isinstance(replies, list) or len(replies) != len(claims):
+                    raise ScriptError(f"unexpected claim reply {replies!r:.200}")
+                return replies
+            except RedisUnavailable as exc:        # lost, refused (OOM, READONLY, LOADING...)
+                if self._stopping:
+                    return None
+                await backoff.wait(logger, f"worker {self.id}: claim failed", exc)
+            except ScriptError as exc:
+                if len(claims) == 1:
+                    return [exc]
+                logger.warning("worker %s: a claim of %d tasks failed (%s); claiming them one by one",
+                               self.id, len(claims), exc)
+                out: list[Any] = []
+                for claim in claims:
+                    one = await self._claim_call(pool, [claim])
+                    if one is None:
+                        return None
+                    out += one
+                return out
+
+    async def _fail_unstartable(self, pool: StagePool, entry_id: str, wf_id: str, attempt: int, why: str) -> None:
+        """Close a claimed session that cannot start (its record does not decode) as a failure that
+        is not retried: its workflow fails with the reason, its task is acknowledged."""
+        logger.warning("session %s/%s cannot start: %s", wf_id, pool.stage, why)
+        call = evalsha_args("finish", [self.keys.wf(wf_id), pool.tasks_key, self.keys.events],
+                                    [TASK_GROUP, entry_id, pool.stage, attempt, "failed", why, "0", now_ms(), 0, "",
+                                     self.settings.prefix])
+        await self._write_until_done(call, f"failing session {wf_id}/{pool.stage}")
 
     def _plan_of(self, stage: str, raw_stages: bytes, raw_finals: bytes) -> tuple[tuple[str, ...], ...]:
         """(required stages, finals, this stage's downstream) of a workflow, from its record's csv
@@ -504,26 +569,27 @@ class Worker:
         backoff = Backoff()
         while True:
             try:
-                reply = await self._inbox_redis.xread({self.inbox_key: last}, count=1024, block=self.settings.block_ms)
+                with redisio.boundary():
+                    reply = await self._inbox_redis.xread({self.inbox_key: last}, count=1024,
+                                                          block=self.settings.block_ms)
                 backoff.reset()
-            except REDIS_ERRORS as exc:
+            except RedisError as exc:
                 await backoff.wait(logger, f"worker {self.id}: inbox read failed", exc)
                 continue
             for _key, entries in reply or []:
                 for entry_id, fields in entries:
                     last = entry_id
                     try:
-                        dst = s(fields[b"ds"]) if b"ds" in fields else only
-                        target = (s(fields[b"wf"]), dst, int(fields[b"da"]))
-                        src = s(fields[b"src"])
-                        chunks = decode_chunks(fields[b"m"])
-                    except (KeyError, *CHUNK_DECODE_ERRORS):
-                        logger.warning("worker %s: malformed inbox entry %s dropped", self.id, s(entry_id))
+                        entry = inbox_entry(fields)
+                        chunks = decode_chunks(entry.packed)
+                    except (MalformedEntry, *CHUNK_DECODE_ERRORS) as exc:
+                        self._dead_letter("inbox", self.inbox_key, "", s(entry_id), fields,
+                                          f"malformed inbox entry: {exc}")
                         continue
-                    queue = self._inputs.get(target)
+                    queue = self._inputs.get((entry.wf_id, entry.stage or only or "", entry.attempt))
                     if queue is not None:       # else: a session that ended (its inputs are durable anyway)
                         for chunk in chunks:
-                            queue.put_nowait((src, chunk))
+                            queue.put_nowait((entry.src, chunk))
                 untrimmed += len(entries)
                 if untrimmed >= INBOX_TRIM_EVERY:
                     # consumed entries are trimmed in bulk: the inbox stays about as small as what is in flight
@@ -541,43 +607,58 @@ class Worker:
         except asyncio.CancelledError:
             if self._stopping and not session.aborted:
                 raise      # shutting down: the reconciler re-queues what we hold
-        except REDIS_ERRORS as exc:
-            # Redis went away mid-session (restart, failover, a dropped connection): writes of this
-            # attempt may be lost, so it ends here. We are alive and keep our lease, so nobody else
-            # would re-queue it: report it lost ourselves (the retry resumes from what was written).
-            logger.warning("session %s/%s lost Redis: %s", wf_id, stage, exc)
-            await self._report_lost(entry_id, wf_id, stage, attempt, f"worker {self.id} lost Redis: {exc}")
-            return
+        except RedisError as exc:
+            # A write of this attempt was refused or lost at the Redis boundary (a restart, a failover,
+            # a dropped connection, a refusal that outlasted the batcher's patience, a script error):
+            # the attempt ends here. Its finish carries how many steps it emitted, so it is closed as a
+            # retryable failure (never as done over a hole) and the retry resumes from what was stored.
+            logger.warning("session %s/%s: a write failed: %s", wf_id, stage, exc)
+            outcome, detail, retryable = "failed", f"worker {self.id}: a write failed: {exc}"[:MAX_DETAIL_CHARS], True
         finally:
             self._inputs.pop((wf_id, stage, attempt), None)
-        try:
-            code = await session.close(tasks_key=pool.tasks_key, events_key=self.keys.events, group=TASK_GROUP,
-                                       entry_id=entry_id, outcome=outcome, detail=detail, retryable=retryable)
-        except REDIS_ERRORS as exc:      # the finish may or may not have landed: 'lost' is idempotent
-            await self._report_lost(entry_id, wf_id, stage, attempt, f"worker {self.id} lost Redis at finish: {exc}")
-            return
+        code = await self._close(pool, entry_id, session, outcome, detail, retryable)
         if code == "fenced":
             self.stats["fenced"] += 1
-        else:
-            self.stats["done" if outcome == "done" else "failed"] += 1
-            self.window.finished(stage, outcome, time.monotonic() - started)
+        elif code is not None:
+            ended = "done" if outcome == "done" and code != "gap" else "failed"
+            self.stats[ended] += 1
+            self.window.finished(stage, ended, time.monotonic() - started)
 
-    async def _report_lost(self, entry_id: str, wf_id: str, stage: str, attempt: int, why: str,
-                           *, give_up_s: float = 600.0) -> None:
-        """Tell the reconciler this session is lost (it acks the task and retries with attempt + 1),
-        retrying until Redis answers again; past `give_up_s` our lease must lapse first."""
-        deadline, backoff = asyncio.get_running_loop().time() + give_up_s, 0.05
+    async def _close(self, pool: StagePool, entry_id: str, session: Session, outcome: str, detail: str,
+                     retryable: bool) -> str | None:
+        """End the session (its last steps and the finish, one script call) whatever Redis does
+        meanwhile: the task must never stay pending on a live worker. Returns the script's answer
+        ('ok', 'fenced', 'gap'), or None when the session was handed to the reconciler instead."""
+        backoff = Backoff()
         while True:
             try:
-                await self.redis.xadd(self.keys.events, {"t": "lost", "wf": wf_id, "s": stage, "a": attempt,
-                                                         "d": why, "r": "1", "e": entry_id})
+                return await session.close(tasks_key=pool.tasks_key, events_key=self.keys.events, group=TASK_GROUP,
+                                           entry_id=entry_id, outcome=outcome, detail=detail, retryable=retryable)
+            except RedisUnavailable as exc:
+                # lost, or refused for longer than the batcher waits: it may or may not have landed;
+                # sending the finish again is safe (fenced by status and by step count)
+                if self._stopping:
+                    return None         # our lease goes to 0 at shutdown: the reconciler re-queues it
+                await backoff.wait(logger, f"session {session.wf_id}/{session.stage}: finish failed", exc)
+            except RedisError as exc:   # the finish itself fails (a bug, a record it cannot take)
+                await self._report_lost(entry_id, session.wf_id, session.stage, session.attempt,
+                                        f"worker {self.id} could not finish the session: {exc}"[:MAX_DETAIL_CHARS])
+                return None
+
+    async def _report_lost(self, entry_id: str, wf_id: str, stage: str, attempt: int, why: str) -> None:
+        """Tell the reconciler this session is lost (it acks the task and retries with attempt + 1),
+        retrying until Redis takes the report: a task must never stay pending on a live worker."""
+        backoff = Backoff()
+        while True:
+            try:
+                with redisio.boundary():
+                    await self.redis.xadd(self.keys.events, {"t": "lost", "wf": wf_id, "s": stage, "a": attempt,
+                                                             "d": why, "r": "1", "e": entry_id})
                 return
-            except REDIS_ERRORS as exc:
-                if asyncio.get_running_loop().time() > deadline:
-                    logger.error("session %s/%s: could not report it lost: %s", wf_id, stage, exc)
-                    return
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
+            except RedisError as exc:
+                if self._stopping:
+                    return              # our lease goes to 0 at shutdown: the reconciler re-queues it
+                await backoff.wait(logger, f"session {wf_id}/{stage}: could not report it lost", exc)
 
     async def _restart(self, session: Session) -> None:
         """This executor cannot resume: its output, and everything downstream of it, starts over
@@ -605,12 +686,15 @@ class Worker:
         except TimeoutError:
             return "failed", f"attempt timed out after {retry.attempt_timeout_s:g}s", True
         except StageError as exc:
-            return "failed", str(exc), exc.retryable
-        except REDIS_ERRORS:
+            return "failed", str(exc)[:MAX_DETAIL_CHARS], exc.retryable
+        except RedisError:
+            # raised by the session's writes at the Redis boundary (translated there); an OSError of
+            # the executor's own (a model server refusing a connection, a missing weights file) is
+            # not a Redis error: it is the stage's failure, under its retry policy (below)
             raise
         except Exception as exc:  # noqa: BLE001 - an executor bug is a stage failure, never a worker crash
             logger.exception("executor %s failed on %s", session.stage, session.wf_id)
-            return "failed", f"{type(exc).__name__}: {exc}", True
+            return "failed", f"{type(exc).__name__}: {exc}"[:MAX_DETAIL_CHARS], True
 
     # ------------------------------------------------------------ abort
     async def _abort_listener(self) -> None:
@@ -622,7 +706,7 @@ class Worker:
                     if message.get("type") == "message":
                         self.cancel_workflow(s(message["data"]))
             except REDIS_ERRORS as exc:
-                logger.warning("worker %s: abort channel lost: %s", self.id, exc)
+                logger.warning("worker %s: abort channel lost: %s", self.id, redisio.translate(exc))
                 await asyncio.sleep(0.5)
             finally:
                 await pubsub.aclose()

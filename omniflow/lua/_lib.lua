@@ -33,6 +33,9 @@ local function index_state(prefix, id, from, to, created)
   redis.call('ZADD', prefix .. ':idx:state:' .. to, created, id)
 end
 
+-- `<prefix>:notify` keeps at most about this many entries (`omniflow jobs` reads and deletes them)
+local NOTIFY_MAX_LEN = 100000
+
 local function submit_stage(wf, prefix, id, stage, attempt, now)
   redis.call('HSET', wf .. ':stages', stage, 'pending', stage .. ':attempt', attempt, stage .. ':t_submit', now)
   redis.call('XADD', prefix .. ':stage:' .. stage .. ':tasks', '*', 'wf', id, 's', stage, 'a', attempt)
@@ -77,7 +80,8 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
     redis.call('EXPIRE', wf .. ':out:' .. stage, result_ttl)
   end
   if rec[4] and rec[4] ~= '' then
-    redis.call('XADD', prefix .. ':notify', '*', 'wf', id, 'state', state)
+    -- bounded: without a jobs runner reading it, the oldest notifications go first
+    redis.call('XADD', prefix .. ':notify', 'MAXLEN', '~', NOTIFY_MAX_LEN, '*', 'wf', id, 'state', state)
   end
 end
 
@@ -154,20 +158,29 @@ end
 
 -- Close one session (outcome 'done' or 'failed') and report it to the reconciler.
 -- The task is acked first, always: a fenced session must not be redelivered.
+-- `seq` is the number of steps the session emitted: a `done` whose steps are not all stored (a
+-- write was refused or lost on the way) is closed as a retryable failure instead, and 'gap' is
+-- returned: a stage is never done over a hole (the retry resumes from what was stored).
 -- A `done` report that would change nothing but the workflow's `finished` set (no `full`-edge
 -- successor waits on the stage, and the terminal set is not complete yet) is applied here, in
 -- the same atomic step, instead of being sent: the reconciler hears about the decisions it has
 -- to make (completion, successors, failures, retries), not about every stage (DESIGN §2).
--- Returns 'ok' | 'fenced'.
+-- Returns 'ok' | 'fenced' | 'gap'.
 local function finish_session(wf, prefix, tasks_key, events_key, group, entry_id, stage, attempt, outcome,
                               detail, retryable, now, seq, downstream)
   local sk = wf .. ':stages'
   redis.call('XACK', tasks_key, group, entry_id)
   redis.call('XDEL', tasks_key, entry_id)
   local rec = redis.call('HMGET', wf, 'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub')
-  local cur = redis.call('HMGET', sk, stage, stage .. ':attempt')
+  local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq')
   if not is_live(rec[1]) or tostring(cur[2]) ~= tostring(attempt) then return 'fenced' end
   if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
+  local res = 'ok'
+  local stored = tonumber(cur[3] or '0') or 0
+  if outcome == 'done' and stored < tonumber(seq) then
+    outcome, retryable, res = 'failed', '1', 'gap'
+    detail = 'steps ' .. (stored + 1) .. '..' .. seq .. ' of attempt ' .. attempt .. ' were not stored (a write was refused or lost)'
+  end
   local report = true
   if outcome == 'done' then
     for _, dst in ipairs(csv(downstream)) do
@@ -187,5 +200,14 @@ local function finish_session(wf, prefix, tasks_key, events_key, group, entry_id
     redis.call('XADD', events_key, '*', 't', outcome, 'wf', rec[2], 's', stage, 'a', attempt, 'd', detail,
       'r', retryable)
   end
-  return 'ok'
+  return res
+end
+
+-- Is `f` a well-formed finish (the msgpack array emit.lua's ARGV[8] carries)?
+-- {group, entry id, outcome, detail, retryable, last seq, downstream csv}
+local function valid_finish(f)
+  return type(f) == 'table' and type(f[1]) == 'string' and type(f[2]) == 'string'
+    and (f[3] == 'done' or f[3] == 'failed') and type(f[4]) == 'string'
+    and (type(f[5]) == 'string' or type(f[5]) == 'number') and tonumber(f[6]) ~= nil
+    and type(f[7]) == 'string'
 end

@@ -20,9 +20,48 @@
 --   (see finish.lua), applied after the steps.
 -- Returns 'ok' | 'dup' (every step was already written) | 'fenced' (session no longer owns the stage)
 --       | 'gap' (steps after a hole were not written: the attempt must end; a retry resumes)
+--       | an error reply, with nothing written, when the steps or the finish are malformed
+--         (Redis never rolls back a script that fails part-way: everything is checked first)
 --@include _lib.lua
 local wf, stage = KEYS[1], ARGV[1]
 local sk = wf .. ':stages'
+
+-- nil when every step is well-formed, else what is wrong
+local function check_steps(steps)
+  if type(steps) ~= 'table' then return 'steps are not an array' end
+  for n, step in ipairs(steps) do
+    if type(step) ~= 'table' or tonumber(step[1]) == nil then return 'step ' .. n .. ' has no seq' end
+    local i = 2
+    while i <= #step do
+      local op, a, b = step[i], step[i + 1], step[i + 2]
+      if type(a) ~= 'string' then return 'step ' .. n .. ': op ' .. tostring(op) .. ' needs a name' end
+      if op == 'X' or op == 'E' then
+        if type(b) ~= 'table' or #b == 0 or #b % 2 ~= 0 then return 'step ' .. n .. ': op ' .. op .. ' needs field pairs' end
+        for _, v in ipairs(b) do
+          if type(v) ~= 'string' and type(v) ~= 'number' then return 'step ' .. n .. ': op ' .. op .. ' has a bad field' end
+        end
+      elseif op == 'I' then
+        if tonumber(b) == nil then return 'step ' .. n .. ': op I needs a number' end
+      elseif op == 'T' or op == 'A' or op == 'H' or op == 'C' then
+        if type(b) ~= 'string' and type(b) ~= 'number' then return 'step ' .. n .. ': op ' .. op .. ' needs a value' end
+      else
+        return 'step ' .. n .. ': unknown op ' .. tostring(op)
+      end
+      i = i + 3
+    end
+  end
+  return nil
+end
+
+local decoded, steps = pcall(cmsgpack.unpack, ARGV[7])
+local bad = (not decoded and 'steps do not decode') or check_steps(steps)
+local fin = nil
+if not bad and ARGV[8] then
+  local ok
+  ok, fin = pcall(cmsgpack.unpack, ARGV[8])
+  if not ok or not valid_finish(fin) then bad = 'the finish is malformed' end
+end
+if bad then return redis.error_reply('emit: ' .. bad .. ' (nothing written)') end
 
 local function write_steps()
   if redis.call('HGET', wf, 'state') ~= 'running' then return 'fenced' end
@@ -33,7 +72,6 @@ local function write_steps()
     redis.call('HSET', sk, stage, ARGV[3])
     redis.call('XADD', wf .. ':log', '*', 't', 'stage', 'stage', stage, 'status', ARGV[3], 'attempt', ARGV[2])
   end
-  local steps = cmsgpack.unpack(ARGV[7])
   local last = tonumber(cur[3] or '0')
   local texts, tfirst, tlast = {}, nil, nil
   local ckpts = {}
@@ -64,8 +102,6 @@ local function write_steps()
           redis.call('HINCRBY', sk, step[i + 1], step[i + 2])
         elseif op == 'C' then
           ckpts[#ckpts + 1] = step[i + 1]
-        else
-          return redis.error_reply('emit: unknown op ' .. tostring(op))
         end
         i = i + 3
       end
@@ -93,16 +129,12 @@ local function write_steps()
 end
 
 local res = write_steps()
-if type(res) == 'table' then      -- an error reply
-  flush_edges()
-  return res
-end
-if not ARGV[8] then
+if not fin then
   flush_edges()
   return res
 end
 do
-  local f = cmsgpack.unpack(ARGV[8])
+  local f = fin
   local outcome, detail, retryable = f[3], f[4], f[5]
   if res == 'gap' then      -- never close as done over a hole: fail the attempt, the retry resumes
     outcome, detail, retryable = 'failed', 'an earlier write of this attempt was lost', '1'

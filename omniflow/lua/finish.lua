@@ -8,8 +8,11 @@
 -- ARGV[10] downstream stages csv (an end-of-stream entry goes on each edge)  ARGV[11] prefix
 -- The task is always acked: a fenced session must not be redelivered.
 -- (emit.lua can carry the same finish after a session's last steps, saving a call.)
--- Returns 'ok' | 'fenced'
+-- Returns 'ok' | 'fenced' | 'gap' (steps of this attempt are missing: closed as a retryable failure)
 --@include _lib.lua
+if tonumber(ARGV[9]) == nil or (ARGV[5] ~= 'done' and ARGV[5] ~= 'failed') then
+  return redis.error_reply('finish: malformed arguments (outcome ' .. tostring(ARGV[5]) .. ', seq ' .. tostring(ARGV[9]) .. ')')
+end
 local res = finish_session(KEYS[1], ARGV[11], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5],
   ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10])
 flush_edges()

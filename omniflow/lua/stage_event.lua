@@ -1,69 +1,83 @@
 -- stage_event: the reconciler applies one stage event to its workflow (idempotent).
--- KEYS[1] wf base key  KEYS[2] inflight zset  KEYS[3] retries zset
+-- KEYS[1] wf base key  KEYS[2] inflight zset  KEYS[3] retries zset  KEYS[4] events stream
 -- ARGV[1] prefix  ARGV[2] type 'done'|'failed'|'lost'  ARGV[3] stage  ARGV[4] attempt
 -- ARGV[5] now_ms  ARGV[6] detail (usage JSON or error)  ARGV[7] '1' if retryable
 -- ARGV[8] max_attempts of the stage  ARGV[9] retry due ms  ARGV[10] tombstone ttl s
 -- ARGV[11] result ttl s  ARGV[12] task stream (lost only)  ARGV[13] task entry id (lost only)
--- ARGV[14] group (lost only)
+-- ARGV[14] group (lost only)  ARGV[15] events group  ARGV[16] the event's entry id ('' : not from
+-- the events stream, e.g. a sweep)  ARGV[17] dead-letter stream MAXLEN (approximate)
 -- 'lost' is a session whose worker died: its task is acked here, then it is retried like a failure.
+-- The event is acked and deleted here, after it was applied, in the same atomic step: an event
+-- whose call was refused (OOM, READONLY...) or failed stays pending and is applied later.
 -- Returns {'ignored', why} | {'advanced'} | {'completed'} | {'retry', attempt} | {'failed'}
 --@include _lib.lua
 local wf, prefix, kind, stage, now = KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[5]
 local sk = wf .. ':stages'
-if kind == 'lost' and ARGV[13] ~= '' then
-  redis.call('XACK', ARGV[12], ARGV[14], ARGV[13])
-  redis.call('XDEL', ARGV[12], ARGV[13])
-end
-local rec = redis.call('HMGET', wf, 'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub')
-if not is_live(rec[1]) then return {'ignored', rec[1] or 'gone'} end
-local id = rec[2]
-local cur = redis.call('HMGET', sk, stage, stage .. ':attempt')
-if tostring(cur[2]) ~= ARGV[4] then return {'ignored', 'stale attempt'} end
-local finished = csv(rec[5])
-if contains(finished, stage) then return {'ignored', 'duplicate'} end
 
-if kind == 'done' then
-  finished[#finished + 1] = stage
-  redis.call('HSET', wf, 'finished', table.concat(finished, ','), 'updated_ms', now)
-  -- full-edge successors whose producers are all done
-  local groups = cjson.decode(rec[6] or '[]')
-  local gsub = csv(rec[7])
-  for i, g in ipairs(groups) do
-    if not contains(gsub, tostring(i)) then
-      local ready = true
-      for _, dep in ipairs(g['after']) do
-        if not contains(finished, dep) then ready = false end
-      end
-      if ready then
-        for _, s in ipairs(g['stages']) do submit_stage(wf, prefix, id, s, 1, now) end
-        gsub[#gsub + 1] = tostring(i)
-        redis.call('HSET', wf, 'gsub', table.concat(gsub, ','))
+local function apply()
+  if kind == 'lost' and ARGV[13] ~= '' then
+    redis.call('XACK', ARGV[12], ARGV[14], ARGV[13])
+    redis.call('XDEL', ARGV[12], ARGV[13])
+  end
+  local rec = redis.call('HMGET', wf, 'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub')
+  if not is_live(rec[1]) then return {'ignored', rec[1] or 'gone'} end
+  local id = rec[2]
+  local cur = redis.call('HMGET', sk, stage, stage .. ':attempt')
+  if tostring(cur[2]) ~= ARGV[4] then return {'ignored', 'stale attempt'} end
+  local finished = csv(rec[5])
+  if contains(finished, stage) then return {'ignored', 'duplicate'} end
+
+  if kind == 'done' then
+    finished[#finished + 1] = stage
+    redis.call('HSET', wf, 'finished', table.concat(finished, ','), 'updated_ms', now)
+    -- full-edge successors whose producers are all done
+    local groups = cjson.decode(rec[6] or '[]')
+    local gsub = csv(rec[7])
+    for i, g in ipairs(groups) do
+      if not contains(gsub, tostring(i)) then
+        local ready = true
+        for _, dep in ipairs(g['after']) do
+          if not contains(finished, dep) then ready = false end
+        end
+        if ready then
+          for _, s in ipairs(g['stages']) do submit_stage(wf, prefix, id, s, 1, now) end
+          gsub[#gsub + 1] = tostring(i)
+          redis.call('HSET', wf, 'gsub', table.concat(gsub, ','))
+        end
       end
     end
+    if not terminal_set_complete(sk, finished, rec[4], rec[3]) then return {'advanced'} end
+    finalize(wf, KEYS[2], prefix, id, 'completed', nil, nil, now, ARGV[10], ARGV[11])
+    return {'completed'}
   end
-  if not terminal_set_complete(sk, finished, rec[4], rec[3]) then return {'advanced'} end
-  finalize(wf, KEYS[2], prefix, id, 'completed', nil, nil, now, ARGV[10], ARGV[11])
-  return {'completed'}
+
+  -- failed or lost
+  if kind == 'failed' and cur[1] ~= 'failed' then return {'ignored', 'not failed'} end
+  if kind == 'lost' and stage_terminal(cur[1]) then return {'ignored', 'already ' .. cur[1]} end
+  local attempt = tonumber(ARGV[4])
+  if ARGV[7] == '1' and attempt < tonumber(ARGV[8]) then
+    local nxt = attempt + 1
+    redis.call('HSET', sk, stage, 'pending', stage .. ':attempt', nxt, stage .. ':t_submit', now)
+    redis.call('XADD', wf .. ':log', '*', 't', 'retry', 'stage', stage, 'attempt', tostring(nxt),
+      'reason', kind .. ': ' .. ARGV[6])
+    if tonumber(ARGV[9]) <= tonumber(now) then
+      redis.call('XADD', prefix .. ':stage:' .. stage .. ':tasks', '*', 'wf', id, 's', stage, 'a', nxt)
+    else
+      redis.call('ZADD', KEYS[3], ARGV[9], id .. '|' .. stage .. '|' .. nxt)
+    end
+    return {'retry', tostring(nxt)}
+  end
+  local why = ARGV[6]
+  if kind == 'lost' then why = 'worker lost ' .. attempt .. ' time(s): ' .. why end
+  redis.call('XADD', prefix .. ':dlq:' .. stage, 'MAXLEN', '~', ARGV[17] or '10000', '*', 'wf', id, 's', stage,
+    'a', ARGV[4], 'error', why, 'ms', now)
+  finalize(wf, KEYS[2], prefix, id, 'failed', 'stage ' .. stage .. ' failed: ' .. why, stage, now, ARGV[10], ARGV[11])
+  return {'failed'}
 end
 
--- failed or lost
-if kind == 'failed' and cur[1] ~= 'failed' then return {'ignored', 'not failed'} end
-if kind == 'lost' and stage_terminal(cur[1]) then return {'ignored', 'already ' .. cur[1]} end
-local attempt = tonumber(ARGV[4])
-if ARGV[7] == '1' and attempt < tonumber(ARGV[8]) then
-  local nxt = attempt + 1
-  redis.call('HSET', sk, stage, 'pending', stage .. ':attempt', nxt, stage .. ':t_submit', now)
-  redis.call('XADD', wf .. ':log', '*', 't', 'retry', 'stage', stage, 'attempt', tostring(nxt),
-    'reason', kind .. ': ' .. ARGV[6])
-  if tonumber(ARGV[9]) <= tonumber(now) then
-    redis.call('XADD', prefix .. ':stage:' .. stage .. ':tasks', '*', 'wf', id, 's', stage, 'a', nxt)
-  else
-    redis.call('ZADD', KEYS[3], ARGV[9], id .. '|' .. stage .. '|' .. nxt)
-  end
-  return {'retry', tostring(nxt)}
+local res = apply()
+if ARGV[16] and ARGV[16] ~= '' then
+  redis.call('XACK', KEYS[4], ARGV[15], ARGV[16])
+  redis.call('XDEL', KEYS[4], ARGV[16])
 end
-local why = ARGV[6]
-if kind == 'lost' then why = 'worker lost ' .. attempt .. ' time(s): ' .. why end
-redis.call('XADD', prefix .. ':dlq:' .. stage, '*', 'wf', id, 's', stage, 'a', ARGV[4], 'error', why, 'ms', now)
-finalize(wf, KEYS[2], prefix, id, 'failed', 'stage ' .. stage .. ' failed: ' .. why, stage, now, ARGV[10], ARGV[11])
-return {'failed'}
+return res

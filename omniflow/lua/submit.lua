@@ -2,7 +2,7 @@
 -- KEYS[1] wf base key   `<p>:wf:{id}`
 -- KEYS[2] inflight zset `<p>:inflight`
 -- KEYS[3] tombstone     `<p>:tomb:<id>`
--- KEYS[4] idempotency   `<p>:idem:<tenant>:<key>` (ignored when ARGV[6] == 0)
+-- KEYS[4] idempotency   `<p>:idem:<len(tenant)>:<tenant>:<key>` (ignored when ARGV[6] == 0)
 -- KEYS[5] all-ids zset  `<p>:all`
 -- KEYS[6] tenant index  `<p>:idx:tenant:<tenant>`  KEYS[7] tenant names set `<p>:idx:tenants`
 -- ARGV[1] prefix  ARGV[2] id  ARGV[3] now_ms  ARGV[4] deadline_ms
