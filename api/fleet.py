@@ -6,11 +6,8 @@ import asyncio
 import time
 from typing import Any
 
-from redis.asyncio import Redis
-
 from omniflow.admin import collect_stats
-from omniflow.keys import Keys
-from omniflow.store import Store, now_ms, s
+from omniflow.store import Store
 
 POOLS_MAX_AGE_S = 0.5
 
@@ -32,16 +29,6 @@ class PoolsCache:
             return self._value
 
 
-async def live_workers(redis: Redis, keys: Keys, stages: tuple[str, ...]) -> dict[str, int]:
-    """Live workers per stage: members of `<p>:workers` whose lease (score, ms) is in the future."""
-    ids = await redis.zrangebyscore(keys.workers, f"({now_ms()}", "+inf")
-    counts = dict.fromkeys(stages, 0)
-    if ids:
-        pipe = redis.pipeline(transaction=False)
-        for worker_id in ids:
-            pipe.hget(keys.worker_info(s(worker_id)), "stage")
-        for stage in await pipe.execute():
-            name = s(stage)
-            if name in counts:
-                counts[name] += 1
-    return counts
+async def live_workers(store: Store) -> dict[str, int]:
+    """Live workers per stage (`Store.live_workers`: a worker serving several stages counts for each)."""
+    return await store.live_workers()

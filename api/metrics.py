@@ -152,7 +152,7 @@ async def render(state: ApiState) -> bytes:
     pipe.xlen(keys.notify)
     pipe.hgetall(keys.stats)
     *dlq, inflight, retries_due, notify, stats = await pipe.execute()
-    workers = await live_workers(redis, keys, stages)
+    workers = await live_workers(state.store)
     lat = state.latency
     active = {x.value: 0.0 for x in (WorkflowState.PENDING, WorkflowState.RUNNING)}
     for wf_state in lat.active.values():

@@ -19,6 +19,8 @@ from omniflow.errors import (
     InvalidRequest,
     OmniflowError,
     PipelineError,
+    RedisError,
+    RedisNotFound,
     RedisUnavailable,
     WorkflowError,
     WorkflowNotFound,
@@ -50,11 +52,14 @@ def handle_errors(fn: Callable[..., T]) -> Callable[..., T]:
     def wrapper(*args: Any, **kwargs: Any) -> T:
         try:
             return fn(*args, **kwargs)
-        except (RedisUnavailable, ConnectionError) as exc:
+        except RedisUnavailable as exc:
             _fail(EXIT_REDIS, f"{exc} (is `omniflow up` running, or OMNIFLOW_REDIS_URL right?)")
-        except ConfigError as exc:
-            _fail(EXIT_REDIS if "Redis" in str(exc) else EXIT_BAD_INPUT, str(exc))
-        except (PipelineError, InvalidRequest, WorkflowRetired, WorkflowNotFound, AdmissionRefused) as exc:
+        except RedisNotFound as exc:
+            _fail(EXIT_REDIS, str(exc))
+        except RedisError as exc:
+            _fail(EXIT_REDIS, str(exc))
+        except (ConfigError, PipelineError, InvalidRequest, WorkflowRetired, WorkflowNotFound,
+                AdmissionRefused) as exc:
             _fail(EXIT_BAD_INPUT, str(exc))
         except (WorkflowError, OmniflowError) as exc:
             _fail(EXIT_BAD_INPUT, str(exc))
@@ -73,13 +78,11 @@ def _pipeline(path: Path | None = None) -> Pipeline:
 
 
 def _run(coro_fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
-    """Run one coroutine with a client bound to this loop (connection errors surface as RedisUnavailable)."""
-    from redis.exceptions import ConnectionError as RedisConnectionError
+    """Run one coroutine with a client bound to this loop (redis-py errors come out translated)."""
+    from omniflow.redisio import boundary
 
-    try:
+    with boundary():
         return asyncio.run(coro_fn(*args))
-    except RedisConnectionError as exc:
-        raise RedisUnavailable(f"Redis unreachable: {exc}") from exc
 
 
 async def _with_client(fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:

@@ -15,16 +15,14 @@ from types import TracebackType
 from typing import Any
 
 import numpy as np
-from redis import Redis as SyncRedis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError
 
-from omniflow import scripts
+from omniflow import redisio
 from omniflow.config import Settings, get_settings
-from omniflow.errors import RedisUnavailable
+from omniflow.errors import RedisRefused
 from omniflow.models import SubmitRequest, WorkflowInput
 from omniflow.pipeline import Pipeline, load_pipeline
-from omniflow.store import Store, check_same_body, connect, s
+from omniflow.redisio import connect, connect_sync
+from omniflow.store import Store, check_same_body, s
 
 
 class AsyncClient:
@@ -91,7 +89,7 @@ class Client:
     def __init__(self, redis_url: str | None = None, **kwargs: Any) -> None:
         self._loop = asyncio.new_event_loop()
         self._client = self._run(_make(redis_url, kwargs))
-        self._sync = SyncRedis.from_url(self._client.redis_url, decode_responses=False)
+        self._sync = connect_sync(self._client.redis_url)
 
     def _run(self, coro: Any) -> Any:
         return self._loop.run_until_complete(coro)
@@ -118,20 +116,16 @@ class Client:
                             webhook_url=webhook_url)
         store = self._client.store
         keys, args = store.submit_call(req, tenant=self._client.tenant)
-        command = scripts.evalsha_args("submit", keys, args)
         try:
-            try:
-                reply = self._sync.execute_command(*command)
-            except NoScriptError:
-                self._sync.script_load(scripts.SCRIPTS["submit"].source)
-                reply = self._sync.execute_command(*command)
+            reply = redisio.script_sync(self._sync, "submit", keys, args)
+        except RedisRefused as exc:
+            raise store.refused(exc) from exc
+        with redisio.boundary():
             if self._client.settings.wait_aof:
-                self._sync.execute_command("WAITAOF", 1, 0, 1000)
+                self._sync.execute_command("WAITAOF", 1, 0, 1000)  # type: ignore[no-untyped-call]
             result = store.submitted(reply)
             if result.existing:         # the same key with a different request is refused (IdempotencyConflict)
                 check_same_body(result.id, req, s(self._sync.hget(store.keys.wf(result.id), "body_hash")))
-        except RedisConnectionError as exc:
-            raise RedisUnavailable(f"Redis unreachable: {exc}") from exc
         return result.id
 
     def get(self, wf_id: str) -> dict[str, Any]:

@@ -2,17 +2,24 @@
 
 Used by `omniflow up` when no `OMNIFLOW_REDIS_URL` is set, by the test session
 and by the benchmarks. The server is a plain child process; AOF is on unless
-asked otherwise.
+asked otherwise. It never outlives its parent unnoticed: on Linux the kernel
+sends it SIGTERM when the process that started it dies (PR_SET_PDEATHSIG), and
+its pid file in the data directory lets the next start find and stop one that
+was left behind anyway (`stop_orphan`).
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +28,55 @@ from omniflow.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 DEFAULT_START_TIMEOUT_S = 10.0
+DEFAULT_STOP_TIMEOUT_S = 10.0
+PID_FILE = "valkey.pid"
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` that makes the child get SIGTERM when its parent dies (Linux), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    parent = os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:      # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def stop_orphan(data_dir: Path, *, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> int | None:
+    """Stop a server left running on `data_dir` by an earlier parent that died (its pid file names
+    it, and its command line names the directory). Returns its pid, or None when there was none."""
+    pid_file = data_dir / PID_FILE
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    cmd = _cmdline(pid)
+    if not cmd or not any("valkey-server" in part or "redis-server" in part for part in cmd[:1]) \
+            or str(data_dir) not in cmd:
+        pid_file.unlink(missing_ok=True)     # stale: that pid is gone, or is someone else now
+        return None
+    logger.warning("stopping an orphaned Valkey (pid %d) left running on %s by an earlier start", pid, data_dir)
+    os.kill(pid, signal.SIGTERM)             # SIGTERM: it flushes its AOF first
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _cmdline(pid):
+        time.sleep(0.05)
+    if _cmdline(pid):
+        os.kill(pid, signal.SIGKILL)
+    pid_file.unlink(missing_ok=True)
+    return pid
 
 
 def valkey_binary() -> str:
@@ -50,6 +106,7 @@ class EmbeddedServer:
     appendfsync: str = "everysec"
     binary: str | None = None
     extra_args: list[str] = field(default_factory=list)
+    die_with_parent: bool = True        # SIGTERM from the kernel when the starting process dies (Linux)
     process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -68,6 +125,7 @@ class EmbeddedServer:
             "--maxmemory-policy", "noeviction",
             "--protected-mode", "no",
             "--logfile", str(self.data_dir / "server.log"),
+            "--pidfile", str(self.data_dir / PID_FILE),
         ]
         return args + self.extra_args
 
@@ -77,7 +135,8 @@ class EmbeddedServer:
             self.port = free_port(self.host)
         # Own process group: a Ctrl-C in the terminal reaches us, and we stop it last.
         self.process = subprocess.Popen(
-            self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=_die_with_parent() if self.die_with_parent else None,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

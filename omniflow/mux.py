@@ -14,15 +14,16 @@ import uuid
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from omniflow.keys import Keys
+from omniflow.redisio import REDIS_ERRORS, translate
 from omniflow.runtime import Backoff
 
 logger = logging.getLogger(__name__)
 
 Entry = tuple[bytes, dict[bytes, bytes]]
+#: the wake stream expires this long after its last poke: one left by a killed process goes away
+WAKE_TTL_S = 3600
 
 
 class StreamMux:
@@ -60,7 +61,10 @@ class StreamMux:
 
     async def poke(self) -> None:
         """Wake the reader so it picks up newly watched streams now."""
-        await self._redis.xadd(self.wake_key, {"w": "1"}, maxlen=64, approximate=True)
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.xadd(self.wake_key, {"w": "1"}, maxlen=64, approximate=True)
+        pipe.expire(self.wake_key, WAKE_TTL_S)
+        await pipe.execute()
 
     async def close(self) -> None:
         self._closed = True
@@ -70,8 +74,8 @@ class StreamMux:
             self._task = None
         try:
             await self._redis.delete(self.wake_key)
-        except (RedisConnectionError, RedisTimeoutError, OSError):
-            pass
+        except REDIS_ERRORS as exc:
+            logger.warning("stream reader: could not delete %s (it expires): %s", self.wake_key, translate(exc))
 
     async def _run(self) -> None:
         backoff = Backoff()
@@ -84,8 +88,8 @@ class StreamMux:
                 backoff.reset()
             except asyncio.CancelledError:
                 raise
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-                await backoff.wait(logger, "stream reader", exc)
+            except REDIS_ERRORS as exc:          # lost, BUSY, LOADING...: wait and read again
+                await backoff.wait(logger, "stream reader", translate(exc))
                 continue
             for raw_key, entries in reply or []:
                 key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key

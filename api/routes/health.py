@@ -5,12 +5,12 @@ from typing import Any
 
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
-from redis.exceptions import RedisError
 
 from omniflow.api.deps import StateDep
 from omniflow.api.fleet import live_workers
 from omniflow.api.metrics import CONTENT_TYPE, render
 from omniflow.api.schemas import Health, Readiness
+from omniflow.errors import RedisError
 
 router = APIRouter(tags=["health"])
 
@@ -26,9 +26,9 @@ async def healthz() -> Health:
 async def readyz(state: StateDep) -> Any:
     stages = state.pipeline.order
     try:
-        await state.redis.ping()
-        counts = await live_workers(state.redis, state.store.keys, stages)
-    except (RedisError, OSError) as exc:
+        await state.store.ping()
+        counts = await live_workers(state.store)
+    except RedisError as exc:
         body = Readiness(status="unready", redis=False, stages=dict.fromkeys(stages, 0), missing=list(stages),
                          message=f"Redis unreachable: {exc}")
         return JSONResponse(body.model_dump(), status_code=503)

@@ -36,7 +36,6 @@ from omniflow.api.schemas import AUTH_ERRORS as _AUTH
 from omniflow.api.schemas import ErrorResponse as E
 from omniflow.api.sse import EventStreamResponse, sse_event
 from omniflow.models import SubmitRequest, WorkflowInput, WorkflowState
-from omniflow.store import s
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +163,6 @@ async def _stream(state: ApiState, body: ChatRequest, wf_id: str, modalities: li
     created = int(time.time())
     text_stage, audio_stage = _stage_of(state, "text"), _stage_of(state, "audio")
     want_audio = "audio" in modalities and audio_stage is not None
-    out_key = state.store.keys.out(wf_id, audio_stage or "")
     out_cursor = "-"
     transcript: list[str] = []
     finished = False
@@ -177,12 +175,12 @@ async def _stream(state: ApiState, body: ChatRequest, wf_id: str, modalities: li
                     transcript.append(fields.get("delta", ""))
                     yield _chunk(wf_id, body.model, created, {"content": fields.get("delta", "")})
                 elif kind == "audio" and want_audio and fields.get("stage") == audio_stage:
-                    for entry_id, chunk in await state.redis.xrange(out_key, min=out_cursor):
-                        out_cursor = f"({s(entry_id)}"
-                        data = base64.b64encode(chunk[b"pcm"]).decode()
+                    for entry_id, pcm, rate in await state.store.audio_chunks(wf_id, audio_stage or "",
+                                                                              after=out_cursor):
+                        out_cursor = entry_id
+                        data = base64.b64encode(pcm).decode()
                         yield _chunk(wf_id, body.model, created,
-                                     {"audio": {"id": f"audio_{wf_id}", "data": data,
-                                                "sample_rate": int(s(chunk.get(b"sr")) or 0)}})
+                                     {"audio": {"id": f"audio_{wf_id}", "data": data, "sample_rate": rate}})
                 elif kind == "terminal":
                     break
         doc = await state.store.document(wf_id)
