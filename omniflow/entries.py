@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
 
 from omniflow.errors import MalformedEntry
 
@@ -20,6 +19,7 @@ MAX_ATTEMPT = 10_000          # RetryPolicy.max_attempts is at most 100; restart
 MAX_ID_CHARS = 256
 MAX_DETAIL_BYTES = 64 * 1024  # an error message or a usage document
 MAX_SEQ = 1_000_000_000
+MAX_INT_CHARS = 1024          # an integer field this long is not read at all (out of every bound anyway)
 
 Fields = dict[bytes, bytes]
 
@@ -52,7 +52,7 @@ def text(fields: Fields, name: bytes, *, max_chars: int = MAX_ID_CHARS, required
 
 def integer(fields: Fields, name: bytes, *, low: int, high: int) -> int:
     """An integer field within [low, high]."""
-    raw = text(fields, name, max_chars=24)
+    raw = text(fields, name, max_chars=MAX_INT_CHARS)
     try:
         value = int(raw)
     except ValueError as exc:
@@ -167,8 +167,3 @@ def retry_member(member: str, *, stages: Collection[str]) -> tuple[str, str, int
     if not 1 <= attempt <= MAX_ATTEMPT:
         raise MalformedEntry(f"retry member {member[:80]!r}: attempt out of bounds")
     return wf_id, stage, attempt
-
-
-def describe(value: Any) -> str:
-    """A short printable form of a poison value (for logs)."""
-    return repr(value)[:200]

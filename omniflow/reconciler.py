@@ -373,10 +373,11 @@ class Reconciler:
         self.counts["deadline"] += len(late)
         return len(late)
 
-    async def _sweep_consumers(self) -> int:
+    async def _sweep_consumers(self, *, idle_ms: int | None = None) -> int:
         """Delete the consumers crashed reconcilers left in the event group (one per crash, forever
-        otherwise); a restarted reconciler has a new name."""
-        idle_ms = max(MIN_DEAD_CONSUMER_IDLE_MS, 10 * self.settings.block_ms, 3 * self.settings.event_claim_idle_ms)
+        otherwise; a restarted reconciler has a new name): those idle for longer than `idle_ms`."""
+        if idle_ms is None:
+            idle_ms = max(MIN_DEAD_CONSUMER_IDLE_MS, 10 * self.settings.block_ms, 3 * self.settings.event_claim_idle_ms)
         try:
             return await redisio.reap_idle_consumers(self.redis, self.keys.events, EVENT_GROUP, idle_ms=idle_ms,
                                                      keep=self.id)

@@ -113,3 +113,12 @@ class TensorCheckingTalker(ToyTalker):
             seen.append([str(hidden.dtype).removeprefix("torch."), list(hidden.shape)])
             await session.emit(data={"codes": np.arange(4, dtype=np.int32), "word": chunk.data["word"]})
         return {"seen": seen}
+
+
+class ModelServerDownTalker(ToyTalker):
+    """Its model server refuses the connection on the first attempt (an executor's own OSError)."""
+
+    async def run(self, session: Session) -> Mapping[str, Any]:
+        if session.attempt == 1:
+            raise ConnectionRefusedError(111, "model server refused the connection")
+        return await super().run(session)
