@@ -48,32 +48,42 @@ def _die_with_parent() -> Callable[[], None] | None:
     return preexec
 
 
-def _cmdline(pid: int) -> list[str]:
+def _running(pid: int) -> bool:
+    """Alive (a zombie waiting to be reaped is not)."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _serves(pid: int, data_dir: Path) -> bool:
+    """Is `pid` a Redis-protocol server working in `data_dir`? (It chdirs to its `--dir`; its
+    command line is no help: Valkey rewrites its process title.)"""
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+        cwd = os.readlink(f"/proc/{pid}/cwd")
     except OSError:
-        return []
+        return False
+    return Path(exe).name in ("valkey-server", "redis-server") and Path(cwd) == data_dir.resolve()
 
 
 def stop_orphan(data_dir: Path, *, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> int | None:
     """Stop a server left running on `data_dir` by an earlier parent that died (its pid file names
-    it, and its command line names the directory). Returns its pid, or None when there was none."""
+    it, and it works in that directory). Returns its pid, or None when there was none."""
     pid_file = data_dir / PID_FILE
     try:
         pid = int(pid_file.read_text().strip())
     except (OSError, ValueError):
         return None
-    cmd = _cmdline(pid)
-    if not cmd or not any("valkey-server" in part or "redis-server" in part for part in cmd[:1]) \
-            or str(data_dir) not in cmd:
+    if not _running(pid) or not _serves(pid, data_dir):
         pid_file.unlink(missing_ok=True)     # stale: that pid is gone, or is someone else now
         return None
     logger.warning("stopping an orphaned Valkey (pid %d) left running on %s by an earlier start", pid, data_dir)
     os.kill(pid, signal.SIGTERM)             # SIGTERM: it flushes its AOF first
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and _cmdline(pid):
+    while time.monotonic() < deadline and _running(pid):
         time.sleep(0.05)
-    if _cmdline(pid):
+    if _running(pid):
         os.kill(pid, signal.SIGKILL)
     pid_file.unlink(missing_ok=True)
     return pid

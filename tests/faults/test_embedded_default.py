@@ -1,0 +1,220 @@
+"""The embedded default and the CLI when things are wrong (issue 9): bad settings, Redis away,
+Redis out of memory, two `up` on one home, an orphaned or killed Valkey, a child that cannot
+start. Everything runs as a user runs it: real subprocesses."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import helpers
+from helpers import omniflow
+from omniflow.embedded import PID_FILE, EmbeddedServer, free_port
+
+
+def bare_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNIFLOW_")}
+    env.update({"OMNIFLOW_HOME": str(tmp_path / "home"), "OMNIFLOW_LOG_LEVEL": "WARNING", **extra})
+    return env
+
+
+def one_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def wait_for(check: Callable[[], Any], timeout_s: float = 40.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError("condition not met in time")
+
+
+@pytest.mark.parametrize(("name", "value"), [("OMNIFLOW_MAX_IN_FLIGHT", "abc"), ("OMNIFLOW_REDIS_URL", "notaurl")])
+async def test_a_bad_setting_is_one_line_naming_it_and_exit_2(tmp_path, name, value) -> None:
+    code, _, stderr = await omniflow("ls", env=bare_env(tmp_path, **{name: value}))
+    assert code == 2
+    assert name in one_line(stderr)
+
+
+async def test_no_redis_reachable_is_one_line_and_exit_3(tmp_path) -> None:
+    code, _, stderr = await omniflow("ls", env=bare_env(tmp_path, OMNIFLOW_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0"))
+    assert code == 3
+    assert "Redis unreachable" in one_line(stderr)
+
+
+async def test_submit_while_redis_is_out_of_memory_is_busy(engine_factory, tmp_path) -> None:
+    async with engine_factory(workers=False, reconciler=False) as eng:
+        env = helpers.cli_env(eng, tmp_path)
+        await eng.redis.config_set("maxmemory", 1)
+        try:
+            code, _, stderr = await omniflow("submit", "no room", env=env)
+        finally:
+            await eng.redis.config_set("maxmemory", 0)
+        assert code == 2
+        assert "out of memory" in one_line(stderr) and "retry later" in stderr
+
+
+@pytest.mark.slow
+async def test_daemons_wait_for_redis_with_one_line_and_serve_when_it_comes(tmp_path) -> None:
+    port = free_port()
+    env = bare_env(tmp_path, OMNIFLOW_REDIS_URL=f"redis://127.0.0.1:{port}/0", OMNIFLOW_LOG_LEVEL="INFO",
+                   OMNIFLOW_PREFIX="waiting")
+    procs = {role: await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "omniflow.cli", *argv, env=env, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE) for role, argv in (("worker", ["worker", "--stage", "thinker"]),
+                                                          ("reconciler", ["reconciler"]), ("jobs", ["jobs"]))}
+    server = None
+    try:
+        await asyncio.sleep(4)
+        assert all(p.returncode is None for p in procs.values())          # nobody died of it
+        server = EmbeddedServer(data_dir=tmp_path / "late-valkey", port=port, appendonly=False).start()
+        from omniflow.redisio import connect
+
+        redis = connect(server.url)
+        try:
+            async def worker_registered() -> bool:
+                return bool(await redis.zcard("waiting:workers"))
+            await helpers.eventually(worker_registered, timeout_s=30)
+        finally:
+            await redis.aclose()
+    finally:
+        for proc in procs.values():
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+        outputs = {role: (await asyncio.wait_for(p.communicate(), 30))[1].decode() for role, p in procs.items()}
+        if server is not None:
+            server.stop()
+    for role, proc in procs.items():
+        err = outputs[role]
+        assert proc.returncode == 0, (role, err)
+        assert "Traceback" not in err, (role, err)
+        assert err.count("is not answering") == 1, (role, err)
+
+
+# ---------------------------------------------------------------- omniflow up
+@pytest.fixture
+def up_home(tmp_path: Path) -> Iterator[tuple[Path, dict[str, str]]]:
+    env = bare_env(tmp_path, OMNIFLOW_LEASE_TIMEOUT_S="1.0", OMNIFLOW_HEARTBEAT_INTERVAL_S="0.2")
+    yield tmp_path / "home", env
+    # nothing of ours outlives the test, whatever it did
+    pid_file = tmp_path / "home" / "valkey" / PID_FILE
+    if pid_file.exists():
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+def start_up(env: dict[str, str], *args: str, cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "omniflow.cli", "up", *args], env=env, cwd=cwd, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "omniflow.cli", *args], env=env, text=True, capture_output=True,
+                          timeout=60)
+
+
+def valkey_pid(home: Path) -> int | None:
+    try:
+        return int((home / "valkey" / PID_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def submit_completes(env: dict[str, str]) -> bool:
+    return cli(env, "submit", "are you there", "--modalities", "text", "--wait", "--timeout", "20").returncode == 0
+
+
+@pytest.mark.slow
+def test_up_one_per_home_supervises_valkey_and_takes_it_down_when_killed(up_home, tmp_path) -> None:
+    home, env = up_home
+    first = start_up(env, "--no-api", cwd=tmp_path)
+    children: list[int] = []
+    try:
+        wait_for(lambda: cli(env, "stats").returncode == 0)
+        # a second `up` on the same home is refused, naming the first
+        second = start_up(env, "--no-api", cwd=tmp_path)
+        _, err = second.communicate(timeout=60)
+        assert second.returncode == 2
+        assert f"another `omniflow up` (pid {first.pid}" in one_line(err)
+        assert submit_completes(env)                      # and the first one never noticed
+        # its Valkey is killed: `up` restarts it from its AOF, and says so
+        old = valkey_pid(home)
+        assert old
+        os.kill(old, signal.SIGKILL)
+        wait_for(lambda: (valkey_pid(home) or old) != old and alive(valkey_pid(home) or 0))
+        assert wait_for(lambda: submit_completes(env), timeout_s=60)
+        children = [int(p) for p in subprocess.run(["pgrep", "-P", str(first.pid)], text=True,
+                                                   capture_output=True).stdout.split()]
+        server = valkey_pid(home)
+        assert server
+        # `up` killed hard: its Valkey and its children do not outlive it
+        first.kill()
+        first.wait(10)
+        wait_for(lambda: not alive(server) and not any(alive(p) for p in children), timeout_s=30)
+    finally:
+        if first.poll() is None:
+            first.send_signal(signal.SIGINT)
+            first.wait(60)
+        _, first_err = first.communicate()
+    assert "restarting it from its AOF" in first_err
+
+
+@pytest.mark.slow
+def test_up_stops_an_orphaned_valkey_left_on_its_home(up_home, tmp_path) -> None:
+    home, env = up_home
+    orphan = EmbeddedServer(data_dir=(home / "valkey").resolve(), appendonly=True, die_with_parent=False).start()
+    assert orphan.process is not None
+    orphan_pid = orphan.process.pid
+    up = start_up(env, "--no-api", cwd=tmp_path)
+    try:
+        wait_for(lambda: cli(env, "stats").returncode == 0)
+        orphan.process.wait(30)                      # stopped by `up` (SIGTERM: AOF flushed)
+        assert valkey_pid(home) not in (None, orphan_pid)
+    finally:
+        up.send_signal(signal.SIGINT)
+        _, err = up.communicate(timeout=60)
+        orphan.stop()
+    assert up.returncode == 0
+    assert f"orphaned Valkey (pid {orphan_pid})" in err
+
+
+@pytest.mark.slow
+def test_up_stops_with_the_reason_when_its_api_cannot_start(up_home, tmp_path) -> None:
+    _, env = up_home
+    up = start_up(env, "--host", "0.0.0.0", "--port", str(free_port()), cwd=tmp_path)
+    out, err = up.communicate(timeout=120)
+    assert up.returncode == 2
+    assert "is up" not in out
+    assert "api cannot start" in err and "refusing to bind 0.0.0.0" in err.splitlines()[-1]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        up = start_up(env, "--port", str(taken.getsockname()[1]), cwd=tmp_path)
+        out, err = up.communicate(timeout=120)
+    assert up.returncode == 2
+    assert "is up" not in out and "already taken" in err.splitlines()[-1]
