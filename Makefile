@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast soak bench install browser clean up
+.PHONY: demo test test-fast lint soak bench install browser clean up
 
 # the dashboard's browser test drives Debian's chromium (never a browser downloaded at run time)
 CHROMIUM := /usr/bin/chromium
@@ -26,8 +26,12 @@ browser: $(CHROMIUM)
 demo: $(STAMP)
 	$(PY) -m omniflow.demo
 
-test: $(STAMP) $(CHROMIUM)
+test: $(STAMP) $(CHROMIUM) lint
 	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check omniflow api workers tests bench
+	$(VENV)/bin/mypy
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not chaos"

@@ -323,7 +323,7 @@ async def batch_status(store: Store, batch_id: str, *, lines: bool = True) -> di
     if running:
         pipe = store.redis.pipeline(transaction=False)
         for n in running:
-            pipe.hget(keys.wf(rows[n]["wf"]), "state")
+            pipe.hget(keys.wf(str(rows[n]["wf"])), "state")
         for n, st in zip(running, await pipe.execute()):
             rows[n]["workflow_state"] = s(st) or None
     doc["lines"] = [{"line": n, "workflow_id": r.get("wf"), "state": r.get("state"), "error": r.get("error"),

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any
 
 from redis.asyncio import Redis
 
@@ -32,7 +32,7 @@ DEFAULT_REFUSED_RETRY_S = 30.0
 REFUSED_BACKOFF_FIRST_S = 0.05
 REFUSED_BACKOFF_CAP_S = 1.0
 
-Command = Union[tuple[Any, ...], Callable[[], tuple[Any, ...]]]
+Command = tuple[Any, ...] | Callable[[], tuple[Any, ...]]
 
 
 class Batcher:

@@ -88,7 +88,7 @@ class Client:
 
     def __init__(self, redis_url: str | None = None, **kwargs: Any) -> None:
         self._loop = asyncio.new_event_loop()
-        self._client = self._run(_make(redis_url, kwargs))
+        self._client: AsyncClient = self._run(_make(redis_url, kwargs))
         self._sync = connect_sync(self._client.redis_url)
 
     def _run(self, coro: Any) -> Any:
@@ -122,7 +122,7 @@ class Client:
             raise store.refused(exc) from exc
         with redisio.boundary():
             if self._client.settings.wait_aof:
-                self._sync.execute_command("WAITAOF", 1, 0, 1000)  # type: ignore[no-untyped-call]
+                self._sync.execute_command("WAITAOF", 1, 0, 1000)
             result = store.submitted(reply)
             if result.existing:         # the same key with a different request is refused (IdempotencyConflict)
                 check_same_body(result.id, req, s(self._sync.hget(store.keys.wf(result.id), "body_hash")))

@@ -122,7 +122,7 @@ async def resolve(host: str, port: int) -> list[IPAddress]:
         raise EgressRefused(f"cannot resolve {host!r}: {exc}") from exc
     seen: dict[IPAddress, None] = {}
     for info in infos:
-        seen.setdefault(ipaddress.ip_address(info[4][0].split("%", 1)[0]), None)
+        seen.setdefault(ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]), None)
     if not seen:
         raise EgressRefused(f"{host!r} resolves to no address")
     return list(seen)

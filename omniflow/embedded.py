@@ -139,7 +139,7 @@ class EmbeddedServer:
         ]
         return args + self.extra_args
 
-    def start(self, *, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> "EmbeddedServer":
+    def start(self, *, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> EmbeddedServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if not self.port:
             self.port = free_port(self.host)

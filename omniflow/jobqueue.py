@@ -20,7 +20,8 @@ RUN_BATCH_CHUNK = "run_batch_chunk"
 
 
 def job_serializer(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    data: bytes = msgpack.packb(obj, use_bin_type=True)
+    return data
 
 
 def job_deserializer(data: bytes) -> Any:

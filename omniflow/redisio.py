@@ -4,13 +4,13 @@ Every connection omniflow opens is made by `connect` (the one place a cluster or
 sentinel client would plug in). Every redis-py error is translated here, and
 only here, into the `omniflow.errors` tree, and every loop has one rule per class:
 
-| what happened                                              | class              | rule                          |
-|------------------------------------------------------------|--------------------|-------------------------------|
-| connection lost, refused or timed out                      | `RedisUnavailable` | retry with backoff            |
-| the server refused: OOM, READONLY, BUSY, LOADING, ...      | `RedisRefused`     | retry with backoff (nothing of the command was applied) |
-| NOSCRIPT (server restarted, or `SCRIPT FLUSH`)             | never leaves here  | scripts loaded, the call sent again |
-| a script or command failed on its own terms (bug, bad data) | `ScriptError`     | dead-letter what caused it    |
-| bad credentials, no permission                             | `ConfigError`      | stop with one line            |
+| what happened                                        | class              | rule                      |
+|------------------------------------------------------|--------------------|---------------------------|
+| connection lost, refused or timed out                | `RedisUnavailable` | retry with backoff        |
+| the server refused: OOM, READONLY, BUSY, LOADING...  | `RedisRefused`     | retry with backoff (nothing was applied) |
+| NOSCRIPT (server restarted, or `SCRIPT FLUSH`)       | never leaves here  | scripts loaded, call resent |
+| a script or command failed (a bug, bad data)         | `ScriptError`      | dead-letter what caused it |
+| bad credentials, no permission                       | `ConfigError`      | stop with one line        |
 
 `execute` is the one script runner: it sends commands in one round trip (one
 command, or a pipeline), returns each reply in place (an error as its
@@ -69,7 +69,7 @@ _REFUSED_CLASSES: tuple[tuple[type[BaseException], str], ...] = (
 )
 
 
-class FastConnection(AsyncConnection):
+class FastConnection(AsyncConnection):  # type: ignore[misc]  # redis is Any to mypy: see pyproject.toml
     """redis-py's asyncio connection packs commands in pure Python (its sync twin uses
     hiredis); packing was the largest single cost per workflow. hiredis packs in C."""
 
@@ -211,13 +211,13 @@ def script_sync(redis: SyncRedis, name: str, keys: list[str], args: list[Any]) -
     command = evalsha_args(name, keys, args)
     try:
         try:
-            return redis.execute_command(*command)  # type: ignore[no-untyped-call]
+            return redis.execute_command(*command)
         except NoScriptError:
             pipe = redis.pipeline(transaction=False)
             for source in SCRIPTS.values():
                 pipe.script_load(source.source)
             pipe.execute()
-            return redis.execute_command(*command)  # type: ignore[no-untyped-call]
+            return redis.execute_command(*command)
     except CLIENT_ERRORS as exc:
         raise translate(exc) from exc
 

@@ -13,6 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+import builtins
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -450,7 +451,7 @@ class Store:
         return await listing.state_counts(self.redis, self.keys)
 
     async def list(self, *, state: str | None = None, tenant: str | None = None, offset: int = 0,
-                   limit: int = 50) -> list[dict[str, Any]]:
+                   limit: int = 50) -> builtins.list[dict[str, Any]]:
         """Newest first (the first page of `list_page`)."""
         return (await self.list_page(state=state, tenant=tenant, offset=offset, limit=limit))[0]
 
@@ -461,7 +462,7 @@ class Store:
         await self.redis.ping()
 
     @translated
-    async def audio_chunks(self, wf_id: str, stage: str, *, after: str = "-") -> list[tuple[str, bytes, int]]:
+    async def audio_chunks(self, wf_id: str, stage: str, *, after: str = "-") -> builtins.list[tuple[str, bytes, int]]:
         """Audio chunks of a final stage after entry `after` (exclusive unless '-'): (entry id, PCM, rate)."""
         start = after if after == "-" else f"({after}"
         return [(s(eid), bytes(f[b"pcm"]), int(s(f.get(b"sr")) or 0))

@@ -23,7 +23,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from enum import Enum
 from typing import Any
 
@@ -105,7 +105,7 @@ class WebhookSender:
         """The response status; EgressRefused or httpx.HTTPError when there is none."""
         addr = await check_url(url, self.policy)
         scheme, host, port = split_url(url)
-        now = datetime.now(tz=timezone.utc)
+        now = datetime.now(tz=UTC)
         default_port = 443 if scheme == "https" else 80
         headers = {
             "content-type": "application/json",

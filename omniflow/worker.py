@@ -310,7 +310,7 @@ class Worker:
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
-            for session, task in list(self._sessions.values()):
+            for session, _task in list(self._sessions.values()):
                 if session is not None and session.waiting_since and \
                         now - session.waiting_since > self.pools[session.stage].spec.retry.input_timeout_s:
                     session.input_timed_out = True
@@ -365,20 +365,20 @@ class Worker:
         claims: list[tuple[str, str, int]] = []
         for entry_id, fields in entries:
             try:
-                task = task_entry(fields, stage=pool.stage)
+                entry = task_entry(fields, stage=pool.stage)
             except MalformedEntry as exc:
                 self._dead_letter(pool.stage, pool.tasks_key, TASK_GROUP, entry_id, fields,
                                   f"malformed task entry: {exc}")
                 continue
-            wf_id, stage, attempt = task.wf_id, task.stage, task.attempt
+            wf_id, stage, attempt = entry.wf_id, entry.stage, entry.attempt
             if attempt > 1:
                 # An older attempt of this session still running here was declared lost (our lease lapsed,
                 # or we lost Redis): it is fenced anyway; stop it so it cannot hold this stage's inputs.
                 # (The sessions held are scanned, not the attempts: an attempt number is only bounded.)
                 prefix = f"{wf_id}|{stage}|"
-                for key, (_stale, task_of) in list(self._sessions.items()):
+                for key, (_stale, held) in list(self._sessions.items()):
                     if key.startswith(prefix) and int(key.rsplit("|", 1)[1]) < attempt:
-                        task_of.cancel()
+                        held.cancel()
             claims.append((entry_id, wf_id, attempt))
         if claims:
             pool.claiming += len(claims)
@@ -455,6 +455,8 @@ class Worker:
             if replies is None:
                 for _entry_id, wf_id, attempt in claims:
                     self._inputs.pop((wf_id, stage, attempt), None)
+        if replies is None:         # the worker is stopping: the reconciler re-queues what we hold
+            return
         loop = asyncio.get_running_loop()
         for (entry_id, wf_id, attempt), queue, reply in zip(claims, queues, replies, strict=True):
             if isinstance(reply, Exception) or s(reply[0]) != "ok":
