@@ -87,42 +87,46 @@ class Batcher:
                 try:
                     built.append((cmd() if callable(cmd) else cmd, fut, retry))
                 except Exception as exc:  # noqa: BLE001 - a command that cannot be built fails alone
-                    if not fut.done():
-                        fut.set_exception(exc)
-            if not built:
-                continue
-            try:
-                results = await self._execute([c for c, _, _ in built], [r for _, _, r in built])
-            except Exception as exc:  # noqa: BLE001 - the round trip failed: every waiter must hear it
-                for _, fut, _ in built:
-                    if not fut.done():
-                        fut.set_exception(exc)
-                continue
-            for (_, fut, _), result in zip(built, results):
-                if fut.done():
-                    continue
-                if isinstance(result, Exception):
-                    fut.set_exception(result)
-                else:
-                    fut.set_result(result)
+                    _resolve(fut, exc)
+            if built:
+                await self._execute(built)
 
-    async def _execute(self, commands: list[tuple[Any, ...]], retry: list[bool]) -> list[Any]:
-        results = await self._run(commands)
-        started = time.monotonic()
+    async def _execute(self, built: list[tuple[tuple[Any, ...], asyncio.Future[Any], bool]]) -> None:
+        """Send the batch and resolve each future; commands the server refused (and that may wait)
+        are sent again, in order, with backoff, while every other future is resolved at once."""
+        held: list[tuple[tuple[Any, ...], asyncio.Future[Any], Any]] = []
+        try:
+            results = await self._run([cmd for cmd, _, _ in built])
+        except Exception as exc:  # noqa: BLE001 - the round trip failed: every waiter must hear it
+            results = [exc] * len(built)
+        for (cmd, fut, retry), result in zip(built, results):
+            if retry and isinstance(result, RedisRefused) and not self.closing:
+                held.append((cmd, fut, result))
+            else:
+                _resolve(fut, result)
+        if not held:
+            return
+        logger.warning("Redis refused %d command(s) (%s); holding them and retrying for up to %.0fs",
+                       len(held), held[0][2], self.refused_retry_s)
+        deadline = time.monotonic() + self.refused_retry_s
         delay_s = REFUSED_BACKOFF_FIRST_S
-        while not self.closing and time.monotonic() - started < self.refused_retry_s:
-            again = [i for i, r in enumerate(results) if retry[i] and isinstance(r, RedisRefused)]
-            if not again:
-                break
-            if delay_s == REFUSED_BACKOFF_FIRST_S:
-                logger.warning("Redis refused %d command(s) (%s); holding them and retrying for up to %.0fs",
-                               len(again), results[again[0]], self.refused_retry_s)
+        while held and not self.closing and time.monotonic() < deadline:
             self.refusals += 1
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, REFUSED_BACKOFF_CAP_S)
-            for i, result in zip(again, await self._run([commands[i] for i in again])):
-                results[i] = result
-        return results
+            try:
+                results = await self._run([cmd for cmd, _, _ in held])
+            except Exception as exc:  # noqa: BLE001 - the round trip failed: every waiter must hear it
+                results = [exc] * len(held)
+            still = []
+            for (cmd, fut, _), result in zip(held, results):
+                if isinstance(result, RedisRefused):
+                    still.append((cmd, fut, result))
+                else:
+                    _resolve(fut, result)
+            held = still
+        for _, fut, result in held:         # refused for longer than our patience: the caller decides
+            _resolve(fut, result)
 
     async def _run(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         self.round_trips += 1
@@ -131,3 +135,12 @@ class Batcher:
             return await redisio.execute(self._redis, commands)
         except RedisRefused as exc:      # the whole round trip was refused (e.g. LOADING): none was applied
             return [exc] * len(commands)
+
+
+def _resolve(fut: asyncio.Future[Any], result: Any) -> None:
+    if fut.done():                  # its caller was cancelled: the command went out anyway
+        return
+    if isinstance(result, BaseException):
+        fut.set_exception(result)
+    else:
+        fut.set_result(result)

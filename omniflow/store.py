@@ -119,7 +119,7 @@ class Store:
         keys, args = self.submit_call(req, tenant=tenant, wf_id=wf_id)
         try:
             if self.batcher is not None:
-                reply = await self.batcher.script("submit", keys, args)
+                reply = await self.batcher.script("submit", keys, args, retry_refused=False)
             else:
                 reply = await redisio.script(self.redis, "submit", keys, args)
         except RedisRefused as exc:

@@ -86,9 +86,22 @@ async def test_daemons_wait_for_redis_with_one_line_and_serve_when_it_comes(tmp_
         sys.executable, "-m", "omniflow.cli", *argv, env=env, stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE) for role, argv in (("worker", ["worker", "--stage", "thinker"]),
                                                           ("reconciler", ["reconciler"]), ("jobs", ["jobs"]))}
+    logs: dict[str, list[str]] = {role: [] for role in procs}
+
+    async def collect(role: str, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stderr is not None
+        async for raw in proc.stderr:
+            logs[role].append(raw.decode(errors="replace"))
+
+    readers = [asyncio.create_task(collect(role, p)) for role, p in procs.items()]
+
+    async def all_said_so() -> bool:
+        return all(any("is not answering" in line for line in lines) for lines in logs.values())
+
     server = None
     try:
-        await asyncio.sleep(4)
+        await helpers.eventually(all_said_so, timeout_s=60, interval_s=0.2)
+        await asyncio.sleep(1)
         assert all(p.returncode is None for p in procs.values())          # nobody died of it
         server = EmbeddedServer(data_dir=tmp_path / "late-valkey", port=port, appendonly=False).start()
         from omniflow.redisio import connect
@@ -104,11 +117,13 @@ async def test_daemons_wait_for_redis_with_one_line_and_serve_when_it_comes(tmp_
         for proc in procs.values():
             if proc.returncode is None:
                 proc.send_signal(signal.SIGTERM)
-        outputs = {role: (await asyncio.wait_for(p.communicate(), 30))[1].decode() for role, p in procs.items()}
+        for proc in procs.values():
+            await asyncio.wait_for(proc.wait(), 30)
+        await asyncio.gather(*readers)
         if server is not None:
             server.stop()
     for role, proc in procs.items():
-        err = outputs[role]
+        err = "".join(logs[role])
         assert proc.returncode == 0, (role, err)
         assert "Traceback" not in err, (role, err)
         assert err.count("is not answering") == 1, (role, err)

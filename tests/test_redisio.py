@@ -1,0 +1,97 @@
+"""The Redis boundary: the one error mapping (pure), the script runner and the group commit's
+handling of refusals (against the session's real server)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis.exceptions import (
+    AuthenticationError,
+    BusyLoadingError,
+    ConnectionError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+    TimeoutError,
+)
+
+from omniflow import redisio
+from omniflow.batcher import Batcher
+from omniflow.errors import AdmissionRefused, ConfigError, RedisRefused, RedisUnavailable, ScriptError
+from omniflow.store import Store
+
+from helpers import request
+
+
+@pytest.mark.parametrize(("raised", "cls", "refusal"), [
+    (ConnectionError("Connection reset by peer"), RedisUnavailable, None),
+    (TimeoutError("Timeout reading from socket"), RedisUnavailable, None),
+    (ConnectionRefusedError(111, "Connection refused"), RedisUnavailable, None),
+    (OutOfMemoryError("command not allowed when used memory > 'maxmemory'."), RedisRefused, "OOM"),
+    (ReadOnlyError("You can't write against a read only replica."), RedisRefused, "READONLY"),
+    (BusyLoadingError("Valkey is loading the dataset in memory"), RedisRefused, "LOADING"),
+    (ResponseError("BUSY Valkey is busy running a script."), RedisRefused, "BUSY"),
+    (ResponseError("MASTERDOWN Link with MASTER is down"), RedisRefused, "MASTERDOWN"),
+    (NoScriptError("No matching script."), RedisRefused, "NOSCRIPT"),
+    (ResponseError("emit: unknown op Z (nothing written)"), ScriptError, None),
+    (ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"), ScriptError, None),
+    (AuthenticationError("invalid password"), ConfigError, None),
+])
+def test_one_error_mapping(raised: BaseException, cls: type, refusal: str | None) -> None:
+    err = redisio.translate(raised)
+    assert type(err) is cls
+    if refusal is not None:
+        assert isinstance(err, RedisRefused) and err.refusal == refusal
+    assert isinstance(err, RedisRefused) == (refusal is not None)
+
+
+def test_a_bad_url_names_the_setting() -> None:
+    with pytest.raises(ConfigError, match="OMNIFLOW_REDIS_URL: 'notaurl'"):
+        redisio.connect("notaurl")
+
+
+async def test_the_script_runner_reloads_after_a_flush_and_returns_errors_in_place(valkey_url) -> None:
+    redis = redisio.connect(valkey_url)
+    try:
+        await redis.set("t-redisio:str", "v")
+        await redis.script_flush()
+        call = redisio.dead_letter_call("t-redisio:dlq", "t-redisio:src", "", "0-1", {b"a": b"1"}, "why", max_len=10)
+        results = await redisio.execute(redis, [call, ("HGET", "t-redisio:str", "x")])
+        assert results[0] == 1                                        # loaded and sent again
+        assert isinstance(results[1], ScriptError)                    # WRONGTYPE, in place
+        (_, entry), = await redis.xrange("t-redisio:dlq")
+        assert entry[b"reason"] == b"why" and entry[b"a"] == b"1"
+    finally:
+        await redis.delete("t-redisio:dlq", "t-redisio:src", "t-redisio:str")
+        await redis.aclose()
+
+
+async def test_a_refused_write_waits_in_the_group_commit_and_a_refused_submit_is_busy(engine_factory) -> None:
+    async with engine_factory(workers=False, reconciler=False) as eng:
+        batcher = Batcher(eng.redis, refused_retry_s=30)
+        store = Store(eng.redis, eng.settings, eng.pipeline, batcher=batcher)
+        key = f"{eng.settings.prefix}:held"
+        await eng.redis.config_set("maxmemory", 1)
+        try:
+            held = batcher.send("XADD", key, "*", "f", "v")
+            with pytest.raises(AdmissionRefused, match="out of memory"):
+                await store.submit(request("no room"))                # refused at once, never held
+            await asyncio.sleep(0.3)
+            assert not held.done()                                    # still waiting, not failed
+        finally:
+            await eng.redis.config_set("maxmemory", 0)
+        assert await asyncio.wait_for(held, 10)                       # written once the server takes it
+        assert await eng.redis.xlen(key) == 1
+        assert batcher.refusals > 0
+
+
+async def test_a_refusal_outlasting_the_patience_fails_the_write(engine_factory) -> None:
+    async with engine_factory(workers=False, reconciler=False) as eng:
+        batcher = Batcher(eng.redis, refused_retry_s=0.2)
+        await eng.redis.config_set("maxmemory", 1)
+        try:
+            with pytest.raises(RedisRefused):
+                await batcher.call("XADD", f"{eng.settings.prefix}:never", "*", "f", "v")
+        finally:
+            await eng.redis.config_set("maxmemory", 0)
