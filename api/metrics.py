@@ -22,6 +22,7 @@ from redis.exceptions import ResponseError
 from omniflow.api.fleet import live_workers
 from omniflow.keys import TASK_GROUP, Keys
 from omniflow.models import TERMINAL_STATES, WorkflowState
+from omniflow.redisio import translated
 from omniflow.store import csv, s
 
 if TYPE_CHECKING:
@@ -140,6 +141,7 @@ async def _queue_stats(redis: Redis, keys: Keys, stages: tuple[str, ...]) -> tup
     return length, lag, pending
 
 
+@translated                   # Redis away or refusing: 503 with Retry-After, like every route
 async def render(state: ApiState) -> bytes:
     redis, keys, stages = state.redis, state.store.keys, state.pipeline.order
     await state.latency.scan(redis, keys)

@@ -197,6 +197,7 @@ def test_up_one_per_home_supervises_valkey_and_takes_it_down_when_killed(up_home
             first.wait(60)
         _, first_err = first.communicate()
     assert "restarting it from its AOF" in first_err
+    assert "Traceback" not in first_err          # no child died of it (their stderr passes through `up`)
 
 
 @pytest.mark.slow
