@@ -73,6 +73,7 @@ T = TypeVar("T")
 
 DEFAULT_GRACE_S = 10.0
 MAX_DETAIL_CHARS = 4096     # an executor's error message, as the workflow record keeps it
+MAX_USAGE_CHARS = 16_384    # an executor's usage document (the reconciler refuses reports over 64 KiB)
 WORKER_INFO_TTL_S = 86_400
 INBOX_TRIM_EVERY = 128      # inbox entries read between two trims
 INTAKE_RECHECK_MS = 20      # a multi-stage worker with a full stage re-reads this often to add it back
@@ -104,6 +105,16 @@ def chunk_fields(fields: dict[bytes, bytes]) -> list[dict[bytes, bytes]]:
         return decode_chunks(packed)
     except CHUNK_DECODE_ERRORS:
         return [{b"malformed": b"1"}]
+
+
+def usage_json(usage: Any, session: Session) -> str:
+    """An executor's usage as the record keeps it (bounded: the reconciler refuses huge reports)."""
+    text = json.dumps(dict(usage or {}))
+    if len(text) > MAX_USAGE_CHARS:
+        logger.warning("executor %s returned %d characters of usage on %s; kept only its size",
+                       session.stage, len(text), session.wf_id)
+        text = json.dumps({"truncated": True, "chars": len(text)})
+    return text
 
 
 def new_worker_id(stage: str) -> str:
@@ -682,7 +693,7 @@ class Worker:
             async with pool.slots, asyncio.timeout(retry.attempt_timeout_s):
                 usage = await pool.call(pool.executor.run(session))
             session.raise_if_broken()
-            return "done", json.dumps(dict(usage or {})), True
+            return "done", usage_json(usage, session), True
         except Fenced:
             return "failed", "fenced", False
         except TimeoutError:
