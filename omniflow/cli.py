@@ -8,7 +8,6 @@ commands (stats, workers, drain, purge, dlq) are in `omniflow.cli_admin`, batche
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -18,7 +17,6 @@ from typing import Any
 
 import typer
 from pydantic import ValidationError
-from rich.table import Table
 
 from omniflow.cli_common import (
     EXIT_TIMED_OUT,
@@ -318,7 +316,7 @@ def main() -> None:
         try:
             arg.encode("utf-8")
         except UnicodeEncodeError:
-            err_console.print(f"[red]error:[/red] argument {ascii(arg)} is not valid UTF-8", highlight=False)
+            err_console.print(f"[red]error:[/red] argument {arg!a} is not valid UTF-8", highlight=False)
             raise SystemExit(2) from None
     app()
 
