@@ -39,7 +39,8 @@ from omniflow.keys import Keys
 from omniflow.pipeline import Pipeline
 from omniflow.redisio import REDIS_ERRORS, boundary, translate
 from omniflow.runtime import Backoff, check_eviction_policy, when_redis_answers
-from omniflow.store import Store, connect
+from omniflow.redisio import connect
+from omniflow.store import Store
 from omniflow.webhooks import (
     NotifyDispatcher,
     WebhookSender,
