@@ -365,8 +365,8 @@ class FaultRun:
         shapes: Counter[str] = Counter()
         async for raw in admin.scan_iter(match=f"{self.keys.prefix}:*", count=1000):
             key = s(raw)
-            if any(part in key for part in (":wf:", ":tomb:", ":idem:", ":webhook:")):
-                continue
+            if any(part in key for part in (":wf:", ":tomb:", ":idem:", ":webhook:", ":idx:")):
+                continue            # a workflow's own keys and the listing indexes: they expire / are trimmed
             shapes[_shape(key)] += 1
             if key.endswith(":tasks") or key in (self.keys.events, self.keys.notify):
                 try:
