@@ -18,14 +18,13 @@ float32 tensor [n, hidden] (the last layer's states of the clause's n tokens),
 "token_ids": int64 array [n]}`. Text-conditioned talkers use `text`; model-based ones
 would use `hidden` (the Piper talker does not).
 
-Resume: every step that writes carries a checkpoint holding the token ids emitted so
-far. A retried session prefills prompt + those tokens and continues; the sampling draw
+Resume: every step that writes carries a checkpoint piece: the token ids generated since
+the previous one (the runtime appends pieces atomically with the step). A retried session prefills prompt + those tokens and continues; the sampling draw
 for token k depends only on (seed, k), so greedy and seeded runs continue exactly as the
 uninterrupted run would have.
 """
 from __future__ import annotations
 
-import base64
 import logging
 import re
 from dataclasses import dataclass, field
@@ -41,23 +40,20 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CLAUSE_MIN_WORDS = 3
 DEFAULT_CLAUSE_MAX_WORDS = 24
-CHECKPOINT_VERSION = "ids1:"
 _CLAUSE_END = re.compile(r"[.!?;:,]['\")\]]*$")
 
 
-def encode_ids(ids: list[int]) -> str:
-    """Token ids as a compact checkpoint string."""
-    return CHECKPOINT_VERSION + base64.b64encode(np.asarray(ids, dtype="<u4").tobytes()).decode()
+def checkpoint_piece(ids: list[int]) -> str:
+    """Token ids as a checkpoint piece; the runtime appends pieces, so a retry reads them all."""
+    return "".join(f"{i} " for i in ids)
 
 
-def decode_ids(checkpoint: str) -> list[int]:
-    """The token ids of a checkpoint ('' -> none); `NonRetryableError` when it is not one of ours."""
-    if not checkpoint:
-        return []
-    if not checkpoint.startswith(CHECKPOINT_VERSION):
-        raise NonRetryableError(f"thinker: unknown checkpoint format {checkpoint[:12]!r}")
-    raw = base64.b64decode(checkpoint[len(CHECKPOINT_VERSION):])
-    return [int(i) for i in np.frombuffer(raw, dtype="<u4")]
+def checkpointed_ids(checkpoint: str) -> list[int]:
+    """The token ids earlier attempts checkpointed ('' -> none)."""
+    try:
+        return [int(i) for i in checkpoint.split()]
+    except ValueError as exc:
+        raise NonRetryableError(f"thinker: unreadable checkpoint {checkpoint[:40]!r}") from exc
 
 
 def clause_ends(clause: str, next_piece: str | None, *, min_words: int, max_words: int) -> bool:
@@ -85,6 +81,7 @@ class ThinkerState:
     clause_from_char: int = 0
     hidden: list[Any] = field(default_factory=list)   # per-token last-layer states of that clause
     resumed_at: int = 0
+    checkpointed: int = 0          # tokens covered by the checkpoints written so far
 
 
 class HFThinker(BatchedExecutor):
@@ -109,9 +106,10 @@ class HFThinker(BatchedExecutor):
             raise NonRetryableError(f"thinker: {exc}") from exc
         system = session.params.get("system_prompt", DEFAULT_SYSTEM_PROMPT)
         prompt = self.lm.chat_ids(session.text, system=system or None)
-        generated = decode_ids(getattr(session, "checkpoint", "") or "")
+        generated = checkpointed_ids(session.checkpoint)
+        session.fast_forward()      # our steps continue after the ones written: nothing to suppress
         seq = self.lm.start(prompt, sampling, generated)
-        state = ThinkerState(seq=seq, resumed_at=len(generated))
+        state = ThinkerState(seq=seq, resumed_at=len(generated), checkpointed=len(generated))
         self._replay(state)
         return state
 
@@ -165,8 +163,9 @@ class HFThinker(BatchedExecutor):
                      "resumed_at": state.resumed_at}
         if not delta and data is None:
             return StepOutput(done=done, usage=usage)
-        return StepOutput(text=delta or None, data=data, checkpoint=encode_ids(state.seq.generated), done=done,
-                          usage=usage)
+        piece = checkpoint_piece(state.seq.generated[state.checkpointed:])
+        state.checkpointed = len(state.seq.generated)
+        return StepOutput(text=delta or None, data=data, checkpoint=piece, done=done, usage=usage)
 
     def _take_clause(self, state: ThinkerState) -> dict[str, Any]:
         import torch

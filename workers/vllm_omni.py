@@ -25,7 +25,6 @@ on a CPU path; without them `setup()` refuses with one line (`ConfigError`).
 """
 from __future__ import annotations
 
-import base64
 import importlib.util
 import logging
 import os
@@ -37,6 +36,7 @@ import numpy as np
 
 from omniflow.errors import ConfigError, NonRetryableError
 from omniflow.workers.base import Executor, Session
+from omniflow.workers.thinker import checkpoint_piece, checkpointed_ids
 
 logger = logging.getLogger(__name__)
 
@@ -136,14 +136,6 @@ class _VllmStage(Executor):
             self.engine = None
 
 
-def _ids_checkpoint(ids: list[int]) -> str:
-    return base64.b64encode(np.asarray(ids, dtype="<u4").tobytes()).decode()
-
-
-def _ids_from_checkpoint(checkpoint: str) -> list[int]:
-    return [int(i) for i in np.frombuffer(base64.b64decode(checkpoint), dtype="<u4")] if checkpoint else []
-
-
 class VllmThinker(_VllmStage):
     """Qwen3-Omni Thinker: text deltas; the latent outputs for the Talker at the end."""
 
@@ -157,17 +149,17 @@ class VllmThinker(_VllmStage):
         text = (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{session.text}<|im_end|>\n"
                 "<|im_start|>assistant\n")
         prompt_ids = list(tokenizer.encode(text))
-        emitted = _ids_from_checkpoint(getattr(session, "checkpoint", "") or "")
-        session.fast_forward()
+        emitted = checkpointed_ids(session.checkpoint)
+        session.fast_forward()         # continue after what earlier attempts wrote
         shown = tokenizer.decode(emitted, skip_special_tokens=True)
-        final = None
+        final, saved = None, len(emitted)
         async for out in self.generate({"prompt_token_ids": prompt_ids + emitted}, session):
             final = out.outputs[0]
             ids = emitted + list(final.token_ids)
             full = tokenizer.decode(ids, skip_special_tokens=True)
             if len(full) > len(shown) and not full.endswith("\ufffd"):
-                await session.emit(text=full[len(shown):], checkpoint=_ids_checkpoint(ids))
-                shown = full
+                await session.emit(text=full[len(shown):], checkpoint=checkpoint_piece(ids[saved:]))
+                shown, saved = full, len(ids)
         if final is None:
             raise NonRetryableError("thinker: the engine returned nothing")
         import torch

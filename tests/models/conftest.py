@@ -23,7 +23,7 @@ CORPUS = [
 
 
 def build_tiny_lm(path: Path, *, seed: int = 0, layers: int = 2, hidden: int = 32) -> Path:
-    """A random 2-layer Llama with a 300-token byte-level BPE tokenizer, saved as a model folder."""
+    """A random 2-layer Llama with a 300-token BPE tokenizer (the corpus characters and its merges), saved as a model folder."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -32,7 +32,7 @@ def build_tiny_lm(path: Path, *, seed: int = 0, layers: int = 2, hidden: int = 3
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        vocab_size=300, special_tokens=specials))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>",
                                    unk_token="<|endoftext|>", pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE

@@ -1,0 +1,186 @@
+"""The CPU omni executors: HFThinker on a tiny random Llama (FakeSession and through the engine),
+PiperTalker + PiperCode2Wav on the shipped voice."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from omniflow.testing import FakeSession, run_executor, run_many
+from omniflow.workers.thinker import HFThinker, checkpointed_ids, clause_ends
+
+PROMPT = "Tell me about durable queues and workers, please."
+
+
+def thinker(model_dir: Path, **params: Any) -> HFThinker:
+    return HFThinker(stage="thinker", params={"model": str(model_dir), "clause_min_words": 2,
+                                              "clause_max_words": 6, **params})
+
+
+def session(text: str = PROMPT, **params: Any) -> FakeSession:
+    return FakeSession(input={"text": text}, stage="thinker", finals=("thinker",), downstream=("talker",),
+                       params={"max_tokens": 40, "temperature": 1.0, "seed": 1, **params})
+
+
+@pytest.fixture(scope="module")
+async def hf_thinker(tiny_lm_dir: Path) -> HFThinker:
+    executor = thinker(tiny_lm_dir)
+    await executor.setup()
+    return executor
+
+
+def test_clause_ends_at_punctuation_before_a_space_or_when_too_long() -> None:
+    kw = {"min_words": 3, "max_words": 8}
+    assert clause_ends("The sky is blue,", " because", **kw)
+    assert not clause_ends("It costs 3.", "50", **kw)              # not inside a number
+    assert not clause_ends("Hi,", " you", **kw)                    # too short to speak alone
+    assert clause_ends("one two three four five six seven eight", " nine", **kw)
+    assert clause_ends("anything", None, **kw)                     # the end of the answer
+
+
+async def test_thinker_streams_text_and_clauses_with_their_hidden_states(hf_thinker: HFThinker) -> None:
+    s = session()
+    usage = await run_executor(hf_thinker, s)
+    assert usage is not None and usage["completion_tokens"] > 5
+    clauses = s.data_to("talker")
+    assert len(clauses) >= 2
+    assert "".join(c["text"] for c in clauses) == s.text_out            # every word goes to the talker once
+    assert sum(len(c["token_ids"]) for c in clauses) == usage["completion_tokens"]
+    for clause in clauses:
+        assert str(clause["hidden"].dtype) == "torch.float32"
+        assert tuple(clause["hidden"].shape) == (len(clause["token_ids"]), hf_thinker.lm.hidden_size)
+    assert checkpointed_ids(s.checkpoint_out) == [t for c in clauses for t in c["token_ids"].tolist()]
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.8, "top_p": 0.95, "seed": 11}])
+async def test_resume_from_a_checkpoint_gives_the_uninterrupted_output(hf_thinker: HFThinker,
+                                                                       sampling: dict[str, Any]) -> None:
+    full = session(**sampling)
+    await run_executor(hf_thinker, full)
+    steps = len(full.emitted)
+    for written in (1, steps // 2, steps - 1):
+        crashed = session(**sampling)
+        crashed.emitted = full.emitted[:written]      # what the lost attempt wrote
+        crashed.seq = written
+        retry = crashed.retried()
+        usage = await run_executor(hf_thinker, retry)
+        assert usage is not None and usage["resumed_at"] > 0
+        assert full.text_out[:len(crashed.text_out)] == crashed.text_out
+        assert crashed.text_out + retry.text_out == full.text_out
+        clauses = crashed.data_to("talker") + retry.data_to("talker")
+        want = full.data_to("talker")
+        assert [c["text"] for c in clauses] == [c["text"] for c in want]
+        for got, ref in zip(clauses, want):
+            np.testing.assert_allclose(got["hidden"].numpy(), ref["hidden"].numpy(), atol=1e-4)
+
+
+async def test_concurrent_sessions_are_batched_and_match_single_runs(hf_thinker: HFThinker) -> None:
+    prompts = ["Why is the sky blue?", "A cat", PROMPT, "Hello, world."]
+    alone = []
+    for p in prompts:
+        s = session(p)
+        await run_executor(hf_thinker, s)
+        alone.append(s.text_out)
+    together = [session(p) for p in prompts]
+    await run_many(hf_thinker, together)
+    assert [s.text_out for s in together] == alone
+    assert hf_thinker.step_loop is not None and hf_thinker.step_loop.stats.max_batch_seen > 1
+
+
+async def test_bad_requests_fail_with_one_clear_error(hf_thinker: HFThinker) -> None:
+    from omniflow.errors import NonRetryableError
+
+    with pytest.raises(NonRetryableError, match="empty prompt"):
+        await run_executor(hf_thinker, session("  "))
+    with pytest.raises(NonRetryableError, match="top_p"):
+        await run_executor(hf_thinker, session(top_p=2))
+
+
+def tiny_spec(model_dir: Path, **thinker_params: Any) -> dict[str, Any]:
+    return {"name": "tiny-omni", "stages": {
+        "thinker": {"executor": "models.executor_fixtures:FailingThinker", "final_output": "text",
+                    "params": {"model": str(model_dir), "clause_min_words": 2, "clause_max_words": 6,
+                               "max_tokens": 40, "temperature": 1.0, "seed": 1, **thinker_params},
+                    "retry": {"max_attempts": 3, "backoff_s": 0.01, "backoff_max_s": 0.05}},
+        "talker": {"executor": "models.executor_fixtures:ClauseChecker", "final_output": "text",
+                   "retry": {"max_attempts": 3, "backoff_s": 0.01, "backoff_max_s": 0.05}}},
+        "edges": [{"from": "thinker", "to": "talker", "mode": "chunk"}]}
+
+
+async def test_through_the_engine_a_failed_stream_resumes_to_the_same_text(engine_factory, tiny_lm_dir: Path,
+                                                                          hf_thinker: HFThinker) -> None:
+    reference = session(max_tokens=40)
+    await run_executor(hf_thinker, reference)
+    async with engine_factory(tiny_spec(tiny_lm_dir, fail_at_token=9, fail_attempts=1)) as eng:
+        sub = await eng.store.submit(_request(PROMPT))
+        doc = await eng.store.wait(sub.id, timeout_s=60)
+    assert doc["state"] == "completed", doc
+    assert doc["stages"]["thinker"]["attempt"] == 2                       # the first attempt failed mid-stream
+    assert doc["outputs"]["thinker"]["text"] == reference.text_out        # nothing repeated, nothing missing
+    assert doc["outputs"]["talker"]["text"] == reference.text_out         # every clause's tensors arrived intact
+
+
+def _request(text: str) -> Any:
+    from omniflow.models import SubmitRequest
+
+    return SubmitRequest(input={"text": text})
+
+
+# ------------------------------------------------------------------ the voice stages
+
+
+def _voice_session(stage: str, chunks: list[Any], **kw: Any) -> FakeSession:
+    downstream = ("code2wav",) if stage == "talker" else ()
+    finals = ("code2wav",) if stage == "code2wav" else ("thinker",)
+    return FakeSession(input={"text": "q"}, stage=stage, finals=finals, downstream=downstream,
+                       chunks=[("thinker" if stage == "talker" else "talker", c) for c in chunks], **kw)
+
+
+CLAUSES = ["Hello! Durable queues keep every request,", " so a crash loses nothing.", " **Really.**"]
+
+
+@pytest.fixture(scope="module")
+async def voice_stages() -> tuple[Any, Any]:
+    from omniflow.workers.voice import PiperCode2Wav, PiperTalker
+
+    talker, code2wav = PiperTalker(stage="talker", params={}), PiperCode2Wav(stage="code2wav", params={})
+    await talker.setup()
+    await code2wav.setup()
+    return talker, code2wav
+
+
+async def test_talker_and_code2wav_speak_each_clause_and_resume_without_repeats(voice_stages: Any) -> None:
+    from omniflow.workers.piper import VocoderStream
+
+    talker, code2wav = voice_stages
+    t = _voice_session("talker", [{"text": c} for c in CLAUSES])
+    usage = await run_executor(talker, t)
+    latents = [d["z"] for d in t.data_to("code2wav")]
+    assert usage["clauses"] == 3 and len(latents) == 3 and all(z.shape[0] == 192 for z in latents)
+    again = _voice_session("talker", [{"text": c} for c in CLAUSES])
+    await run_executor(talker, again)                                     # seeded noise: a replay is identical
+    for a, b in zip(latents, (d["z"] for d in again.data_to("code2wav"))):
+        np.testing.assert_array_equal(a, b)
+
+    c = _voice_session("code2wav", [{"z": z} for z in latents])
+    await run_executor(code2wav, c)
+    whole = code2wav.voice.vocode(np.concatenate(latents, axis=1))
+    streamed = c.audio_out.astype(np.float32) / 32767
+    assert streamed.size == whole.size and len(c.emitted) > 3
+    assert np.abs(streamed - np.clip(whole, -1, 1)).max() < 0.01         # int16 rounding + 60 dB join error
+    assert VocoderStream is not None
+
+    crashed = _voice_session("code2wav", [{"z": z} for z in latents])
+    crashed.emitted, crashed.seq = c.emitted[:3], 3
+    retry = crashed.retried()
+    await run_executor(code2wav, retry)
+    np.testing.assert_array_equal(np.concatenate([crashed.audio_out, retry.audio_out]), c.audio_out)
+
+
+async def test_talker_refuses_a_chunk_without_text(voice_stages: Any) -> None:
+    from omniflow.errors import NonRetryableError
+
+    with pytest.raises(NonRetryableError, match="no clause text"):
+        await run_executor(voice_stages[0], _voice_session("talker", [{"hidden": [1.0]}]))
