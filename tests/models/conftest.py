@@ -19,6 +19,7 @@ CORPUS = [
     "A cat is a small animal, and it likes to sleep in the sun!",
     "Durable queues keep every request; nothing is lost when a worker dies.",
     "Hello, world. How are you today? I am fine: thanks for asking.",
+    "system\nuser\nassistant\nBe brief.\n",
 ]
 
 
