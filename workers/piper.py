@@ -150,6 +150,12 @@ class PiperVoice:
         return cls(config, _session(halves / "talker.onnx", threads), _session(halves / "vocoder.onnx", threads),
                    source=str(path))
 
+    def warm_up(self) -> None:
+        """One short synthesis, so the first request does not pay ONNX Runtime's first-run allocations."""
+        table = self.config.phoneme_id_map
+        ids = self.config.ids("".join(ch for ch in "həlˈoʊ." if ch in table))
+        self.vocode(self.latents(ids, seed=0))
+
     @property
     def sample_rate(self) -> int:
         return self.config.sample_rate

@@ -92,6 +92,9 @@ class HFThinker(BatchedExecutor):
     async def setup(self) -> None:
         self.lm = CausalLM.load(self.params.get("model") or None, cache_dir=self.params.get("cache_dir"),
                                 threads=int(self.params.get("threads", 1)))
+        warm = self.lm.start(self.lm.chat_ids("Hi"), Sampling(max_tokens=2))   # first-call allocations, not on a request
+        self.lm.step([warm])
+        self.lm.release(warm)
         self.min_words = int(self.params.get("clause_min_words", DEFAULT_CLAUSE_MIN_WORDS))
         self.max_words = int(self.params.get("clause_max_words", DEFAULT_CLAUSE_MAX_WORDS))
 

@@ -80,7 +80,7 @@ def require_gpu_stack(stage: str) -> None:
     missing = [name for name in ("vllm", "vllm_omni") if importlib.util.find_spec(name) is None]
     if missing:
         raise ConfigError(f"{stage}: the vLLM executors need {' and '.join(missing)} "
-                          "(pip install 'omniflow[gpu]' on a CUDA machine); use deploy/pipelines/omni-cpu.yaml here")
+                          "(install omniflow's gpu extra on a CUDA machine); use deploy/pipelines/omni-cpu.yaml here")
     import torch
 
     if not torch.cuda.is_available():

@@ -50,8 +50,10 @@ def speakable(text: str) -> str:
 
 
 def _load_voice(params: Mapping[str, Any]) -> PiperVoice:
-    return PiperVoice.load(params.get("voice") or None, cache_dir=params.get("cache_dir"),
-                           threads=int(params.get("threads", 1)))
+    voice = PiperVoice.load(params.get("voice") or None, cache_dir=params.get("cache_dir"),
+                            threads=int(params.get("threads", 1)))
+    voice.warm_up()
+    return voice
 
 
 class PiperTalker(Executor):

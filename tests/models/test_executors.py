@@ -184,3 +184,39 @@ async def test_talker_refuses_a_chunk_without_text(voice_stages: Any) -> None:
 
     with pytest.raises(NonRetryableError, match="no clause text"):
         await run_executor(voice_stages[0], _voice_session("talker", [{"hidden": [1.0]}]))
+
+
+# ------------------------------------------------------------------ the GPU executors on a CPU
+
+
+@pytest.mark.parametrize("name", ["VllmThinker", "VllmTalker", "VllmCode2Wav"])
+async def test_vllm_executors_refuse_at_start_without_cuda_or_vllm(name: str) -> None:
+    import sys
+
+    from omniflow.errors import ConfigError
+    from omniflow.workers import vllm_omni
+
+    executor = getattr(vllm_omni, name)(stage="thinker", params={"devices": "0"})
+    with pytest.raises(ConfigError) as info:
+        await executor.setup()
+    message = str(info.value)
+    assert "\n" not in message and ("vllm" in message or "CUDA" in message)
+    assert "deploy/pipelines/omni-cpu.yaml" in message
+    assert "vllm" not in sys.modules                      # imported lazily, never on a CPU path
+
+
+def test_a_worker_for_the_gpu_pipeline_exits_with_one_line_here(tmp_path: Path, valkey_url: str) -> None:
+    import os
+    import subprocess
+    import sys
+    import uuid
+
+    pipeline = Path(__file__).resolve().parents[2] / "deploy" / "pipelines" / "qwen3-omni.yaml"
+    env = {**os.environ, "OMNIFLOW_PIPELINE": str(pipeline), "OMNIFLOW_REDIS_URL": valkey_url,
+           "OMNIFLOW_PREFIX": f"t{uuid.uuid4().hex[:10]}",
+           "OMNIFLOW_HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, "-m", "omniflow.cli", "worker", "--stage", "talker"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "Traceback" not in res.stderr
+    assert "the vLLM executors need vllm and vllm_omni (install omniflow's gpu extra" in res.stderr, res.stderr
