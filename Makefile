@@ -36,7 +36,7 @@ $(MODELS): $(STAMP)
 models: $(MODELS)
 
 demo: $(MODELS)
-	$(PY) -m omniflow.demo
+	$(PY) -m omniflow.demo "$(Q)"
 
 test: $(MODELS) $(CHROMIUM) lint
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -33,7 +33,7 @@ from bench.common import (
 
 DOCS = REPO_ROOT / "docs"
 CELERY_VENV = REPO_ROOT / ".venv-bench-celery"
-GROUPS = ["raw", "inproc", "arq", "dramatiq", "celery", "omniflow"]
+GROUPS = ["raw", "inproc", "arq", "dramatiq", "celery", "omniflow", "pipeline"]   # pipeline: bench/pipeline.py
 QUEUE_PEERS = {"arq", "celery", "dramatiq"}
 
 
@@ -393,6 +393,9 @@ def write_markdown(path: Path, results: list[Result], failures: list[str], args,
     md.append("")
     if failures:
         md += ["## Failed runs", ""] + [f"- {f}" for f in failures] + [""]
+    from bench import pipeline       # the real CPU omni pipeline, from bench/out/pipeline.json when it ran
+
+    md += pipeline.markdown()
     notes = REPO_ROOT / "bench" / "notes.md"
     if notes.exists():
         md += [notes.read_text().rstrip(), ""]
@@ -448,6 +451,15 @@ def main(argv: list[str] | None = None) -> int:
         results.extend(rs)
         if err:
             failures.append(err)
+    if "pipeline" in args.only:
+        from bench import pipeline
+
+        log("- the real CPU omni pipeline (bench/pipeline.py)")
+        try:
+            for line in pipeline.lines(pipeline.run(quick=args.quick)):
+                log(f"  {line}")
+        except Exception as exc:  # noqa: BLE001 - one failed group is reported, the others still render
+            failures.append(f"pipeline: {exc!r}")
     wall = time.monotonic() - t_start
 
     print()
