@@ -255,6 +255,53 @@ class Omniflow:
             self.proc.kill()
 
 
+# --------------------------------------------------------------------------- CPU accounting (the profile)
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _role(pid: int) -> str:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except FileNotFoundError:
+        return "gone"
+    words = [a.decode(errors="replace") for a in argv if a]
+    if any("valkey-server" in w or "redis-server" in w for w in words[:1]):
+        return "valkey"
+    if "worker" in words:
+        return "worker:" + words[words.index("--stage") + 1] if "--stage" in words else "worker"
+    for role in ("reconciler", "jobs", "api"):
+        if role in words:
+            return role
+    return "other"
+
+
+def process_cpu(root: int) -> dict[str, float]:
+    """CPU seconds by role of `root`'s child processes (the processes `omniflow up` started)."""
+    out: dict[str, float] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            continue
+        if ppid == root:
+            pid = int(stat.parent.name)
+            role = _role(pid)
+            out[role] = out.get(role, 0.0) + _cpu_s(pid)
+    return out
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: round(after.get(k, 0.0) - before.get(k, 0.0), 2) for k in sorted(set(before) | set(after))}
+
+
 # --------------------------------------------------------------------------- thinker batching
 
 
@@ -306,14 +353,21 @@ def run(*, quick: bool = False, rounds: int = DEFAULT_ROUNDS) -> dict[str, Any]:
         chain.run_level(QUESTIONS[:2])      # warm both sides once (first-call costs out of the figures)
         omni.run_level(QUESTIONS[:2])
         timings: dict[tuple[str, int], list[Timing]] = {}
+        cpus: dict[tuple[str, int], dict[str, float]] = {}
         for r in range(rounds):
             for level in levels:
                 sides = [("in-process", chain), ("omniflow", omni)]
                 for name, side in (sides if (r + level) % 2 else sides[::-1]):    # alternate who goes first
                     log(f"- round {r + 1}/{rounds}: {name}, {level} concurrent")
+                    before = process_cpu(omni.proc.pid) if side is omni else {"process": time.process_time()}
                     timings.setdefault((name, level), []).extend(side.run_level(QUESTIONS[:level]))
+                    after = process_cpu(omni.proc.pid) if side is omni else {"process": time.process_time()}
+                    spent = cpus.setdefault((name, level), {})
+                    for role, sec in cpu_delta(before, after).items():
+                        spent[role] = round(spent.get(role, 0.0) + sec, 2)
         for (name, level), got in timings.items():
             rows[name][str(level)] = summarise(got)
+            rows[name][str(level)]["cpu_s"] = cpus[(name, level)]
     finally:
         omni.close()
         chain.close()
@@ -358,6 +412,25 @@ def table(doc: dict[str, Any]) -> list[str]:
     return out
 
 
+def cpu_table(doc: dict[str, Any]) -> list[str]:
+    """Where the CPU went, per level and all rounds together (user + system seconds)."""
+    first = doc["rows"]["omniflow"][str(doc["levels"][0])]
+    if "cpu_s" not in first:
+        return []
+    out = ["CPU seconds spent per level (all rounds; user + system): the in-process chain is one process; "
+           "omniflow's are its processes by role.", "",
+           "| concurrent | in-process | omniflow total | thinker worker | talker worker | code2wav worker | "
+           "valkey | reconciler + jobs |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for level in doc["levels"]:
+        inproc = doc["rows"]["in-process"][str(level)]["cpu_s"]
+        omni = doc["rows"]["omniflow"][str(level)]["cpu_s"]
+        rest = omni.get("reconciler", 0.0) + omni.get("jobs", 0.0)
+        out.append(f"| {level} | {sum(inproc.values()):.1f} | {sum(omni.values()):.1f} | "
+                   f"{omni.get('worker:thinker', 0.0):.1f} | {omni.get('worker:talker', 0.0):.1f} | "
+                   f"{omni.get('worker:code2wav', 0.0):.1f} | {omni.get('valkey', 0.0):.1f} | {rest:.1f} |")
+    return out + [""]
+
+
 def markdown(doc: dict[str, Any] | None = None) -> list[str]:
     """The docs/benchmarks.md section (empty when the pipeline bench has not run)."""
     if doc is None:
@@ -379,6 +452,7 @@ def markdown(doc: dict[str, Any] | None = None) -> list[str]:
     md += ["(overheads: the mean over the levels of omniflow's median minus the in-process median; "
            f"batching: the Thinker alone, {tps['1']:.1f} tokens/s with one session vs {tps['8']:.1f} with 8)", ""]
     md += table(doc) + [""]
+    md += cpu_table(doc)
     if PLOT.exists():
         md += ["![pipeline](benchmarks-pipeline.png)", ""]
     return md

@@ -207,9 +207,11 @@ class CausalLM:
         rows = self._rows()
         for seq in self._batch:
             if seq not in seqs and seq.kv is not None:
-                seq.kv = [(k.clone(), v.clone()) for k, v in rows[id(seq)]]
+                # a finished sequence is only waiting for `release`: no copy of what nobody will read
+                done = seq.finished or seq.pending in self.eos_ids
+                seq.kv = [] if done else [(k.clone(), v.clone()) for k, v in rows[id(seq)]]
         own = [rows.get(id(seq)) or seq.kv for seq in seqs]
-        if any(kv is None for kv in own):
+        if any(not kv for kv in own):
             raise ValueError("a sequence was released or never started")
         width = max(seq.length for seq in seqs)
         layers = []

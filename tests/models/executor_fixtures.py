@@ -42,3 +42,14 @@ class ClauseChecker(Executor):
             shapes.append(list(hidden.shape))
             await session.emit(text=chunk.data["text"])
         return {"shapes": shapes}
+
+
+class SlowThinker(HFThinker):
+    """HFThinker with `step_delay_s` of sleep per step (a slower device), so a test can kill its
+    worker in the middle of the stream."""
+
+    def step(self, states: list[ThinkerState]) -> list[StepOutput]:
+        import time
+
+        time.sleep(float(self.params.get("step_delay_s", 0.0)))
+        return super().step(states)
