@@ -134,20 +134,25 @@ async def test_cli_bad_pipeline_yaml_exits_2(tmp_path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 async def test_make_demo_script_runs_end_to_end(tmp_path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNIFLOW_")}
+    """`make demo`: the real CPU pipeline answers, speaks the answer and shuts down (models from the
+    project's cache, which the first run builds)."""
     repo = Path(__file__).resolve().parent.parent
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "omniflow.demo", cwd=str(tmp_path), env=env,
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNIFLOW_")}
+    env["OMNIFLOW_MODELS_DIR"] = os.environ.get("OMNIFLOW_MODELS_DIR", str(repo / ".omniflow" / "models"))
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "omniflow.demo", "What is a cat?",
+                                                cwd=str(tmp_path), env=env,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-    out, _ = await asyncio.wait_for(proc.communicate(), 120)
+    out, _ = await asyncio.wait_for(proc.communicate(), 540)
     text = out.decode()
     assert proc.returncode == 0, text
-    assert "text:  You said: Tell me why durable queues matter" in text
+    assert "question: What is a cat?" in text and "answer: " in text
+    assert "time to first audio" in text
     data, rate = sf.read(str(tmp_path / "demo.wav"), dtype="int16")
-    assert rate == 22050 and len(data) > rate      # over a second of audio
+    assert rate == 22050 and len(data) > 2 * rate      # a spoken answer, seconds long
     assert "completed" in text and "terminal" in text
     assert not (tmp_path / ".omniflow" / "demo" / "redis.url").exists()   # shut down cleanly
-    assert repo.exists()
 
 
 def test_an_audio_output_not_produced_yet_is_never_printed_with_none() -> None:

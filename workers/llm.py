@@ -21,12 +21,13 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from omniflow.workers import weights
 
 if TYPE_CHECKING:
     import torch
+    from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +158,7 @@ class CausalLM:
         """
         torch = self.torch
         if not seqs:
-            return torch.empty(0, self.hidden_size)
+            return cast("Tensor", torch.empty(0, self.hidden_size))
         if [id(s) for s in seqs] != [id(s) for s in self._batch]:
             self._rebuild(list(seqs))
         width = self._cache.get_seq_length()
@@ -173,7 +174,7 @@ class CausalLM:
             seq.generated.append(seq.pending)
             seq.length += 1
             seq.pending = self._sample(out.logits[row, -1], seq)
-        return out.hidden_states[-1][:, -1, :].clone()
+        return cast("Tensor", out.hidden_states[-1][:, -1, :].clone())
 
     def _out_cache(self, out: Any) -> Any:
         cache = out.get("cache")

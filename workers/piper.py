@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 LATENT_TENSOR = "/Mul_7_output_0"
 NOISE_INPUTS = ("noise_dp", "noise_z")
 DEFAULT_CHUNK_FRAMES = 32
+DEFAULT_MAX_CHUNK_FRAMES = 128    # chunks double up to this: the first audio comes early, later context costs less
 DEFAULT_LEFT_CONTEXT_FRAMES = 16
 DEFAULT_RIGHT_CONTEXT_FRAMES = 8
 NOISE_FRAMES_PER_ID = 8           # noise frames drawn per phoneme id (~2.2 used); doubled when short
@@ -192,16 +193,20 @@ class VocoderStream:
     """Streams latent frames through a vocoder in chunks with overlap context.
 
     `push(frames)` returns the audio of every chunk that now has its right context;
-    `finish()` the rest. Each chunk of `chunk_frames` is decoded with up to `left` frames
-    before and `right` after it; only the chunk's own samples are kept.
+    `finish()` the rest. Each chunk is decoded with up to `left` frames before and `right`
+    after it; only the chunk's own samples are kept. The first chunk has `chunk_frames`
+    frames and each next one twice as many, up to `max_chunk_frames`: audio starts after
+    one small chunk, and the context decoded twice costs less once it plays.
     """
 
     def __init__(self, decode: Decode, *, hop: int, chunk_frames: int = DEFAULT_CHUNK_FRAMES,
+                 max_chunk_frames: int | None = DEFAULT_MAX_CHUNK_FRAMES,
                  left: int = DEFAULT_LEFT_CONTEXT_FRAMES, right: int = DEFAULT_RIGHT_CONTEXT_FRAMES) -> None:
         if chunk_frames < 1 or left < 0 or right < 0:
             raise ValueError("chunk_frames must be >= 1 and the context sizes >= 0")
         self.decode, self.hop = decode, hop
         self.chunk, self.left, self.right = chunk_frames, left, right
+        self.max_chunk = max(chunk_frames, max_chunk_frames or chunk_frames)
         self._frames: np.ndarray | None = None      # frames kept: from `_base` on
         self._base = 0                              # absolute index of `_frames[:, 0]`
         self._total = 0                             # frames pushed
@@ -214,15 +219,20 @@ class VocoderStream:
         self._frames = frames if self._frames is None else np.concatenate([self._frames, frames], axis=1)
         self._total += frames.shape[1]
         out: list[np.ndarray] = []
-        while self._total - self._done >= self.chunk + self.right:
-            out += self._emit(self.chunk)
+        while self._total - self._done >= self.next_chunk + self.right:
+            out += self._emit(self.next_chunk)
         return out
 
     def finish(self) -> list[np.ndarray]:
         out: list[np.ndarray] = []
         while self._total > self._done:
-            out += self._emit(min(self.chunk, self._total - self._done))
+            out += self._emit(min(self.next_chunk, self._total - self._done))
         return out
+
+    @property
+    def next_chunk(self) -> int:
+        """Frames in the next chunk: `chunk_frames`, doubling per chunk up to `max_chunk_frames`."""
+        return min(self.max_chunk, self.chunk << min(self.chunks, 16))
 
     def _emit(self, n: int) -> list[np.ndarray]:
         assert self._frames is not None

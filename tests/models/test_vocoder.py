@@ -59,19 +59,23 @@ def snr_db(reference: np.ndarray, test: np.ndarray) -> float:
 def test_streamed_equals_whole_decode(decode: Any, pieces: list[int]) -> None:
     z = np.random.default_rng(1).standard_normal((8, 200)).astype(np.float32)
     whole = decode(z)
-    chunks = stream_in_pieces(decode, z, pieces, chunk_frames=16, left=8, right=8)
-    streamed = np.concatenate(chunks)
-    assert streamed.shape == whole.shape
-    # tolerance: float32 rounding only (the context covers the tiny network's receptive field)
-    np.testing.assert_allclose(streamed, whole, atol=1e-5)
-    assert len(chunks) == 200 // 16 + 1 and all(c.size == 16 * HOP for c in chunks[:-1])
+    fixed = stream_in_pieces(decode, z, pieces, chunk_frames=16, max_chunk_frames=None, left=8, right=8)
+    growing = stream_in_pieces(decode, z, pieces, chunk_frames=16, max_chunk_frames=64, left=8, right=8)
+    for chunks in (fixed, growing):
+        streamed = np.concatenate(chunks)
+        assert streamed.shape == whole.shape
+        # tolerance: float32 rounding only (the context covers the tiny network's receptive field)
+        np.testing.assert_allclose(streamed, whole, atol=1e-5)
+    assert len(fixed) == 200 // 16 + 1 and all(c.size == 16 * HOP for c in fixed[:-1])
+    assert [c.size // HOP for c in growing] == [16, 32, 64, 64, 24]      # doubling up to the cap
 
 
 def test_without_context_the_joins_click(decode: Any) -> None:
     z = np.random.default_rng(2).standard_normal((8, 128)).astype(np.float32)
     whole = decode(z)
-    bare = np.concatenate(stream_in_pieces(decode, z, [128], chunk_frames=16, left=0, right=0))
-    with_context = np.concatenate(stream_in_pieces(decode, z, [128], chunk_frames=16, left=8, right=8))
+    bare = np.concatenate(stream_in_pieces(decode, z, [128], chunk_frames=16, max_chunk_frames=None, left=0, right=0))
+    with_context = np.concatenate(stream_in_pieces(decode, z, [128], chunk_frames=16, max_chunk_frames=None,
+                                                   left=8, right=8))
     assert snr_db(whole, bare) < 40 < 100 < snr_db(whole, with_context)
 
 
