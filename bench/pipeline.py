@@ -356,7 +356,7 @@ def thread_cpu() -> dict[str, float]:
 def chain_cpu() -> dict[str, float]:
     """The chain's CPU: per stage thread, and the rest of the process."""
     threads = thread_cpu()
-    return {**threads, "rest": time.process_time() - sum(threads.values())}
+    return {**threads, "rest": max(0.0, time.process_time() - sum(threads.values()))}
 
 
 def _name_native_thread(name: str) -> None:
@@ -469,6 +469,24 @@ def overheads(doc: dict[str, Any]) -> tuple[float, float, float]:
     return e2e, ttfa, tps["8"] / tps["1"]
 
 
+def noise(doc: dict[str, Any]) -> tuple[float, float] | None:
+    """How far the same path's two rounds lie apart at the median (mean over paths and levels):
+    (end-to-end %, first audio ms) — the resolution of this machine at the time of the run."""
+    if doc.get("rounds", 1) < 2:
+        return None
+    e2e, ttfa = [], []
+    for path in doc["rows"].values():
+        for level, row in path.items():
+            reqs, n = row["requests"], int(level)
+            halves = [reqs[:n], reqs[n:2 * n]]
+            ends = [median([r["end"] for r in h]) for h in halves]
+            firsts = [median([r["first_audio"] for r in h]) for h in halves]
+            if None not in ends and None not in firsts:
+                e2e.append(abs(ends[0] - ends[1]) / ((ends[0] + ends[1]) / 2) * 100)   # type: ignore[operator]
+                ttfa.append(abs(firsts[0] - firsts[1]) * 1000)   # type: ignore[operator]
+    return (statistics.mean(e2e), statistics.mean(ttfa)) if e2e else None
+
+
 def lines(doc: dict[str, Any]) -> list[str]:
     e2e, ttfa, batching = overheads(doc)
     return [f"pipeline overhead end to end: {e2e:.1f}%", f"pipeline overhead first audio: {ttfa:.0f} ms",
@@ -543,6 +561,12 @@ def markdown(doc: dict[str, Any] | None = None) -> list[str]:
         md += [line, ""]
     md += ["(overheads: the mean over the levels of omniflow's median minus the in-process median; "
            f"batching: the Thinker alone, {tps['1']:.1f} tokens/s with one session vs {tps['8']:.1f} with 8)", ""]
+    spread = noise(doc)
+    if spread is not None:
+        md += [f"Resolution of this run: the same path's two rounds differ at the median by {spread[0]:.0f}% end to "
+               f"end and {spread[1]:.0f} ms to first audio on average (other work shares the 2 cores), so "
+               "differences below that are not resolved here; the CPU table below is the steadier measure of "
+               "what omniflow adds.", ""]
     md += table(doc) + [""]
     md += cpu_table(doc)
     if PLOT.exists():
