@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     env = {k: v for k, v in os.environ.items() if k != "OMNIFLOW_REDIS_URL"}
     env.update({"OMNIFLOW_HOME": str(DEMO_HOME), "OMNIFLOW_LOG_LEVEL": "WARNING",
                 "OMNIFLOW_MODELS_DIR": str(Path(env.get("OMNIFLOW_MODELS_DIR", MODELS_DIR)).resolve())})
-    print(f"$ omniflow up --no-api --pipeline {PIPELINE.relative_to(Path.cwd()) if PIPELINE.is_relative_to(Path.cwd()) else PIPELINE}",
-          flush=True)
+    shown = PIPELINE.relative_to(Path.cwd()) if PIPELINE.is_relative_to(Path.cwd()) else PIPELINE
+    print(f"$ omniflow up --no-api --pipeline {shown}", flush=True)
     print("  (SmolLM2-135M thinker, Piper talker + code2wav on this CPU; the first start builds the "
           "model cache, ~30 s)", flush=True)
     t0 = time.monotonic()

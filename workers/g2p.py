@@ -60,7 +60,8 @@ def split_clauses(text: str) -> list[tuple[str, str]]:
 
 
 def phonemize(backend: Phonemizer, text: str) -> str:
-    """IPA for `text` with its clause punctuation restored (Piper's format: `"həlˈoʊ, wˈɜːld!"`)."""
+    """IPA for `text` with its clause punctuation restored, in Piper's format (for "Hello, world!" the
+    phonemes of each word, then the comma or the exclamation mark after its clause)."""
     out: list[str] = []
     for piece, marks in split_clauses(text):
         ipa = backend.phonemes(piece).strip() if piece.strip() else ""

@@ -19,7 +19,8 @@ float32 tensor [n, hidden] (the last layer's states of the clause's n tokens),
 would use `hidden` (the Piper talker does not).
 
 Resume: every step that writes carries a checkpoint piece: the token ids generated since
-the previous one (the runtime appends pieces atomically with the step). A retried session prefills prompt + those tokens and continues; the sampling draw
+the previous one (the runtime appends pieces atomically with the step). A retried session
+prefills prompt + those tokens and continues; the sampling draw
 for token k depends only on (seed, k), so greedy and seeded runs continue exactly as the
 uninterrupted run would have.
 """

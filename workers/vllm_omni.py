@@ -26,6 +26,7 @@ on a CPU path; without them `setup()` refuses with one line (`ConfigError`).
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import logging
 import os
 import uuid
@@ -178,7 +179,7 @@ def talker_prompt_length(prompt_ids: list[int], sequence_len: int) -> int:
     """vLLM-Omni's `_compute_talker_prompt_ids_length`: user turns, plus 9 for the last assistant turn."""
     starts = [i for i, tok in enumerate(prompt_ids) if tok == IM_START] + [sequence_len]
     total = 0
-    for n, (s, e) in enumerate(zip(starts, starts[1:])):
+    for n, (s, e) in enumerate(itertools.pairwise(starts)):
         role = prompt_ids[s + 1] if s + 1 < len(prompt_ids) else None
         if role == USER:
             total += e - s

@@ -48,7 +48,7 @@ def package_dir(name: str) -> Path:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         raise ModelUnavailable(f"package {name!r} is not installed: {INSTALL_HINT}")
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def smollm2_gguf() -> Path:
