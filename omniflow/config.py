@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from enum import Enum
 from functools import lru_cache
 from pathlib import Path
 
@@ -14,6 +15,22 @@ DEFAULT_PIPELINE = Path(__file__).resolve().parent.parent / "deploy" / "pipeline
 DEFAULT_HOME = Path(".omniflow")
 REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
 ENV_PREFIX = "OMNIFLOW_"
+
+
+class DataPlaneMode(str, Enum):
+    """How chunk payloads travel: chosen per chunk (`auto`), or one transport for every chunk."""
+
+    AUTO = "auto"
+    INLINE = "inline"
+    REDIS = "redis"
+    SHM = "shm"
+
+
+class ChecksumMode(str, Enum):
+    """What the checksum in a payload reference covers."""
+
+    HEADER = "header"
+    FULL = "full"
 
 
 class Settings(BaseSettings):
@@ -49,6 +66,26 @@ class Settings(BaseSettings):
     write_connections: int = Field(1, ge=1, le=16)
     block_ms: int = Field(2_000, ge=1)
     inline_chunk_max_bytes: int = Field(1 << 20, ge=1)
+
+    # data plane (omniflow.dataplane): where a chunk's payload travels, chosen per chunk.
+    # <= inline max: inside the edge-log entry; larger: shared memory when the consuming replica is
+    # on this host (and the payload is at least shm_min), else a Redis key referenced by the entry.
+    dataplane_mode: DataPlaneMode = DataPlaneMode.AUTO
+    dataplane_inline_max_bytes: int = Field(64 << 10, ge=0)
+    dataplane_shm_min_bytes: int = Field(64 << 10, ge=0)
+    dataplane_shm_dir: Path = Path("/dev/shm")
+    # what a reference points at outlives any retry that could need it: at least the longest
+    # workflow deadline (max_deadline_s) plus this margin; released earlier at the consumer's
+    # finish and at the workflow's terminal, swept if its owner died
+    dataplane_ttl_margin_s: float = Field(300.0, ge=0)
+    # "header": the reference carries a CRC32 of the payload's header (sizes, dtypes, shapes, owner,
+    # a nonce), which catches a stale or foreign segment/key; "full" also checksums every byte of
+    # the payload (both sides pay ~0.25 ms per MiB here)
+    dataplane_checksum: ChecksumMode = ChecksumMode.HEADER
+
+    def dataplane_ttl_s(self) -> float:
+        """How long a payload key or segment lives at most (a retry may replay it until then)."""
+        return self.max_deadline_s + self.dataplane_ttl_margin_s
 
     # durability
     wait_aof: bool = False

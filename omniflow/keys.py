@@ -38,6 +38,14 @@ class Keys:
     def out(self, wf_id: str, stage: str) -> str:
         return f"{self.wf(wf_id)}:out:{stage}"
 
+    def blob(self, wf_id: str, src: str, dst: str, attempt: int, seq: int) -> str:
+        """A chunk payload too large for its edge entry (the entry holds a reference to it)."""
+        return f"{self.wf(wf_id)}:blob:{src}:{dst}:{attempt}:{seq}"
+
+    def blobs(self, wf_id: str) -> str:
+        """Set of a workflow's payload keys (`blob`): what its terminal releases."""
+        return f"{self.wf(wf_id)}:blobs"
+
     def tomb(self, wf_id: str) -> str:
         return f"{self.prefix}:tomb:{wf_id}"
 

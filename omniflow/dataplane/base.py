@@ -1,0 +1,156 @@
+"""The data-plane interface: where a chunk's payload lives, and the reference that says so.
+
+A producer `put`s a payload and gets a `Ref`; the ref (or, for the inline transport, the
+encoded payload itself) goes into the durable edge-log entry. A consumer `get`s the payload
+back from the ref; it `release`s the refs it consumed when its session is done. What a ref
+points at has an owner (the workflow; shared-memory segments also name the producing worker)
+and a TTL, so nothing outlives its workflow by more than that.
+
+Errors (all `StageError`s: they fail the consuming session, which is retried per its policy):
+
+    DataPlaneError             a chunk's payload cannot be delivered
+    ├── PayloadMissing         the key or segment is gone (released, expired, swept); retryable
+    ├── WrongHost              the segment is in another host's shared memory; retryable
+    └── BadReference           the reference or what it points at is not ours or not sound
+        ├── ForeignReference   outside our namespace (path, prefix, workflow)
+        ├── SizeMismatch       the segment or key is not the size the reference says
+        ├── ChecksumMismatch   the checksum in the reference does not match the payload
+        └── UndecodablePayload the payload does not decode (bad header, dtype, shape, offsets)
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import msgpack
+
+from omniflow.errors import StageError
+
+
+class DataPlaneError(StageError):
+    """A chunk's payload cannot be delivered; the consuming session fails with this reason."""
+
+
+class PayloadMissing(DataPlaneError):
+    """The key or segment a reference names is gone (released, expired or swept)."""
+
+
+class WrongHost(DataPlaneError):
+    """The segment lives in another host's shared memory (a replica there may read it)."""
+
+
+class BadReference(DataPlaneError):
+    """The reference, or what it points at, is not sound; retrying cannot fix it."""
+
+    retryable = False
+
+
+class ForeignReference(BadReference):
+    """The reference points outside our namespace (another path, prefix or workflow)."""
+
+
+class SizeMismatch(BadReference):
+    """The segment or key does not have the size the reference says."""
+
+
+class ChecksumMismatch(BadReference):
+    """The checksum the reference carries does not match the payload."""
+
+
+class UndecodablePayload(BadReference):
+    """The payload does not decode: bad header, dtype, shape or offsets."""
+
+
+class TransportKind(str, Enum):
+    """Where a payload travels. The codes are what a packed reference carries."""
+
+    INLINE = "inline"
+    REDIS = "redis"
+    SHM = "shm"
+
+    @property
+    def code(self) -> int:
+        return _CODES[self]
+
+
+_CODES = {TransportKind.INLINE: 0, TransportKind.REDIS: 1, TransportKind.SHM: 2}
+_KINDS = {code: kind for kind, code in _CODES.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class PutContext:
+    """Who puts a payload and for whom: the owner and name of what `put` creates."""
+
+    prefix: str
+    wf_id: str
+    src: str                 # producing stage
+    dst: str                 # consuming stage
+    attempt: int             # the producer's attempt
+    seq: int                 # the step
+    worker_id: str = ""      # the producing worker (shared-memory segments are attributed to it)
+    ttl_s: float = 3900.0    # at least the workflow deadline: a retry may replay the chunk until then
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """A payload reference small enough for a stream entry.
+
+    `location` is the Redis key or the shared-memory segment name; `nbytes` its exact size;
+    `checksum` the CRC32 of the payload header (or of all of it); `host` the shared-memory
+    domain of a segment (empty for Redis). An inline ref carries the encoded payload in `data`.
+    """
+
+    kind: TransportKind
+    location: str = ""
+    nbytes: int = 0
+    checksum: int = 0
+    host: str = ""
+    data: bytes = b""
+
+    def pack(self) -> bytes:
+        """The reference as it is stored in an edge entry (msgpack; inline refs: the payload)."""
+        if self.kind is TransportKind.INLINE:
+            return self.data
+        return msgpack.packb([self.kind.code, self.location, self.nbytes, self.checksum, self.host])
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> Ref:
+        """Parse a packed (non-inline) reference; refuse anything that is not one."""
+        try:
+            code, location, nbytes, checksum, host = msgpack.unpackb(raw, raw=False)
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            raise UndecodablePayload(f"not a payload reference: {exc}") from exc
+        kind = _KINDS.get(code) if isinstance(code, int) else None
+        if kind is None or kind is TransportKind.INLINE:
+            raise UndecodablePayload(f"not a payload reference: unknown transport {code!r}")
+        if not (isinstance(location, str) and isinstance(host, str) and isinstance(nbytes, int)
+                and isinstance(checksum, int) and nbytes >= 0):
+            raise UndecodablePayload("not a payload reference: fields of the wrong type")
+        return cls(kind, location, nbytes, checksum, host)
+
+
+class Transport(ABC):
+    """One way to move payloads. Implementations: inline, Redis key, shared memory."""
+
+    kind: TransportKind
+
+    @abstractmethod
+    async def put(self, payload: Any, ctx: PutContext) -> Ref:
+        """Store `payload` for the consumer named in `ctx`; returns the reference for the entry."""
+
+    @abstractmethod
+    async def get(self, ref: Ref, *, wf_id: str | None = None) -> Any:
+        """The payload `ref` points at (refused with a `DataPlaneError` when it cannot be trusted).
+
+        With `wf_id`, a reference to anything that is not that workflow's is refused."""
+
+    async def release(self, refs: Sequence[Ref]) -> int:
+        """Free what `refs` point at (gone already is fine); returns how many were freed."""
+        return 0
+
+    async def release_workflow(self, wf_id: str) -> int:
+        """Free everything this transport holds for one workflow; returns how many."""
+        return 0

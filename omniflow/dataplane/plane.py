@@ -1,0 +1,157 @@
+"""The data plane of one process: its transports, the per-chunk choice, ownership and the sweep.
+
+    plane = DataPlane(redis, settings, worker_id=worker.id)
+    ref = await plane.put(tensor, plane.context(wf, "thinker", "talker", attempt, seq),
+                          consumer_domain=replica_domain)
+    field, value = ref_field(ref)                 # ("d", payload) inline, ("r", reference) otherwise
+    ...
+    payload = await plane.resolve(fields, wf_id=wf)   # consumer side, from the entry's fields
+    await plane.release(consumed_refs)            # when the consuming session is done
+
+A consumer's replica advertises its shared-memory domain (`plane.domain`); a producer that sees
+the same domain may hand it segments, anything else goes through Redis.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from redis.asyncio import Redis
+
+from omniflow.config import ChecksumMode, Settings
+from omniflow.dataplane import codec
+from omniflow.dataplane.base import PutContext, Ref, TransportKind, UndecodablePayload, WrongHost
+from omniflow.dataplane.inline import InlineTransport
+from omniflow.dataplane.policy import choose_transport
+from omniflow.dataplane.rediskey import Command, RedisTransport
+from omniflow.dataplane.shm import ShmTransport, SweepReason, name_part, shm_available
+from omniflow.keys import Keys
+
+LIVE_STATES = frozenset({b"pending", b"running"})
+INLINE_FIELD = "d"
+REF_FIELD = "r"
+
+
+def ref_field(ref: Ref) -> tuple[str, bytes]:
+    """The chunk field that carries `ref` in an entry: `d` = the payload inline, `r` = a reference."""
+    return (INLINE_FIELD, ref.data) if ref.kind is TransportKind.INLINE else (REF_FIELD, ref.pack())
+
+
+class DataPlane:
+    """The transports of one process and the policy that picks one for each chunk."""
+
+    def __init__(self, redis: Redis, settings: Settings, *, worker_id: str = "") -> None:
+        self.settings = settings
+        self.keys = Keys(settings.prefix)
+        self.redis = redis
+        self.worker_id = worker_id
+        full = settings.dataplane_checksum is ChecksumMode.FULL
+        self.inline = InlineTransport()
+        self.rediskey = RedisTransport(redis, self.keys, full_checksum=full)
+        directory = settings.dataplane_shm_dir
+        self.shm = ShmTransport(settings.prefix, directory=directory, full_checksum=full) \
+            if shm_available(directory) else None
+        self.domain = self.shm.domain if self.shm else ""
+        self.ttl_s = settings.dataplane_ttl_s()
+
+    def context(self, wf_id: str, src: str, dst: str, attempt: int, seq: int) -> PutContext:
+        return PutContext(self.settings.prefix, wf_id, src, dst, attempt, seq, self.worker_id, self.ttl_s)
+
+    def choose(self, payload: Any, *, consumer_domain: str | None) -> TransportKind:
+        """The transport for `payload`, for a consumer whose replica has shared-memory domain
+        `consumer_domain` (None: not known yet, e.g. the session is not claimed)."""
+        s = self.settings
+        limit = max(s.dataplane_inline_max_bytes, s.dataplane_shm_min_bytes)
+        return choose_transport(codec.payload_nbytes(payload, limit), mode=s.dataplane_mode,
+                                inline_max_bytes=s.dataplane_inline_max_bytes,
+                                shm_min_bytes=s.dataplane_shm_min_bytes,
+                                same_host=bool(consumer_domain) and consumer_domain == self.domain,
+                                shm_available=self.shm is not None)
+
+    def prepare(self, payload: Any, ctx: PutContext, *, consumer_domain: str | None = None,
+                kind: TransportKind | None = None) -> tuple[Ref, list[Command]]:
+        """Put `payload` without a round trip of its own: a segment is written now; a Redis payload
+        comes back as commands to send before the entry that references it (same connection)."""
+        kind = kind or self.choose(payload, consumer_domain=consumer_domain)
+        if kind is TransportKind.SHM and self.shm is not None:
+            return self.shm.put_sync(payload, ctx), []
+        if kind is TransportKind.INLINE:
+            return InlineTransport.encode(payload), []
+        return self.rediskey.put_commands(payload, ctx)
+
+    async def put(self, payload: Any, ctx: PutContext, *, consumer_domain: str | None = None,
+                  kind: TransportKind | None = None) -> Ref:
+        """Store `payload` through the transport `choose` picks (or `kind`); returns its reference."""
+        kind = kind or self.choose(payload, consumer_domain=consumer_domain)
+        if kind is TransportKind.SHM and self.shm is not None:
+            return await self.shm.put(payload, ctx)
+        if kind is TransportKind.INLINE:
+            return await self.inline.put(payload, ctx)
+        return await self.rediskey.put(payload, ctx)
+
+    async def get(self, ref: Ref, *, wf_id: str | None = None) -> Any:
+        """The payload `ref` points at; a `DataPlaneError` says why not."""
+        if ref.kind is TransportKind.INLINE:
+            return await self.inline.get(ref)
+        if ref.kind is TransportKind.REDIS:
+            return await self.rediskey.get(ref, wf_id=wf_id)
+        if self.shm is None:
+            raise WrongHost(f"segment {ref.location}: this host has no shared memory")
+        return await self.shm.get(ref, wf_id=wf_id)
+
+    async def resolve(self, fields: Mapping[bytes, bytes], *, wf_id: str | None = None) -> tuple[Any, Ref | None]:
+        """The payload of one chunk's fields (inline `d` or reference `r`), and the reference to
+        release once the consuming session is done (None for an inline payload)."""
+        inline = fields.get(INLINE_FIELD.encode())
+        if inline is not None:
+            return codec.loads(inline), None
+        raw = fields.get(REF_FIELD.encode())
+        if raw is None:
+            raise UndecodablePayload("chunk has neither a payload nor a reference")
+        ref = Ref.unpack(raw)
+        return await self.get(ref, wf_id=wf_id), ref
+
+    # ------------------------------------------------------------ ownership
+    async def release(self, refs: Sequence[Ref]) -> int:
+        """Free what `refs` point at (the consumer, when its session is done)."""
+        freed = await self.rediskey.release(refs)
+        if self.shm is not None:
+            freed += await self.shm.release(refs)
+        return freed
+
+    async def release_workflow(self, wf_id: str) -> int:
+        """Free every payload of one workflow: its Redis keys, and its segments on this host."""
+        freed = await self.rediskey.release_workflow(wf_id)
+        if self.shm is not None:
+            freed += await self.shm.release_workflow(wf_id)
+        return freed
+
+    async def live_workflows(self, wf_ids: Iterable[str]) -> set[str]:
+        """Those of `wf_ids` whose record says pending or running."""
+        ids = sorted(set(wf_ids))
+        if not ids:
+            return set()
+        pipe = self.redis.pipeline(transaction=False)
+        for wf_id in ids:
+            pipe.hget(self.keys.wf(wf_id), "state")
+        states = await pipe.execute()
+        return {wf_id for wf_id, state in zip(ids, states, strict=True) if state in LIVE_STATES}
+
+    async def live_workers(self) -> set[str]:
+        """Ids of the workers whose lease has not lapsed."""
+        now = int(time.time() * 1000)
+        return {m.decode() if isinstance(m, bytes) else str(m)
+                for m in await self.redis.zrangebyscore(self.keys.workers, now, "+inf")}
+
+    async def sweep(self, *, worker: str | None = None) -> dict[SweepReason, int]:
+        """Free this host's segments of ended workflows, expired ones, and half-written ones of dead
+        workers (all, or those attributed to `worker`). A live workflow's segments stay, even if their
+        producer died: the consumer replays them. Redis payload keys need no sweep (TTL, terminal)."""
+        if self.shm is None:
+            return {reason: 0 for reason in SweepReason}
+        found = self.shm.inventory()
+        if worker is not None:
+            found = [f for f in found if f.segment.worker == name_part(worker)]
+        live = await self.live_workflows(f.wf_id for f in found)
+        return self.shm.sweep(found, live_wfs=live, live_workers=await self.live_workers())
