@@ -16,6 +16,7 @@ import yaml
 from redis.asyncio import Redis
 
 from omniflow.config import DEFAULT_PIPELINE, Settings
+from omniflow.dataplane.shm import DEFAULT_SHM_DIR, name_part, parse_name
 from omniflow.embedded import EmbeddedServer, redis_server_binaries
 from omniflow.pipeline import Pipeline, build_pipeline
 from omniflow.reconciler import Reconciler
@@ -23,6 +24,29 @@ from omniflow.store import Store, connect
 from omniflow.worker import Worker
 
 SERVERS = redis_server_binaries()
+# Key prefixes this test session used (`settings_factory`, `shm_prefix`): none of their shared-memory
+# segments may outlive the session (see `no_leftover_segments`).
+SESSION_PREFIXES: set[str] = set()
+
+
+def leftover_segments(prefixes: set[str], directory: Path = DEFAULT_SHM_DIR) -> list[str]:
+    """Names of the segments in `directory` that belong to one of `prefixes`."""
+    parts = {name_part(p) for p in prefixes}
+    try:
+        names = [entry.name for entry in directory.iterdir()]
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if (seg := parse_name(n)) is not None and seg.prefix in parts)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leftover_segments() -> Iterator[None]:
+    """After the whole session, /dev/shm holds no segment of ours (they are removed, and reported)."""
+    yield
+    leftovers = leftover_segments(SESSION_PREFIXES)
+    for name in leftovers:
+        (DEFAULT_SHM_DIR / name).unlink(missing_ok=True)
+    assert not leftovers, f"{len(leftovers)} shared-memory segment(s) outlived the test session: {leftovers[:10]}"
 
 
 def _start(tmp: Path, binary: str) -> EmbeddedServer:
@@ -61,8 +85,17 @@ def settings_factory() -> Callable[..., Settings]:
         base = {"redis_url": url, "prefix": f"t{uuid.uuid4().hex[:10]}", "heartbeat_interval_s": 0.2,
                 "lease_timeout_s": 1.0, "sweep_interval_s": 0.2, "block_ms": 1000}
         base.update(overrides)
+        SESSION_PREFIXES.add(str(base["prefix"]))
         return Settings(**base)
     return make
+
+
+@pytest.fixture
+def shm_prefix() -> str:
+    """A fresh key prefix whose segments the session-end check covers."""
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    SESSION_PREFIXES.add(prefix)
+    return prefix
 
 
 class Engine:

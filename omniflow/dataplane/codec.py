@@ -47,6 +47,11 @@ FRAME_BYTES_MIN = 1024    # bytes values at least this long become buffers of a 
 ALLOWED_KINDS = frozenset("biufc")      # bool, int, uint, float, complex: nothing that runs code
 
 
+def _contiguous(arr: np.ndarray) -> np.ndarray:
+    # np.ascontiguousarray turns a 0-d array into a 1-d one
+    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) & ~(ALIGN - 1)
 
@@ -56,7 +61,7 @@ def _align(n: int) -> int:
 
 def _default(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
-        arr = np.ascontiguousarray(obj)
+        arr = _contiguous(obj)
         return msgpack.ExtType(_NDARRAY, msgpack.packb((arr.dtype.str, list(arr.shape), arr.tobytes())))
     if isinstance(obj, np.generic):
         return obj.item()
@@ -176,7 +181,7 @@ class _Extractor:
         if isinstance(obj, (list, tuple)):
             return [self.walk(v) for v in obj]
         if isinstance(obj, np.ndarray):
-            arr = np.ascontiguousarray(obj)
+            arr = _contiguous(obj)
             index = self._buffer(arr.data.cast("B") if arr.size else memoryview(b""))
             return msgpack.ExtType(_F_NDARRAY, msgpack.packb((arr.dtype.str, list(arr.shape), index)))
         if isinstance(obj, (bytes, bytearray, memoryview)):

@@ -1,0 +1,155 @@
+"""Who owns a payload and when it goes: release after use, a workflow's release, the sweep."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+
+from omniflow.config import Settings
+from omniflow.dataplane import DataPlane, TransportKind
+from omniflow.dataplane.codec import FrameInfo
+from omniflow.dataplane.shm import DEFAULT_SHM_DIR, Found, Segment, SweepReason, shm_available, sweep_verdict
+from omniflow.store import connect
+
+pytestmark = pytest.mark.skipif(not shm_available(DEFAULT_SHM_DIR), reason="no /dev/shm on this host")
+
+
+@pytest.fixture
+async def plane(valkey_url: str, shm_prefix: str) -> AsyncIterator[DataPlane]:
+    redis = connect(valkey_url)
+    dp = DataPlane(redis, Settings(redis_url=valkey_url, prefix=shm_prefix), worker_id="w-live")
+    yield dp
+    assert dp.shm is not None
+    dp.shm.release_all()
+    keys = [k async for k in redis.scan_iter(match=f"{shm_prefix}:*")]
+    if keys:
+        await redis.delete(*keys)
+    await redis.aclose()
+
+
+def ours(plane: DataPlane) -> set[str]:
+    assert plane.shm is not None
+    return {seg.name for seg in plane.shm.segments()}
+
+
+async def set_state(plane: DataPlane, wf: str, state: str) -> None:
+    await plane.redis.hset(plane.keys.wf(wf), "state", state)
+
+
+async def test_release_workflow_frees_its_keys_and_segments_only(plane: DataPlane) -> None:
+    refs = {}
+    for wf in ("wfa", "wfb"):
+        for seq, kind in enumerate((TransportKind.SHM, TransportKind.SHM, TransportKind.REDIS), 1):
+            refs[(wf, seq)] = await plane.put(np.zeros(2048), plane.context(wf, "thinker", "talker", 1, seq), kind=kind)
+    assert len(ours(plane)) == 4
+    assert await plane.release_workflow("wfa") == 3
+    assert all("-wfb-" in name for name in ours(plane)) and len(ours(plane)) == 2
+    assert not await plane.redis.exists(refs[("wfa", 3)].location, plane.keys.blobs("wfa"))
+    assert await plane.redis.exists(refs[("wfb", 3)].location)
+    assert (await plane.get(refs[("wfb", 1)], wf_id="wfb")).shape == (2048,)
+    assert await plane.release_workflow("wfb") == 3
+    assert not ours(plane)
+
+
+def found(worker: str = "w1", wf: str = "wf1", expiry_ms: int | None = 10_000) -> Found:
+    seg = Segment(f"of-p-{worker}-{wf}-a.b-1.1", "p", worker, wf, "a", "b", 1, 1)
+    info = None if expiry_ms is None else FrameInfo(10, 10, expiry_ms, [wf, "a", "b", 1, 1, worker])
+    return Found(seg, info)
+
+
+@pytest.mark.parametrize(("item", "live_wfs", "live_workers", "expected"), [
+    (found(), {"wf1"}, {"w1"}, None),                                   # live: keep
+    (found(), {"wf1"}, set(), None),                     # producer died, workflow lives: a retry replays it
+    (found(), set(), {"w1"}, SweepReason.ENDED),                         # workflow ended
+    (found(expiry_ms=500), {"wf1"}, {"w1"}, SweepReason.EXPIRED),
+    (found(expiry_ms=None), {"wf1"}, set(), SweepReason.ORPHAN),         # half-written by a dead worker
+    (found(expiry_ms=None), {"wf1"}, {"w1"}, None),                      # maybe being written right now
+    (found(), None, None, None),                                         # nothing known: keep
+])
+def test_sweep_verdict(item: Found, live_wfs: set[str] | None, live_workers: set[str] | None,
+                       expected: SweepReason | None) -> None:
+    assert sweep_verdict(item, now_ms=1000, live_wfs=live_wfs, live_workers=live_workers) is expected
+
+
+async def test_sweep_frees_ended_expired_and_orphaned_segments_and_keeps_live_ones(plane: DataPlane) -> None:
+    assert plane.shm is not None
+    await set_state(plane, "wflive", "running")
+    await set_state(plane, "wfdone", "completed")
+    await plane.redis.zadd(plane.keys.workers, {"w-live": int(time.time() * 1000) + 60_000})
+    live = await plane.put(np.ones(100), plane.context("wflive", "thinker", "talker", 1, 1), kind=TransportKind.SHM)
+    done = await plane.put(np.ones(100), plane.context("wfdone", "thinker", "talker", 1, 1), kind=TransportKind.SHM)
+    gone = await plane.put(np.ones(100), plane.context("wfgone", "thinker", "talker", 1, 1), kind=TransportKind.SHM)
+    ctx = plane.context("wflive", "thinker", "talker", 1, 2)
+    expired = await plane.shm.put(np.ones(100), dataclasses.replace(ctx, ttl_s=-1.0))
+    half_dead = f"of-{plane.settings.prefix}-w_dead-wflive-thinker.talker-1.3"
+    half_live = f"of-{plane.settings.prefix}-w_live-wflive-thinker.talker-1.4"
+    for name in (half_dead, half_live):
+        (DEFAULT_SHM_DIR / name).write_bytes(b"OF")          # a producer died (or is) mid-write
+    freed = await plane.sweep()
+    assert freed == {SweepReason.ENDED: 2, SweepReason.EXPIRED: 1, SweepReason.ORPHAN: 1}
+    assert ours(plane) == {live.location, half_live}
+    assert {done.location, gone.location, expired.location, half_dead}.isdisjoint(ours(plane))
+    await set_state(plane, "wflive", "aborted")
+    await plane.sweep()
+    assert not ours(plane)
+
+
+async def test_sweep_of_one_worker_leaves_the_others(plane: DataPlane) -> None:
+    a = DataPlane(plane.redis, plane.settings, worker_id="w-a")
+    b = DataPlane(plane.redis, plane.settings, worker_id="w-b")
+    ra = await a.put(np.ones(10), a.context("wfx", "thinker", "talker", 1, 1), kind=TransportKind.SHM)
+    rb = await b.put(np.ones(10), b.context("wfx", "thinker", "talker", 1, 2), kind=TransportKind.SHM)
+    assert await plane.sweep(worker="w-a") == {SweepReason.ENDED: 1, SweepReason.EXPIRED: 0, SweepReason.ORPHAN: 0}
+    assert ours(plane) == {rb.location} and ra.location not in ours(plane)
+
+
+PRODUCER = textwrap.dedent("""
+    import asyncio, sys
+    import numpy as np
+    from omniflow.config import Settings
+    from omniflow.dataplane import DataPlane, TransportKind
+    from omniflow.store import connect
+
+    async def main():
+        url, prefix = sys.argv[1], sys.argv[2]
+        dp = DataPlane(connect(url), Settings(redis_url=url, prefix=prefix), worker_id="w-doomed")
+        big = np.ones(8 << 20, np.uint8)
+        seq = 0
+        while True:
+            seq += 1
+            await dp.put(big, dp.context("wfk", "thinker", "talker", 1, seq), kind=TransportKind.SHM)
+            if seq == 3:
+                print("ready", flush=True)
+
+    asyncio.run(main())
+""")
+
+
+@pytest.mark.slow
+async def test_segments_of_a_producer_killed_mid_stream_are_swept(plane: DataPlane, valkey_url: str) -> None:
+    """SIGKILL a process that writes 8 MiB segments in a loop; once its workflow has ended, the sweep
+    leaves nothing of it behind (complete segments and the one it was writing alike)."""
+    await set_state(plane, "wfk", "running")
+    proc = subprocess.Popen([sys.executable, "-c", PRODUCER, valkey_url, plane.settings.prefix],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    left = ours(plane)
+    assert len(left) >= 3 and all("-w_doomed-wfk-" in name for name in left)
+    await plane.sweep()                              # workflow still live: its chunks stay for the consumer
+    assert {n for n in ours(plane) if plane.shm and plane.shm.read_header(n)} == \
+        {n for n in left if plane.shm and plane.shm.read_header(n)}
+    await set_state(plane, "wfk", "failed")
+    await plane.sweep()
+    assert not ours(plane)

@@ -1,0 +1,265 @@
+"""Each transport against the real thing: a Valkey server and this host's /dev/shm."""
+from __future__ import annotations
+
+import mmap
+import os
+import tracemalloc
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from omniflow.config import ChecksumMode, DataPlaneMode, Settings
+from omniflow.dataplane import (
+    ChecksumMismatch, DataPlane, ForeignReference, PayloadMissing, Ref, SizeMismatch, TransportKind,
+    UndecodablePayload, WrongHost, ref_field,
+)
+from omniflow.dataplane.shm import DEFAULT_SHM_DIR, shm_available
+from omniflow.store import connect
+
+from dataplane_forge import ext, forge_frame
+
+pytestmark = pytest.mark.skipif(not shm_available(DEFAULT_SHM_DIR), reason="no /dev/shm on this host")
+
+KINDS = [TransportKind.INLINE, TransportKind.REDIS, TransportKind.SHM]
+NUMPY_DTYPES = ["<f4", "<f2", "<f8", "<i8", "<i4", "|i1", "|u1", "|b1", "<c8"]
+TENSOR_DTYPES = ["float32", "float16", "bfloat16", "int64"]
+
+
+@pytest.fixture
+async def plane(valkey_url: str, shm_prefix: str) -> AsyncIterator[DataPlane]:
+    redis = connect(valkey_url)
+    dp = DataPlane(redis, Settings(redis_url=valkey_url, prefix=shm_prefix), worker_id="thinker-host-1-abc")
+    yield dp
+    assert dp.shm is not None
+    dp.shm.release_all()
+    keys = [k async for k in redis.scan_iter(match=f"{shm_prefix}:*")]
+    if keys:
+        await redis.delete(*keys)
+    await redis.aclose()
+
+
+def seg_path(ref: Ref) -> Path:
+    return DEFAULT_SHM_DIR / ref.location
+
+
+async def put(plane: DataPlane, payload: Any, kind: TransportKind, *, wf: str = "wf1", seq: int = 1) -> Ref:
+    return await plane.put(payload, plane.context(wf, "thinker", "talker", 1, seq), kind=kind)
+
+
+@pytest.mark.parametrize("dtype", NUMPY_DTYPES)
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
+async def test_numpy_round_trip(plane: DataPlane, kind: TransportKind, dtype: str) -> None:
+    arr = (np.random.default_rng(1).standard_normal((16, 33)) * 100).astype(dtype)
+    ref = await put(plane, {"h": arr, "seq": 1}, kind)
+    assert ref.kind is kind
+    out = await plane.get(Ref.unpack(ref.pack()) if kind is not TransportKind.INLINE else ref, wf_id="wf1")
+    assert out["seq"] == 1 and out["h"].dtype == arr.dtype and out["h"].shape == arr.shape
+    assert out["h"].tobytes() == arr.tobytes()
+    await plane.release([ref])
+
+
+@pytest.mark.parametrize("name", TENSOR_DTYPES)
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
+async def test_tensor_round_trip(plane: DataPlane, kind: TransportKind, name: str) -> None:
+    torch = pytest.importorskip("torch")
+    t = (torch.randn(8, 12) * 100).to(getattr(torch, name))
+    ref = await put(plane, [t, b"\x00" * 2048], kind)
+    out, raw = await plane.get(ref, wf_id="wf1")
+    assert out.dtype == t.dtype and out.shape == t.shape and torch.equal(out, t)
+    assert raw == b"\x00" * 2048
+    out.add_(1)                     # consumers may work in place: the view is private to them
+    again, _ = await plane.get(ref, wf_id="wf1")
+    assert torch.equal(again, t)
+    await plane.release([ref])
+
+
+async def test_entry_fields_resolve_to_the_payload(plane: DataPlane) -> None:
+    arr = np.arange(100_000, dtype=np.float32)
+    for kind in KINDS:
+        ref = await put(plane, arr, kind, seq=7)
+        name, value = ref_field(ref)
+        assert name == ("d" if kind is TransportKind.INLINE else "r")
+        out, held = await plane.resolve({name.encode(): value}, wf_id="wf1")
+        assert np.array_equal(out, arr)
+        assert (held is None) == (kind is TransportKind.INLINE)
+        await plane.release([held] if held else [])
+    with pytest.raises(UndecodablePayload):
+        await plane.resolve({b"seq": b"1"})
+
+
+async def test_the_policy_picks_per_chunk_by_size_and_consumer_host(plane: DataPlane) -> None:
+    small, large = np.zeros(100, np.float32), np.zeros(1 << 20, np.uint8)
+    assert plane.choose(small, consumer_domain=plane.domain) is TransportKind.INLINE
+    assert plane.choose(large, consumer_domain=plane.domain) is TransportKind.SHM
+    assert plane.choose(large, consumer_domain="other-host:1:2") is TransportKind.REDIS
+    assert plane.choose(large, consumer_domain=None) is TransportKind.REDIS
+    ref = await plane.put(large, plane.context("wf1", "thinker", "talker", 1, 1), consumer_domain=plane.domain)
+    assert ref.kind is TransportKind.SHM and seg_path(ref).exists()
+    await plane.release([ref])
+    assert not seg_path(ref).exists()
+
+
+async def test_mode_setting_forces_one_transport(valkey_url: str, shm_prefix: str) -> None:
+    redis = connect(valkey_url)
+    try:
+        dp = DataPlane(redis, Settings(redis_url=valkey_url, prefix=shm_prefix, dataplane_mode=DataPlaneMode.REDIS))
+        assert dp.choose(b"x", consumer_domain=dp.domain) is TransportKind.REDIS
+    finally:
+        await redis.aclose()
+
+
+async def test_segment_name_attributes_the_owner_and_the_consumer_gets_a_view(plane: DataPlane) -> None:
+    arr = np.random.default_rng(3).standard_normal((1024, 1024)).astype(np.float32)     # 4 MiB
+    ref = await put(plane, {"h": arr}, TransportKind.SHM, seq=12)
+    assert ref.location == f"of-{plane.settings.prefix}-thinker_host_1_abc-wf1-thinker.talker-1.12"
+    assert os.stat(seg_path(ref)).st_mode & 0o777 == 0o600
+    out = (await plane.get(ref, wf_id="wf1"))["h"]
+    base: Any = out
+    while isinstance(base, np.ndarray):
+        base = base.base
+    assert isinstance(base, memoryview) and isinstance(base.obj, mmap.mmap)   # a view of the segment
+    assert np.array_equal(out, arr)
+    await plane.release([ref])
+
+
+async def test_shared_memory_path_makes_no_copy_beyond_the_segment(plane: DataPlane) -> None:
+    """put: the only copy is the kernel's, into the segment; get: a view. Python-side allocations
+    (numpy's are traced) stay far below the payload size on both sides."""
+    arr = np.ones(16 << 20, dtype=np.uint8)
+    tracemalloc.start()
+    try:
+        ref = await put(plane, {"h": arr}, TransportKind.SHM)
+        _, put_peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        out = await plane.get(ref, wf_id="wf1")
+        _, get_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert out["h"].nbytes == arr.nbytes and int(out["h"][-1]) == 1
+    assert put_peak < arr.nbytes // 16, put_peak
+    assert get_peak < arr.nbytes // 16, get_peak
+    await plane.release([ref])
+
+
+async def test_redis_payload_has_a_ttl_and_is_listed_for_the_terminal(plane: DataPlane) -> None:
+    ref = await put(plane, np.zeros(1000, np.float64), TransportKind.REDIS)
+    assert ref.location == plane.keys.blob("wf1", "thinker", "talker", 1, 1)
+    ttl_ms = await plane.redis.pttl(ref.location)
+    assert 0 < ttl_ms <= plane.ttl_s * 1000 and ttl_ms > (plane.settings.max_deadline_s * 1000)
+    assert await plane.redis.sismember(plane.keys.blobs("wf1"), ref.location)
+    assert await plane.redis.pttl(plane.keys.blobs("wf1")) > 0
+    assert await plane.release([ref]) == 1
+    assert not await plane.redis.exists(ref.location)
+    assert not await plane.redis.sismember(plane.keys.blobs("wf1"), ref.location)
+    with pytest.raises(PayloadMissing, match="gone"):
+        await plane.get(ref, wf_id="wf1")
+
+
+# --------------------------------------------------------------------------- hostile references
+
+
+@pytest.mark.parametrize("location", [
+    "../../etc/passwd", "/etc/passwd", "of-otherprefix-w-wf1-thinker.talker-1.1", "of-PREFIX-w-wf1-a.b-1.1/../../x",
+    "of-PREFIX-w-wf1-thinker.talker-1.1.tmp",
+])
+async def test_shm_reference_outside_our_namespace_is_refused(plane: DataPlane, tmp_path: Path,
+                                                              location: str) -> None:
+    location = location.replace("PREFIX", plane.settings.prefix)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    for loc in (location, os.path.relpath(victim, DEFAULT_SHM_DIR)):
+        ref = Ref(TransportKind.SHM, loc, 7, 0, plane.domain)
+        with pytest.raises(ForeignReference):
+            await plane.get(ref, wf_id="wf1")
+        with pytest.raises(ForeignReference):
+            await plane.release([ref])              # never unlinks a path a reference smuggled in
+    assert victim.read_bytes() == b"keep me"
+
+
+async def test_shm_reference_to_another_workflow_is_refused(plane: DataPlane) -> None:
+    ref = await put(plane, np.zeros(10), TransportKind.SHM, wf="wf2")
+    with pytest.raises(ForeignReference, match="another workflow"):
+        await plane.get(ref, wf_id="wf1")
+    assert (await plane.get(ref, wf_id="wf2")).shape == (10,)
+    await plane.release([ref])
+
+
+async def test_shm_reference_of_wrong_size_or_checksum_or_host_is_refused(plane: DataPlane) -> None:
+    ref = await put(plane, {"h": np.arange(4096, dtype=np.int64)}, TransportKind.SHM)
+    with pytest.raises(SizeMismatch):
+        await plane.get(Ref(ref.kind, ref.location, ref.nbytes + 8, ref.checksum, ref.host), wf_id="wf1")
+    with pytest.raises(ChecksumMismatch):
+        await plane.get(Ref(ref.kind, ref.location, ref.nbytes, ref.checksum ^ 0x10, ref.host), wf_id="wf1")
+    with pytest.raises(WrongHost, match="shared memory of"):
+        await plane.get(Ref(ref.kind, ref.location, ref.nbytes, ref.checksum, "elsewhere:1:2"), wf_id="wf1")
+    with open(seg_path(ref), "r+b") as f:          # a segment changed under its reference
+        f.seek(40)
+        byte = f.read(1)
+        f.seek(40)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ChecksumMismatch):
+        await plane.get(ref, wf_id="wf1")
+    os.truncate(seg_path(ref), ref.nbytes - 100)
+    with pytest.raises(SizeMismatch):
+        await plane.get(ref, wf_id="wf1")
+    await plane.release([ref])
+    with pytest.raises(PayloadMissing):
+        await plane.get(ref, wf_id="wf1")
+
+
+async def test_full_checksum_mode_catches_a_changed_segment_byte(valkey_url: str, shm_prefix: str) -> None:
+    redis = connect(valkey_url)
+    dp = DataPlane(redis, Settings(redis_url=valkey_url, prefix=shm_prefix, dataplane_checksum=ChecksumMode.FULL))
+    try:
+        ref = await put(dp, np.arange(100_000, dtype=np.float32), TransportKind.SHM)
+        with open(seg_path(ref), "r+b") as f:
+            f.seek(ref.nbytes - 1)
+            f.write(b"\x7f")
+        with pytest.raises(ChecksumMismatch, match="data checksum"):
+            await dp.get(ref, wf_id="wf1")
+        await dp.release([ref])
+    finally:
+        await redis.aclose()
+
+
+async def test_shm_segment_with_undecodable_dtype_is_refused(plane: DataPlane) -> None:
+    raw, crc = forge_frame({"h": ext(10, "|O", [2], 0)}, [bytes(16)])
+    name = f"of-{plane.settings.prefix}-w-wf1-thinker.talker-1.1"
+    (DEFAULT_SHM_DIR / name).write_bytes(raw)
+    ref = Ref(TransportKind.SHM, name, len(raw), crc, plane.domain)
+    with pytest.raises(UndecodablePayload, match="not accepted"):
+        await plane.get(ref, wf_id="wf1")
+    await plane.release([ref])
+
+
+async def test_redis_reference_outside_our_namespace_missing_or_unsound_is_refused(plane: DataPlane) -> None:
+    p = plane.settings.prefix
+    for key in ("other:key", f"{p}:wf:{{wf2}}:blob:a:b:1:1", f"{p}:workers", f"x{p}:wf:{{wf1}}:blob:a:b:1:1"):
+        with pytest.raises(ForeignReference):
+            await plane.get(Ref(TransportKind.REDIS, key, 10, 0), wf_id="wf1")
+    with pytest.raises(PayloadMissing):
+        await plane.get(Ref(TransportKind.REDIS, plane.keys.blob("wf1", "a", "b", 1, 1), 10, 0), wf_id="wf1")
+    ref = await put(plane, np.arange(1000, dtype=np.int32), TransportKind.REDIS)
+    with pytest.raises(SizeMismatch):
+        await plane.get(Ref(ref.kind, ref.location, ref.nbytes - 1, ref.checksum), wf_id="wf1")
+    with pytest.raises(ChecksumMismatch):
+        await plane.get(Ref(ref.kind, ref.location, ref.nbytes, ref.checksum + 1), wf_id="wf1")
+    raw, crc = forge_frame(ext(10, "<f4", [3], 0), [bytes(16)])
+    await plane.redis.set(ref.location, raw)
+    with pytest.raises(UndecodablePayload, match="needs 12 bytes"):
+        await plane.get(Ref(ref.kind, ref.location, len(raw), crc), wf_id="wf1")
+    await plane.release([ref])
+
+
+def test_data_plane_errors_fail_the_session_not_the_worker() -> None:
+    """They are StageErrors: the worker's executor wrapper turns them into a session failure with this
+    message, retried when `retryable` (a missing payload may be a retry's to fix; a bad one is not)."""
+    from omniflow.errors import StageError
+
+    for cls in (PayloadMissing, WrongHost, ForeignReference, SizeMismatch, ChecksumMismatch, UndecodablePayload):
+        assert issubclass(cls, StageError)
+    assert PayloadMissing.retryable and WrongHost.retryable
+    assert not (ForeignReference.retryable or SizeMismatch.retryable or UndecodablePayload.retryable)
