@@ -1,0 +1,504 @@
+"""The data-plane benchmark: chunk payloads between two worker processes, per transport.
+
+    .venv/bin/python bench/dataplane.py [--quick]      # prints the table, writes bench/out/dataplane.json
+    (`make bench` runs it through bench/run.py, which renders docs/benchmarks.md and docs/dataplane.png)
+
+A producer process and a consumer process, a fresh embedded Valkey (AOF everysec). Each chunk
+takes the engine's path: the producer stores the payload (inline / Redis key / shared-memory
+segment, `omniflow.dataplane`), then XADDs the entry to the edge log and to the consumer's inbox
+in one pipeline (what emit.lua writes); the consumer blocks in XREAD on its inbox, resolves the
+payload, touches every 4 KiB page of it (a mapped segment faults its pages in), releases it and
+acks. Beside them, in the same run: a plain in-process numpy copy of the same bytes, and raw
+Redis SET/GET of the same sizes between the same two processes (SET + XADD of the key name;
+GET + DEL).
+
+- latency: one chunk at a time (the next is sent once the last is acked); the consumer measures
+  send -> payload in hand on CLOCK_MONOTONIC, which both processes share.
+- throughput: the producer streams with at most `WINDOW` chunks unacked; payload bytes / (first
+  send -> last chunk in hand).
+- Redis memory and AOF bytes per MiB of payload: 1 MiB chunks written the producer's way and
+  not yet consumed; deltas of INFO used_memory and aof_current_size.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import mmap
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import msgpack
+import numpy as np
+
+from bench.common import OUT_DIR, BenchError, bench_env, log, percentile, start_server
+
+SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
+TRANSPORTS = ["inline", "redis", "shm", "raw"]         # raw: plain SET/GET, the Redis ceiling
+LABELS = {"inline": "inline (in the entry)", "redis": "Redis key (reference)", "shm": "shared memory (reference)",
+          "raw": "raw Redis SET/GET", "copy": "in-process numpy copy"}
+PAGE = 4096
+WF = "wfbench"
+EDGE_MAXLEN = 64
+
+
+def counts(size: int, quick: bool) -> tuple[int, int]:
+    """(latency chunks, throughput chunks) for one size."""
+    table = {4 << 10: (300, 2000), 64 << 10: (200, 1000), 1 << 20: (100, 200), 16 << 20: (15, 24)}
+    lat, thr = table[size]
+    return (max(5, lat // 4), max(8, thr // 4)) if quick else (lat, thr)
+
+
+def window(size: int) -> int:
+    return 4 if size >= 16 << 20 else 16
+
+
+def touch(obj: Any) -> int:
+    """Read one byte of every page of the payload (a view of a segment maps them)."""
+    if isinstance(obj, np.ndarray):
+        return int(obj.reshape(-1).view(np.uint8)[::PAGE].sum())
+    if isinstance(obj, (bytes, bytearray)):
+        return sum(obj[::PAGE])
+    return 0
+
+
+# --------------------------------------------------------------------------- the two processes
+
+
+def _keys(prefix: str) -> dict[str, str]:
+    return {"inbox": f"{prefix}:inbox:consumer", "edge": f"{prefix}:wf:{{{WF}}}:edge:a:b", "ack": f"{prefix}:ack"}
+
+
+async def producer(url: str, prefix: str, transport: str, quick: bool) -> None:
+    from omniflow.config import DataPlaneMode, Settings
+    from omniflow.dataplane import DataPlane, TransportKind, ref_field
+    from omniflow.store import connect
+
+    redis = connect(url)
+    plane = DataPlane(redis, Settings(redis_url=url, prefix=prefix, dataplane_mode=DataPlaneMode.AUTO),
+                      worker_id="bench-producer")
+    k = _keys(prefix)
+    acked, ack_last = 0, "0-0"
+
+    async def wait_acks(until: int) -> None:
+        nonlocal acked, ack_last
+        while acked < until:
+            reply = await redis.xread({k["ack"]: ack_last}, block=30_000)
+            if not reply:
+                raise BenchError("consumer stopped acking")
+            for _key, entries in reply:
+                for entry_id, fields in entries:
+                    ack_last, acked = entry_id, acked + int(fields[b"n"])
+
+    sent, seq = 0, 0
+    for size in SIZES:
+        arr = np.frombuffer(os.urandom(size), dtype=np.uint8)
+        raw = arr.tobytes()
+        for phase, n in zip(("lat", "thr"), counts(size, quick), strict=True):
+            win = 1 if phase == "lat" else window(size)
+            for _ in range(n):
+                await wait_acks(sent - win + 1)
+                seq += 1
+                t0 = time.monotonic_ns()
+                pipe = redis.pipeline(transaction=False)
+                if transport == "raw":
+                    key = f"{prefix}:raw:{seq}"
+                    pipe.set(key, raw)
+                    m = key.encode()
+                else:
+                    ref, commands = plane.prepare(arr, plane.context(WF, "a", "b", 1, seq),
+                                                  kind=TransportKind(transport))
+                    for command in commands:
+                        pipe.execute_command(*command)
+                    field, value = ref_field(ref)
+                    m = msgpack.packb([["seq", seq, "a", 1, field, value]], use_bin_type=True)
+                    pipe.xadd(k["edge"], {"m": m}, maxlen=EDGE_MAXLEN, approximate=False)
+                pipe.xadd(k["inbox"], {"m": m, "t": t0, "size": size, "phase": phase})
+                await pipe.execute()
+                sent += 1
+            await wait_acks(sent)
+    await redis.xadd(k["inbox"], {"end": 1})
+    await redis.aclose()
+
+
+async def consumer(url: str, prefix: str, transport: str, out: str) -> None:
+    from omniflow.config import Settings
+    from omniflow.dataplane import DataPlane, Ref, TransportKind
+    from omniflow.store import connect
+
+    redis = connect(url)
+    plane = DataPlane(redis, Settings(redis_url=url, prefix=prefix), worker_id="bench-consumer")
+    k = _keys(prefix)
+    records: list[tuple[int, str, int, int]] = []
+    last: Any = "0-0"
+    print("ready", flush=True)
+    while True:
+        reply = await redis.xread({k["inbox"]: last}, count=64, block=60_000)
+        if not reply:
+            raise BenchError("no chunk within 60 s")
+        held: list[Ref] = []
+        raw_keys: list[bytes] = []
+        n = 0
+        for _key, entries in reply:
+            for entry_id, fields in entries:
+                last = entry_id
+                if b"end" in fields:
+                    Path(out).write_text(json.dumps(records))
+                    await redis.aclose()
+                    return
+                if transport == "raw":
+                    value = await redis.get(fields[b"m"])
+                    if value is None:
+                        raise BenchError("raw key missing")
+                    touch(value)
+                    raw_keys.append(fields[b"m"])
+                else:
+                    flat = msgpack.unpackb(fields[b"m"], raw=True)[0]
+                    payload, ref = await plane.resolve(dict(zip(flat[::2], flat[1::2], strict=True)), wf_id=WF)
+                    touch(payload)
+                    if ref is not None:
+                        held.append(ref)
+                    del payload
+                records.append((int(fields[b"size"]), fields[b"phase"].decode(), int(fields[b"t"]),
+                                time.monotonic_ns()))
+                n += 1
+        # what the engine does when the consuming session is done: release what it read
+        if plane.shm is not None:
+            await plane.shm.release([r for r in held if r.kind is TransportKind.SHM])
+        pipe = redis.pipeline(transaction=False)
+        for ref in held:
+            if ref.kind is TransportKind.REDIS:
+                pipe.unlink(ref.location)
+                pipe.srem(plane.keys.blobs(WF), ref.location)
+        if raw_keys:
+            pipe.delete(*raw_keys)
+        pipe.xadd(k["ack"], {"n": n})
+        pipe.xtrim(k["inbox"], minid=last)
+        await pipe.execute()
+
+
+def run_pair(url: str, transport: str, quick: bool) -> list[tuple[int, str, int, int]]:
+    """One producer and one consumer process through `transport`; the consumer's records."""
+    prefix = f"dp{uuid.uuid4().hex[:8]}"
+    out = OUT_DIR / f"dataplane-{transport}.json"
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    me = [sys.executable, str(Path(__file__).resolve()), "--url", url, "--prefix", prefix, "--transport", transport]
+    env = bench_env()
+    cons = subprocess.Popen([*me, "--role", "consumer", "--out", str(out)], env=env, stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    prod = None
+    try:
+        assert cons.stdout is not None
+        if cons.stdout.readline().strip() != "ready":
+            raise BenchError(f"{transport} consumer did not start")
+        prod = subprocess.Popen([*me, "--role", "producer", *(["--quick"] if quick else [])], env=env,
+                                start_new_session=True)
+        if prod.wait(timeout=600) != 0:
+            raise BenchError(f"{transport} producer failed (rc {prod.returncode})")
+        if cons.wait(timeout=120) != 0:
+            raise BenchError(f"{transport} consumer failed (rc {cons.returncode})")
+        return [tuple(r) for r in json.loads(out.read_text())]  # type: ignore[misc]
+    finally:
+        for p in (prod, cons):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        _release_prefix(prefix)
+
+
+def _release_prefix(prefix: str) -> None:
+    from omniflow.dataplane.shm import ShmTransport, shm_available
+
+    if shm_available():
+        ShmTransport(prefix).release_all()
+
+
+# --------------------------------------------------------------------------- in-process and memory
+
+
+def copy_baseline(quick: bool) -> list[dict[str, Any]]:
+    """A plain numpy copy of the same bytes in one process: what a hand-off costs at best."""
+    rows = []
+    for size in SIZES:
+        src = np.frombuffer(os.urandom(size), dtype=np.uint8)
+        n = max(counts(size, quick))
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter_ns()
+            dst = src.copy()
+            times.append(time.perf_counter_ns() - t0)
+            del dst
+        mean_s = statistics.fmean(times) / 1e9
+        rows.append({"transport": "copy", "size": size, "n": n, "p50_ms": percentile(times, 50) / 1e6,
+                     "p99_ms": percentile(times, 99) / 1e6, "mib_s": size / mean_s / (1 << 20)})
+    return rows
+
+
+def shm_profile(size: int = 1 << 20, n: int = 40) -> dict[str, float]:
+    """Where a shared-memory chunk's time goes, step by step in one process (µs, medians): what
+    bounds the transport apart from the notification round trips."""
+    from omniflow.dataplane import codec
+    from omniflow.dataplane.base import PutContext
+    from omniflow.dataplane.shm import ShmTransport, segment_name
+
+    shm = ShmTransport(f"pf{uuid.uuid4().hex[:8]}")
+    arr = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    steps: dict[str, list[float]] = {k: [] for k in (
+        "encode header", "create + write (kernel allocates and copies pages)", "open + map", "decode header (views)",
+        "touch every page (page faults)", "unlink (kernel frees pages)", "in-process numpy copy")}
+    try:
+        for seq in range(n):
+            ctx = PutContext(shm.prefix, WF, "a", "b", 1, seq, "profile", 60)
+            t = [time.perf_counter_ns()]
+            frame = codec.encode_frame(arr, owner=[WF])
+            t.append(time.perf_counter_ns())
+            shm._write(segment_name(ctx), frame)
+            t.append(time.perf_counter_ns())
+            fd = os.open(shm.directory / segment_name(ctx), os.O_RDONLY)
+            mm = mmap.mmap(fd, frame.nbytes, access=mmap.ACCESS_COPY)
+            os.close(fd)
+            t.append(time.perf_counter_ns())
+            out = codec.decode_frame(mm, nbytes=frame.nbytes, checksum=frame.checksum)
+            t.append(time.perf_counter_ns())
+            touch(out)
+            t.append(time.perf_counter_ns())
+            del out, mm
+            os.unlink(shm.directory / segment_name(ctx))
+            t.append(time.perf_counter_ns())
+            dst = arr.copy()
+            t.append(time.perf_counter_ns())
+            del dst
+            for key, a, b in zip(steps, t, t[1:]):
+                steps[key].append((b - a) / 1000)
+    finally:
+        shm.release_all()
+    return {k: statistics.median(v) for k, v in steps.items()}
+
+
+def summarize_pair(transport: str, records: list[tuple[int, str, int, int]]) -> list[dict[str, Any]]:
+    rows = []
+    for size in SIZES:
+        lat = [(done - sent) / 1e6 for s, phase, sent, done in records if s == size and phase == "lat"]
+        thr = [(sent, done) for s, phase, sent, done in records if s == size and phase == "thr"]
+        span_s = (max(d for _, d in thr) - min(s for s, _ in thr)) / 1e9
+        rows.append({"transport": transport, "size": size, "n": len(lat) + len(thr),
+                     "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99),
+                     "mib_s": len(thr) * size / span_s / (1 << 20)})
+    return rows
+
+
+async def memory_per_mib(url: str, chunks: int = 16) -> dict[str, dict[str, float]]:
+    """Redis memory and AOF bytes per MiB of payload, per transport, for 1 MiB chunks in flight."""
+    from omniflow.config import Settings
+    from omniflow.dataplane import DataPlane, TransportKind, ref_field
+    from omniflow.store import connect
+
+    redis = connect(url)
+    out: dict[str, dict[str, float]] = {}
+    arr = np.frombuffer(os.urandom(1 << 20), dtype=np.uint8)
+    try:
+        for transport in TRANSPORTS:
+            prefix = f"dm{uuid.uuid4().hex[:8]}"
+            plane = DataPlane(redis, Settings(redis_url=url, prefix=prefix), worker_id="bench-mem")
+            k = _keys(prefix)
+            await redis.ping()
+            mem0 = (await redis.info("memory"))["used_memory"]
+            aof0 = (await redis.info("persistence"))["aof_current_size"]
+            for seq in range(1, chunks + 1):
+                pipe = redis.pipeline(transaction=False)
+                if transport == "raw":
+                    pipe.set(f"{prefix}:raw:{seq}", arr.tobytes())
+                else:
+                    ref, commands = plane.prepare(arr, plane.context(WF, "a", "b", 1, seq),
+                                                  kind=TransportKind(transport))
+                    for command in commands:
+                        pipe.execute_command(*command)
+                    field, value = ref_field(ref)
+                    m = msgpack.packb([["seq", seq, "a", 1, field, value]], use_bin_type=True)
+                    pipe.xadd(k["edge"], {"m": m})
+                    pipe.xadd(k["inbox"], {"m": m})
+                await pipe.execute()
+            await redis.ping()
+            mem1 = (await redis.info("memory"))["used_memory"]
+            aof1 = (await redis.info("persistence"))["aof_current_size"]
+            out[transport] = {"redis_mem_per_mib": (mem1 - mem0) / chunks / (1 << 20),
+                              "aof_per_mib": (aof1 - aof0) / chunks / (1 << 20)}
+            keys = [key async for key in redis.scan_iter(match=f"{prefix}:*")]
+            if keys:
+                await redis.delete(*keys)
+            await plane.release_workflow(WF)
+    finally:
+        await redis.aclose()
+    return out
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """The whole benchmark; returns what bench/run.py renders (also in bench/out/dataplane.json)."""
+    from omniflow.dataplane.shm import shm_available
+
+    transports = [t for t in TRANSPORTS if t != "shm" or shm_available()]
+    t_start = time.monotonic()
+    rows = copy_baseline(quick)
+    with start_server(appendonly=True, appendfsync="everysec") as server:
+        for transport in transports:
+            log(f"- data plane: {LABELS[transport]}")
+            rows += summarize_pair(transport, run_pair(server.url, transport, quick))
+        memory = asyncio.run(memory_per_mib(server.url))
+    profile = shm_profile() if "shm" in transports else {}
+    result = {"rows": rows, "memory": memory, "shm_profile_us": profile, "quick": quick, "wall_s": time.monotonic() - t_start,
+              "load": os.getloadavg(), "lines": headline_lines(rows)}
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    (OUT_DIR / "dataplane.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _row(rows: list[dict[str, Any]], transport: str, size: int) -> dict[str, Any] | None:
+    return next((r for r in rows if r["transport"] == transport and r["size"] == size), None)
+
+
+def headline_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The lines docs/benchmarks.md must carry, in exactly this form."""
+    lines = []
+    mib = 1 << 20
+    shm, copy = _row(rows, "shm", mib), _row(rows, "copy", mib)
+    if shm and copy:
+        lines.append(f"shared memory vs in-process copy at 1 MiB: {100 * shm['mib_s'] / copy['mib_s']:.0f}%")
+    red, raw = _row(rows, "redis", mib), _row(rows, "raw", mib)
+    if red and raw:
+        lines.append(f"redis transport vs raw SET/GET at 1 MiB: {100 * red['mib_s'] / raw['mib_s']:.0f}%")
+    small = _row(rows, "inline", 4 << 10)
+    if small:
+        lines.append(f"4 KiB chunk overhead p50: {small['p50_ms']:.2f} ms")
+    return lines
+
+
+def analysis(result: dict[str, Any]) -> list[str]:
+    """The targets of issue 11 against this run, and what bounds the ones that are missed."""
+    rows, mib = result["rows"], 1 << 20
+    out = []
+
+    def pct(a: str, b: str, size: int) -> float | None:
+        ra, rb = _row(rows, a, size), _row(rows, b, size)
+        return 100 * ra["mib_s"] / rb["mib_s"] if ra and rb else None
+
+    shm = [(size_label(s), pct("shm", "copy", s)) for s in (mib, 16 * mib)]
+    red = pct("redis", "raw", mib)
+    small = _row(rows, "inline", 4 << 10)
+    if all(p is not None for _, p in shm):
+        met = all(p >= 50 for _, p in shm if p is not None)
+        out.append("Targets: shared memory ≥ 50 % of the in-process copy at 1 MiB and up — "
+                   + ", ".join(f"{label} {p:.0f}%" for label, p in shm) + (" (met)." if met else " (not met: see below)."))
+    if red is not None:
+        out[-1:] = [out[-1] + f" Redis transport ≥ 50 % of raw SET/GET — {red:.0f}% at 1 MiB"
+                    + (" (met)." if red >= 50 else " (not met).")]
+    if small:
+        out[-1:] = [out[-1] + f" 4 KiB overhead ≤ 0.3 ms p50 — {small['p50_ms']:.2f} ms"
+                    + (" (met)." if small["p50_ms"] <= 0.3 else " (not met: the two XADDs, the XREAD wake-up and "
+                       "the ack round trip between two processes on 2 loaded cores cost this much; the engine "
+                       "path adds emit.lua).")]
+    prof = result.get("shm_profile_us") or {}
+    if prof and small:
+        kernel = sum(us for step, us in prof.items() if "kernel" in step or "page faults" in step)
+        copy = prof.get("in-process numpy copy", 0.0)
+        rate = small["mib_s"] * mib / (4 << 10)
+        out += ["", f"What bounds shared memory: the profile above. Per 1 MiB chunk the kernel allocates, maps "
+                f"and frees 256 pages of tmpfs ({kernel:,.0f} µs in all on this VM, about 1 µs per page per step), "
+                f"where the in-process copy writes into warm, already-mapped heap memory ({copy:,.0f} µs). And every "
+                f"chunk costs one notification on the engine's path (edge + inbox XADD, XREAD, ack), which the 4 KiB "
+                f"row measures: {rate:,.0f} chunks/s, i.e. at most {rate:,.0f} MiB/s at 1 MiB even for a free "
+                f"transport. The way past both: a per-producer pool of segments that are recycled once their "
+                f"consumer is done (pages stay allocated and mapped; the consumer marks a segment free instead of "
+                f"unlinking it), and notifications batched per emit call as the engine's batcher already does."]
+    return out
+
+
+def size_label(size: int) -> str:
+    return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+
+
+def table(result: dict[str, Any]) -> list[str]:
+    """The markdown table: one row per transport and size."""
+    order = ["copy", "shm", "redis", "raw", "inline"]
+    md = ["| transport | chunk | p50 ms | p99 ms | MiB/s |", "|---|---:|---:|---:|---:|"]
+    for transport in order:
+        for size in SIZES:
+            r = _row(result["rows"], transport, size)
+            if r:
+                md.append(f"| {LABELS[transport]} | {size_label(size)} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | "
+                          f"{r['mib_s']:,.0f} |")
+    if result.get("shm_profile_us"):
+        md += ["", "Where a 1 MiB shared-memory chunk's time goes (one process, step by step, µs, median):", "",
+               "| step | µs |", "|---|---:|"]
+        md += [f"| {step} | {us:,.0f} |" for step, us in result["shm_profile_us"].items()]
+    md += ["", "| transport | Redis memory per MiB of payload | AOF bytes per MiB of payload |", "|---|---:|---:|"]
+    for transport, m in result["memory"].items():
+        md.append(f"| {LABELS[transport]} | {m['redis_mem_per_mib']:.2f} MiB | {m['aof_per_mib']:.2f} MiB |")
+    return md
+
+
+def plot(result: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for transport in ["copy", "shm", "redis", "raw", "inline"]:
+        rows = [r for r in result["rows"] if r["transport"] == transport]
+        if not rows:
+            continue
+        xs = [r["size"] / 1024 for r in rows]
+        axes[0].plot(xs, [r["mib_s"] for r in rows], marker="o", label=LABELS[transport])
+        if transport != "copy":
+            axes[1].plot(xs, [r["p50_ms"] for r in rows], marker="o", label=LABELS[transport])
+    for ax, title in ((axes[0], "throughput, MiB/s (log)"), (axes[1], "p50 latency per chunk between processes, ms (log)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("chunk size, KiB")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--role", choices=["producer", "consumer"])
+    ap.add_argument("--url")
+    ap.add_argument("--prefix")
+    ap.add_argument("--transport", choices=TRANSPORTS)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.role == "producer":
+        asyncio.run(producer(args.url, args.prefix, args.transport, args.quick))
+        return 0
+    if args.role == "consumer":
+        asyncio.run(consumer(args.url, args.prefix, args.transport, args.out))
+        return 0
+    result = run(args.quick)
+    print("\n".join(table(result)))
+    print()
+    print("\n".join(result["lines"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
