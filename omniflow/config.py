@@ -74,6 +74,8 @@ class Settings(BaseSettings):
     dataplane_inline_max_bytes: int = Field(64 << 10, ge=0)
     dataplane_shm_min_bytes: int = Field(64 << 10, ge=0)
     dataplane_shm_dir: Path = Path("/dev/shm")
+    # segments a producer keeps mapped to recycle once their consumers are done (0: no recycling)
+    dataplane_shm_pool_bytes: int = Field(256 << 20, ge=0)
     # what a reference points at outlives any retry that could need it: at least the longest
     # workflow deadline (max_deadline_s) plus this margin; released earlier at the consumer's
     # finish and at the workflow's terminal, swept if its owner died

@@ -50,8 +50,8 @@ class DataPlane:
         self.inline = InlineTransport()
         self.rediskey = RedisTransport(redis, self.keys, full_checksum=full)
         directory = settings.dataplane_shm_dir
-        self.shm = ShmTransport(settings.prefix, directory=directory, full_checksum=full) \
-            if shm_available(directory) else None
+        self.shm = ShmTransport(settings.prefix, directory=directory, full_checksum=full,
+                                pool_bytes=settings.dataplane_shm_pool_bytes) if shm_available(directory) else None
         self.domain = self.shm.domain if self.shm else ""
         self.ttl_s = settings.dataplane_ttl_s()
 
@@ -111,6 +111,11 @@ class DataPlane:
             raise UndecodablePayload("chunk has neither a payload nor a reference")
         ref = Ref.unpack(raw)
         return await self.get(ref, wf_id=wf_id), ref
+
+    def close(self) -> None:
+        """At shutdown: unmap recycled segments and unlink those no consumer needs any more."""
+        if self.shm is not None:
+            self.shm.close()
 
     # ------------------------------------------------------------ ownership
     async def release(self, refs: Sequence[Ref]) -> int:

@@ -59,10 +59,10 @@ async def test_release_workflow_frees_its_keys_and_segments_only(plane: DataPlan
     assert not ours(plane)
 
 
-def found(worker: str = "w1", wf: str = "wf1", expiry_ms: int | None = 10_000) -> Found:
+def found(worker: str = "w1", wf: str = "wf1", expiry_ms: int | None = 10_000, free: bool = False) -> Found:
     seg = Segment(f"of-p-{worker}-{wf}-a.b-1.1", "p", worker, wf, "a", "b", 1, 1)
     info = None if expiry_ms is None else FrameInfo(10, 10, expiry_ms, [wf, "a", "b", 1, 1, worker])
-    return Found(seg, info)
+    return Found(seg, info, free)
 
 
 @pytest.mark.parametrize(("item", "live_wfs", "live_workers", "expected"), [
@@ -73,6 +73,8 @@ def found(worker: str = "w1", wf: str = "wf1", expiry_ms: int | None = 10_000) -
     (found(expiry_ms=None), {"wf1"}, set(), SweepReason.ORPHAN),         # half-written by a dead worker
     (found(expiry_ms=None), {"wf1"}, {"w1"}, None),                      # maybe being written right now
     (found(), None, None, None),                                         # nothing known: keep
+    (found(free=True), {"wf1"}, {"w1"}, None),                           # its producer will recycle it
+    (found(free=True), {"wf1"}, set(), SweepReason.ORPHAN),              # ... but it is gone
 ])
 def test_sweep_verdict(item: Found, live_wfs: set[str] | None, live_workers: set[str] | None,
                        expected: SweepReason | None) -> None:

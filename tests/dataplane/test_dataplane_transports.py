@@ -16,7 +16,7 @@ from omniflow.dataplane import (
     ChecksumMismatch, DataPlane, ForeignReference, PayloadMissing, Ref, SizeMismatch, TransportKind,
     UndecodablePayload, WrongHost, ref_field,
 )
-from omniflow.dataplane.shm import DEFAULT_SHM_DIR, shm_available
+from omniflow.dataplane.shm import CONTROL, CONTROL_BYTES, DEFAULT_SHM_DIR, STATE_FREE, shm_available
 from omniflow.store import connect
 
 from dataplane_forge import ext, forge_frame
@@ -43,6 +43,10 @@ async def plane(valkey_url: str, shm_prefix: str) -> AsyncIterator[DataPlane]:
 
 def seg_path(ref: Ref) -> Path:
     return DEFAULT_SHM_DIR / ref.location
+
+
+def seg_state(ref: Ref) -> int:
+    return int(CONTROL.unpack(seg_path(ref).read_bytes()[:CONTROL.size])[1])
 
 
 async def put(plane: DataPlane, payload: Any, kind: TransportKind, *, wf: str = "wf1", seq: int = 1) -> Ref:
@@ -99,7 +103,28 @@ async def test_the_policy_picks_per_chunk_by_size_and_consumer_host(plane: DataP
     ref = await plane.put(large, plane.context("wf1", "thinker", "talker", 1, 1), consumer_domain=plane.domain)
     assert ref.kind is TransportKind.SHM and seg_path(ref).exists()
     await plane.release([ref])
-    assert not seg_path(ref).exists()
+    assert not seg_path(ref).exists() or seg_state(ref) == STATE_FREE
+
+
+async def test_a_released_segment_is_recycled_by_its_producer(plane: DataPlane) -> None:
+    """Release hands a segment back (FREE) once the consumer holds no view of it; the producer's next
+    chunk reuses it (same inode, renamed): no page is allocated or freed for it."""
+    arr = np.arange(300_000, dtype=np.float32)
+    first = await put(plane, arr, TransportKind.SHM, seq=1)
+    inode = os.stat(seg_path(first)).st_ino
+    view = await plane.get(first, wf_id="wf1")
+    await plane.release([first])
+    assert seg_state(first) != STATE_FREE            # a view of it is still alive here: not yet
+    second = await put(plane, arr * 2, TransportKind.SHM, seq=2)
+    assert os.stat(seg_path(second)).st_ino != inode
+    assert np.array_equal(view, arr)                 # untouched
+    del view
+    assert seg_state(first) == STATE_FREE
+    third = await put(plane, arr * 3, TransportKind.SHM, seq=3)
+    assert os.stat(seg_path(third)).st_ino == inode and not seg_path(first).exists()
+    assert np.array_equal(await plane.get(third, wf_id="wf1"), arr * 3)
+    with pytest.raises(PayloadMissing):
+        await plane.get(first, wf_id="wf1")
 
 
 async def test_mode_setting_forces_one_transport(valkey_url: str, shm_prefix: str) -> None:
@@ -196,16 +221,16 @@ async def test_shm_reference_of_wrong_size_or_checksum_or_host_is_refused(plane:
     with pytest.raises(WrongHost, match="shared memory of"):
         await plane.get(Ref(ref.kind, ref.location, ref.nbytes, ref.checksum, "elsewhere:1:2"), wf_id="wf1")
     with open(seg_path(ref), "r+b") as f:          # a segment changed under its reference
-        f.seek(40)
+        f.seek(CONTROL_BYTES + 40)
         byte = f.read(1)
-        f.seek(40)
+        f.seek(CONTROL_BYTES + 40)
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(ChecksumMismatch):
         await plane.get(ref, wf_id="wf1")
-    os.truncate(seg_path(ref), ref.nbytes - 100)
+    os.truncate(seg_path(ref), CONTROL_BYTES + ref.nbytes - 100)
     with pytest.raises(SizeMismatch):
         await plane.get(ref, wf_id="wf1")
-    await plane.release([ref])
+    assert await plane.release_workflow("wf1") == 1
     with pytest.raises(PayloadMissing):
         await plane.get(ref, wf_id="wf1")
 
@@ -216,11 +241,12 @@ async def test_full_checksum_mode_catches_a_changed_segment_byte(valkey_url: str
     try:
         ref = await put(dp, np.arange(100_000, dtype=np.float32), TransportKind.SHM)
         with open(seg_path(ref), "r+b") as f:
-            f.seek(ref.nbytes - 1)
+            f.seek(CONTROL_BYTES + ref.nbytes - 1)
             f.write(b"\x7f")
         with pytest.raises(ChecksumMismatch, match="data checksum"):
             await dp.get(ref, wf_id="wf1")
-        await dp.release([ref])
+        assert dp.shm is not None
+        dp.shm.release_all()
     finally:
         await redis.aclose()
 
@@ -228,7 +254,7 @@ async def test_full_checksum_mode_catches_a_changed_segment_byte(valkey_url: str
 async def test_shm_segment_with_undecodable_dtype_is_refused(plane: DataPlane) -> None:
     raw, crc = forge_frame({"h": ext(10, "|O", [2], 0)}, [bytes(16)])
     name = f"of-{plane.settings.prefix}-w-wf1-thinker.talker-1.1"
-    (DEFAULT_SHM_DIR / name).write_bytes(raw)
+    (DEFAULT_SHM_DIR / name).write_bytes(CONTROL.pack(b"OFSG", 0, 0).ljust(CONTROL_BYTES, b"\0") + raw)
     ref = Ref(TransportKind.SHM, name, len(raw), crc, plane.domain)
     with pytest.raises(UndecodablePayload, match="not accepted"):
         await plane.get(ref, wf_id="wf1")
