@@ -17,6 +17,7 @@ process that imported torch already (`omniflow.dataplane.tensors`).
 """
 from __future__ import annotations
 
+import math
 import os
 import struct
 import sys
@@ -120,7 +121,7 @@ def _check_array(dtype_str: Any, shape: Any, nbytes: int) -> tuple[np.dtype[Any]
     if dtype.hasobject or dtype.kind not in ALLOWED_KINDS or dtype.fields is not None or dtype.subdtype:
         raise UndecodablePayload(f"dtype {dtype_str!r} is not accepted (numbers and booleans only)")
     dims = _check_shape(shape)
-    count = int(np.prod(dims, dtype=np.int64)) if dims else 1
+    count = math.prod(dims)
     if count * dtype.itemsize != nbytes:
         raise UndecodablePayload(f"shape {list(dims)} of {dtype_str} needs {count * dtype.itemsize} bytes, "
                                  f"the payload has {nbytes}")

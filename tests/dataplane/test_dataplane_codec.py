@@ -65,6 +65,14 @@ def test_inline_reads_what_the_engine_codec_writes() -> None:
 
 
 @pytest.mark.parametrize("name", TENSOR_DTYPES)
+def test_inline_reads_the_engine_codecs_tensors_and_the_other_way(name: str) -> None:
+    torch = pytest.importorskip("torch")
+    t = (torch.randn(3, 5) * 50).to(getattr(torch, name))
+    for out in (codec.loads(engine_codec.dumps({"t": t}))["t"], engine_codec.loads(codec.dumps({"t": t}))["t"]):
+        assert out.dtype == t.dtype and torch.equal(out, t)
+
+
+@pytest.mark.parametrize("name", TENSOR_DTYPES)
 @pytest.mark.parametrize("form", ["inline", "frame"])
 def test_torch_tensors_keep_dtype_and_shape(name: str, form: str) -> None:
     torch = pytest.importorskip("torch")
