@@ -189,3 +189,18 @@ def test_payload_size_estimate_stops_at_the_limit() -> None:
 def test_policy(nbytes: int, mode: DataPlaneMode, same_host: bool, shm: bool, expected: TransportKind) -> None:
     assert choose_transport(nbytes, mode=mode, inline_max_bytes=64 << 10, shm_min_bytes=256 << 10,
                             same_host=same_host, shm_available=shm) is expected
+
+
+def test_to_device_leaves_cpu_payloads_and_refuses_cuda_without_it() -> None:
+    torch = pytest.importorskip("torch")
+    from omniflow.dataplane.tensors import to_device
+
+    payload = {"h": torch.ones(2, 3), "n": [np.zeros(2), "x"]}
+    assert to_device(payload, "cpu") is payload
+    if torch.cuda.is_available():
+        moved = to_device(payload, "cuda:0")
+        assert moved["h"].device.type == "cuda" and moved["n"][1] == "x"
+        assert torch.equal(moved["h"].cpu(), payload["h"])
+    else:
+        with pytest.raises(RuntimeError, match="no CUDA"):
+            to_device(payload, "cuda:0")
