@@ -344,8 +344,6 @@ def dataplane_section(result: dict | None) -> list[str]:
           "`ndarray.copy()` of the same bytes.", ""]
     for line in result["lines"]:
         md += [line, ""]
-    md += ["(4 KiB: the inline transport between two processes on the engine's path — edge log + inbox XADD in one "
-           "pipeline, inbox XREAD; it does not include the Lua script.)", ""]
     md += dataplane.table(result) + [""]
     md += dataplane.analysis(result) + [""]
     if (DOCS / "dataplane.png").exists():
