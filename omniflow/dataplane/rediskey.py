@@ -84,7 +84,7 @@ class RedisTransport(Transport):
 
     async def release_workflow(self, wf_id: str) -> int:
         registry = self.keys.blobs(wf_id)
-        members = await self.redis.smembers(registry)  # type: ignore[misc]
+        members = await self.redis.smembers(registry)
         pipe = self.redis.pipeline(transaction=False)
         if members:
             pipe.unlink(*members)
