@@ -84,6 +84,11 @@ class Settings(BaseSettings):
     # a nonce), which catches a stale or foreign segment/key; "full" also checksums every byte of
     # the payload (both sides pay ~0.25 ms per MiB here)
     dataplane_checksum: ChecksumMode = ChecksumMode.HEADER
+    # backpressure: what a producer may have unread by its consumer on one `chunk` edge (0: no bound)
+    dataplane_edge_max_chunks: int = Field(1024, ge=0)
+    dataplane_edge_max_bytes: int = Field(256 << 20, ge=0)
+    # how often workers and the reconciler sweep their host's segments (ended workflows, dead producers)
+    dataplane_sweep_interval_s: float = Field(30.0, gt=0)
 
     def dataplane_ttl_s(self) -> float:
         """How long a payload key or segment lives at most (a retry may replay it until then)."""

@@ -17,6 +17,14 @@ back (prefill prompt + emitted tokens), or from `checkpoint`: what earlier
 attempts checkpointed with their steps (`emit(checkpoint=...)`, written in the
 same atomic step, so it always matches `resume_seq`).
 
+Payloads (`omniflow.dataplane`): a chunk's payload travels inline in its edge entry when small,
+else in a shared-memory segment (when the consuming session's replica is on this host) or a Redis
+key (`emit.lua` stores it with the entry), the entry holding a reference. The consumer resolves
+references as it reads and releases them when its session is done. A producer may have at most
+`dataplane_edge_max_chunks` / `_bytes` unread on one chunk edge: past it, `emit` waits (without
+blocking the loop) until the consumer's read position (`<dst>:rd:<src>` in the stages hash,
+reported every quarter of the bound) moves on.
+
 Threads: an executor may run on its stage's compute thread (`omniflow.compute`).
 The session belongs to the worker's event loop (`_home`); called from another
 loop, `emit` encodes the step on the caller's thread and hands it over without
@@ -25,6 +33,7 @@ waiting, and `inputs`/`flush` run their Redis-facing part on the worker's loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine, Mapping
@@ -35,16 +44,23 @@ import msgpack
 import numpy as np
 
 from omniflow import codec
+from omniflow.dataplane.backpressure import EdgeWindow, WaitStats, wait_for_room
+from omniflow.dataplane.base import Ref, TransportKind
+from omniflow.dataplane.codec import payload_nbytes
 from omniflow.errors import Fenced, NonRetryableError, RedisUnavailable
 from omniflow.scripts import EmitResult, evalsha_args
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from omniflow.batcher import Batcher
+    from omniflow.dataplane.plane import DataPlane
     from omniflow.keys import Keys
 
 logger = logging.getLogger(__name__)
 
 MAX_EMITS_IN_FLIGHT = 64
+DOMAIN_RECHECK_S = 0.5      # how often a producer asks again where a not-yet-claimed consumer runs
 
 T = TypeVar("T")
 
@@ -94,6 +110,15 @@ class Session:
     _home: asyncio.AbstractEventLoop | None = None   # the worker's loop (None: always called from it)
     _waiter: asyncio.Task[Any] | None = None         # the task waiting for input (the watchdog interrupts it)
     _closed: bool = False
+    # data plane (None: every payload inline, no backpressure)
+    _plane: DataPlane | None = None
+    _domain_of: Callable[[str, str], Coroutine[Any, Any, str]] | None = None   # (wf, dst) -> its replica's shm domain
+    _chunk_dsts: frozenset[str] = frozenset()        # downstream stages fed by `chunk` edges (bounded)
+    _bp: WaitStats | None = None
+    held: list[Ref] = field(default_factory=list)   # payload references read: released when done
+    _domains: dict[str, tuple[str, float]] = field(default_factory=dict)   # dst -> (domain, looked up at)
+    _windows: dict[str, EdgeWindow] = field(default_factory=dict)
+    _unreported: dict[str, tuple[int, int]] = field(default_factory=dict)  # src -> chunks, bytes read unreported
 
     @property
     def text(self) -> str:
@@ -125,13 +150,15 @@ class Session:
         open_srcs = set(self.upstream)
         while open_srcs:
             src, fields = await self._on_home(self._next_raw(open_srcs))
-            chunk = self._decode(src, fields)
-            if chunk is None:
+            if fields.get(b"eos"):
                 open_srcs.discard(src)
                 continue
-            if chunk.seq <= self._last_in.get(src, 0):
+            seq = self._seq_of(src, fields)
+            if seq <= self._last_in.get(src, 0):
                 continue   # replayed or duplicated: consumers are idempotent on (stage, seq)
+            chunk = await self._decode(src, seq, fields)
             self._last_in[src] = chunk.seq
+            self._note_read(src, chunk.seq, fields)
             yield chunk
 
     async def _next_raw(self, open_srcs: set[str]) -> tuple[str, dict[bytes, bytes]]:
@@ -161,13 +188,55 @@ class Session:
             self._schedule()
         return src, fields
 
-    def _decode(self, src: str, fields: dict[bytes, bytes]) -> Chunk | None:
-        if fields.get(b"eos"):
-            return None
+    def _seq_of(self, src: str, fields: dict[bytes, bytes]) -> int:
         try:
-            return Chunk(src=src, seq=int(fields[b"seq"]), attempt=int(fields[b"a"]), data=codec.loads(fields[b"d"]))
+            return int(fields[b"seq"])
         except (KeyError, ValueError, TypeError) as exc:
             raise NonRetryableError(f"stage {self.stage}: malformed chunk from {src}: {exc!r}") from exc
+
+    async def _decode(self, src: str, seq: int, fields: dict[bytes, bytes]) -> Chunk:
+        """The chunk with its payload: inline (`d`), or resolved from its reference (`r`); a reference
+        that cannot be honoured fails the session with a `DataPlaneError` saying why."""
+        try:
+            attempt = int(fields[b"a"])
+            inline = fields.get(b"d")
+            if inline is not None or self._plane is None or b"r" not in fields:
+                return Chunk(src=src, seq=seq, attempt=attempt, data=codec.loads(fields[b"d"]))
+            ref = Ref.unpack(fields[b"r"])
+        except (KeyError, ValueError, TypeError) as exc:
+            raise NonRetryableError(f"stage {self.stage}: malformed chunk from {src}: {exc!r}") from exc
+        plane = self._plane
+        if ref.kind is TransportKind.SHM and plane.shm is not None:
+            data = plane.shm.get_sync(ref, wf_id=self.wf_id)       # a mapping: cheap on any thread
+        else:
+            data = await self._on_home(plane.get(ref, wf_id=self.wf_id))
+        self.held.append(ref)
+        return Chunk(src=src, seq=seq, attempt=attempt, data=data)
+
+    def _note_read(self, src: str, seq: int, fields: dict[bytes, bytes]) -> None:
+        """Report how far this session has read `src`'s edge, every quarter of its producer's bound."""
+        if self._plane is None:
+            return
+        s = self._plane.settings
+        if s.dataplane_edge_max_chunks <= 0 and s.dataplane_edge_max_bytes <= 0:
+            return
+        raw = fields.get(b"d") or fields.get(b"r") or b""
+        nbytes = len(raw) if b"d" in fields else (self.held[-1].nbytes if self.held else len(raw))
+        chunks, size = self._unreported.get(src, (0, 0))
+        chunks, size = chunks + 1, size + nbytes
+        if (s.dataplane_edge_max_chunks > 0 and chunks >= max(1, s.dataplane_edge_max_chunks // 4)) or \
+                (s.dataplane_edge_max_bytes > 0 and size >= max(1, s.dataplane_edge_max_bytes // 4)):
+            self._send_home("HSET", self._keys.stages(self.wf_id), f"{self.stage}:rd:{src}", seq)
+            chunks, size = 0, 0
+        self._unreported[src] = (chunks, size)
+
+    def _send_home(self, *command: Any) -> None:
+        """Queue a write on the worker's batcher without waiting for it (from any thread)."""
+        if self._remote():
+            assert self._home is not None
+            self._home.call_soon_threadsafe(self._batcher.send, *command)
+        else:
+            self._batcher.send(*command)
 
     # ------------------------------------------------------------ outputs
     def fast_forward(self) -> int:
@@ -192,7 +261,16 @@ class Session:
         self.seq += 1
         if self.seq <= self.resume_seq:
             return
+        sizes: dict[str, int] = {}
+        if self._plane is not None and (data is not None or to):
+            sizes = await self._admit(data, to)
         step = self._build_step(self.seq, text, audio, sample_rate, data, to, checkpoint)
+        for dst, nbytes in sizes.items():
+            window = self._windows.get(dst)
+            if window is not None:
+                window.sent(self.seq, nbytes)
+                if self._bp is not None:
+                    self._bp.saw(window)
         if self._remote():
             assert self._home is not None
             self._home.call_soon_threadsafe(self._push, step)
@@ -202,6 +280,57 @@ class Session:
         self._push(step)
         if len(self._inflight) >= MAX_EMITS_IN_FLIGHT:
             await self.flush()
+
+    async def _admit(self, data: Any, to: Mapping[str, Any] | None) -> dict[str, int]:
+        """Before a step with payloads: wait while a `chunk` edge has too much unread (backpressure),
+        and learn where a large payload's consumer runs. Returns each payload's size by stage."""
+        assert self._plane is not None
+        s = self._plane.settings
+        sizes: dict[str, int] = {}
+        for dst in self.downstream:
+            payload = (to or {}).get(dst, data)
+            if payload is None:
+                continue
+            nbytes = sizes[dst] = payload_nbytes(payload)
+            if dst in self._chunk_dsts and (s.dataplane_edge_max_chunks > 0 or s.dataplane_edge_max_bytes > 0):
+                window = self._windows.get(dst)
+                if window is None:
+                    window = self._windows[dst] = EdgeWindow(max_chunks=s.dataplane_edge_max_chunks,
+                                                             max_bytes=s.dataplane_edge_max_bytes)
+                if not window.has_room(nbytes):
+                    await wait_for_room(window, nbytes, functools.partial(self._position_of, dst),
+                                        self._bp or WaitStats())
+            if nbytes > s.dataplane_inline_max_bytes and self._domain_of is not None:
+                domain, when = self._domains.get(dst, ("", 0.0))
+                if not domain and time.monotonic() - when > DOMAIN_RECHECK_S:
+                    # the consuming session's replica (once it is claimed); until then: a Redis key
+                    domain = await self._on_home(self._domain_of(self.wf_id, dst))
+                    self._domains[dst] = (domain, time.monotonic())
+        return sizes
+
+    async def _position_of(self, dst: str) -> int:
+        return await self._on_home(self._read_position(dst))
+
+    async def _read_position(self, dst: str) -> int:
+        raw = await self._batcher.send("HGET", self._keys.stages(self.wf_id), f"{dst}:rd:{self.stage}")
+        return int(raw or 0)
+
+    def _payload_fields(self, seq: int, dst: str, payload: Any, step: list[Any]) -> list[Any]:
+        """The chunk fields of one payload: inline (`d`), or a reference (`r`) to a segment written
+        now or to a Redis key the step stores (op 'B', before the 'E' op that references it)."""
+        plane = self._plane
+        if plane is None:
+            return ["seq", seq, "a", self.attempt, "d", codec.dumps(payload)]
+        kind = plane.choose(payload, consumer_domain=self._domains.get(dst, ("", 0.0))[0] or None)
+        if kind is TransportKind.INLINE:
+            return ["seq", seq, "a", self.attempt, "d", codec.dumps(payload)]
+        ctx = plane.context(self.wf_id, self.stage, dst, self.attempt, seq)
+        if kind is TransportKind.SHM and plane.shm is not None:
+            ref = plane.shm.put_sync(payload, ctx)
+        else:
+            ref, op = plane.rediskey.put_op(payload, ctx)
+            step += op
+        return ["seq", seq, "a", self.attempt, "r", ref.pack()]
 
     def _build_step(self, seq: int, text: str | None, audio: np.ndarray | None, sample_rate: int | None,
                     data: Any, to: Mapping[str, Any] | None, checkpoint: str | None) -> list[Any]:
@@ -224,7 +353,8 @@ class Session:
             payloads.update({dst: data for dst in self.downstream if dst not in payloads})
         for dst, payload in payloads.items():
             if dst in self.downstream:
-                step += ["E", dst, ["seq", seq, "a", self.attempt, "d", codec.dumps(payload)]]
+                fields = self._payload_fields(seq, dst, payload, step)
+                step += ["E", dst, fields]
         if checkpoint:
             step += ["C", str(checkpoint), ""]
         return step

@@ -44,6 +44,8 @@ from omniflow import redisio
 from omniflow.batcher import Batcher
 from omniflow.compute import ComputeThread
 from omniflow.config import Settings
+from omniflow.dataplane import DataPlane
+from omniflow.dataplane.backpressure import WaitStats
 from omniflow.entries import inbox as inbox_entry
 from omniflow.entries import task as task_entry
 from omniflow.errors import (
@@ -56,7 +58,7 @@ from omniflow.errors import (
     StageError,
 )
 from omniflow.keys import TASK_GROUP, Keys
-from omniflow.pipeline import Pipeline, import_executor
+from omniflow.pipeline import EdgeMode, Pipeline, import_executor
 from omniflow.redisio import REDIS_ERRORS, connect, ensure_group
 from omniflow.runtime import Backoff, check_eviction_policy, forever, when_redis_answers
 from omniflow.scripts import evalsha_args
@@ -130,6 +132,8 @@ class StagePool:
         self.spec = pipeline.stages[stage]
         self.tasks_key = keys.tasks(stage)
         self.upstream = tuple(e.src for e in pipeline.inputs[stage])
+        # downstream stages that run while we produce (backpressure applies to these edges only)
+        self.chunk_dsts = frozenset(e.dst for e in pipeline.outputs[stage] if e.mode is EdgeMode.CHUNK)
         self.max_sessions = max_sessions or self.spec.max_sessions
         self.executor = executor or import_executor(self.spec.executor)(stage=stage, params=self.spec.params)
         # At most max_sessions run the executor at once (the GPU's batch slots); up to `prefetch` more
@@ -204,7 +208,12 @@ class Worker:
         self._params: dict[bytes, dict[str, Any]] = {}
         self._stopping = False
         self.started = asyncio.Event()
-        self.stats = {"claimed": 0, "dropped": 0, "done": 0, "failed": 0, "fenced": 0, "dead_letters": 0}
+        self.stats: dict[str, float] = {"claimed": 0, "dropped": 0, "done": 0, "failed": 0, "fenced": 0,
+                                        "dead_letters": 0, "backpressure_waits": 0, "backpressure_wait_s": 0.0,
+                                        "payloads_released": 0, "segments_swept": 0}
+        self.backpressure = WaitStats()
+        self._replica_domains: dict[str, str] = {}     # replica id -> its shared-memory domain
+        self._background: set[asyncio.Task[Any]] = set()
         self.window = StageWindow(self.pools)
         self._undrained = asyncio.Event()       # cleared while an operator drains this worker
         self._undrained.set()
@@ -219,6 +228,7 @@ class Worker:
         self._batchers = [Batcher(client) for client in self._write_redis]
         self.batcher = self._batchers[0]
         self.inbox_key = self.keys.inbox(self.id)
+        self.plane = DataPlane(self.redis, self.settings, worker_id=self.id)
         try:
             if not await when_redis_answers(self._setup_redis, what=f"worker {self.id}", url=self.redis_url,
                                             stop=stop):
@@ -229,7 +239,8 @@ class Worker:
             background = [asyncio.create_task(forever(f"worker {self.id}: {name}", loop), name=name)
                           for name, loop in (("intake", self._intake), ("heartbeat", self._heartbeat),
                                              ("abort-listener", self._abort_listener),
-                                             ("watchdog", self._watchdog), ("inbox", self._inbox))]
+                                             ("watchdog", self._watchdog), ("inbox", self._inbox),
+                                             ("dataplane-sweep", self._sweep))]
             self.started.set()
             logger.info("worker %s serving %s", self.id,
                         ", ".join(f"{p.stage} (max_sessions={p.max_sessions})" for p in self.pools.values()))
@@ -243,6 +254,7 @@ class Worker:
         finally:
             for pool in self.pools.values():
                 await pool.close_executor()
+            self.plane.close()
             for client in (*self._write_redis, self._intake_redis, self._inbox_redis):
                 await client.aclose()
 
@@ -280,9 +292,11 @@ class Worker:
     async def _heartbeat_once(self) -> None:
         """Renew the lease (`heartbeat.lua`: allowed while Redis is out of memory)."""
         expiry = now_ms() + int(self.settings.lease_timeout_s * 1000)
+        self.stats["backpressure_waits"] = self.backpressure.waits
+        self.stats["backpressure_wait_s"] = round(self.backpressure.wait_s, 3)
         info = {
             # per stage served, in the same order: "thinker,talker" / "8,4" / "3,1"
-            "stage": self.stage, "host": socket.gethostname(), "pid": os.getpid(),
+            "stage": self.stage, "host": socket.gethostname(), "shm": self.plane.domain, "pid": os.getpid(),
             "capacity": ",".join(str(p.max_sessions) for p in self.pools.values()),
             "active": ",".join(str(p.active) for p in self.pools.values()), "seen_ms": now_ms(),
             "stats": json.dumps(self.stats), "window": json.dumps(self.window.snapshot()),
@@ -492,6 +506,8 @@ class Worker:
                     upstream=upstream, required=required, _queue=queue, _catchup=catchup,
                     _input_timeout_s=pool.spec.retry.input_timeout_s, waiting_input=bool(upstream),
                     checkpoint=checkpoint, _home=loop,
+                    _plane=self.plane, _domain_of=self._domain_of, _chunk_dsts=pool.chunk_dsts,
+                    _bp=self.backpressure,
                 )
             except Exception as exc:  # noqa: BLE001 - a record that does not decode fails its workflow, not us
                 self._inputs.pop((wf_id, stage, attempt), None)
@@ -630,6 +646,9 @@ class Worker:
         finally:
             self._inputs.pop((wf_id, stage, attempt), None)
         code = await self._close(pool, entry_id, session, outcome, detail, retryable)
+        if session.held and code == "ok" and outcome == "done":
+            # done for good: no retry of this session will replay these payloads
+            await self._release_inputs(session)
         if code == "fenced":
             self.stats["fenced"] += 1
         elif code is not None:
@@ -710,6 +729,43 @@ class Worker:
             return "failed", f"{type(exc).__name__}: {exc}"[:MAX_DETAIL_CHARS], True
 
     # ------------------------------------------------------------ abort
+    # ------------------------------------------------------------ data plane
+    async def _domain_of(self, wf_id: str, dst: str) -> str:
+        """The shared-memory domain of the replica the consuming session `dst` of `wf_id` is bound to
+        ('' while it is not claimed, or when that replica publishes none)."""
+        replica = await self.batcher.send("HGET", self.keys.stages(wf_id), f"{dst}:replica")
+        if not replica:
+            return ""
+        rid = s(replica)
+        domain = self._replica_domains.get(rid)
+        if domain is None:
+            domain = s(await self.batcher.send("HGET", self.keys.worker_info(rid), "shm") or b"")
+            if len(self._replica_domains) > 4096:
+                self._replica_domains.clear()
+            self._replica_domains[rid] = domain
+        return domain
+
+    async def _release_inputs(self, session: Session) -> None:
+        try:
+            self.stats["payloads_released"] += await self.plane.release(session.held)
+        except REDIS_ERRORS as exc:     # they expire with their TTL, or go at the workflow's terminal
+            logger.warning("session %s/%s: releasing its inputs failed: %s", session.wf_id, session.stage,
+                           redisio.translate(exc))
+        session.held.clear()
+
+    async def _sweep(self) -> None:
+        """Every `dataplane_sweep_interval_s`: free this host's segments of ended workflows, expired
+        ones and those dead producers left (staggered by worker, so hosts do not sweep in step)."""
+        interval = self.settings.dataplane_sweep_interval_s
+        await asyncio.sleep(interval * (0.5 + (hash(self.id) % 1000) / 2000))
+        while True:
+            try:
+                freed = await self.plane.sweep()
+                self.stats["segments_swept"] += sum(freed.values())
+            except REDIS_ERRORS as exc:
+                logger.warning("worker %s: data-plane sweep failed: %s", self.id, redisio.translate(exc))
+            await asyncio.sleep(interval)
+
     async def _abort_listener(self) -> None:
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
@@ -725,7 +781,11 @@ class Worker:
                 await pubsub.aclose()
 
     def cancel_workflow(self, wf_id: str) -> int:
-        """Cancel every local session of `wf_id` (abort fan-out)."""
+        """Cancel every local session of `wf_id` (abort fan-out); its segments on this host go too."""
+        if self.plane.shm is not None:
+            freeing = asyncio.get_running_loop().create_task(self.plane.shm.release_workflow(wf_id))
+            self._background.add(freeing)      # keep a reference until it is done
+            freeing.add_done_callback(self._background.discard)
         n = 0
         for key, (session, task) in list(self._sessions.items()):
             if key.startswith(f"{wf_id}|"):

@@ -24,6 +24,12 @@ class WaitStats:
 
     waits: int = 0
     wait_s: float = 0.0
+    peak_chunks: int = 0          # the most one producer had unread on one edge (as far as it knew)
+    peak_bytes: int = 0
+
+    def saw(self, window: EdgeWindow) -> None:
+        self.peak_chunks = max(self.peak_chunks, window.chunks)
+        self.peak_bytes = max(self.peak_bytes, window.bytes)
 
 
 class EdgeWindow:

@@ -45,6 +45,13 @@ class RedisTransport(Transport):
                                    ("PEXPIRE", registry, ttl_ms)]
         return Ref(TransportKind.REDIS, key, frame.nbytes, frame.checksum), commands
 
+    def put_op(self, payload: Any, ctx: PutContext) -> tuple[Ref, list[Any]]:
+        """The reference, and the `emit.lua` op that stores the payload in the same atomic step as
+        the entry that references it (`'B', ':blob:<...>', {payload, ttl_ms}`)."""
+        ref, commands = self.put_commands(payload, ctx)
+        _set, key, blob, _px, ttl_ms = commands[0]
+        return ref, ["B", key[len(self.keys.wf(ctx.wf_id)):], [blob, ttl_ms]]
+
     async def put(self, payload: Any, ctx: PutContext) -> Ref:
         ref, commands = self.put_commands(payload, ctx)
         pipe = self.redis.pipeline(transaction=False)

@@ -69,6 +69,11 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
   for _, edge in ipairs(csv(rec[2])) do
     redis.call('UNLINK', wf .. ':edge:' .. edge)
   end
+  -- chunk payloads too large for their edge entries (omniflow.dataplane): nothing reads them any more
+  for _, blob in ipairs(redis.call('SMEMBERS', wf .. ':blobs')) do
+    redis.call('UNLINK', blob)
+  end
+  redis.call('UNLINK', wf .. ':blobs')
   redis.call('XADD', wf .. ':log', '*', 't', 'terminal', 'state', state, 'error', err or '', 'stage', err_stage or '')
   -- one entry, ever: a waiter that wants the outcome and not the progress blocks here (wakes once)
   redis.call('XADD', wf .. ':done', '*', 'state', state)

@@ -14,6 +14,9 @@
 --   'I', field, increment                     HINCRBY stages field increment
 --   'C', checkpoint, ''                       append to the stage's resume checkpoint (`<stage>:ckpt` in
 --                                             the stages hash; the call's pieces in one HSET)
+--   'B', ':blob:<...>', {payload, ttl_ms}     SET <wf>:blob:<...> payload PX ttl_ms and list it in <wf>:blobs
+--                                             (a chunk payload an 'E' op of the step references; stored
+--                                             with the entry, fenced and skipped on replay like it)
 --   Steps whose seq is not above the stage's last written seq are skipped (replays).
 --   Steps must be contiguous: one past a hole (a write lost with a Redis connection) is refused.
 -- ARGV[8] optional msgpack finish: {group, entry id, outcome, detail, retryable, last seq, downstream csv}
@@ -42,6 +45,11 @@ local function check_steps(steps)
         end
       elseif op == 'I' then
         if tonumber(b) == nil then return 'step ' .. n .. ': op I needs a number' end
+      elseif op == 'B' then
+        if string.sub(a, 1, 6) ~= ':blob:' then return 'step ' .. n .. ': op B outside :blob:' end
+        if type(b) ~= 'table' or type(b[1]) ~= 'string' or tonumber(b[2]) == nil or tonumber(b[2]) <= 0 then
+          return 'step ' .. n .. ': op B needs {payload, ttl_ms}'
+        end
       elseif op == 'T' or op == 'A' or op == 'H' or op == 'C' then
         if type(b) ~= 'string' and type(b) ~= 'number' then return 'step ' .. n .. ': op ' .. op .. ' needs a value' end
       else
@@ -102,6 +110,11 @@ local function write_steps()
           redis.call('HINCRBY', sk, step[i + 1], step[i + 2])
         elseif op == 'C' then
           ckpts[#ckpts + 1] = step[i + 1]
+        elseif op == 'B' then
+          local key, ttl = wf .. step[i + 1], step[i + 2][2]
+          redis.call('SET', key, step[i + 2][1], 'PX', ttl)
+          redis.call('SADD', wf .. ':blobs', key)
+          redis.call('PEXPIRE', wf .. ':blobs', ttl)
         end
         i = i + 3
       end

@@ -1,0 +1,194 @@
+"""The data plane inside the engine: large payloads by reference, release, backpressure, bad
+references, and worker processes SIGKILLed mid-stream."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from helpers import eventually, request, run_to_end
+
+from dataplane_fixtures import expected_digest, pipeline
+from omniflow.config import DataPlaneMode
+from omniflow.dataplane import DataPlane, Ref
+from omniflow.dataplane.shm import DEFAULT_SHM_DIR, shm_available
+from omniflow.store import s
+
+pytestmark = pytest.mark.skipif(not shm_available(DEFAULT_SHM_DIR), reason="no /dev/shm on this host")
+
+KIB = 1 << 10
+
+
+def segments(prefix: str) -> list[str]:
+    return sorted(n for n in os.listdir(DEFAULT_SHM_DIR) if n.startswith(f"of-{prefix}-"))
+
+
+async def blob_keys(eng: Any) -> list[bytes]:
+    return [k async for k in eng.redis.scan_iter(match=f"{eng.settings.prefix}:wf:*:blob*", count=1000)]
+
+
+def worker_of(eng: Any, stage: str) -> Any:
+    return eng.workers[stage][0]
+
+
+async def test_large_payloads_travel_through_shared_memory_and_are_released(engine_factory) -> None:
+    async with engine_factory(pipeline(chunks=6, nbytes=256 * KIB)) as eng:
+        doc = await run_to_end(eng.store, request("x"), timeout_s=30)
+        assert doc["state"] == "completed", doc["error"]
+        assert doc["outputs"]["dst"]["text"] == expected_digest(6, 256 * KIB)
+        consumer = worker_of(eng, "dst")
+        assert consumer.stats["payloads_released"] == 6          # by reference, released at its finish
+        assert not await blob_keys(eng)                          # none went through Redis keys
+        prefix = eng.settings.prefix
+        assert segments(prefix)                                  # handed back to the producer's pool
+        await DataPlane(eng.redis, eng.settings).sweep()         # the workflow ended: nothing of it stays
+        assert not segments(prefix)
+
+
+async def test_small_payloads_stay_inline(engine_factory) -> None:
+    async with engine_factory(pipeline(chunks=5, nbytes=4 * KIB)) as eng:
+        doc = await run_to_end(eng.store, request("x"), timeout_s=30)
+        assert doc["state"] == "completed", doc["error"]
+        assert worker_of(eng, "dst").stats["payloads_released"] == 0
+        assert not segments(eng.settings.prefix) and not await blob_keys(eng)
+
+
+async def test_redis_transport_stores_payloads_with_the_entry_and_the_terminal_frees_them(engine_factory) -> None:
+    async with engine_factory(pipeline(chunks=6, nbytes=200 * KIB, consumer_delay_s=0.05),
+                              dataplane_mode=DataPlaneMode.REDIS) as eng:
+        sub = await eng.store.submit(request("x"))
+        blobs = await eventually(lambda: blob_keys(eng), timeout_s=20)     # while the consumer reads
+        ttl_ms = await eng.redis.pttl(blobs[0])
+        assert ttl_ms > eng.settings.max_deadline_s * 1000
+        doc = await eng.store.wait(sub.id, timeout_s=30)
+        assert doc["state"] == "completed", doc["error"]
+        assert doc["outputs"]["dst"]["text"] == expected_digest(6, 200 * KIB)
+        assert not await blob_keys(eng)                          # released by the consumer, then the terminal
+        assert not segments(eng.settings.prefix)
+
+
+async def test_a_bad_reference_fails_the_session_with_its_reason_and_the_worker_keeps_serving(
+        engine_factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = pipeline(chunks=3, nbytes=200 * KIB, max_attempts=1)
+    async with engine_factory(spec, dataplane_mode=DataPlaneMode.REDIS) as eng:
+        producer = worker_of(eng, "src")
+        real = producer.plane.rediskey.put_op
+
+        def corrupt(payload: Any, ctx: Any) -> tuple[Ref, list[Any]]:
+            ref, op = real(payload, ctx)
+            return Ref(ref.kind, ref.location, ref.nbytes, ref.checksum ^ 1, ref.host), op
+
+        monkeypatch.setattr(producer.plane.rediskey, "put_op", corrupt)
+        doc = await run_to_end(eng.store, request("x"), timeout_s=30)
+        assert doc["state"] == "failed" and doc["error_stage"] == "dst"
+        assert "checksum" in doc["error"], doc["error"]
+        monkeypatch.setattr(producer.plane.rediskey, "put_op", real)
+        doc = await run_to_end(eng.store, request("y"), timeout_s=30)
+        assert doc["state"] == "completed", doc["error"]
+
+
+async def test_backpressure_holds_a_fast_producer_to_the_bound(engine_factory) -> None:
+    spec = pipeline(chunks=30, nbytes=2 * KIB, consumer_delay_s=0.01)
+    async with engine_factory(spec, dataplane_edge_max_chunks=4, dataplane_edge_max_bytes=0) as eng:
+        doc = await run_to_end(eng.store, request("x"), timeout_s=60)
+        assert doc["state"] == "completed", doc["error"]
+        assert doc["outputs"]["dst"]["text"] == expected_digest(30, 2 * KIB)
+        bp = worker_of(eng, "src").backpressure
+        assert bp.waits > 0 and bp.wait_s > 0
+        assert 0 < bp.peak_chunks <= 4
+        await worker_of(eng, "src")._heartbeat_once()
+        info = await eng.redis.hget(eng.store.keys.worker_info(worker_of(eng, "src").id), "stats")
+        assert b'"backpressure_waits": ' in info
+
+
+async def test_without_a_bound_the_same_producer_runs_ahead(engine_factory) -> None:
+    """The control of the test above: the same pipeline, no bound, no wait."""
+    spec = pipeline(chunks=30, nbytes=2 * KIB, consumer_delay_s=0.01)
+    async with engine_factory(spec, dataplane_edge_max_chunks=0, dataplane_edge_max_bytes=0) as eng:
+        doc = await run_to_end(eng.store, request("x"), timeout_s=60)
+        assert doc["state"] == "completed", doc["error"]
+        assert worker_of(eng, "src").backpressure.waits == 0
+
+
+# --------------------------------------------------------------------------- worker processes, SIGKILL
+
+
+def spawn_worker(eng: Any, tmp_path: Path, stage: str, spec: dict[str, Any]) -> subprocess.Popen[bytes]:
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNIFLOW_")}
+    here = str(Path(__file__).resolve().parent)
+    env.update({"OMNIFLOW_REDIS_URL": eng.url, "OMNIFLOW_PREFIX": eng.settings.prefix,
+                "OMNIFLOW_PIPELINE": str(path), "OMNIFLOW_HOME": str(tmp_path / "home"),
+                "OMNIFLOW_LEASE_TIMEOUT_S": str(eng.settings.lease_timeout_s),
+                "OMNIFLOW_HEARTBEAT_INTERVAL_S": str(eng.settings.heartbeat_interval_s),
+                "PYTHONPATH": os.pathsep.join([here, env.get("PYTHONPATH", "")])})
+    return subprocess.Popen([sys.executable, "-m", "omniflow.cli", "worker", "--stage", stage], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+async def stage_seq(eng: Any, wf_id: str, field: str) -> int:
+    return int(await eng.redis.hget(eng.store.keys.stages(wf_id), field) or 0)
+
+
+def kill(proc: subprocess.Popen[bytes]) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+async def test_a_producer_killed_mid_stream_resumes_elsewhere_and_leaves_no_segment(engine_factory,
+                                                                                  tmp_path: Path) -> None:
+    spec = pipeline(chunks=12, nbytes=256 * KIB, producer_delay_s=0.1)
+    async with engine_factory(spec, workers=False) as eng:
+        await eng.add_worker("dst")
+        proc = spawn_worker(eng, tmp_path, "src", spec)
+        try:
+            sub = await eng.store.submit(request("x"))
+            await eventually(lambda: _at_least(eng, sub.id, "src:seq", 4), timeout_s=30)
+            assert segments(eng.settings.prefix)                 # the producer's chunks, by reference
+        finally:
+            kill(proc)
+        await eng.add_worker("src")                              # the session resumes here
+        doc = await eng.store.wait(sub.id, timeout_s=60)
+        assert doc["state"] == "completed", doc["error"]
+        assert doc["outputs"]["dst"]["text"] == expected_digest(12, 256 * KIB)   # each chunk once, in order
+        assert doc["stages"]["src"]["attempt"] == 2
+        await DataPlane(eng.redis, eng.settings).sweep()
+        assert not segments(eng.settings.prefix)
+
+
+async def _at_least(eng: Any, wf_id: str, field: str, n: int) -> bool:
+    return await stage_seq(eng, wf_id, field) >= n
+
+
+@pytest.mark.slow
+async def test_a_consumer_killed_mid_read_resumes_from_the_edge_log(engine_factory, tmp_path: Path) -> None:
+    spec = pipeline(chunks=10, nbytes=256 * KIB, consumer_delay_s=0.15)
+    async with engine_factory(spec, workers=False) as eng:
+        await eng.add_worker("src")
+        proc = spawn_worker(eng, tmp_path, "dst", spec)
+        try:
+            sub = await eng.store.submit(request("x"))
+            # the producer has written everything; the consumer is part-way through it
+            await eventually(lambda: _at_least(eng, sub.id, "src:seq", 10), timeout_s=30)
+            await eventually(lambda: _reading(eng, sub.id), timeout_s=30)
+        finally:
+            kill(proc)
+        await eng.add_worker("dst")
+        doc = await eng.store.wait(sub.id, timeout_s=60)
+        assert doc["state"] == "completed", doc["error"]
+        assert doc["outputs"]["dst"]["text"] == expected_digest(10, 256 * KIB)
+        assert doc["stages"]["dst"]["attempt"] == 2
+        await DataPlane(eng.redis, eng.settings).sweep()
+        assert not segments(eng.settings.prefix)
+
+
+async def _reading(eng: Any, wf_id: str) -> bool:
+    """The consumer has its first chunk (its session went from waiting_input to running)."""
+    return s(await eng.redis.hget(eng.store.keys.stages(wf_id), "dst") or b"") == "running"
