@@ -11,6 +11,8 @@ histograms over all workflows, so aggregate with `max`, not `sum`.
 """
 from __future__ import annotations
 
+import json
+import time
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
@@ -141,6 +143,38 @@ async def _queue_stats(redis: Redis, keys: Keys, stages: tuple[str, ...]) -> tup
     return length, lag, pending
 
 
+DATAPLANE_COUNTERS = (
+    ("backpressure_waits", "omniflow_backpressure_waits",
+     "Emits that waited for their consumer (a chunk edge at its bound), live workers by stage served"),
+    ("backpressure_wait_s", "omniflow_backpressure_wait_seconds", "Time emits waited for their consumer"),
+    ("payloads_released", "omniflow_dataplane_payloads_released",
+     "Chunk payloads (Redis keys, shared-memory segments) released by their consumers"),
+    ("segments_swept", "omniflow_dataplane_segments_swept", "Shared-memory segments freed by the host sweep"),
+)
+
+
+async def _worker_counters(redis: Redis, keys: Keys) -> dict[str, dict[str, float]]:
+    """The data-plane counters of the live workers' heartbeats, summed per stage served
+    (a worker serving several stages is counted under their comma list)."""
+    ids = [s(x) for x in await redis.zrangebyscore(keys.workers, "(" + str(int(time.time() * 1000)), "+inf")]
+    out: dict[str, dict[str, float]] = {field: {} for field, _, _ in DATAPLANE_COUNTERS}
+    if not ids:
+        return out
+    pipe = redis.pipeline(transaction=False)
+    for worker_id in ids:
+        pipe.hmget(keys.worker_info(worker_id), "stage", "stats")
+    for stage, raw in await pipe.execute():
+        try:
+            stats = json.loads(raw) if raw else {}
+        except ValueError:
+            continue
+        for field, _, _ in DATAPLANE_COUNTERS:
+            value = stats.get(field)
+            if isinstance(value, (int, float)):
+                out[field][s(stage)] = out[field].get(s(stage), 0.0) + float(value)
+    return out
+
+
 @translated                   # Redis away or refusing: 503 with Retry-After, like every route
 async def render(state: ApiState) -> bytes:
     redis, keys, stages = state.redis, state.store.keys, state.pipeline.order
@@ -172,6 +206,7 @@ async def render(state: ApiState) -> bytes:
     for field, value in ((s(k), s(v)) for k, v in (stats or {}).items()):
         if field.startswith("webhook:") and value.lstrip("-").isdigit():
             webhooks.add_metric([field.split(":", 1)[1]], int(value))
+    dataplane = await _worker_counters(redis, keys)
     families: list[Any] = [
         _gauge("omniflow_workflows", "Non-terminal workflows by state", active, label="state"),
         finished,
@@ -188,6 +223,11 @@ async def render(state: ApiState) -> bytes:
         retries,
         webhooks,
     ]
+    for field, name, doc in DATAPLANE_COUNTERS:
+        counter = CounterMetricFamily(name, doc, labels=["stage"])
+        for stage, value in dataplane[field].items():
+            counter.add_metric([stage], value)
+        families.append(counter)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(families))
     return generate_latest(state.registry) + generate_latest(registry)

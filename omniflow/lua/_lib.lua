@@ -45,7 +45,7 @@ end
 -- Partial outputs stay (labelled by stage); edge logs go; the rest expires.
 local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now, tomb_ttl, result_ttl)
   local sk = wf .. ':stages'
-  local rec = redis.call('HMGET', wf, 'stages', 'edges', 'finals', 'webhook', 'state', 'created_ms')
+  local rec = redis.call('HMGET', wf, 'stages', 'edges', 'finals', 'webhook', 'state', 'created_ms', 'blobs')
   redis.call('HSET', wf, 'state', state, 'finished_ms', now, 'updated_ms', now)
   index_state(prefix, id, rec[5], state, rec[6] or now)
   if err and err ~= '' then
@@ -70,10 +70,12 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
     redis.call('UNLINK', wf .. ':edge:' .. edge)
   end
   -- chunk payloads too large for their edge entries (omniflow.dataplane): nothing reads them any more
-  for _, blob in ipairs(redis.call('SMEMBERS', wf .. ':blobs')) do
-    redis.call('UNLINK', blob)
+  if rec[7] then
+    for _, blob in ipairs(redis.call('SMEMBERS', wf .. ':blobs')) do
+      redis.call('UNLINK', blob)
+    end
+    redis.call('UNLINK', wf .. ':blobs')
   end
-  redis.call('UNLINK', wf .. ':blobs')
   redis.call('XADD', wf .. ':log', '*', 't', 'terminal', 'state', state, 'error', err or '', 'stage', err_stage or '')
   -- one entry, ever: a waiter that wants the outcome and not the progress blocks here (wakes once)
   redis.call('XADD', wf .. ':done', '*', 'state', state)

@@ -28,6 +28,7 @@
 --@include _lib.lua
 local wf, stage = KEYS[1], ARGV[1]
 local sk = wf .. ':stages'
+local blobs_flagged = false
 
 -- nil when every step is well-formed, else what is wrong
 local function check_steps(steps)
@@ -113,7 +114,10 @@ local function write_steps()
         elseif op == 'B' then
           local key, ttl = wf .. step[i + 1], step[i + 2][2]
           redis.call('SET', key, step[i + 2][1], 'PX', ttl)
-          redis.call('SADD', wf .. ':blobs', key)
+          if redis.call('SADD', wf .. ':blobs', key) == 1 and not blobs_flagged then
+            redis.call('HSET', wf, 'blobs', '1')     -- finalize frees them (read with the record)
+            blobs_flagged = true
+          end
           redis.call('PEXPIRE', wf .. ':blobs', ttl)
         end
         i = i + 3

@@ -46,6 +46,11 @@ async def test_metrics_parse_and_count(api_factory):
             assert ("omniflow_stage_queue_pending", "omniflow_stage_queue_pending", labels) in value
             assert value[("omniflow_stage_run_seconds", "omniflow_stage_run_seconds_count", labels)] == 3
             assert value[("omniflow_stage_queue_wait_seconds", "omniflow_stage_queue_wait_seconds_count", labels)] == 3
+            # data plane, from the live workers' heartbeats (the toy's chunks are small: inline, never held)
+            assert value[("omniflow_backpressure_waits", "omniflow_backpressure_waits_total", labels)] == 0
+            assert ("omniflow_backpressure_wait_seconds", "omniflow_backpressure_wait_seconds_total", labels) in value
+            assert value[("omniflow_dataplane_payloads_released", "omniflow_dataplane_payloads_released_total",
+                          labels)] == 0
         first = ("omniflow_stage_first_chunk_seconds", "omniflow_stage_first_chunk_seconds_count")
         assert value[(*first, (("stage", "thinker"),))] == 3 and value[(*first, (("stage", "code2wav"),))] == 3
         # a second scrape does not count the same workflows twice

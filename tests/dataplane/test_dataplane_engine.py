@@ -2,6 +2,7 @@
 references, and worker processes SIGKILLed mid-stream."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from helpers import eventually, request, run_to_end
+from helpers import eventually, omniflow, request, run_to_end
 
 from dataplane_fixtures import expected_digest, pipeline
 from omniflow.config import DataPlaneMode
@@ -72,6 +73,18 @@ async def test_redis_transport_stores_payloads_with_the_entry_and_the_terminal_f
         assert not segments(eng.settings.prefix)
 
 
+async def test_the_terminal_frees_payload_keys_nobody_released(engine_factory) -> None:
+    """Aborted while its consumer still reads: finalize (in the abort script) unlinks the workflow's
+    payload keys at once; the shared-memory segments of the same run go with the abort fan-out."""
+    async with engine_factory(pipeline(chunks=6, nbytes=200 * KIB, consumer_delay_s=1.0),
+                              dataplane_mode=DataPlaneMode.REDIS) as eng:
+        sub = await eng.store.submit(request("x"))
+        await eventually(lambda: blob_keys(eng), timeout_s=20)
+        await eng.store.abort(sub.id)
+        assert not await blob_keys(eng)
+        assert not await eng.redis.exists(eng.store.keys.blobs(sub.id))
+
+
 async def test_a_bad_reference_fails_the_session_with_its_reason_and_the_worker_keeps_serving(
         engine_factory, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = pipeline(chunks=3, nbytes=200 * KIB, max_attempts=1)
@@ -118,7 +131,8 @@ async def test_without_a_bound_the_same_producer_runs_ahead(engine_factory) -> N
 # --------------------------------------------------------------------------- worker processes, SIGKILL
 
 
-def spawn_worker(eng: Any, tmp_path: Path, stage: str, spec: dict[str, Any]) -> subprocess.Popen[bytes]:
+def worker_env(eng: Any, tmp_path: Path, spec: dict[str, Any]) -> dict[str, str]:
+    """The environment of an `omniflow` subprocess on the test engine (its server, prefix, pipeline)."""
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(spec))
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMNIFLOW_")}
@@ -128,6 +142,11 @@ def spawn_worker(eng: Any, tmp_path: Path, stage: str, spec: dict[str, Any]) -> 
                 "OMNIFLOW_LEASE_TIMEOUT_S": str(eng.settings.lease_timeout_s),
                 "OMNIFLOW_HEARTBEAT_INTERVAL_S": str(eng.settings.heartbeat_interval_s),
                 "PYTHONPATH": os.pathsep.join([here, env.get("PYTHONPATH", "")])})
+    return env
+
+
+def spawn_worker(eng: Any, tmp_path: Path, stage: str, spec: dict[str, Any]) -> subprocess.Popen[bytes]:
+    env = worker_env(eng, tmp_path, spec)
     return subprocess.Popen([sys.executable, "-m", "omniflow.cli", "worker", "--stage", stage], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -159,6 +178,13 @@ async def test_a_producer_killed_mid_stream_resumes_elsewhere_and_leaves_no_segm
         assert doc["state"] == "completed", doc["error"]
         assert doc["outputs"]["dst"]["text"] == expected_digest(12, 256 * KIB)   # each chunk once, in order
         assert doc["stages"]["src"]["attempt"] == 2
+        # `inspect` shows the binding: each attempt of the producer on its replica
+        code, out, err = await omniflow("inspect", sub.id, "--json", env=worker_env(eng, tmp_path, spec))
+        assert code == 0, err
+        lanes = {lane["stage"]: lane for lane in json.loads(out)["lanes"]}
+        replicas = [a["replica"] for a in lanes["src"]["attempts"]]
+        assert len(replicas) == 2 and all(replicas) and replicas[0] != replicas[1]
+        assert replicas[1] == worker_of(eng, "src").id
         await DataPlane(eng.redis, eng.settings).sweep()
         assert not segments(eng.settings.prefix)
 
