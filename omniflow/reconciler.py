@@ -26,6 +26,7 @@ from typing import Any
 
 from omniflow import listing, redisio
 from omniflow.config import Settings
+from omniflow.dataplane import DataPlane
 from omniflow.entries import EventKind, event, retry_member
 from omniflow.entries import task as task_entry
 from omniflow.errors import MalformedEntry, RedisError, RedisUnavailable, ScriptError
@@ -64,12 +65,13 @@ class Reconciler:
         self._rng = random.Random()
         self.started = asyncio.Event()
         self.counts: dict[str, int] = {"events": 0, "completed": 0, "failed": 0, "retry": 0, "ignored": 0,
-                                       "lost": 0, "deadline": 0, "dead_letters": 0}
+                                       "lost": 0, "deadline": 0, "dead_letters": 0, "segments_swept": 0}
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
         self.redis = connect(self.redis_url)
         self._blocking = connect(self.redis_url)
+        self.plane = DataPlane(self.redis, self.settings, worker_id=self.id)
         try:
             if not await when_redis_answers(self._setup, what=f"reconciler {self.id}", url=self.redis_url,
                                             stop=stop):
@@ -209,12 +211,18 @@ class Reconciler:
     # ------------------------------------------------------------ sweeps
     async def _sweeper(self) -> None:
         failing = False
+        next_host_sweep = asyncio.get_running_loop().time() + self.settings.dataplane_sweep_interval_s / 2
         while True:
             await asyncio.sleep(self.settings.sweep_interval_s)
             try:
                 await self._reclaim_events()
                 if await self._lead():
                     await self.sweep()
+                if asyncio.get_running_loop().time() >= next_host_sweep:
+                    # this host's shared-memory segments (every reconciler: segments are per host)
+                    next_host_sweep += self.settings.dataplane_sweep_interval_s
+                    freed = await self.plane.sweep()
+                    self.counts["segments_swept"] += sum(freed.values())
                 failing = False
             except RedisError as exc:     # refused, lost, a server restarting: never stop sweeping
                 if not failing:

@@ -27,6 +27,7 @@ from omniflow.dataplane.policy import choose_transport
 from omniflow.dataplane.rediskey import Command, RedisTransport
 from omniflow.dataplane.shm import ShmTransport, SweepReason, name_part, shm_available
 from omniflow.keys import Keys
+from omniflow.redisio import translated
 
 LIVE_STATES = frozenset({b"pending", b"running"})
 INLINE_FIELD = "d"
@@ -132,6 +133,7 @@ class DataPlane:
             freed += await self.shm.release_workflow(wf_id)
         return freed
 
+    @translated
     async def live_workflows(self, wf_ids: Iterable[str]) -> set[str]:
         """Those of `wf_ids` whose record says pending or running."""
         ids = sorted(set(wf_ids))
@@ -143,6 +145,7 @@ class DataPlane:
         states = await pipe.execute()
         return {wf_id for wf_id, state in zip(ids, states, strict=True) if state in LIVE_STATES}
 
+    @translated
     async def live_workers(self) -> set[str]:
         """Ids of the workers whose lease has not lapsed."""
         now = int(time.time() * 1000)

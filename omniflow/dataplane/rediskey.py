@@ -19,6 +19,7 @@ from redis.asyncio import Redis
 from omniflow.dataplane import codec
 from omniflow.dataplane.base import ForeignReference, PayloadMissing, PutContext, Ref, Transport, TransportKind
 from omniflow.keys import Keys
+from omniflow.redisio import boundary
 
 Command = tuple[Any, ...]
 
@@ -54,10 +55,11 @@ class RedisTransport(Transport):
 
     async def put(self, payload: Any, ctx: PutContext) -> Ref:
         ref, commands = self.put_commands(payload, ctx)
-        pipe = self.redis.pipeline(transaction=False)
-        for command in commands:
-            pipe.execute_command(*command)
-        await pipe.execute()
+        with boundary():
+            pipe = self.redis.pipeline(transaction=False)
+            for command in commands:
+                pipe.execute_command(*command)
+            await pipe.execute()
         return ref
 
     def check(self, ref: Ref, wf_id: str | None) -> None:
@@ -73,7 +75,8 @@ class RedisTransport(Transport):
 
     async def get(self, ref: Ref, *, wf_id: str | None = None) -> Any:
         self.check(ref, wf_id)
-        blob = await self.redis.get(ref.location)
+        with boundary():
+            blob = await self.redis.get(ref.location)
         if blob is None:
             raise PayloadMissing(f"payload key {ref.location} is gone (released, or expired after its TTL)")
         return codec.decode_frame(blob, nbytes=ref.nbytes, checksum=ref.checksum, what=f"payload key {ref.location}")
@@ -82,19 +85,21 @@ class RedisTransport(Transport):
         mine = [ref.location for ref in refs if ref.kind is TransportKind.REDIS]
         if not mine:
             return 0
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.unlink(*mine)
-        for key in mine:
-            pipe.srem(key.split("}:blob:", 1)[0] + "}:blobs", key)
-        freed, *_ = await pipe.execute()
+        with boundary():
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.unlink(*mine)
+            for key in mine:
+                pipe.srem(key.split("}:blob:", 1)[0] + "}:blobs", key)
+            freed, *_ = await pipe.execute()
         return int(freed)
 
     async def release_workflow(self, wf_id: str) -> int:
         registry = self.keys.blobs(wf_id)
-        members = await self.redis.smembers(registry)
-        pipe = self.redis.pipeline(transaction=False)
-        if members:
-            pipe.unlink(*members)
-        pipe.unlink(registry)
-        replies = await pipe.execute()
+        with boundary():
+            members = await self.redis.smembers(registry)
+            pipe = self.redis.pipeline(transaction=False)
+            if members:
+                pipe.unlink(*members)
+            pipe.unlink(registry)
+            replies = await pipe.execute()
         return int(replies[0]) if members else 0
