@@ -18,7 +18,8 @@
     │   └── NotReady           the thing asked for is not produced yet (HTTP 409)
     └── StageError             raised by executors
         ├── NonRetryableError  bad input for the stage: fail the workflow at once
-        └── Fenced             this session's attempt was superseded or the workflow ended
+        ├── Fenced             this session's attempt was superseded or the workflow ended
+        └── DataPlaneError     a chunk's payload cannot be delivered (tree in `omniflow.dataplane.base`)
 
 redis-py errors are translated at one boundary (`omniflow.redisio`) with
 `raise ... from exc`; every loop has one rule per class: retry `RedisUnavailable`

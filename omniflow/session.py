@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 MAX_EMITS_IN_FLIGHT = 64
 DOMAIN_RECHECK_S = 0.5      # how often a producer asks again where a not-yet-claimed consumer runs
+DOMAIN_REFRESH_S = 5.0      # ... and where a claimed one runs (a retry may have moved it to another host)
 
 T = TypeVar("T")
 
@@ -302,7 +303,7 @@ class Session:
                                         self._bp or WaitStats())
             if nbytes > s.dataplane_inline_max_bytes and self._domain_of is not None:
                 domain, when = self._domains.get(dst, ("", 0.0))
-                if not domain and time.monotonic() - when > DOMAIN_RECHECK_S:
+                if time.monotonic() - when > (DOMAIN_REFRESH_S if domain else DOMAIN_RECHECK_S):
                     # the consuming session's replica (once it is claimed); until then: a Redis key
                     domain = await self._on_home(self._domain_of(self.wf_id, dst))
                     self._domains[dst] = (domain, time.monotonic())
