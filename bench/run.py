@@ -363,7 +363,7 @@ def splice_dataplane(path: Path, result: dict) -> None:
     else:
         notes = REPO_ROOT / "bench" / "notes.md"
         first = next((ln for ln in notes.read_text().splitlines() if ln.strip()), None) if notes.exists() else None
-        for anchor in ("\n## Failed runs", f"\n{first}" if first else None):
+        for anchor in (f"\n{first}" if first else None, "\n## Failed runs"):
             if anchor and anchor in text:
                 head, rest = text.split(anchor, 1)
                 path.write_text(head + "\n" + section + anchor + rest)
@@ -439,12 +439,12 @@ def write_markdown(path: Path, results: list[Result], failures: list[str], args,
             seen.add((r.system, t))
             md.append(f"- {r.system} {r.variant}: {t}")
     md.append("")
-    md += dataplane_section(dataplane_result)
     if failures:
         md += ["## Failed runs", ""] + [f"- {f}" for f in failures] + [""]
     from bench import pipeline       # the real CPU omni pipeline, from bench/out/pipeline.json when it ran
 
     md += pipeline.markdown()
+    md += dataplane_section(dataplane_result)
     notes = REPO_ROOT / "bench" / "notes.md"
     if notes.exists():
         md += [notes.read_text().rstrip(), ""]
