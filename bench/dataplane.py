@@ -560,7 +560,8 @@ def table(result: dict[str, Any]) -> list[str]:
         md += [f"| {step} | {us:,.0f} |" for step, us in result["shm_profile_us"].items()]
     md += ["", "| transport | Redis memory per MiB of payload | AOF bytes per MiB of payload |", "|---|---:|---:|"]
     for transport, m in result["memory"].items():
-        md.append(f"| {LABELS[transport]} | {m['redis_mem_per_mib']:.2f} MiB | {m['aof_per_mib']:.2f} MiB |")
+        mem, aof = (round(m[k], 2) + 0.0 for k in ("redis_mem_per_mib", "aof_per_mib"))     # no "-0.00"
+        md.append(f"| {LABELS[transport]} | {mem:.2f} MiB | {aof:.2f} MiB |")
     return md
 
 
