@@ -10,13 +10,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 from helpers import eventually, omniflow, request, run_to_end
 
 from dataplane_fixtures import expected_digest, pipeline
 from omniflow.config import DataPlaneMode
-from omniflow.dataplane import DataPlane, Ref
+from omniflow.dataplane import DataPlane, Ref, TransportKind
 from omniflow.dataplane.shm import DEFAULT_SHM_DIR, shm_available
 from omniflow.store import s
 
@@ -195,7 +196,7 @@ async def _at_least(eng: Any, wf_id: str, field: str, n: int) -> bool:
 
 @pytest.mark.slow
 async def test_a_consumer_killed_mid_read_resumes_from_the_edge_log(engine_factory, tmp_path: Path) -> None:
-    spec = pipeline(chunks=10, nbytes=256 * KIB, consumer_delay_s=0.15)
+    spec = pipeline(chunks=10, nbytes=256 * KIB, consumer_delay_s=0.3)
     async with engine_factory(spec, workers=False) as eng:
         await eng.add_worker("src")
         proc = spawn_worker(eng, tmp_path, "dst", spec)
@@ -218,3 +219,20 @@ async def test_a_consumer_killed_mid_read_resumes_from_the_edge_log(engine_facto
 async def _reading(eng: Any, wf_id: str) -> bool:
     """The consumer has its first chunk (its session went from waiting_input to running)."""
     return s(await eng.redis.hget(eng.store.keys.stages(wf_id), "dst") or b"") == "running"
+
+
+async def test_workers_and_reconcilers_sweep_their_host(engine_factory) -> None:
+    """Segments of a workflow that ended while nobody released them (here: one that never existed)
+    are freed by the periodic host sweep of the running processes, without anyone asking."""
+    async with engine_factory(pipeline(chunks=1, nbytes=KIB), dataplane_sweep_interval_s=0.3) as eng:
+        plane = DataPlane(eng.redis, eng.settings, worker_id="gone-worker")
+        for seq in (1, 2):
+            await plane.put(np.ones(1000), plane.context("wf-never", "src", "dst", 1, seq), kind=TransportKind.SHM)
+        assert len(segments(eng.settings.prefix)) == 2
+        await eventually(lambda: _none_left(eng.settings.prefix), timeout_s=20)
+        swept = sum(w.stats["segments_swept"] for ws in eng.workers.values() for w in ws)
+        assert swept + eng.reconcilers[0].counts["segments_swept"] == 2
+
+
+async def _none_left(prefix: str) -> bool:
+    return not segments(prefix)
