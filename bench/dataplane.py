@@ -43,12 +43,16 @@ from bench.common import OUT_DIR, BenchError, bench_env, log, percentile, start_
 from omniflow.workers.base import Executor, Session
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
-ENGINE_SIZES = [4 << 10, 1 << 20]
+# through the engine: the policy's choice (4 KiB inline, 1 MiB a segment), and 1 MiB forced through a
+# Redis key (what a consumer on another host gets)
+ENGINE_RUNS = [(4 << 10, "auto"), (1 << 20, "auto"), (1 << 20, "redis")]
 TRANSPORTS = ["inline", "redis", "shm", "raw"]         # raw: plain SET/GET, the Redis ceiling
 LABELS = {"inline": "inline (in the entry)", "redis": "Redis key (reference)", "shm": "shared memory (reference)",
           "raw": "raw Redis SET/GET", "copy": "in-process numpy copy",
-          "engine": "through the engine (emit → session input)"}
+          "engine": "through the engine (emit → session input)",
+          "engine-redis": "through the engine, Redis key forced (another host)"}
 PAGE = 4096
+COLORS = {"copy": "#7f7f7f", "shm": "#d62728", "redis": "#1f77b4", "raw": "#2ca02c", "inline": "#9467bd"}
 WF = "wfbench"
 EDGE_MAXLEN = 64
 
@@ -259,7 +263,7 @@ class ChunkSink(Executor):
         return {"chunks": len(lat)}
 
 
-def engine_chunk_latency(url: str, size: int, workflows: int, chunks: int) -> dict[str, Any]:
+def engine_chunk_latency(url: str, size: int, workflows: int, chunks: int, *, mode: str = "auto") -> dict[str, Any]:
     """Chunks of `size` through the whole engine between two worker processes (emit -> emit.lua ->
     edge log + inbox -> the consumer's session): per-chunk latency, emit to payload in hand."""
     import tempfile
@@ -277,7 +281,7 @@ def engine_chunk_latency(url: str, size: int, workflows: int, chunks: int) -> di
         "edges": [{"from": "src", "to": "dst"}]}
     (tmp / "p.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     env = bench_env(OMNIFLOW_REDIS_URL=url, OMNIFLOW_PREFIX=prefix, OMNIFLOW_PIPELINE=str(tmp / "p.yaml"),
-                    OMNIFLOW_LOG_LEVEL="WARNING",
+                    OMNIFLOW_LOG_LEVEL="WARNING", OMNIFLOW_DATAPLANE_MODE=mode,
                     # a loaded 2-core machine can starve a heartbeat for a second or two: a retry would replay
                     # chunks with old timestamps, so the lease is long and there is one attempt
                     OMNIFLOW_LEASE_TIMEOUT_S="15", OMNIFLOW_HEARTBEAT_INTERVAL_S="1")
@@ -314,7 +318,8 @@ def engine_chunk_latency(url: str, size: int, workflows: int, chunks: int) -> di
         _release_prefix(prefix)
     if len(lat) < workflows * chunks:
         raise BenchError(f"engine run delivered {len(lat)} of {workflows * chunks} chunks")
-    return {"transport": "engine", "size": size, "n": len(lat), "p50_ms": percentile(lat, 50),
+    return {"transport": "engine" if mode == "auto" else f"engine-{mode}", "size": size, "n": len(lat),
+            "p50_ms": percentile(lat, 50),
             "p99_ms": percentile(lat, 99), "mib_s": float("nan")}
 
 
@@ -459,10 +464,10 @@ def run(quick: bool = False) -> dict[str, Any]:
             log(f"- data plane: {LABELS[transport]}")
             rows += summarize_pair(transport, run_pair(server.url, transport, quick))
         memory = asyncio.run(memory_per_mib(server.url))
-        for size in ENGINE_SIZES:
-            log(f"- data plane: {size_label(size)} chunks through the engine")
-            wfs, chunks = (3, 20) if quick else (10, 40)
-            rows.append(engine_chunk_latency(server.url, size, wfs, chunks))
+        wfs, chunks = (3, 20) if quick else (10, 40)
+        for size, mode in ENGINE_RUNS:
+            log(f"- data plane: {size_label(size)} chunks through the engine ({mode})")
+            rows.append(engine_chunk_latency(server.url, size, wfs, chunks, mode=mode))
     profile = shm_profile() if "shm" in transports else {}
     result = {"rows": rows, "memory": memory, "shm_profile_us": profile, "quick": quick, "wall_s": time.monotonic() - t_start,
               "load": os.getloadavg(), "lines": headline_lines(rows)}
@@ -545,7 +550,7 @@ def size_label(size: int) -> str:
 
 def table(result: dict[str, Any]) -> list[str]:
     """The markdown table: one row per transport and size."""
-    order = ["copy", "shm", "redis", "raw", "inline", "engine"]
+    order = ["copy", "shm", "redis", "raw", "inline", "engine", "engine-redis"]
     md = ["| transport | chunk | p50 ms | p99 ms | MiB/s |", "|---|---:|---:|---:|---:|"]
     for transport in order:
         for size in SIZES:
@@ -579,13 +584,15 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         if not rows:
             continue
         xs = [r["size"] / 1024 for r in rows]
-        axes[0].plot(xs, [r["mib_s"] for r in rows], marker="o", label=LABELS[transport])
+        color = COLORS[transport]
+        axes[0].plot(xs, [r["mib_s"] for r in rows], marker="o", label=LABELS[transport], color=color)
         if transport != "copy":
-            axes[1].plot(xs, [r["p50_ms"] for r in rows], marker="o", label=LABELS[transport])
+            axes[1].plot(xs, [r["p50_ms"] for r in rows], marker="o", label=LABELS[transport], color=color)
     for ax, title in ((axes[0], "throughput, MiB/s (log)"), (axes[1], "p50 latency per chunk between processes, ms (log)")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks([size / 1024 for size in SIZES], [size_label(size) for size in SIZES])
         ax.set_yscale("log")
-        ax.set_xlabel("chunk size, KiB")
+        ax.set_xlabel("chunk size")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
