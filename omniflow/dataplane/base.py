@@ -114,7 +114,8 @@ class Ref:
         """The reference as it is stored in an edge entry (msgpack; inline refs: the payload)."""
         if self.kind is TransportKind.INLINE:
             return self.data
-        return msgpack.packb([self.kind.code, self.location, self.nbytes, self.checksum, self.host])
+        packed: bytes = msgpack.packb([self.kind.code, self.location, self.nbytes, self.checksum, self.host])
+        return packed
 
     @classmethod
     def unpack(cls, raw: bytes) -> Ref:

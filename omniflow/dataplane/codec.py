@@ -88,7 +88,8 @@ def _inline_hook(code: int, data: bytes) -> Any:
 
 def dumps(obj: Any) -> bytes:
     """`obj` as one msgpack document (arrays and tensors inside it by value)."""
-    return msgpack.packb(obj, default=_default, use_bin_type=True)
+    packed: bytes = msgpack.packb(obj, default=_default, use_bin_type=True)
+    return packed
 
 
 def loads(data: bytes) -> Any:
