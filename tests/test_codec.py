@@ -9,6 +9,7 @@ from conftest import toy_spec
 from helpers import request, run_to_end
 
 from omniflow import codec
+from omniflow.dataplane.base import UndecodablePayload
 
 TORCH_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64]
 
@@ -36,7 +37,7 @@ def test_numpy_arrays_and_refused_types() -> None:
 
 def test_a_tensor_with_a_bogus_dtype_name_is_refused() -> None:
     bad = msgpack.packb(msgpack.ExtType(2, msgpack.packb(("Tensor", [1], b"\0\0\0\0"))))
-    with pytest.raises(ValueError, match="unknown tensor dtype"):
+    with pytest.raises(UndecodablePayload, match="undecodable tensor dtype 'Tensor'"):
         codec.loads(bad)
 
 

