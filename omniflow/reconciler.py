@@ -275,11 +275,12 @@ class Reconciler:
         for worker_id in dead:
             served = csv(s(await self.redis.hget(self.keys.worker_info(worker_id), "stage")))
             stages = [x for x in served if x in self.pipeline.stages] or list(self.pipeline.order)
-            left = 0
+            left = mine = 0
             for name in stages:
                 n, more = await self._requeue_pending(name, worker_id)
-                requeued += n
+                mine += n
                 left += more
+            requeued += mine
             if left == 0:
                 # Delete the consumer only if it holds nothing: XGROUP DELCONSUMER drops its pending
                 # entries, and a worker declared dead may still be alive (SIGSTOP, a long GC pause)
@@ -292,7 +293,10 @@ class Reconciler:
                     pipe.zrem(self.keys.workers, worker_id)
                     pipe.delete(self.keys.worker_info(worker_id), self.keys.inbox(worker_id))
                     await pipe.execute(raise_on_error=False)
-                    logger.warning("worker %s is gone; its sessions were re-queued", worker_id)
+                    if mine:
+                        logger.warning("worker %s is gone; %d session(s) re-queued", worker_id, mine)
+                    else:      # a worker that stopped cleanly (or held nothing): nothing was at risk
+                        logger.info("worker %s is gone; it held no session", worker_id)
         self.counts["lost"] += requeued
         return requeued
 

@@ -116,6 +116,9 @@ class CausalLM:
         elif not path.is_dir():
             raise weights.ModelUnavailable(f"model {path} is neither a folder nor a .gguf file")
         started = time.monotonic()
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()       # a worker's log is not a terminal: no tqdm bars in it
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         logger.info("loaded %s in %.2fs", path, time.monotonic() - started)
