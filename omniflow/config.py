@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from enum import Enum
 from functools import lru_cache
 from pathlib import Path
@@ -38,34 +39,63 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
-    redis_url: str | None = None
-    home: Path = DEFAULT_HOME
-    prefix: str = "of"
-    pipeline: Path | None = None
+    redis_url: str | None = Field(
+        default=None,
+        description="`redis://host:port/db` (or `rediss://`); unset: the embedded server `omniflow up` started, "
+                    "found through `$OMNIFLOW_HOME/redis.url`")
+    home: Path = Field(
+        default=DEFAULT_HOME, description="where `omniflow up` keeps the embedded Valkey's data and URL file")
+    prefix: str = Field(
+        default="of", description="prefix of every Redis key: several deployments can share one Redis")
+    pipeline: Path | None = Field(
+        default=None,
+        description="the pipeline YAML; unset: the toy omni pipeline in `deploy/pipelines/omni-toy.yaml`")
+    host_id: str = Field(
+        default="", validate_default=True,
+        description="the identity of the host this process runs on (empty: the machine's hostname). Workers "
+                    "with the same host id may pass chunks through shared memory: give every machine (or pod "
+                    "with its own /dev/shm) its own")
 
     # admission and lifetimes
-    max_in_flight: int = Field(10_000, ge=1)
-    default_deadline_s: float = Field(300.0, gt=0)
-    max_deadline_s: float = Field(3600.0, gt=0)
-    result_ttl_s: int = Field(24 * 3600, ge=1)
-    tombstone_ttl_s: int = Field(24 * 3600, ge=1)
-    idempotency_ttl_s: int = Field(24 * 3600, ge=1)
-    max_prompt_chars: int = Field(32_000, ge=1)
+    max_in_flight: int = Field(
+        default=10_000, ge=1,
+        description="admission limit: at most this many non-terminal workflows; over it submit answers 429 "
+                    "and creates nothing")
+    default_deadline_s: float = Field(
+        default=300.0, gt=0, description="a workflow's deadline when the request gives none")
+    max_deadline_s: float = Field(
+        default=3600.0, gt=0, description="the longest deadline a request may ask for")
+    result_ttl_s: int = Field(
+        default=24 * 3600, ge=1, description="how long a finished workflow's record, log and outputs are kept")
+    tombstone_ttl_s: int = Field(
+        default=24 * 3600, ge=1, description="how long a retired (aborted or failed) id is refused")
+    idempotency_ttl_s: int = Field(
+        default=24 * 3600, ge=1, description="how long a `request_id` maps to its workflow")
+    max_prompt_chars: int = Field(
+        default=32_000, ge=1, description="the longest accepted `input.text`")
 
     # liveness
-    heartbeat_interval_s: float = Field(0.5, gt=0)
-    lease_timeout_s: float = Field(2.0, gt=0)
-    sweep_interval_s: float = Field(0.5, gt=0)
-    event_claim_idle_ms: int = Field(5_000, ge=100)
+    heartbeat_interval_s: float = Field(
+        default=0.5, gt=0, description="how often a worker renews its lease")
+    lease_timeout_s: float = Field(
+        default=2.0, gt=0, description="a worker silent this long loses its sessions to a retry")
+    sweep_interval_s: float = Field(
+        default=0.5, gt=0, description="period of the reconciler's sweeps: dead workers, due retries, deadlines")
+    event_claim_idle_ms: int = Field(
+        default=5_000, ge=100,
+        description="a stage report (or webhook notice) pending this long on one consumer is claimed by another")
 
     # worker runtime
-    read_batch: int = Field(64, ge=1)
-    # a worker's writes go out over this many connections, each group-committing on its own;
-    # one workflow's writes always take the same one (their order is kept). More than one lets
-    # the worker prepare the next batch while Redis runs the last (see docs/benchmarks.md).
-    write_connections: int = Field(1, ge=1, le=16)
-    block_ms: int = Field(2_000, ge=1)
-    inline_chunk_max_bytes: int = Field(1 << 20, ge=1)
+    read_batch: int = Field(
+        default=64, ge=1, description="the most tasks one intake read takes")
+    # More than one lets the worker prepare the next batch while Redis runs the last (docs/benchmarks.md).
+    write_connections: int = Field(
+        default=1, ge=1, le=16,
+        description="a worker's group-commit write connections; one workflow's writes always take the same one")
+    block_ms: int = Field(
+        default=2_000, ge=1, description="how long blocking stream reads wait before they loop")
+    inline_chunk_max_bytes: int = Field(
+        default=1 << 20, ge=1, description="the largest chunk payload carried inline in a stream entry")
 
     # data plane (omniflow.dataplane): where a chunk's payload travels, chosen per chunk.
     # <= inline max: inside the edge-log entry; larger: shared memory when the consuming replica is
@@ -95,34 +125,57 @@ class Settings(BaseSettings):
         return self.max_deadline_s + self.dataplane_ttl_margin_s
 
     # durability
-    wait_aof: bool = False
-    dlq_max_len: int = Field(10_000, ge=1)     # each dead-letter stream keeps about this many entries
+    wait_aof: bool = Field(
+        default=False,
+        description="`WAITAOF` before acknowledging a submit: the submit is on disk before the client hears `ok`")
+    dlq_max_len: int = Field(
+        default=10_000, ge=1, description="each dead-letter stream keeps about this many entries")
 
     # API
-    api_host: str = "127.0.0.1"
-    api_port: int = 8000
-    api_keys: str = ""          # "key:tenant,key2:tenant2"
-    admin_keys: str = ""        # "key,key2"
-    max_body_bytes: int = 1 << 20
-    submit_rate_per_s: float = 0.0   # per tenant; 0 = unlimited
-    webhook_allow_private: bool = False
+    api_host: str = Field(default="127.0.0.1", description="`omniflow api` listen address")
+    api_port: int = Field(default=8000, description="`omniflow api` listen port")
+    api_keys: str = Field(
+        default="",
+        description="`key:tenant,key2:tenant2`: bearer keys and their tenants; with none (and no admin keys) "
+                    "the API binds to loopback only")
+    admin_keys: str = Field(default="", description="`key,key2`: bearer keys that see every tenant")
+    max_body_bytes: int = Field(default=1 << 20, description="the largest accepted HTTP request body")
+    submit_rate_per_s: float = Field(
+        default=0.0, description="submits per second per tenant (token bucket); 0: unlimited")
+    webhook_allow_private: bool = Field(
+        default=False, description="allow webhook URLs on private and loopback addresses")
 
     # webhooks (delivered by `omniflow jobs`, see docs/webhooks-and-batch.md)
-    webhook_secret: str = ""          # "whsec_<base64>"; empty: one is generated and kept in Redis
-    webhook_allow_hosts: str = ""     # comma list of hosts, IPs or CIDRs exempt from the private-address rule
-    webhook_max_attempts: int = Field(8, ge=1)
-    webhook_timeout_s: float = Field(10.0, gt=0)
-    webhook_backoff_s: float = Field(5.0, gt=0)        # first retry; each next one x4
-    webhook_backoff_max_s: float = Field(3600.0, gt=0)
+    webhook_secret: str = Field(
+        default="", description="`whsec_<base64>` signing secret; empty: one is generated and kept in Redis")
+    webhook_allow_hosts: str = Field(
+        default="", description="comma list of hosts, IPs or CIDRs exempt from the private-address rule")
+    webhook_max_attempts: int = Field(
+        default=8, ge=1, description="deliveries tried before a webhook is given up")
+    webhook_timeout_s: float = Field(default=10.0, gt=0, description="one delivery's HTTP timeout")
+    webhook_backoff_s: float = Field(
+        default=5.0, gt=0, description="delay before the first retry; each next one is 4x longer")
+    webhook_backoff_max_s: float = Field(
+        default=3600.0, gt=0, description="the longest delay between two retries")
 
     # arq job runner (`omniflow jobs`) and batch jobs
-    jobs_poll_delay_s: float = Field(0.5, gt=0)
-    jobs_max_concurrency: int = Field(32, ge=1)
-    jobs_grace_s: float = Field(5.0, ge=0)
-    batch_chunk_lines: int = Field(100, ge=1)
-    batch_concurrency: int = Field(16, ge=1)
-    batch_slice_s: float = Field(60.0, gt=0)
-    batch_max_lines: int = Field(100_000, ge=1)
+    jobs_poll_delay_s: float = Field(
+        default=0.5, gt=0, description="how often the job runner polls its queue")
+    jobs_max_concurrency: int = Field(
+        default=32, ge=1, description="jobs one runner process runs at once")
+    jobs_grace_s: float = Field(
+        default=5.0, ge=0, description="how long a stopping job runner lets running jobs finish")
+    batch_chunk_lines: int = Field(default=100, ge=1, description="lines per batch chunk (one job each)")
+    batch_concurrency: int = Field(default=16, ge=1, description="lines of one chunk in flight at once")
+    batch_slice_s: float = Field(
+        default=60.0, gt=0, description="how long one chunk job runs before it re-queues the rest")
+    batch_max_lines: int = Field(
+        default=100_000, ge=1, description="the most lines one batch file may have")
+
+    @field_validator("host_id")
+    @classmethod
+    def _default_host_id(cls, value: str) -> str:
+        return value or socket.gethostname()
 
     @field_validator("redis_url")
     @classmethod

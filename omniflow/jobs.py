@@ -16,7 +16,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import time
 import uuid
 from collections.abc import Callable, Coroutine
@@ -78,7 +77,7 @@ def worker_settings(settings: Settings) -> dict[str, Any]:
 class JobsRunner:
     def __init__(self, *, settings: Settings, pipeline: Pipeline, redis_url: str, runner_id: str | None = None) -> None:
         self.settings, self.pipeline, self.redis_url = settings, pipeline, redis_url
-        self.id = runner_id or f"jobs-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.id = runner_id or f"jobs-{settings.host_id}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.started = asyncio.Event()
         self.dispatcher: NotifyDispatcher | None = None
         self.worker: Worker | None = None

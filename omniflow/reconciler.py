@@ -20,7 +20,6 @@ import asyncio
 import logging
 import os
 import random
-import socket
 import uuid
 from typing import Any
 
@@ -61,7 +60,7 @@ class Reconciler:
         self.pipeline = pipeline
         self.keys = Keys(settings.prefix)
         self.redis_url = redis_url
-        self.id = reconciler_id or f"rec-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.id = reconciler_id or f"rec-{settings.host_id}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._rng = random.Random()
         self.started = asyncio.Event()
         self.counts: dict[str, int] = {"events": 0, "completed": 0, "failed": 0, "retry": 0, "ignored": 0,

@@ -32,7 +32,6 @@ import asyncio
 import json
 import logging
 import os
-import socket
 import time
 import uuid
 from collections.abc import Coroutine, Sequence
@@ -119,8 +118,8 @@ def usage_json(usage: Any, session: Session) -> str:
     return text
 
 
-def new_worker_id(stage: str) -> str:
-    return f"{stage}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+def new_worker_id(stage: str, host_id: str) -> str:
+    return f"{stage}-{host_id}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 class StagePool:
@@ -196,7 +195,7 @@ class Worker:
         self.pools = {name: StagePool(pipeline, self.keys, name, executor=executor, max_sessions=max_sessions)
                       for name in stages}
         self.stage = ",".join(stages)          # what this worker serves (heartbeat, logs)
-        self.id = worker_id or new_worker_id("+".join(stages) if len(stages) < 3 else "multi")
+        self.id = worker_id or new_worker_id("+".join(stages) if len(stages) < 3 else "multi", settings.host_id)
         self.redis_url = redis_url
         self._by_stream = {pool.tasks_key: pool for pool in self.pools.values()}
         self._sessions: dict[str, tuple[Session | None, asyncio.Task[None]]] = {}
@@ -296,7 +295,7 @@ class Worker:
         self.stats["backpressure_wait_s"] = round(self.backpressure.wait_s, 3)
         info = {
             # per stage served, in the same order: "thinker,talker" / "8,4" / "3,1"
-            "stage": self.stage, "host": socket.gethostname(), "shm": self.plane.domain, "pid": os.getpid(),
+            "stage": self.stage, "host": self.settings.host_id, "shm": self.plane.domain, "pid": os.getpid(),
             "capacity": ",".join(str(p.max_sessions) for p in self.pools.values()),
             "active": ",".join(str(p.active) for p in self.pools.values()), "seen_ms": now_ms(),
             "stats": json.dumps(self.stats), "window": json.dumps(self.window.snapshot()),
