@@ -131,6 +131,16 @@ class Settings(BaseSettings):
     dlq_max_len: int = Field(
         default=10_000, ge=1, description="each dead-letter stream keeps about this many entries")
 
+    # process health (workers, reconcilers, job runner; the API has its own routes)
+    health_port: int = Field(
+        default=0, ge=0, le=65535,
+        description="serve `GET /healthz` (the event loop answers) and `GET /readyz` (started, Redis reached "
+                    "recently) on this port, for orchestrator probes; 0: off")
+    shutdown_grace_s: float = Field(
+        default=10.0, ge=0,
+        description="on SIGTERM a worker stops taking sessions and lets running ones finish for this long, then "
+                    "hands the rest back for a retry elsewhere; keep it below the orchestrator's kill timeout")
+
     # API
     api_host: str = Field(default="127.0.0.1", description="`omniflow api` listen address")
     api_port: int = Field(default=8000, description="`omniflow api` listen port")

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import os
 import random
+import time
 import uuid
 from typing import Any
 
@@ -63,6 +64,7 @@ class Reconciler:
         self.id = reconciler_id or f"rec-{settings.host_id}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._rng = random.Random()
         self.started = asyncio.Event()
+        self._redis_ok_at = 0.0         # monotonic time of the last event read that Redis answered
         self.counts: dict[str, int] = {"events": 0, "completed": 0, "failed": 0, "retry": 0, "ignored": 0,
                                        "lost": 0, "deadline": 0, "dead_letters": 0, "segments_swept": 0}
 
@@ -77,6 +79,7 @@ class Reconciler:
                 return
             tasks = [asyncio.create_task(forever(f"reconciler {self.id}: consume", self._consume), name="consume"),
                      asyncio.create_task(forever(f"reconciler {self.id}: sweeps", self._sweeper), name="sweeper")]
+            self._redis_ok_at = time.monotonic()
             self.started.set()
             logger.info("reconciler %s running", self.id)
             await stop.wait()
@@ -116,6 +119,7 @@ class Reconciler:
                     reply = await self._blocking.xreadgroup(
                         EVENT_GROUP, self.id, {self.keys.events: "0" if backlog else ">"}, count=EVENT_BATCH,
                         block=None if backlog else self.settings.block_ms)
+                self._redis_ok_at = time.monotonic()
                 entries = [e for _stream, got in reply or [] for e in got]
                 if backlog and not entries:
                     backlog = False
@@ -135,6 +139,15 @@ class Reconciler:
                     except RedisError as again:
                         exc = again
                 await backoff.wait(logger, f"reconciler {self.id}: reading events failed", exc)
+
+    def ready(self) -> tuple[bool, str]:
+        """For `/readyz`: started, and an event read answered within one blocking read plus a lease."""
+        if not self.started.is_set():
+            return False, "starting"
+        age_s = time.monotonic() - self._redis_ok_at
+        if age_s > self.settings.block_ms / 1000 + self.settings.lease_timeout_s:
+            return False, f"no event read answered for {age_s:.1f}s"
+        return True, ""
 
     def _event_call(self, entry_id: bytes | str, fields: dict[bytes, bytes] | None, now: int) -> tuple[Any, ...]:
         """The `stage_event.lua` call of one event entry; `MalformedEntry` when it does not decode."""
@@ -397,8 +410,10 @@ class Reconciler:
 
 
 def run_reconciler(settings: Settings, pipeline: Pipeline, redis_url: str) -> None:
+    from omniflow.health import with_health
     from omniflow.runtime import run_until_signal
 
-    run_until_signal(Reconciler(settings=settings, pipeline=pipeline, redis_url=redis_url).run)
+    rec = Reconciler(settings=settings, pipeline=pipeline, redis_url=redis_url)
+    run_until_signal(with_health(rec.run, port=settings.health_port, ready=rec.ready))
 
 

@@ -206,6 +206,7 @@ class Worker:
         self._plans: dict[tuple[str, bytes, bytes], tuple[tuple[str, ...], ...]] = {}
         self._params: dict[bytes, dict[str, Any]] = {}
         self._stopping = False
+        self._heartbeat_ok_at = 0.0     # monotonic time of the last heartbeat Redis accepted
         self.started = asyncio.Event()
         self.stats: dict[str, float] = {"claimed": 0, "dropped": 0, "done": 0, "failed": 0, "fenced": 0,
                                         "dead_letters": 0, "backpressure_waits": 0, "backpressure_wait_s": 0.0,
@@ -302,6 +303,7 @@ class Worker:
         }
         drain = await redisio.script(self.redis, "heartbeat", [self.keys.workers, self.keys.worker_info(self.id)],
                                      [self.id, expiry, WORKER_INFO_TTL_S, *(x for kv in info.items() for x in kv)])
+        self._heartbeat_ok_at = time.monotonic()
         if drain and self._undrained.is_set():
             logger.info("worker %s: draining (claims nothing new; %d session(s) held)", self.id, len(self._sessions))
             self._undrained.clear()
@@ -312,6 +314,17 @@ class Worker:
     @property
     def draining(self) -> bool:
         return not self._undrained.is_set()
+
+    def ready(self) -> tuple[bool, str]:
+        """For `/readyz`: started, not stopping, and the lease renewed within its timeout."""
+        if not self.started.is_set():
+            return False, "starting"
+        if self._stopping:
+            return False, "stopping"
+        age_s = time.monotonic() - self._heartbeat_ok_at
+        if age_s > self.settings.lease_timeout_s:
+            return False, f"no heartbeat accepted for {age_s:.1f}s"
+        return True, ""
 
     async def _heartbeat(self) -> None:
         failing = False
@@ -799,6 +812,11 @@ def run_worker(settings: Settings, pipeline: Pipeline, stage: str | Sequence[str
     """Blocking entry point used by the CLI: runs until SIGINT/SIGTERM."""
     from omniflow.runtime import run_until_signal
 
+    from omniflow.health import with_health
+
     worker = Worker(settings=settings, pipeline=pipeline, stage=stage, redis_url=redis_url)
-    run_until_signal(worker.run)
+
+    async def run(stop: asyncio.Event) -> None:
+        await worker.run(stop, grace_s=settings.shutdown_grace_s)
+    run_until_signal(with_health(run, port=settings.health_port, ready=worker.ready))
 
