@@ -294,14 +294,13 @@ class SentinelServer(EmbeddedServer):
         conf = self.data_dir / "sentinel.conf"
         if not conf.exists():      # a restarted sentinel keeps what it learnt (it rewrites the file)
             conf.write_text("\n".join([
-                f"port {self.port}", f"bind {self.host}", f"dir {self.data_dir}",
-                f"logfile {self.data_dir / 'server.log'}",
                 f"sentinel monitor {self.master_name} {self.primary_host} {self.primary_port} 1",
                 f"sentinel down-after-milliseconds {self.master_name} {self.down_after_ms}",
                 f"sentinel failover-timeout {self.master_name} 10000",
                 f"sentinel parallel-syncs {self.master_name} 1", "",
             ]))
-        return [self.binary or _binary(), str(conf), "--sentinel"]
+        return [self.binary or _binary(), str(conf), "--sentinel", "--port", str(self.port), "--bind", self.host,
+                "--dir", str(self.data_dir), "--logfile", str(self.data_dir / "server.log")]
 
 
 def _binary() -> str:
