@@ -36,6 +36,7 @@ from omniflow.models import SubmitRequest, WorkflowInput
 from omniflow.pipeline import load_pipeline
 from omniflow.store import Store, connect, s
 from omniflow.workers.toy import codes_for, hidden_state, reply_words, tone
+from tests.chaos.hosts import Host
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ("thinker", "talker", "code2wav")
@@ -108,6 +109,7 @@ class Proc:
     popen: subprocess.Popen[bytes]
     log: Path
     started: float = field(default_factory=time.time)
+    host: Host | None = None     # the simulated host it runs on (multi-host scenarios)
 
 
 class Cluster:
@@ -140,18 +142,19 @@ class Cluster:
         self.dead: list[Proc] = []
         self._n = 0
 
-    def spawn(self, role: str) -> Proc:
+    def spawn(self, role: str, host: Host | None = None) -> Proc:
         argv = [sys.executable, "-m", "omniflow.cli"]
         if role.startswith("worker:"):
             argv += ["worker", "--stage", role.split(":", 1)[1]]
         else:
             argv += [role]
         self._n += 1
-        log = self.workdir / f"{role.replace(':', '-')}-{self._n}.log"
+        log = self.workdir / f"{role.replace(':', '-')}-{self._n}{'-' + host.name if host else ''}.log"
+        env = {**self.env, **(host.env() if host else {})}
         with log.open("wb") as fh:
-            popen = subprocess.Popen(argv, env=self.env, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     start_new_session=True)
-        proc = Proc(role, popen, log)
+            popen = subprocess.Popen(host.argv(argv) if host else argv, env=env, stdout=fh,
+                                     stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        proc = Proc(role, popen, log, host=host)
         self.procs.append(proc)
         return proc
 
@@ -180,6 +183,23 @@ class Cluster:
                 pass
             self.procs.remove(proc)
             self.dead.append(proc)
+
+    def kill_host(self, host: Host) -> list[Proc]:
+        """SIGKILL every process of one simulated host at once (a machine that died)."""
+        victims = [p for p in self.procs if p.host is host]
+        for proc in victims:
+            try:
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for proc in victims:
+            try:
+                proc.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+            self.procs.remove(proc)
+            self.dead.append(proc)
+        return victims
 
     def crashed(self) -> list[Proc]:
         """Processes that exited although nobody killed them (a bug, unless Redis was down)."""
