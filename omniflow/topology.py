@@ -1,0 +1,189 @@
+"""Which kind of Redis deployment a URL names, and the redis-py client for it.
+
+- `redis://host:port/db` (or `rediss://`) of a standalone server: redis-py's `Redis`.
+- the same URL of any node of a Redis/Valkey Cluster: detected (`INFO cluster`), and the
+  client is redis-py's asyncio `RedisCluster` (it learns every node from that one).
+- `redis+sentinel://[user:password@]host:port[,host:port…]/service[/db]` (or
+  `rediss+sentinel://`): redis-py's Sentinel; the client follows the primary the sentinels name,
+  through every failover.
+
+Nothing else in omniflow asks which kind it has, except where Redis Cluster forbids something
+a single server allows (one slot per multi-key command): `is_cluster(client)` says so, and
+those places (blocking reads over several cells, pub/sub) split their work by cell.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import hiredis
+from redis import Redis as SyncRedis
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection, SentinelManagedSSLConnection
+from redis.exceptions import RedisError, ResponseError
+
+from omniflow.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+DEFAULT_SENTINEL_PORT = 26379
+DETECT_TIMEOUT_S = 5.0
+
+
+class ServerKind(str, enum.Enum):
+    """What is behind a Redis URL."""
+
+    STANDALONE = "standalone"
+    CLUSTER = "cluster"
+    SENTINEL = "sentinel"
+
+
+def pack(args: tuple[Any, ...]) -> list[bytes]:
+    """One command in RESP, packed by hiredis in C (redis-py's asyncio client packs in Python)."""
+    if isinstance(args[0], str) and " " in args[0]:      # "XGROUP CREATE", "SCRIPT LOAD", ...
+        args = (*args[0].split(), *args[1:])
+    return [hiredis.pack_command(args)]
+
+
+class FastPacking:
+    """Mixin for redis-py asyncio connections: hiredis command packing."""
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        return pack(args)
+
+    def pack_commands(self, commands: Any) -> list[bytes]:
+        return [b"".join(pack(tuple(cmd))[0] for cmd in commands)]
+
+
+class FastSentinelConnection(FastPacking, SentinelManagedConnection):
+    """A sentinel-managed connection (it finds the current primary) with hiredis packing."""
+
+
+class FastSentinelSSLConnection(FastPacking, SentinelManagedSSLConnection):
+    """The TLS twin of `FastSentinelConnection`."""
+
+
+# ---------------------------------------------------------------- sentinel URLs
+@dataclass(frozen=True)
+class SentinelURL:
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    ssl: bool = False
+
+
+def parse_sentinel_url(url: str) -> SentinelURL:
+    """`redis+sentinel://[user:password@]h1:p1,h2:p2/service[/db]` -> its parts (ConfigError if bad)."""
+    parts = urlsplit(url)
+    if parts.scheme not in SENTINEL_SCHEMES:
+        raise ConfigError(f"{url!r} is not a redis+sentinel:// URL")
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    username, _, password = userinfo.partition(":") if userinfo else ("", "", "")
+    sentinels = []
+    for item in hostlist.split(","):
+        host, _, port = item.strip().rpartition(":") if ":" in item else (item.strip(), "", "")
+        if not host:
+            raise ConfigError(f"OMNIFLOW_REDIS_URL: no sentinel host in {url!r}")
+        try:
+            sentinels.append((host.strip("[]"), int(port) if port else DEFAULT_SENTINEL_PORT))
+        except ValueError:
+            raise ConfigError(f"OMNIFLOW_REDIS_URL: bad sentinel port {port!r} in {url!r}") from None
+    path = [p for p in parts.path.split("/") if p]
+    if not path:
+        raise ConfigError(f"OMNIFLOW_REDIS_URL: {url!r} names no service (…/<service>[/<db>])")
+    try:
+        db = int(path[1]) if len(path) > 1 else 0
+    except ValueError:
+        raise ConfigError(f"OMNIFLOW_REDIS_URL: bad database {path[1]!r} in {url!r}") from None
+    return SentinelURL(sentinels=tuple(sentinels), service=unquote(path[0]), db=db,
+                       username=unquote(username) or None, password=unquote(password) or None,
+                       ssl=parts.scheme.startswith("rediss"))
+
+
+# ---------------------------------------------------------------- detection
+_kinds: dict[str, ServerKind] = {}
+
+
+def server_kind(url: str) -> ServerKind:
+    """What `url` points at; asked once per URL and process (a short synchronous INFO), then cached.
+    A server that cannot be reached now counts as standalone, and is asked again next time."""
+    if urlsplit(url).scheme in SENTINEL_SCHEMES:
+        return ServerKind.SENTINEL
+    kind = _kinds.get(url)
+    if kind is not None:
+        return kind
+    try:
+        with SyncRedis.from_url(url, socket_timeout=DETECT_TIMEOUT_S,
+                                socket_connect_timeout=DETECT_TIMEOUT_S) as probe:
+            info: dict[str, Any] = probe.info("cluster")  # type: ignore[assignment]
+    except ValueError as exc:
+        raise ConfigError(f"OMNIFLOW_REDIS_URL: {url!r} is not a Redis URL ({exc})") from exc
+    except ResponseError:          # INFO refused (managed Redis, ACL): not a cluster we can use
+        info = {}
+    except (RedisError, OSError) as exc:
+        logger.debug("cannot ask %s whether it is a cluster yet: %s", url, exc)
+        return ServerKind.STANDALONE
+    kind = ServerKind.CLUSTER if int(info.get("cluster_enabled", 0) or 0) else ServerKind.STANDALONE
+    _kinds[url] = kind
+    return kind
+
+
+# ---------------------------------------------------------------- clients
+class ClusterClient(RedisCluster):
+    """redis-py's asyncio cluster client, with the two things omniflow needs added:
+
+    - XREAD/XREADGROUP are routed by the keys after STREAMS; redis-py would ask a server
+      (`COMMAND GETKEYS`) before every such read, a round trip per blocking read;
+    - its connections pack commands with hiredis, like the standalone client's."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        fast = type("FastClusterConnection", (FastPacking, self.nodes_manager.connection_kwargs["connection_class"]),
+                    {})
+        self.nodes_manager.connection_kwargs["connection_class"] = fast
+        for node in self.nodes_manager.startup_nodes.values():
+            node.connection_class = fast
+
+    async def _determine_slot(self, command: str, *args: Any) -> int:
+        if command.upper() in ("XREAD", "XREADGROUP"):
+            upper = [a.upper() if isinstance(a, str) else a for a in args]
+            at = upper.index("STREAMS") if "STREAMS" in upper else upper.index(b"STREAMS")
+            streams = args[at + 1:]
+            slots = {self.keyslot(key) for key in streams[: len(streams) // 2]}
+            if len(slots) != 1:
+                raise ConfigError(f"{command} over keys of several slots (one read per cell in a cluster)")
+            return slots.pop()
+        return await super()._determine_slot(command, *args)
+
+
+def is_cluster(client: Any) -> bool:
+    """Is this client a cluster client (one slot per multi-key command, no pub/sub)?"""
+    return isinstance(client, RedisCluster)
+
+
+def connect_kind(url: str, *, connection_class: type[Any], **kwargs: Any) -> Redis:
+    """A client for whatever `url` points at (see the module docstring). Cluster clients are typed
+    as `Redis`: omniflow uses the command surface both share."""
+    kind = server_kind(url)
+    options = {"decode_responses": False, "socket_keepalive": True, **kwargs}
+    if kind is ServerKind.SENTINEL:
+        spec = parse_sentinel_url(url)
+        auth = {"username": spec.username, "password": spec.password}
+        sentinel = Sentinel(list(spec.sentinels), sentinel_kwargs={**auth, "socket_timeout": DETECT_TIMEOUT_S},
+                            **auth)
+        return sentinel.master_for(  # type: ignore[no-any-return]
+            spec.service, db=spec.db, ssl=spec.ssl,
+            connection_class=FastSentinelSSLConnection if spec.ssl else FastSentinelConnection, **options)
+    if kind is ServerKind.CLUSTER:
+        for unsupported in ("single_connection_client", "health_check_interval"):
+            options.pop(unsupported, None)
+        client: Any = ClusterClient.from_url(url, **options)
+        return client  # type: ignore[no-any-return]
+    return Redis.from_url(url, connection_class=connection_class, **options)
