@@ -122,7 +122,7 @@ def server_kind(url: str) -> ServerKind:
     try:
         with SyncRedis.from_url(url, socket_timeout=DETECT_TIMEOUT_S,
                                 socket_connect_timeout=DETECT_TIMEOUT_S) as probe:
-            info: dict[str, Any] = probe.info("cluster")  # type: ignore[assignment]
+            info: dict[str, Any] = probe.info("cluster")
     except ValueError as exc:
         raise ConfigError(f"OMNIFLOW_REDIS_URL: {url!r} is not a Redis URL ({exc})") from exc
     except ResponseError:          # INFO refused (managed Redis, ACL): not a cluster we can use
@@ -176,14 +176,14 @@ def connect_kind(url: str, *, connection_class: type[Any], **kwargs: Any) -> Red
     if kind is ServerKind.SENTINEL:
         spec = parse_sentinel_url(url)
         auth = {"username": spec.username, "password": spec.password}
-        sentinel = Sentinel(list(spec.sentinels), sentinel_kwargs={**auth, "socket_timeout": DETECT_TIMEOUT_S},
-                            **auth)
+        sentinel = Sentinel(list(spec.sentinels),  # type: ignore[no-untyped-call]
+                            sentinel_kwargs={**auth, "socket_timeout": DETECT_TIMEOUT_S}, **auth)
         return sentinel.master_for(  # type: ignore[no-any-return]
             spec.service, db=spec.db, ssl=spec.ssl,
             connection_class=FastSentinelSSLConnection if spec.ssl else FastSentinelConnection, **options)
     if kind is ServerKind.CLUSTER:
         for unsupported in ("single_connection_client", "health_check_interval"):
             options.pop(unsupported, None)
-        client: Any = ClusterClient.from_url(url, **options)
-        return client  # type: ignore[no-any-return]
+        client: Redis = ClusterClient.from_url(url, **options)  # type: ignore[assignment]
+        return client
     return Redis.from_url(url, connection_class=connection_class, **options)
