@@ -186,4 +186,5 @@ def connect_kind(url: str, *, connection_class: type[Any], **kwargs: Any) -> Red
             options.pop(unsupported, None)
         client: Redis = ClusterClient.from_url(url, **options)  # type: ignore[assignment]
         return client
-    return Redis.from_url(url, connection_class=connection_class, **options)
+    standalone: Redis = Redis.from_url(url, connection_class=connection_class, **options)
+    return standalone
