@@ -14,7 +14,7 @@ from omniflow.errors import ConfigError, RedisNotFound
 
 DEFAULT_PIPELINE = Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "omni-toy.yaml"
 DEFAULT_HOME = Path(".omniflow")
-REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
+REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://", "rediss+sentinel://")
 ENV_PREFIX = "OMNIFLOW_"
 
 
@@ -41,8 +41,9 @@ class Settings(BaseSettings):
 
     redis_url: str | None = Field(
         default=None,
-        description="`redis://host:port/db` (or `rediss://`); unset: the embedded server `omniflow up` started, "
-                    "found through `$OMNIFLOW_HOME/redis.url`")
+        description="`redis://host:port/db` (or `rediss://`) of a server or of any node of a Redis Cluster "
+                    "(detected), or `redis+sentinel://host:port,host:port/service/db`; unset: the embedded server "
+                    "`omniflow up` started, found through `$OMNIFLOW_HOME/redis.url`")
     home: Path = Field(
         default=DEFAULT_HOME, description="where `omniflow up` keeps the embedded Valkey's data and URL file")
     prefix: str = Field(
@@ -191,7 +192,8 @@ class Settings(BaseSettings):
     @classmethod
     def _redis_url(cls, value: str | None) -> str | None:
         if value and not value.startswith(REDIS_URL_SCHEMES):
-            raise ValueError(f"{value!r} is not a Redis URL: use redis://host:port/db (or rediss://, unix://)")
+            raise ValueError(f"{value!r} is not a Redis URL: use redis://host:port/db (or rediss://, unix://, "
+                             "redis+sentinel://host:port,…/service/db)")
         return value or None
 
     def pipeline_path(self) -> Path:

@@ -66,7 +66,7 @@ def slot_ranges(primaries: int) -> list[tuple[int, int]]:
 
 
 def _info(client: Redis, section: str) -> dict[str, Any]:
-    reply: dict[str, Any] = client.info(section)  # type: ignore[assignment]  # sync client: never awaitable
+    reply: dict[str, Any] = client.info(section)
     return reply
 
 

@@ -24,9 +24,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ParamSpec, TypeVar
 
-import hiredis
 from redis import Redis as SyncRedis
-from redis.asyncio import Connection as AsyncConnection
 from redis.asyncio import Redis
 from redis.exceptions import (
     AuthenticationError,
@@ -50,6 +48,7 @@ from omniflow.errors import (
     ScriptError,
 )
 from omniflow.scripts import SCRIPTS, evalsha_args
+from omniflow.topology import open_client, open_sync_client
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -69,26 +68,14 @@ _REFUSED_CLASSES: tuple[tuple[type[BaseException], str], ...] = (
 )
 
 
-class FastConnection(AsyncConnection):  # type: ignore[misc]  # redis is Any to mypy: see pyproject.toml
-    """redis-py's asyncio connection packs commands in pure Python (its sync twin uses
-    hiredis); packing was the largest single cost per workflow. hiredis packs in C."""
-
-    def pack_command(self, *args: Any) -> list[bytes]:
-        if isinstance(args[0], str) and " " in args[0]:      # "XGROUP CREATE", "SCRIPT LOAD", ...
-            args = (*args[0].split(), *args[1:])
-        return [hiredis.pack_command(args)]
-
-    def pack_commands(self, commands: Any) -> list[bytes]:
-        return [b"".join(self.pack_command(*cmd)[0] for cmd in commands)]
-
-
 def connect(url: str, **kwargs: Any) -> Redis:
-    """A redis-py asyncio client with the options omniflow relies on (bytes replies, C packing).
+    """A redis-py asyncio client with the options omniflow relies on (bytes replies, C packing),
+    for a standalone server, any node of a Redis Cluster, or a `redis+sentinel://` service
+    (`omniflow.topology`).
 
     Every asyncio connection of omniflow is made here."""
     try:
-        return Redis.from_url(url, decode_responses=False, socket_keepalive=True,
-                              connection_class=FastConnection, **kwargs)
+        return open_client(url, **kwargs)
     except ValueError as exc:
         raise ConfigError(f"OMNIFLOW_REDIS_URL: {url!r} is not a Redis URL ({exc})") from exc
 
@@ -96,7 +83,7 @@ def connect(url: str, **kwargs: Any) -> Redis:
 def connect_sync(url: str, **kwargs: Any) -> SyncRedis:
     """The synchronous twin of `connect` (the synchronous client's submits)."""
     try:
-        return SyncRedis.from_url(url, decode_responses=False, socket_keepalive=True, **kwargs)
+        return open_sync_client(url, **kwargs)
     except ValueError as exc:
         raise ConfigError(f"OMNIFLOW_REDIS_URL: {url!r} is not a Redis URL ({exc})") from exc
 

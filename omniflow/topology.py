@@ -21,9 +21,11 @@ from urllib.parse import unquote, urlsplit
 
 import hiredis
 from redis import Redis as SyncRedis
-from redis.asyncio import Redis
+from redis.asyncio import Connection, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection, SentinelManagedSSLConnection
+from redis.cluster import RedisCluster as SyncRedisCluster
+from redis.sentinel import Sentinel as SyncSentinel
 from redis.exceptions import RedisError, ResponseError
 
 from omniflow.errors import ConfigError
@@ -60,11 +62,16 @@ class FastPacking:
         return [b"".join(pack(tuple(cmd))[0] for cmd in commands)]
 
 
-class FastSentinelConnection(FastPacking, SentinelManagedConnection):
+class FastConnection(FastPacking, Connection):  # type: ignore[misc]  # redis is Any to mypy (pyproject.toml)
+    """redis-py's asyncio connection packs commands in pure Python (its sync twin uses
+    hiredis); packing was the largest single cost per workflow. hiredis packs in C."""
+
+
+class FastSentinelConnection(FastPacking, SentinelManagedConnection):  # type: ignore[misc]  # redis is Any
     """A sentinel-managed connection (it finds the current primary) with hiredis packing."""
 
 
-class FastSentinelSSLConnection(FastPacking, SentinelManagedSSLConnection):
+class FastSentinelSSLConnection(FastPacking, SentinelManagedSSLConnection):  # type: ignore[misc]
     """The TLS twin of `FastSentinelConnection`."""
 
 
@@ -136,7 +143,7 @@ def server_kind(url: str) -> ServerKind:
 
 
 # ---------------------------------------------------------------- clients
-class ClusterClient(RedisCluster):
+class ClusterClient(RedisCluster):  # type: ignore[misc]  # redis is Any to mypy (pyproject.toml)
     """redis-py's asyncio cluster client, with the two things omniflow needs added:
 
     - XREAD/XREADGROUP are routed by the keys after STREAMS; redis-py would ask a server
@@ -159,8 +166,8 @@ class ClusterClient(RedisCluster):
             slots = {self.keyslot(key) for key in streams[: len(streams) // 2]}
             if len(slots) != 1:
                 raise ConfigError(f"{command} over keys of several slots (one read per cell in a cluster)")
-            return slots.pop()
-        return await super()._determine_slot(command, *args)
+            return int(slots.pop())
+        return int(await super()._determine_slot(command, *args))
 
 
 def is_cluster(client: Any) -> bool:
@@ -168,23 +175,41 @@ def is_cluster(client: Any) -> bool:
     return isinstance(client, RedisCluster)
 
 
-def connect_kind(url: str, *, connection_class: type[Any], **kwargs: Any) -> Redis:
-    """A client for whatever `url` points at (see the module docstring). Cluster clients are typed
-    as `Redis`: omniflow uses the command surface both share."""
+def open_client(url: str, **kwargs: Any) -> Redis:
+    """An asyncio client for whatever `url` points at (see the module docstring), replies as
+    bytes, commands packed by hiredis. Cluster clients are typed as `Redis`: omniflow uses the
+    command surface both share. Raises ValueError for a URL redis-py cannot parse."""
     kind = server_kind(url)
     options = {"decode_responses": False, "socket_keepalive": True, **kwargs}
     if kind is ServerKind.SENTINEL:
         spec = parse_sentinel_url(url)
         auth = {"username": spec.username, "password": spec.password}
-        sentinel = Sentinel(list(spec.sentinels),  # type: ignore[no-untyped-call]
-                            sentinel_kwargs={**auth, "socket_timeout": DETECT_TIMEOUT_S}, **auth)
-        return sentinel.master_for(  # type: ignore[no-any-return]
+        sentinel = Sentinel(list(spec.sentinels), sentinel_kwargs={**auth, "socket_timeout": DETECT_TIMEOUT_S},
+                            **auth)
+        return sentinel.master_for(
             spec.service, db=spec.db, ssl=spec.ssl,
             connection_class=FastSentinelSSLConnection if spec.ssl else FastSentinelConnection, **options)
     if kind is ServerKind.CLUSTER:
         for unsupported in ("single_connection_client", "health_check_interval"):
             options.pop(unsupported, None)
-        client: Redis = ClusterClient.from_url(url, **options)  # type: ignore[assignment]
+        client: Redis = ClusterClient.from_url(url, **options)
         return client
-    standalone: Redis = Redis.from_url(url, connection_class=connection_class, **options)
+    standalone: Redis = Redis.from_url(url, connection_class=FastConnection, **options)
+    return standalone
+
+
+def open_sync_client(url: str, **kwargs: Any) -> SyncRedis:
+    """The synchronous twin of `open_client` (the synchronous client's submits)."""
+    kind = server_kind(url)
+    options = {"decode_responses": False, "socket_keepalive": True, **kwargs}
+    if kind is ServerKind.SENTINEL:
+        spec = parse_sentinel_url(url)
+        auth = {"username": spec.username, "password": spec.password}
+        sentinel = SyncSentinel(list(spec.sentinels), sentinel_kwargs={**auth, "socket_timeout": DETECT_TIMEOUT_S},
+                                **auth)
+        return sentinel.master_for(spec.service, db=spec.db, ssl=spec.ssl, **options)
+    if kind is ServerKind.CLUSTER:
+        client: SyncRedis = SyncRedisCluster.from_url(url, **options)
+        return client
+    standalone: SyncRedis = SyncRedis.from_url(url, **options)
     return standalone

@@ -7,8 +7,7 @@ import pytest
 
 from omniflow.embedded_ha import EmbeddedCluster, EmbeddedSentinelGroup
 from omniflow.errors import ConfigError
-from omniflow.topology import ServerKind, connect_kind, is_cluster, parse_sentinel_url, server_kind
-from omniflow.store import FastConnection
+from omniflow.topology import ServerKind, is_cluster, open_client, parse_sentinel_url, server_kind
 
 
 def test_parse_sentinel_urls() -> None:
@@ -25,7 +24,7 @@ async def test_cluster_detected_from_any_node(valkey_cluster: EmbeddedCluster) -
     for node in (valkey_cluster.primary_nodes()[1], valkey_cluster.replicas_of(valkey_cluster.primary_nodes()[0])[0]):
         url = f"redis://127.0.0.1:{node.port}/0"
         assert server_kind(url) is ServerKind.CLUSTER
-        client = connect_kind(url, connection_class=FastConnection)
+        client = open_client(url)
         try:
             assert is_cluster(client)
             # scripts reach every primary; a pipeline of script calls spreads over them
@@ -52,7 +51,7 @@ async def test_sentinel_client_follows_a_failover(sentinel_factory: Callable[...
     import asyncio
 
     group = sentinel_factory()
-    client = connect_kind(group.url, connection_class=FastConnection)
+    client = open_client(group.url)
     try:
         assert not is_cluster(client)
         await client.set("k", "before")
