@@ -20,6 +20,7 @@ from redis.asyncio import Redis
 from omniflow.keys import Keys
 from omniflow.mux import Entry, StreamMux
 from omniflow.store import decode_fields, s
+from omniflow.topology import read_groups
 
 Event = tuple[str, dict[str, str]]
 IDLE: Event = ("", {})
@@ -45,19 +46,24 @@ class LogHub:
     def __init__(self, redis: Redis, keys: Keys, *, block_ms: int = 5_000) -> None:
         self._redis = redis
         self._keys = keys
-        self._mux = StreamMux(redis, keys, block_ms=block_ms)
+        # one blocking read over every cell on a single server; one per cell on a cluster
+        groups = read_groups(redis, keys.cells)
+        self._muxes = [StreamMux(redis, keys, block_ms=block_ms, cell=group[0]) for group in groups]
+        self._mux_of = {cell: mux for group, mux in zip(groups, self._muxes) for cell in group}
         self._subs: dict[str, set[asyncio.Queue[Entry]]] = {}
         self._pumps: dict[str, asyncio.Task[None]] = {}
 
     def start(self) -> None:
-        self._mux.start()
+        for mux in self._muxes:
+            mux.start()
 
     async def close(self) -> None:
         for task in self._pumps.values():
             task.cancel()
         await asyncio.gather(*self._pumps.values(), return_exceptions=True)
         self._pumps.clear()
-        await self._mux.close()
+        for mux in self._muxes:
+            await mux.close()
 
     @property
     def watched(self) -> int:
@@ -69,24 +75,25 @@ class LogHub:
             for queue in self._subs.get(key, ()):
                 queue.put_nowait(entry)
 
-    async def _subscribe(self, key: str, after: str) -> asyncio.Queue[Entry]:
+    async def _subscribe(self, key: str, after: str, cell: int) -> asyncio.Queue[Entry]:
         queue: asyncio.Queue[Entry] = asyncio.Queue()
         subs = self._subs.setdefault(key, set())
         subs.add(queue)
         if key not in self._pumps:
-            source = self._mux.watch(key, after)
+            mux = self._mux_of[cell]
+            source = mux.watch(key, after)
             self._pumps[key] = asyncio.create_task(self._pump(key, source), name=f"hub:{key}")
-            await self._mux.poke()
+            await mux.poke()
         return queue
 
-    def _unsubscribe(self, key: str, queue: asyncio.Queue[Entry]) -> None:
+    def _unsubscribe(self, key: str, queue: asyncio.Queue[Entry], cell: int) -> None:
         subs = self._subs.get(key)
         if subs is None:
             return
         subs.discard(queue)
         if not subs:
             del self._subs[key]
-            self._mux.unwatch(key)
+            self._mux_of[cell].unwatch(key)
             pump = self._pumps.pop(key, None)
             if pump is not None:
                 pump.cancel()
@@ -99,14 +106,16 @@ class LogHub:
         The iterator ends after the terminal entry, or when `timeout_s` passes; with
         `idle_s` it yields `IDLE` after that long without an entry (SSE keep-alives).
         """
-        key = self._keys.log(wf_id)
-        queue = await self._subscribe(key, after)
+        key, cell = self._keys.log(wf_id), self._keys.cell_of(wf_id)
+        if cell not in self._mux_of:
+            cell = 0            # an id of no cell of ours: its log does not exist, the history says so
+        queue = await self._subscribe(key, after, cell)
         events = self._iterate(key, queue, after, timeout_s, idle_s)
         try:
             yield events
         finally:
             await events.aclose()
-            self._unsubscribe(key, queue)
+            self._unsubscribe(key, queue, cell)
 
     async def _iterate(self, key: str, queue: asyncio.Queue[Entry], after: str,
                        timeout_s: float | None, idle_s: float | None) -> AsyncGenerator[Event, None]:

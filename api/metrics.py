@@ -53,12 +53,16 @@ class StageLatency:
         self.finished: dict[str, int] = dict.fromkeys(TERMINAL, 0)
         self.retries: dict[str, int] = {}
         self.active: dict[str, str] = {}          # wf id -> pending|running
-        self._cursor = "-inf"
+        self._cursors: dict[int, str] = {}        # cell -> creation ms scanned up to
 
     async def scan(self, redis: Redis, keys: Keys) -> None:
-        new = await redis.zrangebyscore(keys.all_wf, self._cursor, "+inf", start=0, num=SCAN_BATCH, withscores=True)
-        if new:
-            self._cursor = f"({int(new[-1][1])}"
+        new = []
+        for cell in keys.all_cells:
+            got = await redis.zrangebyscore(keys.all_wf(cell), self._cursors.get(cell, "-inf"), "+inf", start=0,
+                                            num=SCAN_BATCH, withscores=True)
+            if got:
+                self._cursors[cell] = f"({int(got[-1][1])}"
+            new += got
         ids = list(self.active) + [s(m) for m, _ in new if s(m) not in self.active]
         ids = ids[:MAX_TRACKED]
         if not ids:
@@ -130,16 +134,19 @@ def _gauge(name: str, doc: str, values: dict[str, float] | float, label: str = "
 async def _queue_stats(redis: Redis, keys: Keys, stages: tuple[str, ...]) -> tuple[dict[str, float], ...]:
     length, lag, pending = {}, {}, {}
     for stage in stages:
-        key = keys.tasks(stage)
-        length[stage] = float(await redis.xlen(key))
-        try:
-            groups = await redis.xinfo_groups(key)
-        except ResponseError:           # the stream does not exist yet
-            groups = []
-        info = next((g for g in groups if s(g.get("name")) == TASK_GROUP), None)
-        pending[stage] = float(info.get("pending") or 0) if info else 0.0
-        raw_lag = info.get("lag") if info else None
-        lag[stage] = float(raw_lag) if raw_lag is not None else length[stage]
+        length[stage] = lag[stage] = pending[stage] = 0.0
+        for cell in keys.all_cells:         # each cell has its own task stream: the gauges are sums
+            key = keys.tasks(stage, cell)
+            n = float(await redis.xlen(key))
+            try:
+                groups = await redis.xinfo_groups(key)
+            except ResponseError:           # the stream does not exist yet
+                groups = []
+            info = next((g for g in groups if s(g.get("name")) == TASK_GROUP), None)
+            raw_lag = info.get("lag") if info else None
+            length[stage] += n
+            pending[stage] += float(info.get("pending") or 0) if info else 0.0
+            lag[stage] += float(raw_lag) if raw_lag is not None else n
     return length, lag, pending
 
 
@@ -181,13 +188,18 @@ async def render(state: ApiState) -> bytes:
     await state.latency.scan(redis, keys)
     length, lag, pending = await _queue_stats(redis, keys, stages)
     pipe = redis.pipeline(transaction=False)
-    for stage in (*stages, "events"):
-        pipe.xlen(keys.dlq(stage))
-    pipe.zcard(keys.inflight)
-    pipe.zcard(keys.retries)
-    pipe.xlen(keys.notify)
+    names = (*stages, "events")
+    for cell in keys.all_cells:
+        for stage in names:
+            pipe.xlen(keys.dlq(stage, cell))
+        pipe.zcard(keys.inflight(cell))
+        pipe.zcard(keys.retries(cell))
+        pipe.xlen(keys.notify(cell))
     pipe.hgetall(keys.stats)
-    *dlq, inflight, retries_due, notify, stats = await pipe.execute()
+    *per_cell, stats = await pipe.execute()
+    width = len(names) + 3                  # the sums over the cells of each figure
+    totals = [sum(per_cell[i::width]) for i in range(width)]
+    dlq, (inflight, retries_due, notify) = totals[:len(names)], totals[len(names):]
     workers = await live_workers(state.store)
     lat = state.latency
     active = {x.value: 0.0 for x in (WorkflowState.PENDING, WorkflowState.RUNNING)}

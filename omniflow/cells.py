@@ -80,6 +80,8 @@ def pick_cell(cells: int, rng: random.Random | None = None) -> int:
     return (rng or random).randrange(cells)
 
 
-def cell_limit(max_in_flight: int, cells: int) -> int:
-    """Admission limit of one cell: the global limit shared evenly (rounded up)."""
-    return max(1, -(-max_in_flight // cells))
+def cell_limit(max_in_flight: int, cells: int, cell: int) -> int:
+    """Admission limit of one cell: the global limit split so that the cells' limits add up to it
+    exactly (the first `max_in_flight % cells` cells take one more). The total in flight never
+    exceeds `max_in_flight`; a submit may be refused while another cell still has room."""
+    return max_in_flight // cells + (1 if cell < max_in_flight % cells else 0)

@@ -75,7 +75,7 @@ def submit(file: Path = typer.Argument(..., metavar="FILE.jsonl", help="one JSON
     parsed = parse_batch_file(file, load_cli_pipeline(), settings)      # bad input exits 2 before Redis
 
     async def go(store: Any) -> dict[str, Any]:
-        pool = await create_job_pool(settings.resolve_redis_url(), settings, conn_retries=0)
+        pool = await create_job_pool(settings.jobs_redis_url or settings.resolve_redis_url(), settings, conn_retries=0)
         try:
             created = await submit_batch(store, pool, parsed)
         finally:

@@ -22,6 +22,7 @@ from omniflow.errors import RedisRefused
 from omniflow.models import SubmitRequest, WorkflowInput
 from omniflow.pipeline import Pipeline, load_pipeline
 from omniflow.redisio import connect, connect_sync
+from omniflow.scripts import SubmitResult
 from omniflow.store import Store, check_same_body, s
 
 
@@ -118,14 +119,20 @@ class Client:
         keys, args = store.submit_call(req, tenant=self._client.tenant)
         try:
             reply = redisio.script_sync(self._sync, "submit", keys, args)
+            if s(reply[0]) == SubmitResult.BUSY and not request_id and store.keys.cells > 1:
+                # that cell is full: one more try in another one (as Store.submit does)
+                keys, args = store.submit_call(req, tenant=self._client.tenant, wf_id=store.other_cell_id(args[1]))
+                reply = redisio.script_sync(self._sync, "submit", keys, args)
         except RedisRefused as exc:
             raise store.refused(exc) from exc
+        result = store.submitted(reply)
         with redisio.boundary():
-            if self._client.settings.wait_aof:
-                self._sync.execute_command("WAITAOF", 1, 0, 1000)
-            result = store.submitted(reply)
-            if result.existing:         # the same key with a different request is refused (IdempotencyConflict)
+            if result.existing:     # retired, or the same key with a different request (IdempotencyConflict)
+                if self._sync.exists(store.keys.tomb(result.id)):
+                    raise store.retired(result.id)
                 check_same_body(result.id, req, s(self._sync.hget(store.keys.wf(result.id), "body_hash")))
+            elif self._client.settings.wait_aof:
+                self._sync.execute_command("WAITAOF", 1, 0, 1000)
         return result.id
 
     def get(self, wf_id: str) -> dict[str, Any]:

@@ -57,6 +57,12 @@ class Settings(BaseSettings):
                     "with the same host id may pass chunks through shared memory: give every machine (or pod "
                     "with its own /dev/shm) its own")
 
+    cells: int = Field(
+        default=0, ge=0, le=1024,
+        description="workflows are spread over this many cells, each in one Redis Cluster slot "
+                    "(docs/architecture.md); 0: one on a single server, 16 on a cluster. Every process of a "
+                    "deployment must agree: it is recorded in Redis at first start and checked after")
+
     # admission and lifetimes
     max_in_flight: int = Field(
         default=10_000, ge=1,
@@ -170,6 +176,11 @@ class Settings(BaseSettings):
         default=3600.0, gt=0, description="the longest delay between two retries")
 
     # arq job runner (`omniflow jobs`) and batch jobs
+    jobs_redis_url: str | None = Field(
+        default=None,
+        description="the Redis of the job queue (arq: webhook deliveries, batch jobs); unset: the same as "
+                    "`OMNIFLOW_REDIS_URL`. arq cannot use a Redis Cluster: with one, point this at a single "
+                    "server (or a `redis+sentinel://` service)")
     jobs_poll_delay_s: float = Field(
         default=0.5, gt=0, description="how often the job runner polls its queue")
     jobs_max_concurrency: int = Field(

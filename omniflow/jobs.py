@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from redis.asyncio import Redis
 from arq.worker import Worker, func
 
 from omniflow.batch import CHUNK_MAX_TRIES, run_batch_chunk
@@ -84,17 +85,22 @@ class JobsRunner:
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
-        redis = connect(self.redis_url)
+        clients: list[Redis] = []
         http = http_client(self.settings)
         try:
             async def setup() -> None:
+                if not clients:
+                    clients.append(connect(self.redis_url))     # asks what kind of server this is: may raise
+                redis = clients[0]
                 with boundary():
                     await check_eviction_policy(redis)
                     signer = make_signer(await load_secret(redis, Keys(self.settings.prefix), self.settings))
-                    pool = await create_job_pool(self.redis_url, self.settings, conn_retries=0)
+                    pool = await create_job_pool(self.settings.jobs_redis_url or self.redis_url, self.settings,
+                                                 conn_retries=0)
                 ctx = {"store": Store(redis, self.settings, self.pipeline),
                        "sender": WebhookSender(signer, EgressPolicy.from_settings(self.settings), http)}
                 self.worker = Worker(**worker_settings(self.settings), redis_pool=pool, ctx=ctx)
+                # (its own client: closed by _shutdown)
                 self.dispatcher = NotifyDispatcher(redis=connect(self.redis_url), pool=pool, settings=self.settings,
                                                    consumer=self.id)
 
@@ -115,7 +121,8 @@ class JobsRunner:
             await self._shutdown(tasks)
         finally:
             await http.aclose()
-            await redis.aclose()
+            for client in clients:
+                await client.aclose()
 
     async def _shutdown(self, tasks: list[asyncio.Task[Any]]) -> None:
         worker, dispatcher = self.worker, self.dispatcher

@@ -1,12 +1,26 @@
 """Every Redis key name omniflow uses, built in this one module.
 
-All keys of one workflow carry the hash tag ``{<id>}`` so a Redis Cluster keeps
-them in one slot. The Lua scripts derive a workflow's sub-keys from its base key
-(``<prefix>:wf:{<id>}``) with the same suffixes as below.
+Workflows live in *cells* (`omniflow.cells`): every key of a cell — a workflow's record, stage
+hash, log, edge logs and outputs, and the cell's task streams, event stream, in-flight and retry
+sets, tombstones, idempotency keys, dead letters, notifications and worker inboxes — starts with
+the cell's base `<prefix>:{<cell tag>}`, so a Redis Cluster keeps the whole cell in one slot and
+every Lua transition touches one slot. A workflow id carries its cell (`cells.cell_of`).
+
+Keys outside the cells (the worker registry, leader lease, stats, job runner and batches) are
+never touched by a script together with a cell key; the worker registry shares its own tag so
+`heartbeat.lua` stays in one slot too.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from omniflow.cells import DEFAULT_CLUSTER_CELLS, cell_for_key, cell_of, cell_tag
+from omniflow.models import WorkflowState
+from omniflow.topology import is_cluster
+
+if TYPE_CHECKING:
+    from omniflow.config import Settings
 
 DEFAULT_PREFIX = "of"
 TASK_GROUP = "workers"
@@ -17,10 +31,33 @@ NOTIFY_GROUP = "webhooks"
 @dataclass(frozen=True, slots=True)
 class Keys:
     prefix: str = DEFAULT_PREFIX
+    cells: int = 1
 
-    # --- one workflow ---------------------------------------------------
+    @classmethod
+    def of(cls, settings: Settings, redis: Any = None) -> Keys:
+        """The keys of a deployment: its prefix and its number of cells (`OMNIFLOW_CELLS`; 0, the
+        default: one cell on a single server, `DEFAULT_CLUSTER_CELLS` on a cluster, which is what
+        `redis` (a client made by `redisio.connect`) is). Without a client, only the keys outside
+        the cells are right when the count is automatic."""
+        count = settings.cells or (DEFAULT_CLUSTER_CELLS if redis is not None and is_cluster(redis) else 1)
+        return cls(settings.prefix, count)
+
+    # --- cells ------------------------------------------------------------
+    def cell(self, cell: int) -> str:
+        """The base every key of `cell` starts with: `<prefix>:{<cell tag>}`."""
+        return f"{self.prefix}:{{{cell_tag(cell)}}}"
+
+    @property
+    def all_cells(self) -> range:
+        return range(self.cells)
+
+    @staticmethod
+    def cell_of(wf_id: str) -> int:
+        return cell_of(wf_id)
+
+    # --- one workflow (in the cell its id carries) --------------------------
     def wf(self, wf_id: str) -> str:
-        return f"{self.prefix}:wf:{{{wf_id}}}"
+        return f"{self.cell(cell_of(wf_id))}:wf:{wf_id}"
 
     def stages(self, wf_id: str) -> str:
         return f"{self.wf(wf_id)}:stages"
@@ -47,75 +84,89 @@ class Keys:
         return f"{self.wf(wf_id)}:blobs"
 
     def tomb(self, wf_id: str) -> str:
-        return f"{self.prefix}:tomb:{wf_id}"
+        return f"{self.cell(cell_of(wf_id))}:tomb:{wf_id}"
 
-    def idem(self, tenant: str, key: str) -> str:
-        """Idempotency key of (tenant, request id). The tenant is length-prefixed: both parts may
-        contain ':', and (`team`, `a:x`) must never meet (`team:a`, `x`)."""
-        return f"{self.prefix}:idem:{len(tenant)}:{tenant}:{key}"
+    def idem_cell(self, tenant: str, key: str) -> int:
+        """The cell of a request id: fixed by (tenant, key), so a repeated request meets its workflow."""
+        return cell_for_key(tenant, key, cells=self.cells)
 
-    # --- global ---------------------------------------------------------
-    def tasks(self, stage: str) -> str:
-        return f"{self.prefix}:stage:{stage}:tasks"
+    def idem(self, tenant: str, key: str, cell: int | None = None) -> str:
+        """Idempotency key of (tenant, request id), in its cell (or in `cell`). The tenant is
+        length-prefixed: both parts may contain ':', and (`team`, `a:x`) must never meet (`team:a`, `x`)."""
+        where = self.idem_cell(tenant, key) if cell is None else cell
+        return f"{self.cell(where)}:idem:{len(tenant)}:{tenant}:{key}"
 
-    def dlq(self, stage: str) -> str:
-        return f"{self.prefix}:dlq:{stage}"
+    # --- one cell -------------------------------------------------------------
+    def tasks(self, stage: str, cell: int) -> str:
+        """A stage's task stream in one cell (consumer group `workers`)."""
+        return f"{self.cell(cell)}:stage:{stage}:tasks"
 
-    @property
-    def events(self) -> str:
-        return f"{self.prefix}:events"
+    def dlq(self, stage: str, cell: int) -> str:
+        """Dead letters of one cell: a stage's exhausted tasks (`events`, `notify`: malformed entries)."""
+        return f"{self.cell(cell)}:dlq:{stage}"
 
-    @property
-    def inflight(self) -> str:
-        return f"{self.prefix}:inflight"
+    def events(self, cell: int) -> str:
+        """Stage reports of one cell (consumer group `reconciler`)."""
+        return f"{self.cell(cell)}:events"
 
-    @property
-    def all_wf(self) -> str:
-        """zset of every workflow id scored by creation time (listing, GC)."""
-        return f"{self.prefix}:all"
+    def inflight(self, cell: int) -> str:
+        """zset of the cell's live workflow ids by deadline (admission and deadline sweep)."""
+        return f"{self.cell(cell)}:inflight"
 
-    def state_index(self, state: str) -> str:
-        """zset of the workflow ids in one state, scored by creation ms (kept by the Lua transitions)."""
-        return f"{self.prefix}:idx:state:{state}"
+    def all_wf(self, cell: int) -> str:
+        """zset of every workflow id of the cell scored by creation time (listing, GC)."""
+        return f"{self.cell(cell)}:all"
 
-    def tenant_index(self, tenant: str) -> str:
-        """zset of one tenant's workflow ids, scored by creation ms (written by submit.lua)."""
-        return f"{self.prefix}:idx:tenant:{tenant}"
+    def state_index(self, state: str, cell: int) -> str:
+        """zset of the cell's workflow ids in one state, scored by creation ms (kept by the Lua transitions)."""
+        return f"{self.cell(cell)}:idx:state:{state}"
 
-    @property
-    def tenants(self) -> str:
-        """set of the tenant names that have a tenant index (so the sweep can trim them)."""
-        return f"{self.prefix}:idx:tenants"
+    def state_indexes(self, cell: int) -> list[str]:
+        """Every state index of the cell (what a transition that moves a workflow declares)."""
+        return [self.state_index(state.value, cell) for state in WorkflowState]
 
-    @property
-    def retries(self) -> str:
-        """zset of scheduled retries, member ``<id>|<stage>|<attempt>``, score due ms."""
-        return f"{self.prefix}:retries"
+    def tenant_index(self, tenant: str, cell: int) -> str:
+        """zset of one tenant's workflow ids in the cell, scored by creation ms (written by submit.lua)."""
+        return f"{self.cell(cell)}:idx:tenant:{tenant}"
 
+    def tenants(self, cell: int) -> str:
+        """set of the tenant names that have a tenant index in the cell (so the sweep can trim them)."""
+        return f"{self.cell(cell)}:idx:tenants"
+
+    def retries(self, cell: int) -> str:
+        """zset of the cell's scheduled retries, member ``<id>|<stage>|<attempt>``, score due ms."""
+        return f"{self.cell(cell)}:retries"
+
+    def notify(self, cell: int) -> str:
+        """Stream of the cell's terminal workflows that asked for a webhook."""
+        return f"{self.cell(cell)}:notify"
+
+    def inbox(self, worker_id: str, cell: int) -> str:
+        """A worker's input stream in one cell: chunks for its sessions of that cell, forwarded by
+        the producers' emits."""
+        return f"{self.cell(cell)}:inbox:{worker_id}"
+
+    def wake(self, owner_id: str, cell: int) -> str:
+        """Private stream a process blocks on beside its data streams of one cell, to be woken."""
+        return f"{self.cell(cell)}:wake:{owner_id}"
+
+    # --- outside the cells ----------------------------------------------------
     @property
     def workers(self) -> str:
         """zset of live workers scored by lease expiry (ms)."""
-        return f"{self.prefix}:workers"
+        return f"{self.prefix}:{{workers}}"
 
     def worker_info(self, worker_id: str) -> str:
-        return f"{self.prefix}:worker:{worker_id}"
+        return f"{self.prefix}:{{workers}}:{worker_id}"
 
-    def inbox(self, worker_id: str) -> str:
-        """A worker's input stream: chunks for its sessions, forwarded by the producers' emits."""
-        return f"{self.prefix}:inbox:{worker_id}"
-
-    def wake(self, owner_id: str) -> str:
-        """Private stream a process blocks on beside its data streams, to be woken."""
-        return f"{self.prefix}:wake:{owner_id}"
+    @property
+    def layout(self) -> str:
+        """How many cells this deployment has, recorded by its first process (`check_layout`)."""
+        return f"{self.prefix}:cells"
 
     @property
     def abort_channel(self) -> str:
         return f"{self.prefix}:abort"
-
-    @property
-    def notify(self) -> str:
-        """Stream of terminal workflows that asked for a webhook."""
-        return f"{self.prefix}:notify"
 
     # --- job runner (webhooks, batches) ---------------------------------
     @property

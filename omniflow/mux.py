@@ -28,9 +28,10 @@ WAKE_TTL_S = 3600
 
 class StreamMux:
     def __init__(self, redis: Redis, keys: Keys, *, owner_id: str | None = None, block_ms: int = 5_000,
-                 count: int = 512) -> None:
+                 count: int = 512, cell: int = 0) -> None:
+        """Watched streams must all be in the slot of `cell` on a cluster (one mux per cell there)."""
         self._redis = redis
-        self.wake_key = keys.wake(owner_id or uuid.uuid4().hex)
+        self.wake_key = keys.wake(owner_id or uuid.uuid4().hex, cell)
         self._block_ms = block_ms
         self._count = count
         self._watched: dict[str, tuple[bytes | str, asyncio.Queue[Any], Any]] = {}

@@ -17,12 +17,16 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import random
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
+
+from redis.asyncio import Redis
 
 from omniflow import listing, redisio
 from omniflow.config import Settings
@@ -33,14 +37,16 @@ from omniflow.errors import MalformedEntry, RedisError, RedisUnavailable, Script
 from omniflow.keys import EVENT_GROUP, TASK_GROUP, Keys
 from omniflow.pipeline import Pipeline
 from omniflow.redisio import connect, ensure_group
-from omniflow.runtime import Backoff, check_eviction_policy, forever, when_redis_answers
+from omniflow.runtime import Backoff, check_eviction_policy, check_layout, forever, when_redis_answers
 from omniflow.scripts import evalsha_args
 from omniflow.store import csv, now_ms, s
+from omniflow.topology import is_cluster, read_groups
 
 logger = logging.getLogger(__name__)
 
 EVENT_BATCH = 256
 SWEEP_BATCH = 200
+CONSUMER_SWEEP_EVERY = 20       # sweeps between two passes over the event groups' dead consumers
 PENDING = "pending"                     # an event Redis refused or lost: it stays pending, applied later
 MAX_BACKOFF_DOUBLINGS = 60              # 2**60 x any base is past every cap: no overflow, whatever the attempt
 #: a consumer of the event group that holds nothing and has not read for this long belongs to a
@@ -59,26 +65,29 @@ class Reconciler:
                  reconciler_id: str | None = None) -> None:
         self.settings = settings
         self.pipeline = pipeline
-        self.keys = Keys(settings.prefix)
+        # the layout (how many cells) is known once connected: see `_setup`
+        self.keys = Keys(settings.prefix, settings.cells or 1)
         self.redis_url = redis_url
         self.id = reconciler_id or f"rec-{settings.host_id}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._rng = random.Random()
         self.started = asyncio.Event()
         self._redis_ok_at = 0.0         # monotonic time of the last event read that Redis answered
+        self._sweeps = 0
+        self._stage_event_suffixes = self._suffixes()
         self.counts: dict[str, int] = {"events": 0, "completed": 0, "failed": 0, "retry": 0, "ignored": 0,
                                        "lost": 0, "deadline": 0, "dead_letters": 0, "segments_swept": 0}
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
-        self.redis = connect(self.redis_url)
-        self._blocking = connect(self.redis_url)
-        self.plane = DataPlane(self.redis, self.settings, worker_id=self.id)
+        self._clients: list[Redis] = []
         try:
             if not await when_redis_answers(self._setup, what=f"reconciler {self.id}", url=self.redis_url,
                                             stop=stop):
                 return
-            tasks = [asyncio.create_task(forever(f"reconciler {self.id}: consume", self._consume), name="consume"),
-                     asyncio.create_task(forever(f"reconciler {self.id}: sweeps", self._sweeper), name="sweeper")]
+            tasks = [asyncio.create_task(forever(f"reconciler {self.id}: consume {g[0]}",
+                                                 functools.partial(self._consume, g)), name=f"consume:{g[0]}")
+                     for g in read_groups(self.redis, self.keys.cells)]
+            tasks.append(asyncio.create_task(forever(f"reconciler {self.id}: sweeps", self._sweeper), name="sweeper"))
             self._redis_ok_at = time.monotonic()
             self.started.set()
             logger.info("reconciler %s running", self.id)
@@ -88,43 +97,68 @@ class Reconciler:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._leave()
         finally:
-            await self.redis.aclose()
-            await self._blocking.aclose()
+            for client in self._clients:
+                await client.aclose()
 
     async def _setup(self) -> None:
+        if not self._clients:
+            self.redis = connect(self.redis_url)        # asks what kind of server this is: may raise
+            self._blocking = connect(self.redis_url)
+            self._clients = [self.redis, self._blocking]
+            self.plane = DataPlane(self.redis, self.settings, worker_id=self.id)
+            self.keys = Keys.of(self.settings, self.redis)
+            self._stage_event_suffixes = self._suffixes()
         await check_eviction_policy(self.redis)
+        await check_layout(self.redis, self.keys)
         await redisio.load_scripts(self.redis)
-        await ensure_group(self.redis, self.keys.events, EVENT_GROUP)
-        for stage in self.pipeline.order:
-            await ensure_group(self.redis, self.keys.tasks(stage), TASK_GROUP)
+        for cell in self.keys.all_cells:
+            await ensure_group(self.redis, self.keys.events(cell), EVENT_GROUP)
+            for stage in self.pipeline.order:
+                await ensure_group(self.redis, self.keys.tasks(stage, cell), TASK_GROUP)
+
+    def _suffixes(self) -> tuple[str, ...]:
+        """What `stage_event.lua` may touch besides the cell's sets and streams, as suffixes of the
+        workflow's base key: stages, log, done, the final outputs, the edge logs."""
+        return (":stages", ":log", ":done", *(f":out:{st}" for st in self.pipeline.finals),
+                *(f":edge:{e.src}:{e.dst}" for st in self.pipeline.order for e in self.pipeline.outputs[st]))
+
+    def stage_event_keys(self, wf_id: str, stage: str) -> list[str]:
+        """KEYS of a `stage_event.lua` call (see its header): all of `wf_id`'s cell."""
+        wf, cell, keys = self.keys.wf(wf_id), self.keys.cell_of(wf_id), self.keys
+        return [wf, keys.inflight(cell), keys.retries(cell), keys.events(cell), keys.dlq(stage, cell),
+                keys.tomb(wf_id), keys.notify(cell), *(keys.tasks(st, cell) for st in self.pipeline.order),
+                *(wf + suffix for suffix in self._stage_event_suffixes)]
 
     async def _leave(self) -> None:
         """Delete our consumer from the event group if it holds nothing (a crashed reconciler's
         consumer is deleted by the sweeps once it has been idle long enough)."""
         try:
-            await redisio.call(self.redis, *evalsha_args("reap_consumer", [self.keys.events],
-                                                         [EVENT_GROUP, self.id]))
+            await redisio.execute(self.redis, [evalsha_args("reap_consumer", [self.keys.events(cell)],
+                                                            [EVENT_GROUP, self.id]) for cell in self.keys.all_cells])
         except RedisError as exc:
             logger.warning("reconciler %s: could not leave the event group: %s", self.id, exc)
 
     # ------------------------------------------------------------ events
-    async def _consume(self) -> None:
-        """Read events and apply them. After an event could not be applied (Redis refused or was
+    async def _consume(self, cells: tuple[int, ...] = (0,)) -> None:
+        """Read the events of `cells` (one read for all of them on a single server, one loop per cell
+        on a cluster) and apply them. After an event could not be applied (Redis refused or was
         lost), this reconciler's own pending entries are read again first (XREADGROUP from 0)."""
         backoff = Backoff()
         backlog = True                  # our pending entries first: at start, and after a failure
+        streams = {self.keys.events(cell): cell for cell in cells}
         while True:
             try:
                 with redisio.boundary():
                     reply = await self._blocking.xreadgroup(
-                        EVENT_GROUP, self.id, {self.keys.events: "0" if backlog else ">"}, count=EVENT_BATCH,
+                        EVENT_GROUP, self.id, dict.fromkeys(streams, "0" if backlog else ">"), count=EVENT_BATCH,
                         block=None if backlog else self.settings.block_ms)
                 self._redis_ok_at = time.monotonic()
-                entries = [e for _stream, got in reply or [] for e in got]
-                if backlog and not entries:
+                got = [(streams[s(stream)], entries) for stream, entries in reply or [] if entries]
+                if backlog and not got:
                     backlog = False
                     continue
-                if entries and PENDING in await self.apply(entries):
+                codes = [code for cell, entries in got for code in await self.apply(entries, cell)]
+                if PENDING in codes:
                     backlog = True
                     await backoff.wait(logger, f"reconciler {self.id}: events not applied", RedisUnavailable(
                         "Redis refused or lost some stage_event calls"))
@@ -134,7 +168,8 @@ class Reconciler:
                 backlog = True
                 if redisio.is_nogroup(exc):
                     try:
-                        await ensure_group(self.redis, self.keys.events, EVENT_GROUP)
+                        for stream in streams:
+                            await ensure_group(self.redis, stream, EVENT_GROUP)
                         continue
                     except RedisError as again:
                         exc = again
@@ -149,47 +184,52 @@ class Reconciler:
             return False, f"no event read answered for {age_s:.1f}s"
         return True, ""
 
-    def _event_call(self, entry_id: bytes | str, fields: dict[bytes, bytes] | None, now: int) -> tuple[Any, ...]:
-        """The `stage_event.lua` call of one event entry; `MalformedEntry` when it does not decode."""
+    def _event_call(self, entry_id: bytes | str, fields: dict[bytes, bytes] | None, now: int,
+                    cell: int) -> tuple[Any, ...]:
+        """The `stage_event.lua` call of one event entry of `cell`; `MalformedEntry` when it does not
+        decode (or names a workflow of another cell)."""
         ev = event(fields, stages=self.pipeline.stages)
+        if self.keys.cell_of(ev.wf_id) != cell:
+            raise MalformedEntry(f"workflow {ev.wf_id} is not in cell {cell}")
         retry = self.pipeline.stages[ev.stage].retry
         due, task_args = now, ["", "", ""]
         if ev.kind is EventKind.FAILED:   # only a failure waits before its retry
             due += backoff_ms(ev.attempt, base_s=retry.backoff_s, cap_s=retry.backoff_max_s,
                               jitter=retry.jitter, rng=self._rng)
         elif ev.kind is EventKind.LOST:   # a live worker lost Redis mid-session: ack its task, retry it at once
-            task_args = [self.keys.tasks(ev.stage), ev.task_entry, TASK_GROUP]
+            task_args = [self.keys.tasks(ev.stage, cell), ev.task_entry, TASK_GROUP]
         return evalsha_args(
-            "stage_event", [self.keys.wf(ev.wf_id), self.keys.inflight, self.keys.retries, self.keys.events],
+            "stage_event", self.stage_event_keys(ev.wf_id, ev.stage),
             [self.settings.prefix, ev.kind.value, ev.stage, ev.attempt, now, ev.detail, "1" if ev.retryable else "0",
              retry.max_attempts, due, self.settings.tombstone_ttl_s, self.settings.result_ttl_s, *task_args,
              EVENT_GROUP, entry_id, self.settings.dlq_max_len],
         )
 
-    def _dead_letter_call(self, entry_id: bytes | str, fields: dict[bytes, bytes] | None, reason: str) -> tuple[Any, ...]:
-        return redisio.dead_letter_call(self.keys.dlq("events"), self.keys.events, EVENT_GROUP, entry_id, fields,
-                                        reason, max_len=self.settings.dlq_max_len)
+    def _dead_letter_call(self, entry_id: bytes | str, fields: dict[bytes, bytes] | None, reason: str,
+                          cell: int) -> tuple[Any, ...]:
+        return redisio.dead_letter_call(self.keys.dlq("events", cell), self.keys.events(cell), EVENT_GROUP, entry_id,
+                                        fields, reason, max_len=self.settings.dlq_max_len)
 
-    async def apply(self, entries: list[tuple[bytes, dict[bytes, bytes] | None]]) -> list[str]:
+    async def apply(self, entries: list[tuple[bytes, dict[bytes, bytes] | None]], cell: int = 0) -> list[str]:
         """Apply a batch of events in one round trip; returns each result code.
 
         Each event is acked by its own script call, so only applied events are acked. Codes: the
         script's ('advanced', 'completed', 'retry', 'failed', 'ignored'), 'dead_letter' (malformed,
-        or its script failed: moved to `<p>:dlq:events` with the reason), or `PENDING` (Redis refused
+        or its script failed: moved to the cell's `dlq:events` with the reason), or `PENDING` (Redis refused
         or lost the call: the event stays pending and is applied later)."""
         now = now_ms()
         calls: list[tuple[Any, ...]] = []
         codes: list[str | None] = []
         for entry_id, fields in entries:
             if not fields:                 # deleted while pending (an old reconciler's XDEL): just un-pend it
-                calls.append(("XACK", self.keys.events, EVENT_GROUP, entry_id))
+                calls.append(("XACK", self.keys.events(cell), EVENT_GROUP, entry_id))
                 codes.append("ignored")
                 continue
             try:
-                calls.append(self._event_call(entry_id, fields, now))
+                calls.append(self._event_call(entry_id, fields, now, cell))
                 codes.append(None)
             except MalformedEntry as exc:
-                calls.append(self._dead_letter_call(entry_id, fields, f"malformed event: {exc}"))
+                calls.append(self._dead_letter_call(entry_id, fields, f"malformed event: {exc}", cell))
                 codes.append("dead_letter")
         try:
             results = await redisio.execute(self.redis, calls)
@@ -203,7 +243,7 @@ class Reconciler:
                 code = PENDING
             elif isinstance(result, Exception):      # the script failed on this event: poison
                 logger.error("reconciler %s: event %s failed: %s", self.id, s(entry_id), result)
-                poison.append(self._dead_letter_call(entry_id, fields, f"stage_event failed: {result}"))
+                poison.append(self._dead_letter_call(entry_id, fields, f"stage_event failed: {result}", cell))
                 code = "dead_letter"
             elif code is None:
                 code = s(result[0])
@@ -253,19 +293,25 @@ class Reconciler:
 
     @redisio.translated
     async def _reclaim_events(self) -> None:
-        reply = await self.redis.xautoclaim(self.keys.events, EVENT_GROUP, self.id,
-                                            min_idle_time=self.settings.event_claim_idle_ms,
-                                            start_id="0-0", count=EVENT_BATCH)
-        entries = list(reply[1])
-        if entries:
-            logger.info("reconciler %s reclaimed %d pending event(s)", self.id, len(entries))
-            await self.apply(entries)
+        pipe = self.redis.pipeline(transaction=False)
+        for cell in self.keys.all_cells:
+            pipe.xautoclaim(self.keys.events(cell), EVENT_GROUP, self.id, min_idle_time=self.settings.event_claim_idle_ms,
+                            start_id="0-0", count=EVENT_BATCH)
+        for cell, reply in zip(self.keys.all_cells, await pipe.execute()):
+            entries = list(reply[1])
+            if entries:
+                logger.info("reconciler %s reclaimed %d pending event(s) of cell %d", self.id, len(entries), cell)
+                await self.apply(entries, cell)
 
     @redisio.translated
     async def sweep(self) -> dict[str, int]:
-        """One pass of the periodic work. Safe to run concurrently (every step is idempotent)."""
+        """One pass of the periodic work, over every cell. Safe to run concurrently (every step is
+        idempotent)."""
+        self._sweeps += 1
         done = {"lost": await self._sweep_dead_workers(), "retries": await self._sweep_retries(),
-                "deadlines": await self._sweep_deadlines(), "consumers": await self._sweep_consumers()}
+                "deadlines": await self._sweep_deadlines(),
+                # housekeeping: consumers of crashed reconcilers (a few per crash) go at a slower pace
+                "consumers": await self._sweep_consumers() if self._sweeps % CONSUMER_SWEEP_EVERY == 1 else 0}
         await listing.trim(self.redis, self.keys,
                            now_ms() - int((self.settings.result_ttl_s + self.settings.max_deadline_s) * 1000))
         return done
@@ -289,21 +335,25 @@ class Reconciler:
             stages = [x for x in served if x in self.pipeline.stages] or list(self.pipeline.order)
             left = mine = 0
             for name in stages:
-                n, more = await self._requeue_pending(name, worker_id)
-                mine += n
-                left += more
+                for cell in self.keys.all_cells:
+                    n, more = await self._requeue_pending(name, cell, worker_id)
+                    mine += n
+                    left += more
             requeued += mine
             if left == 0:
                 # Delete the consumer only if it holds nothing: XGROUP DELCONSUMER drops its pending
                 # entries, and a worker declared dead may still be alive (SIGSTOP, a long GC pause)
                 # and have read new tasks since we listed them. Such a worker re-registers with its
                 # next heartbeat; its stale sessions are fenced by attempt.
-                reaped = await self._run_scripts([evalsha_args("reap_consumer", [self.keys.tasks(name)],
-                                                               [TASK_GROUP, worker_id]) for name in stages])
+                reaped = await self._run_scripts([evalsha_args("reap_consumer", [self.keys.tasks(name, cell)],
+                                                               [TASK_GROUP, worker_id])
+                                                  for name in stages for cell in self.keys.all_cells])
                 if all(r == 1 for r in reaped):
                     pipe = self.redis.pipeline(transaction=False)
                     pipe.zrem(self.keys.workers, worker_id)
-                    pipe.delete(self.keys.worker_info(worker_id), self.keys.inbox(worker_id))
+                    pipe.delete(self.keys.worker_info(worker_id))
+                    for cell in self.keys.all_cells:        # one key per command: one slot each on a cluster
+                        pipe.delete(self.keys.inbox(worker_id, cell))
                     await pipe.execute(raise_on_error=False)
                     if mine:
                         logger.warning("worker %s is gone; %d session(s) re-queued", worker_id, mine)
@@ -312,8 +362,8 @@ class Reconciler:
         self.counts["lost"] += requeued
         return requeued
 
-    async def _requeue_pending(self, stage: str, worker_id: str) -> tuple[int, int]:
-        stream = self.keys.tasks(stage)
+    async def _requeue_pending(self, stage: str, cell: int, worker_id: str) -> tuple[int, int]:
+        stream = self.keys.tasks(stage, cell)
         try:
             with redisio.boundary():
                 pending = await self.redis.xpending_range(stream, TASK_GROUP, min="-", max="+", count=SWEEP_BATCH,
@@ -339,12 +389,17 @@ class Reconciler:
             try:
                 task = task_entry(fields, stage=stage)
             except MalformedEntry as exc:
-                calls.append(redisio.dead_letter_call(self.keys.dlq(stage), stream, TASK_GROUP, entry_id, fields,
+                calls.append(redisio.dead_letter_call(self.keys.dlq(stage, cell), stream, TASK_GROUP, entry_id, fields,
                                                       f"malformed task entry: {exc}",
                                                       max_len=self.settings.dlq_max_len))
                 continue
+            if self.keys.cell_of(task.wf_id) != cell:
+                calls.append(redisio.dead_letter_call(self.keys.dlq(stage, cell), stream, TASK_GROUP, entry_id, fields,
+                                                      f"task of workflow {task.wf_id} in cell {cell}",
+                                                      max_len=self.settings.dlq_max_len))
+                continue
             calls.append(evalsha_args(
-                "stage_event", [self.keys.wf(task.wf_id), self.keys.inflight, self.keys.retries, self.keys.events],
+                "stage_event", self.stage_event_keys(task.wf_id, stage),
                 [self.settings.prefix, "lost", stage, task.attempt, now, f"worker {worker_id} stopped heartbeating",
                  "1", retry.max_attempts, now, self.settings.tombstone_ttl_s, self.settings.result_ttl_s,
                  stream, entry_id, TASK_GROUP, EVENT_GROUP, "", self.settings.dlq_max_len]))
@@ -353,60 +408,80 @@ class Reconciler:
         # entries whose script failed are still pending: keep the consumer, try again next sweep
         return len(results) - failed, int(len(pending) == SWEEP_BATCH or failed > 0)
 
+    async def _due(self, key_of: Callable[[int], str]) -> list[tuple[int, list[str]]]:
+        """Per cell, the members of the zset `key_of(cell)` scored before now (one round trip)."""
+        pipe = self.redis.pipeline(transaction=False)
+        now = now_ms()
+        for cell in self.keys.all_cells:
+            pipe.zrangebyscore(key_of(cell), "-inf", now, start=0, num=SWEEP_BATCH)
+        return [(cell, [s(m) for m in members]) for cell, members in zip(self.keys.all_cells, await pipe.execute())
+                if members]
+
     async def _sweep_retries(self) -> int:
-        due = [s(m) for m in await self.redis.zrangebyscore(self.keys.retries, "-inf", now_ms(), start=0,
-                                                             num=SWEEP_BATCH)]
-        if not due:
-            return 0
-        calls, poison = [], []
-        for member in due:
-            try:
-                wf_id, stage, attempt = retry_member(member, stages=self.pipeline.stages)
-            except MalformedEntry as exc:
-                poison.append((member, str(exc)))
-                continue
-            calls.append(evalsha_args(
-                "retry_due", [self.keys.wf(wf_id), self.keys.retries], [self.settings.prefix, member, stage, attempt]))
+        calls: list[tuple[Any, ...]] = []
+        poison: list[tuple[int, str, str]] = []
+        due_n = 0
+        for cell, due in await self._due(self.keys.retries):
+            due_n += len(due)
+            for member in due:
+                try:
+                    wf_id, stage, attempt = retry_member(member, stages=self.pipeline.stages)
+                    if self.keys.cell_of(wf_id) != cell:
+                        raise MalformedEntry(f"workflow {wf_id} is not in cell {cell}")
+                except MalformedEntry as exc:
+                    poison.append((cell, member, str(exc)))
+                    continue
+                wf = self.keys.wf(wf_id)
+                calls.append(evalsha_args(
+                    "retry_due", [wf, self.keys.retries(cell), f"{wf}:stages", self.keys.tasks(stage, cell)],
+                    [self.settings.prefix, member, stage, attempt]))
         await self._run_scripts(calls)
-        if poison:
-            pipe = self.redis.pipeline(transaction=True)
-            for member, reason in poison:
-                pipe.xadd(self.keys.dlq("retries"), {"member": member, "reason": reason},
-                          maxlen=self.settings.dlq_max_len, approximate=True)
-                pipe.zrem(self.keys.retries, member)
+        for cell, member, reason in poison:
+            pipe = self.redis.pipeline(transaction=not is_cluster(self.redis))    # one slot: both of the cell
+            pipe.xadd(self.keys.dlq("retries", cell), {"member": member, "reason": reason},
+                      maxlen=self.settings.dlq_max_len, approximate=True)
+            pipe.zrem(self.keys.retries(cell), member)
             await pipe.execute()
-            self.counts["dead_letters"] += len(poison)
-        return len(due)
+            self.counts["dead_letters"] += 1
+        return due_n
 
     async def _sweep_deadlines(self) -> int:
-        late = [s(m) for m in await self.redis.zrangebyscore(self.keys.inflight, "-inf", now_ms(), start=0,
-                                                              num=SWEEP_BATCH)]
+        late = [(cell, wf_id) for cell, ids in await self._due(self.keys.inflight) for wf_id in ids]
         if not late:
             return 0
-        now = now_ms()
-        results = await self._run_scripts([evalsha_args(
-            "abort", [self.keys.wf(wf_id), self.keys.inflight],
-            [self.settings.prefix, now, "failed", "deadline exceeded", "",
-             self.settings.tombstone_ttl_s, self.settings.result_ttl_s]) for wf_id in late])
+        store_calls = [self._abort_call(wf_id, cell) for cell, wf_id in late]
+        results = await self._run_scripts(store_calls)
         # A record that expired or vanished ('gone') must not pin an admission slot; one whose abort
         # failed (e.g. NOSCRIPT twice) stays, so that the next sweep fails it properly.
-        stray = [wf_id for wf_id, r in zip(late, results)
+        stray = [(cell, wf_id) for (cell, wf_id), r in zip(late, results)
                  if not isinstance(r, Exception) and s(r[0]) in ("gone", "terminal")]
-        if stray:
-            await self.redis.zrem(self.keys.inflight, *stray)
+        for cell, wf_id in stray:
+            await self.redis.zrem(self.keys.inflight(cell), wf_id)
         self.counts["deadline"] += len(late)
         return len(late)
+
+    def _abort_call(self, wf_id: str, cell: int) -> tuple[Any, ...]:
+        """`abort.lua` failing a workflow past its deadline (KEYS: see its header)."""
+        wf, keys = self.keys.wf(wf_id), self.keys
+        return evalsha_args(
+            "abort", [wf, keys.inflight(cell), keys.tomb(wf_id), keys.notify(cell),
+                      *(wf + suffix for suffix in self._stage_event_suffixes)],
+            [self.settings.prefix, now_ms(), "failed", "deadline exceeded", "",
+             self.settings.tombstone_ttl_s, self.settings.result_ttl_s])
 
     async def _sweep_consumers(self, *, idle_ms: int | None = None) -> int:
         """Delete the consumers crashed reconcilers left in the event group (one per crash, forever
         otherwise; a restarted reconciler has a new name): those idle for longer than `idle_ms`."""
         if idle_ms is None:
             idle_ms = max(MIN_DEAD_CONSUMER_IDLE_MS, 10 * self.settings.block_ms, 3 * self.settings.event_claim_idle_ms)
-        try:
-            return await redisio.reap_idle_consumers(self.redis, self.keys.events, EVENT_GROUP, idle_ms=idle_ms,
-                                                     keep=self.id)
-        except ScriptError:             # no such group yet
-            return 0
+        reaped = 0
+        for cell in self.keys.all_cells:
+            try:
+                reaped += await redisio.reap_idle_consumers(self.redis, self.keys.events(cell), EVENT_GROUP,
+                                                            idle_ms=idle_ms, keep=self.id)
+            except ScriptError:             # no such group yet
+                continue
+        return reaped
 
 
 def run_reconciler(settings: Settings, pipeline: Pipeline, redis_url: str) -> None:

@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from omniflow.errors import ConfigError, RedisUnavailable
+from omniflow.keys import Keys
 from omniflow.redisio import boundary
 
 logger = logging.getLogger(__name__)
@@ -131,3 +132,15 @@ async def check_eviction_policy(redis: Redis) -> None:
             f"Redis maxmemory-policy is {policy!r}: it may evict workflow records and lose requests; "
             "set `maxmemory-policy noeviction` (see deploy/redis/redis.conf)"
         )
+
+
+async def check_layout(redis: Redis, keys: Keys) -> None:
+    """Every process of a deployment must agree on its number of cells (`OMNIFLOW_CELLS`), or some
+    cells would be served by nobody: the first process to start records it, the others check it."""
+    with boundary():
+        recorded = await redis.set(keys.layout, keys.cells, nx=True, get=True)
+    if recorded is not None and int(recorded) != keys.cells:
+        raise ConfigError(
+            f"this process would use {keys.cells} cell(s) but the deployment under prefix {keys.prefix!r} uses "
+            f"{int(recorded)} ({keys.layout}): set OMNIFLOW_CELLS={int(recorded)} (the count can change only on "
+            "an empty deployment: drain it, then delete that key)")

@@ -104,6 +104,7 @@ class Session:
     _steps: list[list[Any]] = field(default_factory=list)
     _status: str = ""
     _finish: tuple[list[str], bytes] | None = None
+    _emit_keys: list[str] | None = None
     _open: asyncio.Future[Any] | None = None      # the queued write that is not built yet (takes more steps)
     _last_in: dict[str, int] = field(default_factory=dict)
     _write_error: BaseException | None = None
@@ -381,9 +382,20 @@ class Session:
         self._open = None
         args = [self.stage, self.attempt, status, int(time.time() * 1000), self._keys.prefix, self.wf_id,
                 msgpack.packb(steps, use_bin_type=False)]
+        keys = self._emit_keys
+        if keys is None:
+            keys = self._emit_keys = self.emit_keys()
         if self._finish is None:
-            return evalsha_args("emit", [self._keys.wf(self.wf_id)], args)
-        return evalsha_args("emit", [self._keys.wf(self.wf_id), *self._finish[0]], [*args, self._finish[1]])
+            return evalsha_args("emit", keys, args)
+        return evalsha_args("emit", [keys[0], *self._finish[0], *keys[3:]], [*args, self._finish[1]])
+
+    def emit_keys(self) -> list[str]:
+        """Every key an `emit.lua` call of this session may touch (see its header): the base key, the
+        task and event streams of the workflow's cell, stages, log, this stage's output, its edges."""
+        keys, wf_id, cell = self._keys, self.wf_id, self._keys.cell_of(self.wf_id)
+        wf = keys.wf(wf_id)
+        return [wf, keys.tasks(self.stage, cell), keys.events(cell), f"{wf}:stages", f"{wf}:log",
+                f"{wf}:out:{self.stage}", *(f"{wf}:edge:{self.stage}:{dst}" for dst in self.downstream)]
 
     async def close(self, *, tasks_key: str, events_key: str, group: str, entry_id: str, outcome: str,
                     detail: str, retryable: bool) -> str:

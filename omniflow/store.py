@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 import builtins
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from redis.asyncio import Redis
 
-from omniflow import redisio, scripts
+from omniflow import cells, redisio, scripts
 from omniflow.batcher import Batcher
 from omniflow.config import Settings
 from omniflow.errors import (
@@ -71,8 +70,9 @@ def decode_fields(fields: dict[bytes, bytes]) -> dict[str, str]:
     return {s(k): s(v) for k, v in fields.items() if k not in (b"pcm", b"d")}
 
 
-def new_id() -> str:
-    return uuid.uuid4().hex
+def new_id(cell: int = 0) -> str:
+    """A fresh workflow id in `cell` (`omniflow.cells`)."""
+    return cells.new_id(cell)
 
 
 def body_hash(req: SubmitRequest) -> str:
@@ -108,7 +108,13 @@ class Store:
         self.batcher = batcher          # when set, submits are group-committed (many callers, few round trips)
         self.settings = settings
         self.pipeline = pipeline
-        self.keys = Keys(settings.prefix)
+        self.keys = Keys.of(settings, redis)
+        if settings.max_in_flight < self.keys.cells:
+            raise ConfigError(f"OMNIFLOW_MAX_IN_FLIGHT={settings.max_in_flight} is below the number of cells "
+                              f"({self.keys.cells}): every cell must admit at least one workflow")
+        # what `finalize` (_lib.lua) may touch, as suffixes of a workflow's base key
+        self._final_suffixes = tuple(f":out:{st}" for st in pipeline.finals) + tuple(
+            f":edge:{e.src}:{e.dst}" for st in pipeline.order for e in pipeline.outputs[st])
 
     # ---------------------------------------------------------------- submit
     @translated
@@ -118,20 +124,38 @@ class Store:
         A server out of memory refuses it like admission control does: `AdmissionRefused` (busy)."""
         keys, args = self.submit_call(req, tenant=tenant, wf_id=wf_id)
         try:
-            if self.batcher is not None:
-                reply = await self.batcher.script("submit", keys, args, retry_refused=False)
-            else:
-                reply = await redisio.script(self.redis, "submit", keys, args)
+            reply = await self._submit_script(keys, args)
+            if (s(reply[0]) == scripts.SubmitResult.BUSY and wf_id is None and not req.request_id
+                    and self.keys.cells > 1):
+                # this cell is full: one more try in another (the limit is shared evenly by cells)
+                keys, args = self.submit_call(req, tenant=tenant, wf_id=self.other_cell_id(args[1]))
+                reply = await self._submit_script(keys, args)
         except RedisRefused as exc:
             raise self.refused(exc) from exc
         result = self.submitted(reply)
         if result.existing:
-            state, stored_hash = (s(v) for v in await self.redis.hmget(self.keys.wf(result.id), ["state", "body_hash"]))
-            check_same_body(result.id, req, stored_hash)
-            return Submitted(id=result.id, state=WorkflowState(state or WorkflowState.PENDING.value), existing=True)
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hmget(self.keys.wf(result.id), ["state", "body_hash"])
+            pipe.exists(self.keys.tomb(result.id))
+            (raw_state, stored_hash), retired = await pipe.execute()
+            if retired:
+                raise self.retired(result.id)
+            check_same_body(result.id, req, s(stored_hash))
+            state = s(raw_state) or WorkflowState.PENDING.value
+            return Submitted(id=result.id, state=WorkflowState(state), existing=True)
         if self.settings.wait_aof:
             await self._wait_aof()
         return result
+
+    def other_cell_id(self, refused_id: Any) -> str:
+        """A fresh id in a cell other than that of `refused_id` (its cell was full)."""
+        taken = cells.cell_of(s(refused_id))
+        return new_id((taken + 1 + cells.pick_cell(self.keys.cells - 1)) % self.keys.cells)
+
+    async def _submit_script(self, keys: list[str], args: list[Any]) -> Any:
+        if self.batcher is not None:
+            return await self.batcher.script("submit", keys, args, retry_refused=False)
+        return await redisio.script(self.redis, "submit", keys, args)
 
     def submit_call(self, req: SubmitRequest, *, tenant: str = "default",
                     wf_id: str | None = None) -> tuple[list[str], list[Any]]:
@@ -145,7 +169,12 @@ class Store:
         deadline_s = req.deadline_s or self.settings.default_deadline_s
         if deadline_s > self.settings.max_deadline_s:
             raise InvalidRequest(f"deadline_s: {deadline_s} is over the limit of {self.settings.max_deadline_s}")
-        wf_id = wf_id or new_id()
+        if wf_id is None:
+            # a request id fixes the cell (a repeated request must meet its workflow); else any cell
+            cell = (self.keys.idem_cell(tenant, req.request_id) if req.request_id
+                    else cells.pick_cell(self.keys.cells))
+            wf_id = new_id(cell)
+        cell = cells.cell_of(wf_id)
         now = now_ms()
         if req.stage_params:
             params = json.dumps({st: {**self.pipeline.stages[st].params, **req.stage_params.get(st, {})}
@@ -164,10 +193,14 @@ class Store:
             self._check_webhook(req.webhook_url)
         if req.request_id:     # what a reuse of the key is compared with (409 idempotency_conflict)
             record += ["body_hash", body_hash(req)]
-        idem_key = self.keys.idem(tenant, req.request_id) if req.request_id else self.keys.idem(tenant, "-")
-        keys = [self.keys.wf(wf_id), self.keys.inflight, self.keys.tomb(wf_id), idem_key, self.keys.all_wf,
-                self.keys.tenant_index(tenant), self.keys.tenants]
-        args = [self.settings.prefix, wf_id, now, now + int(deadline_s * 1000), self.settings.max_in_flight,
+        idem_key = self.keys.idem(tenant, req.request_id or "-", cell)
+        wf = self.keys.wf(wf_id)
+        keys = [wf, f"{wf}:stages", f"{wf}:log", self.keys.inflight(cell), self.keys.tomb(wf_id), idem_key,
+                self.keys.all_wf(cell), self.keys.tenant_index(tenant, cell), self.keys.tenants(cell),
+                self.keys.state_index(WorkflowState.PENDING.value, cell),
+                *(self.keys.tasks(st, cell) for st in parts.plan.admit)]
+        args = [self.settings.prefix, wf_id, now, now + int(deadline_s * 1000),
+                cells.cell_limit(self.settings.max_in_flight, self.keys.cells, cell),
                 self.settings.idempotency_ttl_s if req.request_id else 0,
                 parts.stages, parts.admit, len(record) // 2, *record]
         return keys, args
@@ -216,16 +249,34 @@ class Store:
         if code == scripts.SubmitResult.EXISTING:
             return Submitted(id=ident, state=WorkflowState.PENDING, existing=True)
         if code == scripts.SubmitResult.RETIRED:
-            raise WorkflowRetired(
-                f"workflow {ident} is retired (aborted or failed) and cannot be resubmitted; "
-                "submit again with a fresh request_id"
-            )
+            raise self.retired(ident)
         if code == scripts.SubmitResult.EXISTS:
             raise InvalidRequest(f"workflow id {ident} already exists")
+        where = "" if self.keys.cells == 1 else f" in the cell tried (max_in_flight is split over {self.keys.cells} cells)"
         raise AdmissionRefused(
-            f"{ident} workflows in flight, the limit is {self.settings.max_in_flight}; retry later",
+            f"{ident} workflows in flight{where}, the limit is {self.settings.max_in_flight}; retry later",
             retry_after_s=1.0,
         )
+
+    @staticmethod
+    def retired(wf_id: str) -> WorkflowRetired:
+        return WorkflowRetired(f"workflow {wf_id} is retired (aborted or failed) and cannot be resubmitted; "
+                               "submit again with a fresh request_id")
+
+    def finalize_keys(self, wf_id: str) -> list[str]:
+        """Every key `finalize` (_lib.lua) may touch, after the base key and the in-flight set:
+        stages, log, done, the tombstone, the cell's notify stream and state indexes, final outputs,
+        edge logs."""
+        wf, cell = self.keys.wf(wf_id), cells.cell_of(wf_id)
+        return [f"{wf}:stages", f"{wf}:log", f"{wf}:done", self.keys.tomb(wf_id), self.keys.notify(cell),
+                *self.keys.state_indexes(cell), *(wf + suffix for suffix in self._final_suffixes)]
+
+    def abort_call(self, wf_id: str, *, state: WorkflowState, reason: str, stage: str = "") -> tuple[Any, ...]:
+        """The `abort.lua` call retiring `wf_id` (client abort, deadline sweep)."""
+        return scripts.evalsha_args(
+            "abort", [self.keys.wf(wf_id), self.keys.inflight(cells.cell_of(wf_id)), *self.finalize_keys(wf_id)],
+            [self.settings.prefix, now_ms(), state.value, reason, stage,
+             self.settings.tombstone_ttl_s, self.settings.result_ttl_s])
 
     async def _wait_aof(self) -> None:
         try:
@@ -240,11 +291,7 @@ class Store:
         """Abort a live workflow. Returns the state it ends in (already-terminal ones are left as they are)."""
         if tenant is not None:
             await self._check_tenant(wf_id, tenant)
-        reply = await redisio.script(
-            self.redis, "abort", [self.keys.wf(wf_id), self.keys.inflight],
-            [self.settings.prefix, now_ms(), state.value, reason, stage,
-             self.settings.tombstone_ttl_s, self.settings.result_ttl_s],
-        )
+        reply = await redisio.call(self.redis, *self.abort_call(wf_id, state=state, reason=reason, stage=stage))
         code = s(reply[0])
         if code == "gone":
             raise WorkflowNotFound(f"no workflow {wf_id}")

@@ -213,3 +213,27 @@ def open_sync_client(url: str, **kwargs: Any) -> SyncRedis:
         return client
     standalone: SyncRedis = SyncRedis.from_url(url, **options)
     return standalone
+
+
+def read_groups(client: Any, cells: int) -> list[tuple[int, ...]]:
+    """How to split a blocking read over the streams of every cell: one read over all of them on
+    a single server; one read per cell on a cluster (each cell is its own slot, and a multi-key
+    command must stay in one slot)."""
+    if is_cluster(client):
+        return [(cell,) for cell in range(cells)]
+    return [tuple(range(cells))]
+
+
+def pubsub_client(client: Redis) -> Redis:
+    """A client whose `pubsub()` receives every PUBLISH: the client itself, or on a cluster a
+    standalone connection to one of its nodes (a classic PUBLISH reaches every node of a
+    cluster; redis-py's asyncio cluster client has no pub/sub). Close it after use when it is not
+    `client`."""
+    if not is_cluster(client):
+        return client
+    node = client.get_random_node()
+    kwargs = {k: v for k, v in node.connection_kwargs.items()
+              if k in ("username", "password", "socket_timeout", "socket_connect_timeout")}
+    standalone: Redis = Redis(host=node.host, port=node.port, decode_responses=False,
+                              connection_class=FastConnection, **kwargs)
+    return standalone

@@ -40,6 +40,7 @@ from omniflow.egress import EgressPolicy, EgressRefused, check_url, split_url
 from omniflow.entries import notification
 from omniflow.errors import ConfigError, MalformedEntry, WorkflowNotFound
 from omniflow.jobqueue import DELIVER_WEBHOOK
+from omniflow.topology import is_cluster, read_groups
 from omniflow.keys import NOTIFY_GROUP, Keys
 from omniflow.scripts import evalsha_args
 from omniflow.store import Store, s
@@ -206,64 +207,73 @@ async def _deliver(ctx: dict[str, Any], wf_id: str, state: str) -> str:
 
 
 class NotifyDispatcher:
-    """Turns `<prefix>:notify` entries into `deliver_webhook` jobs (consumer group, crash-safe)."""
+    """Turns the cells' `notify` entries into `deliver_webhook` jobs (consumer groups, crash-safe):
+    one blocking read over every cell on a single server, one loop per cell on a cluster."""
 
     def __init__(self, *, redis: Redis, pool: ArqRedis, settings: Settings, consumer: str) -> None:
         self.redis, self.pool, self.settings, self.consumer = redis, pool, settings, consumer
-        self.keys = Keys(settings.prefix)
+        self.keys = Keys.of(settings, redis)
         self.dispatched = 0
 
-    async def ensure_group(self) -> None:
-        await redisio.ensure_group(self.redis, self.keys.notify, NOTIFY_GROUP)
+    async def ensure_group(self, cells: tuple[int, ...] | None = None) -> None:
+        for cell in self.keys.all_cells if cells is None else cells:
+            await redisio.ensure_group(self.redis, self.keys.notify(cell), NOTIFY_GROUP)
 
     async def run(self, stop: asyncio.Event) -> None:
+        await asyncio.gather(*(self._run(stop, group) for group in read_groups(self.redis, self.keys.cells)))
+        await self.leave()
+
+    async def _run(self, stop: asyncio.Event, cells: tuple[int, ...]) -> None:
         next_claim = 0.0
         fresh = True
+        streams = {self.keys.notify(cell): cell for cell in cells}
         while not stop.is_set():
             try:
                 if fresh:
-                    await self.ensure_group()
+                    await self.ensure_group(cells)
                     fresh = False
                 if time.monotonic() >= next_claim:
                     next_claim = time.monotonic() + CLAIM_INTERVAL_S
-                    await self.claim_stale()
-                reply = await self.redis.xreadgroup(NOTIFY_GROUP, self.consumer, {self.keys.notify: ">"},
+                    for cell in cells:
+                        await self.claim_stale(cell)
+                reply = await self.redis.xreadgroup(NOTIFY_GROUP, self.consumer, dict.fromkeys(streams, ">"),
                                                     count=READ_COUNT, block=self.settings.block_ms)
-                for _stream, entries in reply or []:
-                    await self.dispatch(entries)
+                for stream, entries in reply or []:
+                    await self.dispatch(entries, streams[s(stream)])
             except redisio.REDIS_ERRORS as exc:
                 logger.warning("notify dispatcher: %s; retrying in %.1fs", redisio.translate(exc), ERROR_PAUSE_S)
                 await asyncio.sleep(ERROR_PAUSE_S)
                 fresh = fresh or (isinstance(exc, ResponseError) and "NOGROUP" in str(exc))
-        await self.leave()
 
     async def leave(self) -> None:
-        """Delete our consumer from the group if it holds nothing (one left by a crash is deleted by
+        """Delete our consumer from the groups if it holds nothing (one left by a crash is deleted by
         the other dispatchers once it has been idle long enough)."""
         try:
-            await redisio.call(self.redis, *evalsha_args("reap_consumer", [self.keys.notify],
-                                                         [NOTIFY_GROUP, self.consumer]))
+            await redisio.execute(self.redis, [evalsha_args("reap_consumer", [self.keys.notify(cell)],
+                                                            [NOTIFY_GROUP, self.consumer])
+                                               for cell in self.keys.all_cells])
         except redisio.REDIS_ERRORS as exc:
             logger.warning("notify dispatcher %s: could not leave the group: %s", self.consumer, exc)
 
-    async def claim_stale(self) -> None:
+    async def claim_stale(self, cell: int = 0) -> None:
         """Take over entries another dispatcher read but never acked (it died); delete the consumers
         of dispatchers that are gone."""
-        await redisio.reap_idle_consumers(self.redis, self.keys.notify, NOTIFY_GROUP, idle_ms=max(
+        stream = self.keys.notify(cell)
+        await redisio.reap_idle_consumers(self.redis, stream, NOTIFY_GROUP, idle_ms=max(
             DEAD_CONSUMER_IDLE_MS, 10 * self.settings.block_ms), keep=self.consumer)
         start = "0-0"
         while True:
-            reply = await self.redis.xautoclaim(self.keys.notify, NOTIFY_GROUP, self.consumer,
+            reply = await self.redis.xautoclaim(stream, NOTIFY_GROUP, self.consumer,
                                                 min_idle_time=self.settings.event_claim_idle_ms,
                                                 start_id=start, count=READ_COUNT)
             start, entries = s(reply[0]), reply[1]
             if entries:
                 logger.info("notify dispatcher %s reclaimed %d stale entries", self.consumer, len(entries))
-                await self.dispatch(entries)
+                await self.dispatch(entries, cell)
             if start == "0-0" or not entries:
                 return
 
-    async def dispatch(self, entries: list[Any]) -> None:
+    async def dispatch(self, entries: list[Any], cell: int = 0) -> None:
         done: list[Any] = []
         for entry_id, fields in entries:
             if fields:
@@ -272,7 +282,7 @@ class NotifyDispatcher:
                 except MalformedEntry as exc:
                     logger.warning("notify entry %s is malformed (%s); dead-lettered", s(entry_id), exc)
                     await redisio.call(self.redis, *redisio.dead_letter_call(
-                        self.keys.dlq("notify"), self.keys.notify, NOTIFY_GROUP, entry_id, fields,
+                        self.keys.dlq("notify", cell), self.keys.notify(cell), NOTIFY_GROUP, entry_id, fields,
                         f"malformed notify entry: {exc}", max_len=self.settings.dlq_max_len))
                     continue
                 # None means a job with this id exists already (redelivered entry): nothing to do
@@ -281,7 +291,7 @@ class NotifyDispatcher:
                 self.dispatched += 1
             done.append(entry_id)
         if done:
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.xack(self.keys.notify, NOTIFY_GROUP, *done)
-            pipe.xdel(self.keys.notify, *done)
+            pipe = self.redis.pipeline(transaction=not is_cluster(self.redis))   # one key: one slot
+            pipe.xack(self.keys.notify(cell), NOTIFY_GROUP, *done)
+            pipe.xdel(self.keys.notify(cell), *done)
             await pipe.execute()

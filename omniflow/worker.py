@@ -34,10 +34,12 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Coroutine, Sequence
+import functools
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import msgpack
+from redis.asyncio import Redis
 
 from omniflow import redisio
 from omniflow.batcher import Batcher
@@ -59,10 +61,11 @@ from omniflow.errors import (
 from omniflow.keys import TASK_GROUP, Keys
 from omniflow.pipeline import EdgeMode, Pipeline, import_executor
 from omniflow.redisio import REDIS_ERRORS, connect, ensure_group
-from omniflow.runtime import Backoff, check_eviction_policy, forever, when_redis_answers
+from omniflow.runtime import Backoff, check_eviction_policy, check_layout, forever, when_redis_answers
 from omniflow.scripts import evalsha_args
 from omniflow.session import Session
 from omniflow.store import csv, now_ms, s
+from omniflow.topology import is_cluster, pubsub_client, read_groups
 from omniflow.window import StageWindow
 from omniflow.workers.base import Executor
 
@@ -125,11 +128,11 @@ def new_worker_id(stage: str, host_id: str) -> str:
 class StagePool:
     """One stage served by a worker: its executor, its session slots, its task stream."""
 
-    def __init__(self, pipeline: Pipeline, keys: Keys, stage: str, *, executor: Executor | None,
+    def __init__(self, pipeline: Pipeline, stage: str, *, executor: Executor | None,
                  max_sessions: int | None) -> None:
         self.stage = stage
         self.spec = pipeline.stages[stage]
-        self.tasks_key = keys.tasks(stage)
+        self.tasks_keys: dict[int, str] = {}      # cell -> the stage's task stream there (see `bind`)
         self.upstream = tuple(e.src for e in pipeline.inputs[stage])
         # downstream stages that run while we produce (backpressure applies to these edges only)
         self.chunk_dsts = frozenset(e.dst for e in pipeline.outputs[stage] if e.mode is EdgeMode.CHUNK)
@@ -143,6 +146,10 @@ class StagePool:
         self.active = 0             # sessions held (running or waiting for a slot)
         self.claiming = 0           # tasks read but not yet claimed (they hold session slots too)
         self.compute: ComputeThread | None = None    # where the executor runs (runs_on == "thread")
+
+    def bind(self, keys: Keys) -> None:
+        """Learn the task stream of every cell (once the deployment's layout is known)."""
+        self.tasks_keys = {cell: keys.tasks(self.stage, cell) for cell in keys.all_cells}
 
     def start_compute(self) -> None:
         if self.executor.runs_on == "thread" and self.compute is None:
@@ -191,13 +198,16 @@ class Worker:
             raise ValueError("an executor instance can serve one stage only")
         self.settings = settings
         self.pipeline = pipeline
-        self.keys = Keys(settings.prefix)
-        self.pools = {name: StagePool(pipeline, self.keys, name, executor=executor, max_sessions=max_sessions)
+        # the layout (how many cells) is known once connected: see `_setup_redis`
+        self.keys = Keys(settings.prefix, settings.cells or 1)
+        self.pools = {name: StagePool(pipeline, name, executor=executor, max_sessions=max_sessions)
                       for name in stages}
         self.stage = ",".join(stages)          # what this worker serves (heartbeat, logs)
         self.id = worker_id or new_worker_id("+".join(stages) if len(stages) < 3 else "multi", settings.host_id)
         self.redis_url = redis_url
-        self._by_stream = {pool.tasks_key: pool for pool in self.pools.values()}
+        self._by_stream: dict[str, tuple[StagePool, int]] = {}      # task stream -> (its pool, its cell)
+        self._intake_loops = 1
+        self._starved = 0             # intake loops waiting for a free session slot
         self._sessions: dict[str, tuple[Session | None, asyncio.Task[None]]] = {}
         self._slot_free = asyncio.Event()
         self._claim_tasks: set[asyncio.Task[None]] = set()
@@ -221,14 +231,7 @@ class Worker:
     # ------------------------------------------------------------ lifecycle
     async def run(self, stop: asyncio.Event | None = None, *, grace_s: float = DEFAULT_GRACE_S) -> None:
         stop = stop or asyncio.Event()
-        self.redis = connect(self.redis_url)
-        self._intake_redis = connect(self.redis_url)
-        self._inbox_redis = connect(self.redis_url)
-        self._write_redis = [self.redis] + [connect(self.redis_url) for _ in range(self.settings.write_connections - 1)]
-        self._batchers = [Batcher(client) for client in self._write_redis]
-        self.batcher = self._batchers[0]
-        self.inbox_key = self.keys.inbox(self.id)
-        self.plane = DataPlane(self.redis, self.settings, worker_id=self.id)
+        self._clients: list[Redis] = []
         try:
             if not await when_redis_answers(self._setup_redis, what=f"worker {self.id}", url=self.redis_url,
                                             stop=stop):
@@ -236,11 +239,15 @@ class Worker:
             for pool in self.pools.values():
                 pool.start_compute()
                 await pool.call(pool.executor.setup())
+            groups = read_groups(self.redis, self.keys.cells)
+            self._intake_loops = len(groups)
+            loops: list[tuple[str, Callable[[], Coroutine[Any, Any, None]]]] = [
+                *((f"intake:{g[0]}", functools.partial(self._intake, g)) for g in groups),
+                ("heartbeat", self._heartbeat), ("abort-listener", self._abort_listener),
+                ("watchdog", self._watchdog), ("dataplane-sweep", self._sweep),
+                *((f"inbox:{g[0]}", functools.partial(self._inbox, g)) for g in groups)]
             background = [asyncio.create_task(forever(f"worker {self.id}: {name}", loop), name=name)
-                          for name, loop in (("intake", self._intake), ("heartbeat", self._heartbeat),
-                                             ("abort-listener", self._abort_listener),
-                                             ("watchdog", self._watchdog), ("inbox", self._inbox),
-                                             ("dataplane-sweep", self._sweep))]
+                          for name, loop in loops]
             self.started.set()
             logger.info("worker %s serving %s", self.id,
                         ", ".join(f"{p.stage} (max_sessions={p.max_sessions})" for p in self.pools.values()))
@@ -254,15 +261,34 @@ class Worker:
         finally:
             for pool in self.pools.values():
                 await pool.close_executor()
-            self.plane.close()
-            for client in (*self._write_redis, self._intake_redis, self._inbox_redis):
+            plane: DataPlane | None = getattr(self, "plane", None)     # made once connected
+            if plane is not None:
+                plane.close()
+            for client in self._clients:
                 await client.aclose()
 
     async def _setup_redis(self) -> None:
+        if not self._clients:
+            self.redis = connect(self.redis_url)        # asks what kind of server this is: may raise
+            self._intake_redis = connect(self.redis_url)
+            self._inbox_redis = connect(self.redis_url)
+            self._write_redis = [self.redis] + [connect(self.redis_url)
+                                                for _ in range(self.settings.write_connections - 1)]
+            self._clients = [*self._write_redis, self._intake_redis, self._inbox_redis]
+            self._batchers = [Batcher(client) for client in self._write_redis]
+            self.batcher = self._batchers[0]
+            self.keys = Keys.of(self.settings, self.redis)
+            for pool in self.pools.values():
+                pool.bind(self.keys)
+            self._by_stream = {key: (pool, cell) for pool in self.pools.values() for cell, key in pool.tasks_keys.items()}
+            self.inbox_keys = {cell: self.keys.inbox(self.id, cell) for cell in self.keys.all_cells}
+            self.plane = DataPlane(self.redis, self.settings, worker_id=self.id)
         await check_eviction_policy(self.redis)
+        await check_layout(self.redis, self.keys)
         await redisio.load_scripts(self.redis)
         for pool in self.pools.values():
-            await ensure_group(self.redis, pool.tasks_key, TASK_GROUP)
+            for key in pool.tasks_keys.values():
+                await ensure_group(self.redis, key, TASK_GROUP)
         await self._heartbeat_once()
 
     async def _shutdown(self, background: list[asyncio.Task[Any]], grace_s: float) -> None:
@@ -284,7 +310,8 @@ class Worker:
                 await batcher.drain()
             # Lease score 0: the reconciler re-queues what we still hold at its next sweep.
             await self.redis.zadd(self.keys.workers, {self.id: 0})
-            await self.redis.delete(self.inbox_key)
+            for key in self.inbox_keys.values():        # one per cell (one slot each on a cluster)
+                await self.redis.delete(key)
         except REDIS_ERRORS as exc:
             logger.warning("worker %s: could not deregister: %s", self.id, exc)
 
@@ -355,7 +382,11 @@ class Worker:
                         session._waiter.cancel()
 
     # ------------------------------------------------------------ intake
-    async def _intake(self) -> None:
+    async def _intake(self, cells: tuple[int, ...]) -> None:
+        """One blocking XREADGROUP over the task streams of `cells` for every stage with a free slot.
+        On a single server one loop reads every cell; on a cluster one loop per cell (one slot per
+        read). Each read reserves the slots it may fill (COUNT applies per stream), so the loops
+        together never take more tasks than the stages have room for."""
         backoff = Backoff()
         while True:
             if self.draining:
@@ -363,39 +394,52 @@ class Worker:
                 continue
             ready = [pool for pool in self.pools.values() if pool.free > 0]
             if not ready:
-                self._slot_free.clear()
-                await self._slot_free.wait()
+                self._starved += 1
+                try:
+                    self._slot_free.clear()
+                    await self._slot_free.wait()
+                finally:
+                    self._starved -= 1
                 continue
-            # COUNT applies per stream: the stage with the fewest free slots bounds the read
-            count = min(self.settings.read_batch, *(pool.free for pool in ready))
-            # A stage left out because it was full is not in the blocking read: come back soon to add
-            # it when its slots free up (a blocking read cannot be interrupted without losing what
-            # it may already have delivered).
-            block = self.settings.block_ms if len(ready) == len(self.pools) else \
+            share = len(cells) * self._intake_loops
+            count = max(1, min(self.settings.read_batch, *(pool.free // share for pool in ready)))
+            # A stage left out because it was full is not in the blocking read (nor are the slots
+            # other loops wait for): come back soon to add it when its slots free up (a blocking read
+            # cannot be interrupted without losing what it may already have delivered).
+            block = self.settings.block_ms if len(ready) == len(self.pools) and not self._starved else \
                 min(self.settings.block_ms, INTAKE_RECHECK_MS)
+            reserved = count * len(cells)
+            for pool in ready:
+                pool.claiming += reserved
             try:
                 with redisio.boundary():
                     reply = await self._intake_redis.xreadgroup(
-                        TASK_GROUP, self.id, {pool.tasks_key: ">" for pool in ready}, count=count, block=block,
-                    )
+                        TASK_GROUP, self.id, {pool.tasks_keys[cell]: ">" for pool in ready for cell in cells},
+                        count=count, block=block)
                 backoff.reset()
             except RedisError as exc:
                 if redisio.is_nogroup(exc):        # the stream was deleted (or the server lost it)
                     try:
                         for pool in ready:
-                            await ensure_group(self.redis, pool.tasks_key, TASK_GROUP)
+                            for cell in cells:
+                                await ensure_group(self.redis, pool.tasks_keys[cell], TASK_GROUP)
                         continue
                     except RedisError as again:
                         exc = again
                 await backoff.wait(logger, f"worker {self.id}: intake read failed", exc)
                 continue
+            finally:
+                for pool in ready:
+                    pool.claiming -= reserved
+                self._slot_free.set()
             for stream, entries in reply or []:
-                self._accept(self._by_stream[s(stream)], [(s(entry_id), fields) for entry_id, fields in entries])
+                pool, cell = self._by_stream[s(stream)]
+                self._accept(pool, cell, [(s(entry_id), fields) for entry_id, fields in entries])
 
-    def _accept(self, pool: StagePool, entries: list[tuple[str, dict[bytes, bytes]]]) -> None:
+    def _accept(self, pool: StagePool, cell: int, entries: list[tuple[str, dict[bytes, bytes]]]) -> None:
         """Validate delivered tasks (malformed ones go to the dead-letter stream) and claim the rest in one call."""
         if self.draining:       # read by a blocking read that began before the drain: give them back
-            task = asyncio.create_task(self._hand_back(pool, entries))
+            task = asyncio.create_task(self._hand_back(pool, cell, entries))
             self._claim_tasks.add(task)
             task.add_done_callback(self._claim_tasks.discard)
             return
@@ -404,7 +448,7 @@ class Worker:
             try:
                 entry = task_entry(fields, stage=pool.stage)
             except MalformedEntry as exc:
-                self._dead_letter(pool.stage, pool.tasks_key, TASK_GROUP, entry_id, fields,
+                self._dead_letter(pool.stage, cell, pool.tasks_keys[cell], TASK_GROUP, entry_id, fields,
                                   f"malformed task entry: {exc}")
                 continue
             wf_id, stage, attempt = entry.wf_id, entry.stage, entry.attempt
@@ -419,7 +463,7 @@ class Worker:
             claims.append((entry_id, wf_id, attempt))
         if claims:
             pool.claiming += len(claims)
-            task = asyncio.create_task(self._claim(pool, claims))
+            task = asyncio.create_task(self._claim(pool, cell, claims))
             self._claim_tasks.add(task)
             task.add_done_callback(self._claim_tasks.discard)
 
@@ -436,26 +480,28 @@ class Worker:
             pool.active -= 1
         self._slot_free.set()
 
-    async def _hand_back(self, pool: StagePool, entries: list[tuple[str, dict[bytes, bytes]]]) -> None:
+    async def _hand_back(self, pool: StagePool, cell: int, entries: list[tuple[str, dict[bytes, bytes]]]) -> None:
         """Re-queue unclaimed tasks as they were (same attempt: still valid for any other worker)."""
-        pipe = self.redis.pipeline(transaction=True)
+        stream = pool.tasks_keys[cell]
+        pipe = self.redis.pipeline(transaction=not is_cluster(self.redis))    # one stream: one slot
         for entry_id, fields in entries:
-            pipe.xadd(pool.tasks_key, fields)
-            pipe.xack(pool.tasks_key, TASK_GROUP, entry_id)
-            pipe.xdel(pool.tasks_key, entry_id)
+            pipe.xadd(stream, fields)
+            pipe.xack(stream, TASK_GROUP, entry_id)
+            pipe.xdel(stream, entry_id)
         try:
             await pipe.execute()
             logger.info("worker %s (draining): handed back %d task(s) of %s", self.id, len(entries), pool.stage)
         except REDIS_ERRORS as exc:      # still pending here: re-queued when this worker stops
             logger.warning("worker %s: could not hand back %d task(s): %s", self.id, len(entries), exc)
 
-    def _dead_letter(self, dlq_name: str, stream: str, group: str, entry_id: str,
+    def _dead_letter(self, dlq_name: str, cell: int, stream: str, group: str, entry_id: str,
                      fields: dict[bytes, bytes] | None, reason: str) -> None:
-        """Move a poison entry of `stream` to the dead-letter stream `<p>:dlq:<dlq_name>` with the reason
-        (in the background, retried until Redis takes it: the entry stays where it is until then)."""
+        """Move a poison entry of `stream` (of `cell`) to that cell's dead-letter stream `dlq:<dlq_name>`
+        with the reason (in the background, retried until Redis takes it: the entry stays where it is
+        until then)."""
         self.stats["dead_letters"] += 1
         logger.warning("worker %s: dead-lettering entry %s of %s: %s", self.id, entry_id, stream, reason)
-        call = redisio.dead_letter_call(self.keys.dlq(dlq_name), stream, group, entry_id, fields, reason,
+        call = redisio.dead_letter_call(self.keys.dlq(dlq_name, cell), stream, group, entry_id, fields, reason,
                                         max_len=self.settings.dlq_max_len)
         self._spawn(f"dlq:{stream}:{entry_id}", self._write_until_done(call, f"dead-letter {entry_id}"))
 
@@ -474,7 +520,7 @@ class Worker:
                 return
 
     # ------------------------------------------------------------ sessions
-    async def _claim(self, pool: StagePool, claims: list[tuple[str, str, int]]) -> None:
+    async def _claim(self, pool: StagePool, cell: int, claims: list[tuple[str, str, int]]) -> None:
         """Claim a batch of tasks with one `claim.lua` call, then start a session for each one kept."""
         stage, upstream = pool.stage, pool.upstream
         queues: list[asyncio.Queue[Any]] = []
@@ -485,7 +531,7 @@ class Worker:
             queues.append(queue)
         replies: list[Any] | None = None
         try:
-            replies = await self._claim_call(pool, claims)
+            replies = await self._claim_call(pool, cell, claims)
         finally:
             pool.claiming -= len(claims)
             self._slot_free.set()
@@ -498,7 +544,7 @@ class Worker:
         for (entry_id, wf_id, attempt), queue, reply in zip(claims, queues, replies, strict=True):
             if isinstance(reply, Exception) or s(reply[0]) != "ok":
                 if isinstance(reply, Exception):    # this task alone cannot be claimed: poison
-                    self._dead_letter(stage, pool.tasks_key, TASK_GROUP, entry_id,
+                    self._dead_letter(stage, cell, pool.tasks_keys[cell], TASK_GROUP, entry_id,
                                       {b"wf": wf_id.encode(), b"s": stage.encode(), b"a": str(attempt).encode()},
                                       f"claim failed: {reply}")
                 self.stats["dropped"] += 1
@@ -524,25 +570,29 @@ class Worker:
             except Exception as exc:  # noqa: BLE001 - a record that does not decode fails its workflow, not us
                 self._inputs.pop((wf_id, stage, attempt), None)
                 self._spawn(f"{wf_id}|{stage}|{attempt}",
-                            self._fail_unstartable(pool, entry_id, wf_id, attempt, f"workflow record is malformed: "
+                            self._fail_unstartable(pool, cell, entry_id, wf_id, attempt, f"workflow record is malformed: "
                                                    f"{type(exc).__name__}: {exc}"[:MAX_DETAIL_CHARS]))
                 continue
             self.stats["claimed"] += 1
             if attempt > 1:
                 self.window.retried(stage)
-            self._spawn(f"{wf_id}|{stage}|{attempt}", self._session(pool, entry_id, session), session, pool)
+            self._spawn(f"{wf_id}|{stage}|{attempt}", self._session(pool, cell, entry_id, session), session, pool)
 
-    async def _claim_call(self, pool: StagePool, claims: list[tuple[str, str, int]]) -> list[Any] | None:
+    async def _claim_call(self, pool: StagePool, cell: int, claims: list[tuple[str, str, int]]) -> list[Any] | None:
         """The `claim.lua` replies of a batch, one per task (an exception for a task that alone cannot
         be claimed); None when the worker stopped first. A claim sent again is harmless (same replica:
         'ok' again), so transient errors are retried; a batch the script fails on is split, to find
         the task that causes it."""
         args = [self.settings.prefix, TASK_GROUP, self.id, now_ms(), ",".join(pool.upstream), pool.stage,
                 *(x for claim in claims for x in claim)]
+        keys = [pool.tasks_keys[cell]]
+        for _entry_id, wf_id, _attempt in claims:
+            wf = self.keys.wf(wf_id)
+            keys += [wf, f"{wf}:stages", f"{wf}:log", *(f"{wf}:edge:{src}:{pool.stage}" for src in pool.upstream)]
         backoff = Backoff()
         while True:
             try:
-                replies = await self.batcher.script("claim", [pool.tasks_key], args)
+                replies = await self.batcher.script("claim", keys, args)
                 if not isinstance(replies, list) or len(replies) != len(claims):
                     raise ScriptError(f"unexpected claim reply {replies!r:.200}")
                 return replies
@@ -557,19 +607,20 @@ class Worker:
                                self.id, len(claims), exc)
                 out: list[Any] = []
                 for claim in claims:
-                    one = await self._claim_call(pool, [claim])
+                    one = await self._claim_call(pool, cell, [claim])
                     if one is None:
                         return None
                     out += one
                 return out
 
-    async def _fail_unstartable(self, pool: StagePool, entry_id: str, wf_id: str, attempt: int, why: str) -> None:
+    async def _fail_unstartable(self, pool: StagePool, cell: int, entry_id: str, wf_id: str, attempt: int,
+                                why: str) -> None:
         """Close a claimed session that cannot start (its record does not decode) as a failure that
         is not retried: its workflow fails with the reason, its task is acknowledged."""
         logger.warning("session %s/%s cannot start: %s", wf_id, pool.stage, why)
-        call = evalsha_args("finish", [self.keys.wf(wf_id), pool.tasks_key, self.keys.events],
-                                    [TASK_GROUP, entry_id, pool.stage, attempt, "failed", why, "0", now_ms(), 0, "",
-                                     self.settings.prefix])
+        wf = self.keys.wf(wf_id)
+        call = evalsha_args("finish", [wf, pool.tasks_keys[cell], self.keys.events(cell), f"{wf}:stages", f"{wf}:log"],
+                            [TASK_GROUP, entry_id, pool.stage, attempt, "failed", why, "0", now_ms(), 0, ""])
         await self._write_until_done(call, f"failing session {wf_id}/{pool.stage}")
 
     def _plan_of(self, stage: str, raw_stages: bytes, raw_finals: bytes) -> tuple[tuple[str, ...], ...]:
@@ -602,42 +653,44 @@ class Worker:
         """The write connection of one workflow: its writes keep their order on it."""
         return self._batchers[hash(wf_id) % len(self._batchers)]
 
-    async def _inbox(self) -> None:
-        """Read this worker's inbox (inputs forwarded by producers) and hand each entry to its session."""
-        last: bytes | str = "0-0"
-        untrimmed = 0
+    async def _inbox(self, cells: tuple[int, ...]) -> None:
+        """Read this worker's inboxes of `cells` (inputs forwarded by producers) and hand each entry to
+        its session: one XREAD for every cell on a single server, one per cell on a cluster."""
+        last: dict[str, bytes | str] = {self.inbox_keys[cell]: "0-0" for cell in cells}
+        cell_of_key = {self.inbox_keys[cell]: cell for cell in cells}
+        untrimmed = dict.fromkeys(last, 0)
         only = next(iter(self.pools)) if len(self.pools) == 1 else None
         backoff = Backoff()
         while True:
             try:
                 with redisio.boundary():
-                    reply = await self._inbox_redis.xread({self.inbox_key: last}, count=1024,
-                                                          block=self.settings.block_ms)
+                    reply = await self._inbox_redis.xread(dict(last), count=1024, block=self.settings.block_ms)
                 backoff.reset()
             except RedisError as exc:
                 await backoff.wait(logger, f"worker {self.id}: inbox read failed", exc)
                 continue
-            for _key, entries in reply or []:
+            for raw_key, entries in reply or []:
+                key = s(raw_key)
                 for entry_id, fields in entries:
-                    last = entry_id
+                    last[key] = entry_id
                     try:
                         entry = inbox_entry(fields)
                         chunks = decode_chunks(entry.packed)
                     except (MalformedEntry, *CHUNK_DECODE_ERRORS) as exc:
-                        self._dead_letter("inbox", self.inbox_key, "", s(entry_id), fields,
+                        self._dead_letter("inbox", cell_of_key[key], key, "", s(entry_id), fields,
                                           f"malformed inbox entry: {exc}")
                         continue
                     queue = self._inputs.get((entry.wf_id, entry.stage or only or "", entry.attempt))
                     if queue is not None:       # else: a session that ended (its inputs are durable anyway)
                         for chunk in chunks:
                             queue.put_nowait((entry.src, chunk))
-                untrimmed += len(entries)
-                if untrimmed >= INBOX_TRIM_EVERY:
+                untrimmed[key] += len(entries)
+                if entries and untrimmed[key] >= INBOX_TRIM_EVERY:
                     # consumed entries are trimmed in bulk: the inbox stays about as small as what is in flight
-                    self.batcher.send("XTRIM", self.inbox_key, "MINID", "~", s(entries[-1][0]))
-                    untrimmed = 0
+                    self.batcher.send("XTRIM", key, "MINID", "~", s(entries[-1][0]))
+                    untrimmed[key] = 0
 
-    async def _session(self, pool: StagePool, entry_id: str, session: Session) -> None:
+    async def _session(self, pool: StagePool, cell: int, entry_id: str, session: Session) -> None:
         wf_id, stage, attempt = session.wf_id, session.stage, session.attempt
         started = time.monotonic()
         outcome, detail, retryable = "failed", "aborted", False
@@ -657,7 +710,7 @@ class Worker:
             outcome, detail, retryable = "failed", f"worker {self.id}: a write failed: {exc}"[:MAX_DETAIL_CHARS], True
         finally:
             self._inputs.pop((wf_id, stage, attempt), None)
-        code = await self._close(pool, entry_id, session, outcome, detail, retryable)
+        code = await self._close(pool, cell, entry_id, session, outcome, detail, retryable)
         if session.held and code == "ok" and outcome == "done":
             # done for good: no retry of this session will replay these payloads
             await self._release_inputs(session)
@@ -668,7 +721,7 @@ class Worker:
             self.stats[ended] += 1
             self.window.finished(stage, ended, time.monotonic() - started)
 
-    async def _close(self, pool: StagePool, entry_id: str, session: Session, outcome: str, detail: str,
+    async def _close(self, pool: StagePool, cell: int, entry_id: str, session: Session, outcome: str, detail: str,
                      retryable: bool) -> str | None:
         """End the session (its last steps and the finish, one script call) whatever Redis does
         meanwhile: the task must never stay pending on a live worker. Returns the script's answer
@@ -676,7 +729,8 @@ class Worker:
         backoff = Backoff()
         while True:
             try:
-                return await session.close(tasks_key=pool.tasks_key, events_key=self.keys.events, group=TASK_GROUP,
+                return await session.close(tasks_key=pool.tasks_keys[cell], events_key=self.keys.events(cell),
+                                           group=TASK_GROUP,
                                            entry_id=entry_id, outcome=outcome, detail=detail, retryable=retryable)
             except RedisUnavailable as exc:
                 # lost, or refused for longer than the batcher waits: it may or may not have landed;
@@ -696,8 +750,9 @@ class Worker:
         while True:
             try:
                 with redisio.boundary():
-                    await self.redis.xadd(self.keys.events, {"t": "lost", "wf": wf_id, "s": stage, "a": attempt,
-                                                             "d": why, "r": "1", "e": entry_id})
+                    await self.redis.xadd(self.keys.events(self.keys.cell_of(wf_id)),
+                                          {"t": "lost", "wf": wf_id, "s": stage, "a": attempt, "d": why, "r": "1",
+                                           "e": entry_id})
                 return
             except RedisError as exc:
                 if self._stopping:
@@ -710,8 +765,11 @@ class Worker:
         below = self.pipeline.descendants(session.stage, session.required)
         edges = [f"{s}:{e.dst}" for s in (session.stage, *below) for e in self.pipeline.outputs[s]
                  if e.dst in session.required]
+        wf, cell = self.keys.wf(session.wf_id), self.keys.cell_of(session.wf_id)
+        keys = [wf, f"{wf}:stages", f"{wf}:log", *(f"{wf}:edge:{edge}" for edge in edges),
+                *(f"{wf}:out:{st}" for st in (session.stage, *below)), *(self.keys.tasks(st, cell) for st in below)]
         reply = await self.batcher_for(session.wf_id).script(
-            "restart", [self.keys.wf(session.wf_id)],
+            "restart", keys,
             [self.settings.prefix, session.stage, session.attempt, now_ms(), ",".join(below), ",".join(edges)])
         if s(reply) == "fenced":
             session.fenced = True
@@ -780,7 +838,8 @@ class Worker:
 
     async def _abort_listener(self) -> None:
         while True:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            client = pubsub_client(self.redis)      # on a cluster: a connection to one of its nodes
+            pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.keys.abort_channel)
                 async for message in pubsub.listen():
@@ -791,6 +850,8 @@ class Worker:
                 await asyncio.sleep(0.5)
             finally:
                 await pubsub.aclose()
+                if client is not self.redis:
+                    await client.aclose()
 
     def cancel_workflow(self, wf_id: str) -> int:
         """Cancel every local session of `wf_id` (abort fan-out); its segments on this host go too."""

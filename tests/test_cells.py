@@ -58,5 +58,7 @@ def test_ids_carry_their_cell() -> None:
 def test_idempotency_cell_is_fixed_by_the_key_and_limits_share_the_total() -> None:
     assert cell_for_key("tenant", "req-1", cells=16) == cell_for_key("tenant", "req-1", cells=16)
     assert len({cell_for_key("t", f"r{i}", cells=16) for i in range(200)}) == 16
-    assert cell_limit(10_000, 16) == 625 and cell_limit(10, 16) == 1 and cell_limit(17, 16) == 2
+    for total, n in ((10_000, 16), (17, 16), (16, 16), (5, 1), (100, 7)):
+        limits = [cell_limit(total, n, c) for c in range(n)]
+        assert sum(limits) == total and max(limits) - min(limits) <= 1
     assert CLUSTER_SLOTS == 16384

@@ -6,8 +6,10 @@ import asyncio
 
 import pytest
 
+from omniflow.cells import cell_limit
 from omniflow.errors import AdmissionRefused, InvalidRequest, WorkflowRetired
 from omniflow.keys import TASK_GROUP
+from omniflow.store import new_id
 
 from conftest import toy_spec
 from helpers import eventually, expected_text, log_entries, request, run_to_end, stage_status, terminal_count, text_steps
@@ -48,9 +50,9 @@ async def test_completion_exactly_once_in_either_arrival_order(engine_factory, o
     order (and twice), as it would from a pipeline where each report needs a decision."""
     async with engine_factory(reconciler=False) as eng:
         sub = await eng.store.submit(request("order matters"))
-        wf_key = eng.store.keys.wf(sub.id)
+        wf_key, cell = eng.store.keys.wf(sub.id), eng.store.keys.cell_of(sub.id)
         async def reported() -> list[tuple[bytes, dict[bytes, bytes]]]:
-            return await eng.redis.xrange(eng.store.keys.events)
+            return await eng.redis.xrange(eng.store.keys.events(cell))
         events = await eventually(reported)
         # Only the report that completes the terminal set was sent; the two before it changed
         # nothing but the `finished` set, which their finish scripts applied themselves.
@@ -62,11 +64,11 @@ async def test_completion_exactly_once_in_either_arrival_order(engine_factory, o
         await eng.redis.hset(wf_key, "finished", "")        # as if no report had been applied yet
         from omniflow.reconciler import Reconciler
         rec = Reconciler(settings=eng.settings, pipeline=eng.pipeline, redis_url=eng.url)
-        rec.redis = eng.redis
-        results = [(await rec.apply([reports[stage]]))[0] for stage in order]
+        rec.redis, rec.keys = eng.redis, eng.store.keys
+        results = [(await rec.apply([reports[stage]], cell))[0] for stage in order]
         assert results == ["advanced", "advanced", "completed"]
-        assert (await rec.apply([reports[stage] for stage in order])) == ["ignored"] * 3   # redelivery
-        assert (await rec.apply([events[0]])) == ["ignored"]                            # the real one, late
+        assert (await rec.apply([reports[stage] for stage in order], cell)) == ["ignored"] * 3   # redelivery
+        assert (await rec.apply([events[0]], cell)) == ["ignored"]                            # the real one, late
         doc = await eng.store.document(sub.id)
         assert doc["state"] == "completed"
         assert await terminal_count(eng.store, sub.id) == 1
@@ -105,7 +107,7 @@ async def test_abort_reaches_all_stages_keeps_partial_outputs_and_wakes_waiters(
         # every worker let go of its session (abort fan-out), so no task is left pending
         async def nothing_pending() -> bool:
             for stage in eng.pipeline.order:
-                info = await eng.redis.xpending(eng.store.keys.tasks(stage), TASK_GROUP)
+                info = await eng.redis.xpending(eng.store.keys.tasks(stage, eng.store.keys.cell_of(sub.id)), TASK_GROUP)
                 if info["pending"]:
                     return False
             return True
@@ -137,18 +139,26 @@ async def test_idempotent_resubmit_with_same_key_returns_same_workflow(engine_fa
         other_tenant = await eng.store.submit(request(request_id="same-key"), tenant="acme")
         assert other_tenant.id != first.id
         assert (await eng.store.wait(first.id, timeout_s=10))["state"] == "completed"
-        assert await eng.redis.zcard(eng.store.keys.all_wf) == 2
+        assert sum([await eng.redis.zcard(eng.store.keys.all_wf(c)) for c in eng.store.keys.all_cells]) == 2
 
 
 async def test_admission_over_max_in_flight_refuses_and_creates_nothing(engine_factory) -> None:
-    async with engine_factory(workers=False, max_in_flight=2) as eng:
-        await eng.store.submit(request())
-        await eng.store.submit(request())
-        keys_before = sorted(await eng.redis.keys(f"{eng.settings.prefix}:*"))
-        with pytest.raises(AdmissionRefused) as err:
-            await eng.store.submit(request(request_id="third"))
-        assert err.value.retry_after_s > 0
-        assert sorted(await eng.redis.keys(f"{eng.settings.prefix}:*")) == keys_before
+    async with engine_factory(workers=False, reconciler=False) as eng:
+        keys = eng.store.keys
+        # the limit is split over the cells (their shares add up to it): fill every share
+        limit = max(2, keys.cells)
+        eng.store.settings.max_in_flight = limit
+        for cell in keys.all_cells:
+            for _ in range(cell_limit(limit, keys.cells, cell)):
+                await eng.store.submit(request(), wf_id=new_id(cell))
+        keys_before = sorted([k async for k in eng.redis.scan_iter(match=f"{eng.settings.prefix}:*")])
+        for extra in (request(request_id="third"), request()):
+            with pytest.raises(AdmissionRefused) as err:
+                await eng.store.submit(extra)
+            assert err.value.retry_after_s > 0
+        assert sorted([k async for k in eng.redis.scan_iter(match=f"{eng.settings.prefix}:*")]) == keys_before
+        in_flight = sum([await eng.redis.zcard(keys.inflight(c)) for c in keys.all_cells])
+        assert in_flight == limit
 
 
 async def test_failed_stage_fails_workflow_and_aborts_the_others(engine_factory) -> None:
@@ -161,7 +171,7 @@ async def test_failed_stage_fails_workflow_and_aborts_the_others(engine_factory)
         assert doc["stages"]["talker"]["status"] == "failed"
         assert doc["stages"]["thinker"]["status"] in ("aborted", "done")
         assert doc["stages"]["code2wav"]["status"] == "aborted"
-        dlq = await eng.redis.xrange(eng.store.keys.dlq("talker"))
+        dlq = await eng.redis.xrange(eng.store.keys.dlq("talker", eng.store.keys.cell_of(doc["id"])))
         assert [f[b"wf"].decode() for _, f in dlq] == [doc["id"]]
         assert await terminal_count(eng.store, doc["id"]) == 1
         with pytest.raises(WorkflowRetired):

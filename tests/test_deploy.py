@@ -41,8 +41,11 @@ def load_all(path: Path) -> list[Any]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
 
 
-def k8s_docs() -> list[dict[str, Any]]:
-    return [d for p in sorted(K8S.glob("*.yaml")) if p.name != "kustomization.yaml" for d in load_all(p)]
+def k8s_docs(*, cluster: bool = False) -> list[dict[str, Any]]:
+    """The resources of the single-Redis deployment (`deploy/k8s`), or of the redis-cluster overlay."""
+    files = [*sorted((K8S / "base").glob("*.yaml")),
+             K8S / ("overlays/redis-cluster/scaledobjects.yaml" if cluster else "scaledobjects.yaml")]
+    return [d for p in files if p.name != "kustomization.yaml" for d in load_all(p)]
 
 
 def containers(docs: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
@@ -135,15 +138,21 @@ def test_every_omniflow_variable_is_a_setting_with_a_valid_value() -> None:
 
 
 # ---------------------------------------------------------------- kubernetes
-def test_worker_manifests_are_generated_from_the_pipeline() -> None:
-    shipped = (K8S / "workers.yaml").read_text()
-    assert shipped == render(Path("deploy/pipelines/omni-toy.yaml"), prefix=configmap()["OMNIFLOW_PREFIX"]), \
-        "deploy/k8s/workers.yaml is out of date: python -m omniflow.k8s > deploy/k8s/workers.yaml"
+@pytest.mark.parametrize(("path", "part", "cells"), [("base/workers.yaml", "workers", 0),
+                                                     ("scaledobjects.yaml", "scaling", 0),
+                                                     ("overlays/redis-cluster/scaledobjects.yaml", "scaling", 16)])
+def test_worker_manifests_are_generated_from_the_pipeline(path: str, part: str, cells: int) -> None:
+    shipped = (K8S / path).read_text()
+    fresh = render(Path("deploy/pipelines/omni-toy.yaml"), prefix=configmap()["OMNIFLOW_PREFIX"], part=part,
+                   cluster_cells=cells)
+    assert shipped == fresh, (f"deploy/k8s/{path} is out of date: python -m omniflow.k8s {part}"
+                              f"{f' --cluster-cells {cells}' if cells else ''} > deploy/k8s/{path}")
 
 
-def test_every_stage_has_a_pool_scaled_on_its_consumer_group() -> None:
-    docs, pipeline, cm = k8s_docs(), toy_pipeline(), configmap()
-    keys = Keys(cm["OMNIFLOW_PREFIX"])
+@pytest.mark.parametrize("cluster", [False, True], ids=["single", "cluster"])
+def test_every_stage_has_a_pool_scaled_on_its_consumer_groups(cluster: bool) -> None:
+    docs, pipeline, cm = k8s_docs(cluster=cluster), toy_pipeline(), configmap()
+    keys = Keys(cm["OMNIFLOW_PREFIX"], 16 if cluster else 1)
     url = urlparse(cm["OMNIFLOW_REDIS_URL"])
     deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
     scaled = {d["spec"]["scaleTargetRef"]["name"]: d for d in docs if d["kind"] == "ScaledObject"}
@@ -152,17 +161,23 @@ def test_every_stage_has_a_pool_scaled_on_its_consumer_group() -> None:
         container = deployments[name]["spec"]["template"]["spec"]["containers"][0]
         assert container["command"] == ["omniflow", "worker", "--stage", stage]
         env = {e["name"]: e.get("value") for e in container["env"]}
-        assert env["REDIS_ADDRESS"] == f"{url.hostname}:{url.port}"       # KEDA reads the same server
+        if cluster:       # the overlay adds the node list for KEDA's cluster scaler
+            env["REDIS_ADDRESSES"] = "redis-cluster:6379"
+        else:
+            assert env["REDIS_ADDRESS"] == f"{url.hostname}:{url.port}"       # KEDA reads the same server
         spec = scaled[name]["spec"]
         triggers = {t["name"]: t for t in spec["triggers"]}
+        # every cell's stream is read, pending and lag, and the formula adds them all up
         assert set(re.findall(r"[a-z_]\w*", spec["advanced"]["scalingModifiers"]["formula"])) == set(triggers)
+        assert {t["metadata"]["stream"] for t in triggers.values()} == {keys.tasks(stage, c) for c in keys.all_cells}
+        assert len(triggers) == 2 * keys.cells
         assert spec["advanced"]["scalingModifiers"]["target"] == str(pipeline.stages[stage].max_sessions)
         assert spec["minReplicaCount"] >= 1           # the API's /readyz needs a live worker per stage
         for trigger in triggers.values():
             meta = trigger["metadata"]
-            assert trigger["type"] == "redis-streams"
-            assert meta["stream"] == keys.tasks(stage) and meta["consumerGroup"] == TASK_GROUP
-            assert meta["addressFromEnv"] in env
+            assert trigger["type"] == ("redis-cluster-streams" if cluster else "redis-streams")
+            assert meta["consumerGroup"] == TASK_GROUP
+            assert meta["addressesFromEnv" if cluster else "addressFromEnv"] in env
             assert ("lagCount" in meta) == ("activationLagCount" in meta)
         grace = deployments[name]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         assert float(env["OMNIFLOW_SHUTDOWN_GRACE_S"]) < grace
@@ -200,20 +215,28 @@ def _pointer(doc: Any, path: str) -> bool:
     return True
 
 
+def _targets(target: dict[str, str]) -> list[dict[str, Any]]:
+    docs = [d for d in k8s_docs() if d["kind"] == target["kind"]]
+    if "name" in target:
+        return [d for d in docs if d["metadata"]["name"] == target["name"]]
+    key, value = target["labelSelector"].split("=")
+    return [d for d in docs if d["spec"]["template"]["metadata"]["labels"].get(key) == value]
+
+
 def test_kustomizations_reference_real_files_and_paths() -> None:
-    for kfile in K8S.rglob("kustomization.yaml"):
+    kfiles = list(K8S.rglob("kustomization.yaml"))
+    assert len(kfiles) == 4
+    for kfile in kfiles:
         kust = load_all(kfile)[0]
         for resource in kust.get("resources", []):
             assert (kfile.parent / resource).exists(), f"{kfile}: {resource}"
         for patch in kust.get("patches", []):
-            target = patch["target"]
-            key, value = target["labelSelector"].split("=")
-            matched = [d for d in k8s_docs() if d["kind"] == target["kind"]
-                       and d["spec"]["template"]["metadata"]["labels"].get(key) == value]
-            assert matched, f"{kfile}: patch target {target} matches nothing"
+            matched = _targets(patch["target"])
+            assert matched, f"{kfile}: patch target {patch['target']} matches nothing"
             for op in yaml.safe_load(patch["patch"]):
-                if op["op"] in ("remove", "replace"):
-                    assert all(_pointer(d, op["path"]) for d in matched), f"{kfile}: {op['path']}"
+                # remove/replace need the path; add needs its parent (`-` appends to a list)
+                path = op["path"] if op["op"] in ("remove", "replace") else op["path"].rsplit("/", 1)[0]
+                assert all(_pointer(d, path) for d in matched), f"{kfile}: {op['path']}"
 
 
 # ---------------------------------------------------------------- redis configs

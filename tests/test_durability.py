@@ -57,7 +57,7 @@ async def test_finished_workflows_expire_and_memory_returns_to_baseline(engine_f
         assert await wf_keys()
         await asyncio.sleep(3)
         await eventually(lambda: _empty(wf_keys), timeout_s=10)
-        await eventually(lambda: _zero(eng.redis.zcard(eng.store.keys.all_wf)), timeout_s=15)
+        await eventually(lambda: _zero(eng.redis.zcard(eng.store.keys.all_wf(0))), timeout_s=15)
         after = (await eng.redis.info("memory"))["used_memory"]
         growth, left = peak - baseline, after - baseline
         assert growth > 0

@@ -22,15 +22,27 @@ async def store(any_server_url, settings_factory):
     st = Store(redis, settings_factory(any_server_url), build_pipeline(toy_spec()))
     await scripts.load_all(redis)
     for stage in st.pipeline.order:
-        await ensure_group(redis, st.keys.tasks(stage), TASK_GROUP)
+        await ensure_group(redis, st.keys.tasks(stage, 0), TASK_GROUP)
     yield st
     await redis.aclose()
 
 
+def claim_keys(store: Store, stage: str, wf_id: str, upstream: tuple[str, ...] = ()) -> list[str]:
+    wf = store.keys.wf(wf_id)
+    return [store.keys.tasks(stage, 0), wf, f"{wf}:stages", f"{wf}:log", *(f"{wf}:edge:{u}:{stage}" for u in upstream)]
+
+
+def emit_keys(store: Store, wf_id: str, stage: str, downstream: tuple[str, ...] = ()) -> list[str]:
+    """What a session declares (Session.emit_keys): a script touching anything else fails."""
+    wf = store.keys.wf(wf_id)
+    return [wf, store.keys.tasks(stage, 0), store.keys.events(0), f"{wf}:stages", f"{wf}:log", f"{wf}:out:{stage}",
+            *(f"{wf}:edge:{stage}:{d}" for d in downstream)]
+
+
 async def claim_next(store: Store, stage: str, worker: str = "w1") -> tuple[str, list]:
-    reply = await store.redis.xreadgroup(TASK_GROUP, worker, {store.keys.tasks(stage): ">"}, count=1)
+    reply = await store.redis.xreadgroup(TASK_GROUP, worker, {store.keys.tasks(stage, 0): ">"}, count=1)
     entry_id, fields = reply[0][1][0]
-    res = await scripts.call(store.redis, "claim", [store.keys.tasks(stage)],
+    res = await scripts.call(store.redis, "claim", claim_keys(store, stage, s(fields[b"wf"])),
                              [store.settings.prefix, TASK_GROUP, worker, now_ms(), "", stage,
                               s(entry_id), s(fields[b"wf"]), s(fields[b"a"])])
     return s(entry_id), [s(x) for x in res[0][:6]]
@@ -38,16 +50,28 @@ async def claim_next(store: Store, stage: str, worker: str = "w1") -> tuple[str,
 
 async def emit(store: Store, wf_id: str, stage: str, attempt: int, seq: int, text: str) -> str:
     steps = msgpack.packb([[seq, "A", f":out:{stage}", text]], use_bin_type=False)
-    res = await scripts.call(store.redis, "emit", [store.keys.wf(wf_id)],
+    res = await scripts.call(store.redis, "emit", emit_keys(store, wf_id, stage),
                              [stage, attempt, "", now_ms(), store.settings.prefix, wf_id, steps])
     return s(res)
+
+
+async def test_a_script_refuses_a_key_it_was_not_given(store) -> None:
+    """Every key a script touches must be declared (Redis Cluster routes and checks by KEYS)."""
+    sub = await store.submit(request(modalities=["text"]))
+    await claim_next(store, "thinker")
+    steps = msgpack.packb([[1, "A", ":out:thinker", "x"]], use_bin_type=False)
+    wf = store.keys.wf(sub.id)
+    with pytest.raises(Exception, match="undeclared key .*:out:thinker"):
+        await scripts.call(store.redis, "emit", [wf, store.keys.tasks("thinker", 0), store.keys.events(0),
+                                                 f"{wf}:stages", f"{wf}:log"],
+                           ["thinker", 1, "", now_ms(), store.settings.prefix, sub.id, steps])
 
 
 async def test_submit_creates_record_and_presubmits_chunk_stages(store) -> None:
     sub = await store.submit(request())
     for stage in ("thinker", "talker", "code2wav"):
-        assert await store.redis.xlen(store.keys.tasks(stage)) == 1
-    assert await store.redis.zscore(store.keys.inflight, sub.id) is not None
+        assert await store.redis.xlen(store.keys.tasks(stage, 0)) == 1
+    assert await store.redis.zscore(store.keys.inflight(0), sub.id) is not None
     assert s(await store.redis.hget(store.keys.wf(sub.id), "state")) == "pending"
 
 
@@ -56,8 +80,8 @@ async def test_claim_drops_tasks_of_tombstoned_workflows(store) -> None:
     await store.abort(sub.id)
     _, res = await claim_next(store, "thinker")
     assert res == ["drop", "aborted"]
-    assert await store.redis.xlen(store.keys.tasks("thinker")) == 0       # acked and deleted
-    assert (await store.redis.xpending(store.keys.tasks("thinker"), TASK_GROUP))["pending"] == 0
+    assert await store.redis.xlen(store.keys.tasks("thinker", 0)) == 0       # acked and deleted
+    assert (await store.redis.xpending(store.keys.tasks("thinker", 0), TASK_GROUP))["pending"] == 0
 
 
 async def test_emit_is_idempotent_on_seq_and_fenced_by_attempt(store) -> None:
@@ -87,34 +111,35 @@ async def test_one_emit_call_writes_one_text_entry_and_one_entry_per_edge(store)
     the three chunks; replaying the call writes nothing."""
     sub = await store.submit(request())
     await claim_next(store, "thinker")
-    delivered = await store.redis.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("talker"): ">"}, count=1)
+    delivered = await store.redis.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("talker", 0): ">"}, count=1)
     talker_task = s(delivered[0][1][0][0])
-    await scripts.call(store.redis, "claim", [store.keys.tasks("talker")],
+    await scripts.call(store.redis, "claim", claim_keys(store, "talker", sub.id, ("thinker",)),
                        [store.settings.prefix, TASK_GROUP, "w1", now_ms(), "thinker", "talker", talker_task, sub.id, "1"])
     chunk = lambda n: ["E", "talker", ["seq", n, "a", 1, "d", f"c{n}"]]  # noqa: E731
     steps = msgpack.packb([[1, "T", "a", "", *chunk(1)], [2, *chunk(2)], [3, "T", "b", "", *chunk(3)]],
                           use_bin_type=False)
     args = ["thinker", 1, "", now_ms(), store.settings.prefix, sub.id, steps]
-    assert s(await scripts.call(store.redis, "emit", [store.keys.wf(sub.id)], args)) == "ok"
+    keys = emit_keys(store, sub.id, "thinker", ("talker",))
+    assert s(await scripts.call(store.redis, "emit", keys, args)) == "ok"
     texts = [f for _, f in await store.read_log(sub.id) if f.get("t") == "text"]
     assert texts == [{"t": "text", "stage": "thinker", "from": "1", "seq": "3", "delta": "ab"}]
     assert await store.text(sub.id, "thinker") == "ab"
     edge = await store.redis.xrange(store.keys.edge(sub.id, "thinker", "talker"))
-    inbox = await store.redis.xrange(store.keys.inbox("w1"))
+    inbox = await store.redis.xrange(store.keys.inbox("w1", 0))
     assert len(edge) == 1 and len(inbox) == 1
     chunks = msgpack.unpackb(edge[0][1][b"m"], raw=True)
     assert [dict(zip(c[::2], c[1::2]))[b"seq"] for c in chunks] == [1, 2, 3]
     assert inbox[0][1][b"m"] == edge[0][1][b"m"] and inbox[0][1][b"ds"] == b"talker"
-    assert s(await scripts.call(store.redis, "emit", [store.keys.wf(sub.id)], args)) == "dup"
+    assert s(await scripts.call(store.redis, "emit", keys, args)) == "dup"
     assert await store.redis.xlen(store.keys.edge(sub.id, "thinker", "talker")) == 1
 
 
 async def test_claim_is_idempotent_for_the_same_replica_only(store) -> None:
     sub = await store.submit(request(modalities=["text"]))
-    reply = await store.redis.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("thinker"): ">"}, count=1)
+    reply = await store.redis.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("thinker", 0): ">"}, count=1)
     entry_id = s(reply[0][1][0][0])
     def claim(worker: str):
-        return scripts.call(store.redis, "claim", [store.keys.tasks("thinker")],
+        return scripts.call(store.redis, "claim", claim_keys(store, "thinker", sub.id),
                             [store.settings.prefix, TASK_GROUP, worker, now_ms(), "", "thinker", entry_id, sub.id, "1"])
     assert s((await claim("w1"))[0][0]) == "ok"
     assert s((await claim("w1"))[0][0]) == "ok"        # a retried call after a lost reply
@@ -125,13 +150,13 @@ async def test_finish_of_a_fenced_session_acks_but_reports_nothing(store) -> Non
     sub = await store.submit(request(modalities=["text"]))
     entry_id, _ = await claim_next(store, "thinker")
     await store.abort(sub.id)
+    wf = store.keys.wf(sub.id)
     res = await scripts.call(store.redis, "finish",
-                             [store.keys.wf(sub.id), store.keys.tasks("thinker"), store.keys.events],
-                             [TASK_GROUP, entry_id, "thinker", 1, "done", "{}", "1", now_ms(), 0, "",
-                              store.settings.prefix])
+                             [wf, store.keys.tasks("thinker", 0), store.keys.events(0), f"{wf}:stages", f"{wf}:log"],
+                             [TASK_GROUP, entry_id, "thinker", 1, "done", "{}", "1", now_ms(), 0, ""])
     assert s(res) == "fenced"
-    assert (await store.redis.xpending(store.keys.tasks("thinker"), TASK_GROUP))["pending"] == 0
-    assert await store.redis.xlen(store.keys.events) == 0
+    assert (await store.redis.xpending(store.keys.tasks("thinker", 0), TASK_GROUP))["pending"] == 0
+    assert await store.redis.xlen(store.keys.events(0)) == 0
 
 
 async def test_abort_is_terminal_once(store) -> None:
@@ -140,5 +165,5 @@ async def test_abort_is_terminal_once(store) -> None:
     assert await store.abort(sub.id) == "aborted"       # already terminal: unchanged
     entries = await store.read_log(sub.id)
     assert [f["state"] for _, f in entries if f["t"] == "terminal"] == ["aborted"]
-    assert await store.redis.zscore(store.keys.inflight, sub.id) is None
+    assert await store.redis.zscore(store.keys.inflight(0), sub.id) is None
     assert s(await store.redis.get(store.keys.tomb(sub.id))) == "aborted"

@@ -88,7 +88,7 @@ async def test_webhook_posts_the_signed_workflow_document(engine_factory) -> Non
             assert headers["content-type"] == "application/json"
             assert got["attempts"] == "1" and got["status"] == "200"
             assert await stats(eng) == {"webhook:delivered": 1}
-            assert await eng.redis.xlen(eng.store.keys.notify) == 0     # acked and deleted
+            assert await eng.redis.xlen(eng.store.keys.notify(0)) == 0     # acked and deleted
 
 
 async def test_webhook_retries_with_backoff_and_the_same_id(engine_factory) -> None:
@@ -158,15 +158,15 @@ async def test_failed_workflow_webhook_carries_the_failure(engine_factory) -> No
 async def test_notify_entries_of_a_dead_dispatcher_are_reclaimed(engine_factory) -> None:
     with http_receiver() as rec:
         async with engine_factory(**{**FAST, "event_claim_idle_ms": 100}) as eng:
-            keys = Keys(eng.settings.prefix)
+            keys = eng.store.keys
             sub = await eng.store.submit(request("orphan", ["text"], webhook_url=rec.url()))
             await eng.store.wait(sub.id, timeout_s=10)
-            await eng.redis.xgroup_create(keys.notify, NOTIFY_GROUP, id="0", mkstream=True)
-            taken = await eng.redis.xreadgroup(NOTIFY_GROUP, "crashed", {keys.notify: ">"}, count=10)
+            await eng.redis.xgroup_create(keys.notify(0), NOTIFY_GROUP, id="0", mkstream=True)
+            taken = await eng.redis.xreadgroup(NOTIFY_GROUP, "crashed", {keys.notify(0): ">"}, count=10)
             assert len(taken[0][1]) == 1                  # read by a dispatcher that then died
             await asyncio.sleep(0.2)
             async with jobs_runner(eng):
                 await settled(eng, sub.id, "delivered")
             assert len(rec.hits) == 1
-            assert await eng.redis.xpending(keys.notify, NOTIFY_GROUP) == {
+            assert await eng.redis.xpending(keys.notify(0), NOTIFY_GROUP) == {
                 "pending": 0, "min": None, "max": None, "consumers": []}

@@ -11,14 +11,14 @@ from helpers import eventually, expected_text, log_entries, request, run_to_end
 
 async def test_malformed_task_entry_goes_to_dead_letter_and_worker_keeps_serving(engine_factory) -> None:
     async with engine_factory() as eng:
-        tasks = eng.store.keys.tasks("thinker")
+        tasks = eng.store.keys.tasks("thinker", 0)
         await eng.redis.xadd(tasks, {"garbage": "yes"})
         await eng.redis.xadd(tasks, {"wf": "x", "s": "thinker", "a": "not-a-number"})
         await eng.redis.xadd(tasks, {"wf": "x", "s": "talker", "a": "1"})
         async def three_dead_letters() -> bool:
-            return await eng.redis.xlen(eng.store.keys.dlq("thinker")) == 3
+            return await eng.redis.xlen(eng.store.keys.dlq("thinker", 0)) == 3
         await eventually(three_dead_letters)
-        reasons = [f[b"reason"].decode() for _, f in await eng.redis.xrange(eng.store.keys.dlq("thinker"))]
+        reasons = [f[b"reason"].decode() for _, f in await eng.redis.xrange(eng.store.keys.dlq("thinker", 0))]
         assert all(r.startswith("malformed task entry") for r in reasons)
         assert (await eng.redis.xpending(tasks, TASK_GROUP))["pending"] == 0
         sub = await eng.store.submit(request("still alive"))
@@ -27,10 +27,10 @@ async def test_malformed_task_entry_goes_to_dead_letter_and_worker_keeps_serving
 
 async def test_malformed_event_goes_to_dead_letter_and_reconciler_keeps_going(engine_factory) -> None:
     async with engine_factory() as eng:
-        await eng.redis.xadd(eng.store.keys.events, {"t": "exploded", "wf": "x", "s": "thinker", "a": "1"})
-        await eng.redis.xadd(eng.store.keys.events, {"nonsense": "1"})
+        await eng.redis.xadd(eng.store.keys.events(0), {"t": "exploded", "wf": "x", "s": "thinker", "a": "1"})
+        await eng.redis.xadd(eng.store.keys.events(0), {"nonsense": "1"})
         async def two() -> bool:
-            return await eng.redis.xlen(eng.store.keys.dlq("events")) == 2
+            return await eng.redis.xlen(eng.store.keys.dlq("events", 0)) == 2
         await eventually(two)
         sub = await eng.store.submit(request("reconciler alive"))
         assert (await eng.store.wait(sub.id, timeout_s=10))["state"] == "completed"
@@ -86,7 +86,7 @@ async def test_attempt_timeout_retries_then_fails_with_the_reason(engine_factory
         assert doc["error_stage"] == "thinker"
         assert "attempt timed out after 0.2s" in doc["error"]
         assert doc["stages"]["thinker"]["attempt"] == 2
-        dlq = await eng.redis.xrange(eng.store.keys.dlq("thinker"))
+        dlq = await eng.redis.xrange(eng.store.keys.dlq("thinker", eng.store.keys.cell_of(doc["id"])))
         assert [f[b"wf"].decode() for _, f in dlq] == [doc["id"]]
 
 

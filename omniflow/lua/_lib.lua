@@ -1,6 +1,22 @@
 -- Shared helpers, spliced into scripts that say `--@include _lib.lua`.
--- Every script derives a workflow's sub-keys from its base key KEYS[1]
--- (`<prefix>:wf:{<id>}`): they share the hash tag, so one cluster slot.
+-- Every key a script touches is one of its KEYS, and all of them are keys of one cell
+-- (`<prefix>:{<cell tag>}:...`, omniflow/keys.py): one cluster slot. Scripts build key names
+-- from the workflow's base key (`<cell>:wf:<id>`) or the cell's base, and pass each through
+-- `key()`, which refuses (an error naming it) a key the caller did not declare. The one
+-- exception is the consuming worker's inbox (`inbox_key`), whose name is data: see there.
+
+local DECLARED = {}
+for _, k in ipairs(KEYS) do DECLARED[k] = true end
+
+local function key(name)
+  if not DECLARED[name] then error('undeclared key ' .. name .. ' (pass it in KEYS)') end
+  return name
+end
+
+-- `<prefix>:{<tag>}` of any key of a cell
+local function cell_base(k)
+  return string.match(k, '^(.-%b{})')
+end
 
 local function csv(s)
   local out = {}
@@ -25,29 +41,38 @@ local function stage_terminal(status)
   return status == 'done' or status == 'failed' or status == 'aborted'
 end
 
--- Listing indexes: `<prefix>:idx:state:<state>`, one zset per workflow state (member id, score
--- creation ms), kept exact by the transitions that change a workflow's state: submit, the first
--- claim (pending -> running) and finalize. `omniflow.listing` reads them.
-local function index_state(prefix, id, from, to, created)
-  if from then redis.call('ZREM', prefix .. ':idx:state:' .. from, id) end
-  redis.call('ZADD', prefix .. ':idx:state:' .. to, created, id)
+-- Listing indexes: `<cell>:idx:state:<state>`, one zset per workflow state in each cell (member
+-- id, score creation ms), kept exact by the transitions that change a workflow's state: submit, the
+-- first claim (pending -> running) and finalize (they declare the cell's state indexes they touch).
+-- `omniflow.listing` reads them.
+local function index_state(wf, id, from, to, created)
+  local cell = cell_base(wf)
+  if from then redis.call('ZREM', key(cell .. ':idx:state:' .. from), id) end
+  redis.call('ZADD', key(cell .. ':idx:state:' .. to), created, id)
 end
 
 -- `<prefix>:notify` keeps at most about this many entries (`omniflow jobs` reads and deletes them)
 local NOTIFY_MAX_LEN = 100000
 
-local function submit_stage(wf, prefix, id, stage, attempt, now)
-  redis.call('HSET', wf .. ':stages', stage, 'pending', stage .. ':attempt', attempt, stage .. ':t_submit', now)
-  redis.call('XADD', prefix .. ':stage:' .. stage .. ':tasks', '*', 'wf', id, 's', stage, 'a', attempt)
+local function tasks_key(wf, stage)
+  return key(cell_base(wf) .. ':stage:' .. stage .. ':tasks')
+end
+
+local function submit_stage(wf, id, stage, attempt, now)
+  redis.call('HSET', key(wf .. ':stages'), stage, 'pending', stage .. ':attempt', attempt, stage .. ':t_submit', now)
+  redis.call('XADD', tasks_key(wf, stage), '*', 'wf', id, 's', stage, 'a', attempt)
 end
 
 -- Move a workflow to a terminal state, once. Callers checked it was live.
 -- Partial outputs stay (labelled by stage); edge logs go; the rest expires.
+-- The keys it may touch, to declare: the workflow's wf, stages, log, done, its cell's tomb:<id>,
+-- inflight and notify, and out:<s> of every final stage and edge:<a>:<b> of every edge it has.
 local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now, tomb_ttl, result_ttl)
-  local sk = wf .. ':stages'
+  local sk = key(wf .. ':stages')
+  local cell = cell_base(wf)
   local rec = redis.call('HMGET', wf, 'stages', 'edges', 'finals', 'webhook', 'state', 'created_ms', 'blobs')
   redis.call('HSET', wf, 'state', state, 'finished_ms', now, 'updated_ms', now)
-  index_state(prefix, id, rec[5], state, rec[6] or now)
+  index_state(wf, id, rec[5], state, rec[6] or now)
   if err and err ~= '' then
     redis.call('HSET', wf, 'error', err, 'error_stage', err_stage or '')
   end
@@ -62,55 +87,67 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
         end
       end
     end
-    redis.call('SET', prefix .. ':tomb:' .. id, state, 'EX', tomb_ttl)
-    redis.call('PUBLISH', prefix .. ':abort', id)
+    redis.call('SET', key(cell .. ':tomb:' .. id), state, 'EX', tomb_ttl)
+    redis.call('PUBLISH', prefix .. ':abort', id)     -- a channel, not a key: reaches every node
   end
-  redis.call('ZREM', inflight_key, id)
+  redis.call('ZREM', key(inflight_key), id)
   for _, edge in ipairs(csv(rec[2])) do
-    redis.call('UNLINK', wf .. ':edge:' .. edge)
+    redis.call('UNLINK', key(wf .. ':edge:' .. edge))
   end
-  -- chunk payloads too large for their edge entries (omniflow.dataplane): nothing reads them any more
+  -- chunk payloads too large for their edge entries (omniflow.dataplane): nothing reads them any more.
+  -- Their names are the set's members (data, written by the emits that stored them): not declared
+  -- here, but under this workflow's base key, so in this script's slot.
   if rec[7] then
-    for _, blob in ipairs(redis.call('SMEMBERS', wf .. ':blobs')) do
+    for _, blob in ipairs(redis.call('SMEMBERS', key(wf .. ':blobs'))) do
       redis.call('UNLINK', blob)
     end
     redis.call('UNLINK', wf .. ':blobs')
   end
-  redis.call('XADD', wf .. ':log', '*', 't', 'terminal', 'state', state, 'error', err or '', 'stage', err_stage or '')
+  redis.call('XADD', key(wf .. ':log'), '*', 't', 'terminal', 'state', state, 'error', err or '',
+    'stage', err_stage or '')
   -- one entry, ever: a waiter that wants the outcome and not the progress blocks here (wakes once)
-  redis.call('XADD', wf .. ':done', '*', 'state', state)
+  redis.call('XADD', key(wf .. ':done'), '*', 'state', state)
   redis.call('EXPIRE', wf .. ':done', result_ttl)
   redis.call('EXPIRE', wf, result_ttl)
   redis.call('EXPIRE', sk, result_ttl)
   redis.call('EXPIRE', wf .. ':log', result_ttl)
   for _, stage in ipairs(csv(rec[3])) do
-    redis.call('EXPIRE', wf .. ':out:' .. stage, result_ttl)
+    redis.call('EXPIRE', key(wf .. ':out:' .. stage), result_ttl)
   end
   if rec[4] and rec[4] ~= '' then
     -- bounded: without a jobs runner reading it, the oldest notifications go first
-    redis.call('XADD', prefix .. ':notify', 'MAXLEN', '~', NOTIFY_MAX_LEN, '*', 'wf', id, 'state', state)
+    redis.call('XADD', key(cell .. ':notify'), 'MAXLEN', '~', NOTIFY_MAX_LEN, '*', 'wf', id, 'state', state)
   end
 end
 
 -- Edge logs. One script call appends ONE entry per edge it writes to: field `m` holds the msgpack
 -- array of its chunks (each a flat field list {'seq', n, 'a', attempt, 'd', payload} or the
 -- end-of-stream {'eos', '1', 'seq', n, 'a', attempt}). When a session of <dst> is already bound to a
--- worker, the same entry is copied to that worker's inbox (`<prefix>:inbox:<replica>`, fields wf,
--- ds (dst stage), da (dst attempt), src, m): a worker reads one stream for all its sessions' inputs.
+-- worker, the same entry is copied to that worker's inbox in this cell (`<cell>:inbox:<replica>`,
+-- fields wf, ds (dst stage), da (dst attempt), src, m): a worker reads one stream per cell for all
+-- its sessions' inputs.
+--
+-- The inbox is the one key a script touches without declaring it: its name is the consuming
+-- replica, which only this transition knows (it reads `<dst>:replica`); a producer cannot name it
+-- beforehand without a round trip per emit or a protocol to learn it. It is built from the cell's
+-- base, so it is in the script's slot on any cluster (Redis and Valkey enforce exactly that).
+local function inbox_key(wf, replica)
+  return cell_base(wf) .. ':inbox:' .. replica
+end
 -- Entries written before the claim are in the edge log, which claim.lua returns (catch-up); after
 -- it, in the inbox. `edge_append` buffers; `flush_edges` writes (once per script call).
 local edges = {}           -- dst -> {edge key, chunks, inbox key or false, dst attempt, src, id}
 local edge_order = {}
 
-local function edge_append(wf, prefix, id, src, dst, fields)
+local function edge_append(wf, id, src, dst, fields)
   local e = edges[dst]
   if e == nil then
-    local cur = redis.call('HMGET', wf .. ':stages', dst, dst .. ':replica', dst .. ':attempt')
+    local cur = redis.call('HMGET', key(wf .. ':stages'), dst, dst .. ':replica', dst .. ':attempt')
     local inbox = false
     if (cur[1] == 'waiting_input' or cur[1] == 'running') and cur[2] then
-      inbox = prefix .. ':inbox:' .. cur[2]
+      inbox = inbox_key(wf, cur[2])
     end
-    e = {wf .. ':edge:' .. src .. ':' .. dst, {}, inbox, cur[3], src, id}
+    e = {key(wf .. ':edge:' .. src .. ':' .. dst), {}, inbox, cur[3], src, id}
     edges[dst] = e
     edge_order[#edge_order + 1] = dst
   end
@@ -173,12 +210,13 @@ end
 -- the same atomic step, instead of being sent: the reconciler hears about the decisions it has
 -- to make (completion, successors, failures, retries), not about every stage (DESIGN §2).
 -- Returns 'ok' | 'fenced' | 'gap'.
-local function finish_session(wf, prefix, tasks_key, events_key, group, entry_id, stage, attempt, outcome,
+-- Keys to declare: wf, stages, log, the task stream, the events stream, edge:<stage>:<dst> per dst.
+local function finish_session(wf, tasks_key, events_key, group, entry_id, stage, attempt, outcome,
                               detail, retryable, now, seq, downstream)
-  local sk = wf .. ':stages'
-  redis.call('XACK', tasks_key, group, entry_id)
+  local sk = key(wf .. ':stages')
+  redis.call('XACK', key(tasks_key), group, entry_id)
   redis.call('XDEL', tasks_key, entry_id)
-  local rec = redis.call('HMGET', wf, 'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub')
+  local rec = redis.call('HMGET', key(wf), 'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub')
   local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq')
   if not is_live(rec[1]) or tostring(cur[2]) ~= tostring(attempt) then return 'fenced' end
   if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
@@ -191,7 +229,7 @@ local function finish_session(wf, prefix, tasks_key, events_key, group, entry_id
   local report = true
   if outcome == 'done' then
     for _, dst in ipairs(csv(downstream)) do
-      edge_append(wf, prefix, rec[2], stage, dst, {'eos', '1', 'seq', seq, 'a', attempt})
+      edge_append(wf, rec[2], stage, dst, {'eos', '1', 'seq', seq, 'a', attempt})
     end
     redis.call('HSET', sk, stage, 'done', stage .. ':t_end', now, stage .. ':usage', detail)
     local finished
@@ -202,9 +240,9 @@ local function finish_session(wf, prefix, tasks_key, events_key, group, entry_id
   else
     redis.call('HSET', sk, stage, 'failed', stage .. ':t_end', now, stage .. ':error', detail)
   end
-  redis.call('XADD', wf .. ':log', '*', 't', 'stage', 'stage', stage, 'status', outcome, 'attempt', attempt)
+  redis.call('XADD', key(wf .. ':log'), '*', 't', 'stage', 'stage', stage, 'status', outcome, 'attempt', attempt)
   if report then
-    redis.call('XADD', events_key, '*', 't', outcome, 'wf', rec[2], 's', stage, 'a', attempt, 'd', detail,
+    redis.call('XADD', key(events_key), '*', 't', outcome, 'wf', rec[2], 's', stage, 'a', attempt, 'd', detail,
       'r', retryable)
   end
   return res

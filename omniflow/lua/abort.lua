@@ -1,5 +1,6 @@
 -- abort: retire a live workflow (client abort, deadline, input timeout); tombstone its id.
--- KEYS[1] wf base key  KEYS[2] inflight zset
+-- KEYS[1] wf base key  KEYS[2] inflight zset of its cell; then what finalize may touch (_lib.lua):
+--   stages, log, done, tomb:<id>, notify, out:<s> of each final stage, edge:<a>:<b> of each edge
 -- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] final state 'aborted'|'failed'  ARGV[4] reason
 -- ARGV[5] stage blamed ('' for none)  ARGV[6] tombstone ttl s  ARGV[7] result ttl s
 -- Returns {'ok'} | {'terminal', state} | {'gone'}

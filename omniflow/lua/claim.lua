@@ -1,5 +1,7 @@
 -- claim: bind a batch of delivered stage tasks to this worker, dropping the ones that are void.
--- KEYS[1] the stage's task stream
+-- KEYS[1] the stage's task stream of one cell  KEYS[2], KEYS[3] its listing indexes of the states
+--         pending and running; then, per task (in ARGV's order), the workflow's wf base key, stage
+--         hash, log, and edge:<src>:<stage> of each upstream stage (all in that cell)
 -- ARGV[1] prefix  ARGV[2] group  ARGV[3] replica (worker id)  ARGV[4] now_ms
 -- ARGV[5] upstream stages csv ('' for the entry stage)  ARGV[6] stage
 -- ARGV[7..] triples: task entry id, workflow id, attempt
@@ -11,15 +13,16 @@
 --   {'drop', reason}   (task acked and deleted: workflow gone/terminal/tombstoned, or stale attempt)
 -- Claiming again a task this replica already holds answers 'ok' again (a retried call is harmless).
 --@include _lib.lua
-local prefix, group, replica, now, stage = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[6]
+local group, replica, now, stage = ARGV[2], ARGV[3], ARGV[4], ARGV[6]
 local upstream = csv(ARGV[5])
+local per_task = 3 + #upstream
 local status = 'running'
 if #upstream > 0 then status = 'waiting_input' end
 local out = {}
 for i = 7, #ARGV, 3 do
   local entry_id, id, attempt = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  local wf = prefix .. ':wf:{' .. id .. '}'
-  local sk = wf .. ':stages'
+  local wf = KEYS[4 + (i - 7) / 3 * per_task]
+  local sk = key(wf .. ':stages')
   local rec = redis.call('HMGET', wf, 'state', 'input', 'params', 'stages', 'finals', 'created_ms')
   local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':replica',
     stage .. ':ckpt')
@@ -42,15 +45,15 @@ for i = 7, #ARGV, 3 do
       redis.call('HSET', sk, stage, status, stage .. ':replica', replica, stage .. ':t_start', now)
       if rec[1] == 'pending' then
         redis.call('HSET', wf, 'state', 'running', 'updated_ms', now)
-        index_state(prefix, id, 'pending', 'running', rec[6] or now)
-        redis.call('XADD', wf .. ':log', '*', 't', 'state', 'state', 'running')
+        index_state(wf, id, 'pending', 'running', rec[6] or now)
+        redis.call('XADD', key(wf .. ':log'), '*', 't', 'state', 'state', 'running')
       end
-      redis.call('XADD', wf .. ':log', '*', 't', 'stage', 'stage', stage, 'status', status,
+      redis.call('XADD', key(wf .. ':log'), '*', 't', 'stage', 'stage', stage, 'status', status,
         'attempt', attempt, 'replica', replica)
     end
     local catchup = {}
     for _, src in ipairs(upstream) do
-      catchup[#catchup + 1] = {src, redis.call('XRANGE', wf .. ':edge:' .. src .. ':' .. stage, '-', '+')}
+      catchup[#catchup + 1] = {src, redis.call('XRANGE', key(wf .. ':edge:' .. src .. ':' .. stage), '-', '+')}
     end
     out[#out + 1] = {'ok', rec[2], rec[3], rec[4], rec[5], cur[3] or '0', catchup, cur[5] or ''}
   end

@@ -1,7 +1,9 @@
 -- emit: write a session's output steps (fenced; idempotent on seq), optionally then finish it.
--- KEYS[1] wf base key  KEYS[2] the stage's task stream  KEYS[3] events stream (2 and 3: finish only)
+-- KEYS[1] wf base key  KEYS[2] the stage's task stream  KEYS[3] events stream (2 and 3: finish only;
+-- both of the workflow's cell)  KEYS[4] stage hash  KEYS[5] log; then every other key the steps and
+-- the finish name: out:<stage>, edge:<stage>:<dst> of each downstream stage, blobs, any 'X'/'A'/'B' suffix
 -- ARGV[1] stage  ARGV[2] attempt  ARGV[3] new stage status or ''  ARGV[4] now_ms
--- ARGV[5] prefix  ARGV[6] workflow id
+-- ARGV[5] prefix (unused)  ARGV[6] workflow id
 -- ARGV[7] msgpack array of steps; a step is {seq, op, ...} with ops applied in order:
 --   'X', key suffix, {f1, v1, ..., fn, vn}   XADD <wf><suffix> * fields
 --   'E', downstream stage, {fields}           append to the edge log (+ forward to the consumer's inbox);
@@ -27,7 +29,7 @@
 --         (Redis never rolls back a script that fails part-way: everything is checked first)
 --@include _lib.lua
 local wf, stage = KEYS[1], ARGV[1]
-local sk = wf .. ':stages'
+local sk = key(wf .. ':stages')
 local blobs_flagged = false
 
 -- nil when every step is well-formed, else what is wrong
@@ -79,7 +81,7 @@ local function write_steps()
   if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
   if ARGV[3] ~= '' and cur[1] ~= ARGV[3] then
     redis.call('HSET', sk, stage, ARGV[3])
-    redis.call('XADD', wf .. ':log', '*', 't', 'stage', 'stage', stage, 'status', ARGV[3], 'attempt', ARGV[2])
+    redis.call('XADD', key(wf .. ':log'), '*', 't', 'stage', 'stage', stage, 'status', ARGV[3], 'attempt', ARGV[2])
   end
   local last = tonumber(cur[3] or '0')
   local texts, tfirst, tlast = {}, nil, nil
@@ -97,14 +99,14 @@ local function write_steps()
       while i <= #step do
         local op = step[i]
         if op == 'X' then
-          redis.call('XADD', wf .. step[i + 1], '*', unpack(step[i + 2]))
+          redis.call('XADD', key(wf .. step[i + 1]), '*', unpack(step[i + 2]))
         elseif op == 'E' then
-          edge_append(wf, ARGV[5], ARGV[6], stage, step[i + 1], step[i + 2])
+          edge_append(wf, ARGV[6], stage, step[i + 1], step[i + 2])
         elseif op == 'T' then
           texts[#texts + 1] = step[i + 1]
           tfirst, tlast = tfirst or seq, seq
         elseif op == 'A' then
-          redis.call('APPEND', wf .. step[i + 1], step[i + 2])
+          redis.call('APPEND', key(wf .. step[i + 1]), step[i + 2])
         elseif op == 'H' then
           redis.call('HSET', sk, step[i + 1], step[i + 2])
         elseif op == 'I' then
@@ -112,9 +114,9 @@ local function write_steps()
         elseif op == 'C' then
           ckpts[#ckpts + 1] = step[i + 1]
         elseif op == 'B' then
-          local key, ttl = wf .. step[i + 1], step[i + 2][2]
-          redis.call('SET', key, step[i + 2][1], 'PX', ttl)
-          if redis.call('SADD', wf .. ':blobs', key) == 1 and not blobs_flagged then
+          local blob, ttl = key(wf .. step[i + 1]), step[i + 2][2]
+          redis.call('SET', blob, step[i + 2][1], 'PX', ttl)
+          if redis.call('SADD', key(wf .. ':blobs'), blob) == 1 and not blobs_flagged then
             redis.call('HSET', wf, 'blobs', '1')     -- finalize frees them (read with the record)
             blobs_flagged = true
           end
@@ -128,8 +130,8 @@ local function write_steps()
   end
   if #texts > 0 then
     local delta = table.concat(texts)
-    redis.call('APPEND', wf .. ':out:' .. stage, delta)
-    redis.call('XADD', wf .. ':log', '*', 't', 'text', 'stage', stage, 'from', tfirst, 'seq', tlast, 'delta', delta)
+    redis.call('APPEND', key(wf .. ':out:' .. stage), delta)
+    redis.call('XADD', key(wf .. ':log'), '*', 't', 'text', 'stage', stage, 'from', tfirst, 'seq', tlast, 'delta', delta)
   end
   if #ckpts > 0 then
     local prev = redis.call('HGET', sk, stage .. ':ckpt') or ''
@@ -156,7 +158,7 @@ do
   if res == 'gap' then      -- never close as done over a hole: fail the attempt, the retry resumes
     outcome, detail, retryable = 'failed', 'an earlier write of this attempt was lost', '1'
   end
-  local closed = finish_session(wf, ARGV[5], KEYS[2], KEYS[3], f[1], f[2], stage, ARGV[2], outcome, detail,
+  local closed = finish_session(wf, KEYS[2], KEYS[3], f[1], f[2], stage, ARGV[2], outcome, detail,
     retryable, ARGV[4], f[6], f[7])
   flush_edges()
   if res == 'fenced' or res == 'gap' then return res end

@@ -1,5 +1,7 @@
 -- stage_event: the reconciler applies one stage event to its workflow (idempotent).
--- KEYS[1] wf base key  KEYS[2] inflight zset  KEYS[3] retries zset  KEYS[4] events stream
+-- KEYS[1] wf base key  KEYS[2] inflight zset  KEYS[3] retries zset  KEYS[4] events stream (its cell's)
+-- KEYS[5] dead letters of the stage; then every other key it may touch: stages, log, the task stream
+--   of every stage (retries, `full`-edge successors), and what finalize may (_lib.lua)
 -- ARGV[1] prefix  ARGV[2] type 'done'|'failed'|'lost'  ARGV[3] stage  ARGV[4] attempt
 -- ARGV[5] now_ms  ARGV[6] detail (usage JSON or error)  ARGV[7] '1' if retryable
 -- ARGV[8] max_attempts of the stage  ARGV[9] retry due ms  ARGV[10] tombstone ttl s
@@ -12,11 +14,11 @@
 -- Returns {'ignored', why} | {'advanced'} | {'completed'} | {'retry', attempt} | {'failed'}
 --@include _lib.lua
 local wf, prefix, kind, stage, now = KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[5]
-local sk = wf .. ':stages'
+local sk = key(wf .. ':stages')
 
 local function apply()
   if kind == 'lost' and ARGV[13] ~= '' then
-    redis.call('XACK', ARGV[12], ARGV[14], ARGV[13])
+    redis.call('XACK', key(ARGV[12]), ARGV[14], ARGV[13])
     redis.call('XDEL', ARGV[12], ARGV[13])
   end
   local rec = redis.call('HMGET', wf, 'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub')
@@ -40,7 +42,7 @@ local function apply()
           if not contains(finished, dep) then ready = false end
         end
         if ready then
-          for _, s in ipairs(g['stages']) do submit_stage(wf, prefix, id, s, 1, now) end
+          for _, s in ipairs(g['stages']) do submit_stage(wf, id, s, 1, now) end
           gsub[#gsub + 1] = tostring(i)
           redis.call('HSET', wf, 'gsub', table.concat(gsub, ','))
         end
@@ -58,10 +60,10 @@ local function apply()
   if ARGV[7] == '1' and attempt < tonumber(ARGV[8]) then
     local nxt = attempt + 1
     redis.call('HSET', sk, stage, 'pending', stage .. ':attempt', nxt, stage .. ':t_submit', now)
-    redis.call('XADD', wf .. ':log', '*', 't', 'retry', 'stage', stage, 'attempt', tostring(nxt),
+    redis.call('XADD', key(wf .. ':log'), '*', 't', 'retry', 'stage', stage, 'attempt', tostring(nxt),
       'reason', kind .. ': ' .. ARGV[6])
     if tonumber(ARGV[9]) <= tonumber(now) then
-      redis.call('XADD', prefix .. ':stage:' .. stage .. ':tasks', '*', 'wf', id, 's', stage, 'a', nxt)
+      redis.call('XADD', tasks_key(wf, stage), '*', 'wf', id, 's', stage, 'a', nxt)
     else
       redis.call('ZADD', KEYS[3], ARGV[9], id .. '|' .. stage .. '|' .. nxt)
     end
@@ -69,7 +71,7 @@ local function apply()
   end
   local why = ARGV[6]
   if kind == 'lost' then why = 'worker lost ' .. attempt .. ' time(s): ' .. why end
-  redis.call('XADD', prefix .. ':dlq:' .. stage, 'MAXLEN', '~', ARGV[17] or '10000', '*', 'wf', id, 's', stage,
+  redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[17] or '10000', '*', 'wf', id, 's', stage,
     'a', ARGV[4], 'error', why, 'ms', now)
   finalize(wf, KEYS[2], prefix, id, 'failed', 'stage ' .. stage .. ' failed: ' .. why, stage, now, ARGV[10], ARGV[11])
   return {'failed'}

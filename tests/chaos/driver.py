@@ -87,6 +87,15 @@ class ChaosConfig:
         }
 
 
+def keys_for(settings: Settings, url: str) -> Keys:
+    """The keys of the deployment at `url`: its cells as every process there counts them."""
+    from omniflow.cells import DEFAULT_CLUSTER_CELLS
+    from omniflow.topology import ServerKind, server_kind
+
+    cluster = server_kind(url) is ServerKind.CLUSTER
+    return Keys(settings.prefix, settings.cells or (DEFAULT_CLUSTER_CELLS if cluster else 1))
+
+
 def prompt_for(i: int) -> str:
     rng = random.Random(i)
     words = ["alpha", "beta", "gamma", "delta", "echo", "fox", "golf", "hotel", "india", "juliet"]
@@ -301,7 +310,7 @@ class ChaosRun:
         self.cfg = cluster.cfg
         self.redis_url = redis_url
         self.server = server
-        self.keys = Keys(cluster.settings.prefix)
+        self.keys = keys_for(cluster.settings, redis_url)
         self.rng = random.Random(self.cfg.seed)
         self.faults: list[Fault] = []
         self.accepted: dict[str, int] = {}      # wf id -> prompt index
@@ -481,7 +490,8 @@ class ChaosRun:
 
     async def _pending_counts(self, redis: Redis) -> dict[str, int]:
         out = {}
-        streams = [(self.keys.tasks(st), TASK_GROUP) for st in STAGES] + [(self.keys.events, EVENT_GROUP)]
+        streams = [(self.keys.tasks(st, c), TASK_GROUP) for st in STAGES for c in self.keys.all_cells] + \
+            [(self.keys.events(c), EVENT_GROUP) for c in self.keys.all_cells]
         for stream, group in streams:
             try:
                 info = await redis.xpending(stream, group)
@@ -584,24 +594,24 @@ class ChaosRun:
     async def _leftovers(self, redis: Redis) -> None:
         rep = self.report
         left: dict[str, Any] = dict(await self._pending_counts(redis))
-        for st in STAGES:
-            n = await redis.xlen(self.keys.tasks(st))
-            if n:
-                left[f"XLEN tasks:{st}"] = n
-        if n := await redis.xlen(self.keys.events):
-            left["XLEN events"] = n
-        if n := await redis.zcard(self.keys.inflight):
-            left["inflight"] = n
-        if n := await redis.zcard(self.keys.retries):
-            left["scheduled retries"] = n
-        edges = [k async for k in redis.scan_iter(match=f"{self.keys.prefix}:wf:*:edge:*", count=1000)]
+        for c in self.keys.all_cells:
+            for st in STAGES:
+                if n := await redis.xlen(self.keys.tasks(st, c)):
+                    left[f"XLEN tasks:{st} cell {c}"] = n
+            if n := await redis.xlen(self.keys.events(c)):
+                left[f"XLEN events cell {c}"] = n
+            if n := await redis.zcard(self.keys.inflight(c)):
+                left[f"inflight cell {c}"] = n
+            if n := await redis.zcard(self.keys.retries(c)):
+                left[f"scheduled retries cell {c}"] = n
+        edges = [k async for k in redis.scan_iter(match=f"{self.keys.prefix}:*:wf:*:edge:*", count=1000)]
         if edges:
             left["edge keys"] = len(edges)
         if stale := await self._stale_leases(redis):
             left["stale worker leases"] = stale
         live_pids = {p.popen.pid for p in self.cluster.procs if p.popen.poll() is None}
         for kind in ("wake", "inbox"):        # a dead worker's private streams are deleted with its lease
-            keys = [s(k) async for k in redis.scan_iter(match=f"{self.keys.prefix}:{kind}:*", count=1000)]
+            keys = [s(k) async for k in redis.scan_iter(match=f"{self.keys.prefix}:*:{kind}:*", count=1000)]
             stale_keys = [k for k in keys if not any(f"-{pid}-" in k for pid in live_pids)]
             if stale_keys:
                 left[f"stale {kind} streams"] = len(stale_keys)

@@ -102,7 +102,7 @@ class FaultRun:
                  hold_s: float = 2.0, gap_s: float = 2.0, seed: int = 9) -> None:
         self.cluster, self.server, self.spare = cluster, server, spare
         self.cfg: ChaosConfig = cluster.cfg
-        self.keys = Keys(cluster.settings.prefix)
+        self.keys = Keys(cluster.settings.prefix)          # one cell: a single server
         self.submit_rate, self.hold_s, self.gap_s = submit_rate, hold_s, gap_s
         self.rng = random.Random(seed)
         self.report = FaultReport()
@@ -185,18 +185,18 @@ class FaultRun:
     async def _poison(self, admin: Redis) -> None:
         k = self.keys
         for stage in STAGES:
-            await admin.xadd(k.tasks(stage), {"garbage": "yes"})
+            await admin.xadd(k.tasks(stage, 0), {"garbage": "yes"})
             await admin.xadd(k.tasks(stage), {"wf": "ghost", "s": stage, "a": str(2 ** 70)})
             self.poison_sent[f"dlq:{stage}"] += 2
-        await admin.xadd(k.events, {"t": "failed", "wf": "ghost", "s": "thinker", "a": str(2 ** 1100)})
-        await admin.xadd(k.events, {"t": "exploded", "wf": "ghost", "s": "thinker", "a": "1"})
+        await admin.xadd(k.events(0), {"t": "failed", "wf": "ghost", "s": "thinker", "a": str(2 ** 1100)})
+        await admin.xadd(k.events(0), {"t": "exploded", "wf": "ghost", "s": "thinker", "a": "1"})
         self.poison_sent["dlq:events"] += 2
-        await admin.xadd(k.notify, {"wf": "ghost"})
+        await admin.xadd(k.notify(0), {"wf": "ghost"})
         self.poison_sent["dlq:notify"] += 1
-        await admin.zadd(k.retries, {"no|such|member|format": 0})
+        await admin.zadd(k.retries(0), {"no|such|member|format": 0})
         self.poison_sent["dlq:retries"] += 1
         worker = next(iter([s(w) for w in await admin.zrange(k.workers, 0, -1)]))
-        await admin.xadd(k.inbox(worker), {"wf": "ghost", "da": "x", "m": b"\xc1"})
+        await admin.xadd(k.inbox(worker, 0), {"wf": "ghost", "da": "x", "m": b"\xc1"})
         self.poison_sent["dlq:inbox"] += 1
         # one workflow's edge log (and the inbox copy its bound consumer reads): a malformed chunk
         store = Store(admin, self.cluster.settings, self.cluster.pipeline)
@@ -212,7 +212,7 @@ class FaultRun:
         status, replica, attempt = await _until(talker_bound, 30)
         packed = msgpack.packb([["seq", 1, "a", 1]], use_bin_type=False)       # no payload: malformed
         await admin.xadd(k.edge(sub.id, "thinker", "talker"), {"m": packed})
-        await admin.xadd(k.inbox(s(replica)), {"wf": sub.id, "ds": "talker", "da": s(attempt), "src": "thinker",
+        await admin.xadd(k.inbox(s(replica), 0), {"wf": sub.id, "ds": "talker", "da": s(attempt), "src": "thinker",
                                                "m": packed})
 
     # ------------------------------------------------------------ run
@@ -283,9 +283,9 @@ class FaultRun:
         after = await self._key_shapes(admin)
         # per-process keys are bounded by the processes alive; the rest by what existed before the faults
         workers = len(self.cluster.live("worker:"))
-        bound = {**baseline, **{_shape(self.keys.inbox("*")): workers, _shape(self.keys.worker_info("*")): workers}}
+        bound = {**baseline, **{_shape(self.keys.inbox("*", 0)): workers, _shape(self.keys.worker_info("*")): workers}}
         rep.grown = {shape: (bound.get(shape, 0), n) for shape, n in after.items()
-                     if n > bound.get(shape, 0) and not shape.startswith(f"{self.keys.prefix}:dlq:")}
+                     if n > bound.get(shape, 0) and ":dlq:" not in shape}
         if rep.grown:
             rep.problems.append(f"keys grew: {rep.grown}")
         self._rows(outcome)
@@ -331,7 +331,7 @@ class FaultRun:
         """Is every poison entry in its dead-letter stream, with a reason?"""
         ok = True
         for name, sent in self.poison_sent.items():
-            entries = await admin.xrange(f"{self.keys.prefix}:{name}")
+            entries = await admin.xrange(f"{self.keys.cell(0)}:{name}")
             reasons = [s(f.get(b"reason")) for _, f in entries if f.get(b"reason")]
             if record:
                 self.report.dead_letters[name] = reasons
@@ -343,8 +343,8 @@ class FaultRun:
 
     async def _leftovers(self, admin: Redis) -> dict[str, Any]:
         k, left = self.keys, {}
-        for stream, group in [(k.tasks(st), TASK_GROUP) for st in STAGES] + [(k.events, EVENT_GROUP),
-                                                                             (k.notify, NOTIFY_GROUP)]:
+        for stream, group in [(k.tasks(st, 0), TASK_GROUP) for st in STAGES] + [(k.events(0), EVENT_GROUP),
+                                                                                (k.notify(0), NOTIFY_GROUP)]:
             try:
                 if (n := (await admin.xpending(stream, group))["pending"]):
                     left[f"pending {stream}"] = n
@@ -352,10 +352,10 @@ class FaultRun:
                 pass
             if (n := await admin.xlen(stream)):
                 left[f"XLEN {stream}"] = n
-        for key in (k.inflight, k.retries):
+        for key in (k.inflight(0), k.retries(0)):
             if (n := await admin.zcard(key)):
                 left[key] = n
-        if edges := [x async for x in admin.scan_iter(match=f"{k.prefix}:wf:*:edge:*", count=1000)]:
+        if edges := [x async for x in admin.scan_iter(match=f"{k.prefix}:*:wf:*:edge:*", count=1000)]:
             left["edge keys"] = len(edges)
         return left
 
@@ -368,7 +368,7 @@ class FaultRun:
             if any(part in key for part in (":wf:", ":tomb:", ":idem:", ":webhook:", ":idx:")):
                 continue            # a workflow's own keys and the listing indexes: they expire / are trimmed
             shapes[_shape(key)] += 1
-            if key.endswith(":tasks") or key in (self.keys.events, self.keys.notify):
+            if key.endswith(":tasks") or key in (self.keys.events(0), self.keys.notify(0)):
                 try:
                     for group in await admin.xinfo_groups(key):
                         shapes[f"consumers of {_shape(key)}"] += int(group["consumers"])
@@ -395,9 +395,11 @@ class FaultRun:
 
 
 def _shape(key: str) -> str:
+    """A process's own keys (`<cell>:inbox:<id>`, `<cell>:wake:<id>`, `<prefix>:{workers}:<id>`) as one shape."""
     parts = key.split(":")
-    if len(parts) >= 3 and parts[1] in ("inbox", "worker", "wake"):
-        return f"{parts[0]}:{parts[1]}:*"
+    for i, part in enumerate(parts[:-1]):
+        if part in ("inbox", "wake") or (part == "{workers}" and i == len(parts) - 2):
+            return ":".join([*parts[:i + 1], "*"])
     return key
 
 

@@ -72,19 +72,19 @@ async def test_finding1_finish_with_steps_missing_is_a_retryable_failure(engine_
     session as a retryable failure ('gap'), never as done."""
     async with engine_factory(workers=False, reconciler=False) as eng:
         sub = await eng.store.submit(request("gap", modalities=["text"]))
-        tasks = eng.store.keys.tasks("thinker")
+        tasks = eng.store.keys.tasks("thinker", 0)
         await redisio.ensure_group(eng.redis, tasks, TASK_GROUP)
         entry_id, _ = (await eng.redis.xreadgroup(TASK_GROUP, "w1", {tasks: ">"}, count=1))[0][1][0]
-        await redisio.script(eng.redis, "claim", [tasks], [eng.settings.prefix, TASK_GROUP, "w1", now_ms(), "",
-                                                            "thinker", s(entry_id), sub.id, "1"])
+        await redisio.script(eng.redis, "claim", claim_keys(eng, tasks, sub.id),
+                             [eng.settings.prefix, TASK_GROUP, "w1", now_ms(), "", "thinker", s(entry_id), sub.id, "1"])
         step = msgpack.packb([[1, "T", "a", ""]], use_bin_type=False)
         fin = msgpack.packb([TASK_GROUP, s(entry_id), "done", "{}", "1", 2, ""], use_bin_type=False)
-        reply = await redisio.script(eng.redis, "emit", [eng.store.keys.wf(sub.id), tasks, eng.store.keys.events],
+        reply = await redisio.script(eng.redis, "emit", emit_keys(eng, sub.id),
                                      ["thinker", 1, "", now_ms(), eng.settings.prefix, sub.id, step, fin])
         assert s(reply) == "gap"
         st = await eng.redis.hgetall(eng.store.keys.stages(sub.id))
         assert st[b"thinker"] == b"failed" and b"were not stored" in st[b"thinker:error"]
-        (_, event), = await eng.redis.xrange(eng.store.keys.events)
+        (_, event), = await eng.redis.xrange(eng.store.keys.events(0))
         assert event[b"t"] == b"failed" and event[b"r"] == b"1"
 
 
@@ -92,17 +92,17 @@ async def test_finding1_finish_with_steps_missing_is_a_retryable_failure(engine_
 async def test_finding2_the_reconciler_never_acks_an_event_it_did_not_apply(engine_factory) -> None:
     async with engine_factory(reconciler=False) as eng:
         sub = await eng.store.submit(request("ack only what was applied"))
-        events = await eventually(lambda: eng.redis.xrange(eng.store.keys.events))
+        events = await eventually(lambda: eng.redis.xrange(eng.store.keys.events(0)))
         rec = Reconciler(settings=eng.settings, pipeline=eng.pipeline, redis_url=eng.url)
-        rec.redis = eng.redis
-        await redisio.ensure_group(eng.redis, eng.store.keys.events, EVENT_GROUP)
+        rec.redis, rec.keys = eng.redis, eng.store.keys
+        await redisio.ensure_group(eng.redis, eng.store.keys.events(0), EVENT_GROUP)
         async with out_of_memory(eng.redis):
             assert await rec.apply(events) == ["pending"]
-        assert await eng.redis.xlen(eng.store.keys.events) == 1            # still there: not acked, not deleted
+        assert await eng.redis.xlen(eng.store.keys.events(0)) == 1            # still there: not acked, not deleted
         assert (await eng.store.document(sub.id))["state"] == "running"
         await eng.redis.script_flush()                                       # and after a restart: NOSCRIPT
         assert await rec.apply(events) == ["completed"]
-        assert await eng.redis.xlen(eng.store.keys.events) == 0              # acked with its application
+        assert await eng.redis.xlen(eng.store.keys.events(0)) == 0              # acked with its application
         assert (await eng.store.document(sub.id))["state"] == "completed"
 
 
@@ -116,9 +116,9 @@ async def test_finding3_a_refused_close_never_leaks_the_task_on_a_live_worker(en
         failed: list[int] = []
 
         async def refusing(commands: list[tuple[Any, ...]]) -> list[Any]:
-            # the first emit carrying a finish (3 keys) fails with a script error, unapplied
+            # the first emit carrying a finish (its 8th argument) fails with a script error, unapplied
             hit = next((i for i, c in enumerate(commands) if not failed and c[0] == "EVALSHA"
-                        and c[1] == scripts.SCRIPTS["emit"].sha and c[2] == 3), None)
+                        and c[1] == scripts.SCRIPTS["emit"].sha and len(c) == 3 + c[2] + 8), None)
             if hit is None:
                 return await real_run(commands)
             failed.append(hit)
@@ -132,7 +132,7 @@ async def test_finding3_a_refused_close_never_leaks_the_task_on_a_live_worker(en
         assert doc["state"] == "completed"
         assert doc["outputs"]["thinker"]["text"] == expected_text("close me")
         for stage in eng.pipeline.order:
-            assert (await eng.redis.xpending(eng.store.keys.tasks(stage), TASK_GROUP))["pending"] == 0
+            assert (await eng.redis.xpending(eng.store.keys.tasks(stage, 0), TASK_GROUP))["pending"] == 0
 
 
 def _response_error(message: str) -> Exception:
@@ -148,11 +148,11 @@ def test_finding4_backoff_of_a_huge_attempt_does_not_overflow() -> None:
 
 async def test_finding4_a_malformed_event_is_dead_lettered_and_the_reconciler_keeps_going(engine_factory) -> None:
     async with engine_factory() as eng:
-        events = eng.store.keys.events
+        events = eng.store.keys.events(0)
         await eng.redis.xadd(events, {"t": "failed", "wf": "nope", "s": "thinker", "a": "1100", "d": "x", "r": "1"})
         await eng.redis.xadd(events, {"t": "failed", "wf": "nope", "s": "thinker", "a": str(2 ** 1100)})
         await eng.redis.xadd(events, {"t": "done", "wf": "nope", "s": "thinker", "a": "1", "d": b"\xff\xfe"})
-        dlq = eng.store.keys.dlq("events")
+        dlq = eng.store.keys.dlq("events", 0)
         await eventually(lambda: _xlen_is(eng.redis, dlq, 2))
         reasons = [f[b"reason"].decode() for _, f in await eng.redis.xrange(dlq)]
         assert "out of bounds" in reasons[0] and "not UTF-8" in reasons[1]
@@ -182,14 +182,17 @@ async def test_finding6_restart_requeues_a_downstream_stage_that_already_finishe
         await eng.redis.hset(wf, mapping={"state": "running", "finished": "talker"})
         await eng.redis.hset(sk, mapping={"thinker": "running", "thinker:attempt": 2, "talker": "done",
                                           "code2wav": "waiting_input"})
-        before = await eng.redis.xlen(eng.store.keys.tasks("talker"))
-        reply = await redisio.script(eng.redis, "restart", [wf], [eng.settings.prefix, "thinker", 2, now_ms(),
+        before = await eng.redis.xlen(eng.store.keys.tasks("talker", 0))
+        keys = [wf, sk, f"{wf}:log", f"{wf}:edge:thinker:talker", f"{wf}:edge:talker:code2wav",
+                *(f"{wf}:out:{st}" for st in ("thinker", "talker", "code2wav")),
+                eng.store.keys.tasks("talker", 0), eng.store.keys.tasks("code2wav", 0)]
+        reply = await redisio.script(eng.redis, "restart", keys, [eng.settings.prefix, "thinker", 2, now_ms(),
                                                                   "talker,code2wav", "thinker:talker,talker:code2wav"])
         assert s(reply) == "ok"
         st = {s(k): s(v) for k, v in (await eng.redis.hgetall(sk)).items()}
         assert st["talker"] == "pending" and st["talker:attempt"] == "2"
         assert st["code2wav"] == "pending" and st["code2wav:attempt"] == "2"
-        assert await eng.redis.xlen(eng.store.keys.tasks("talker")) == before + 1
+        assert await eng.redis.xlen(eng.store.keys.tasks("talker", 0)) == before + 1
         assert s(await eng.redis.hget(wf, "finished")) == ""
 
 
@@ -207,14 +210,14 @@ async def test_finding7_idempotency_keys_of_two_tenants_never_collide(engine_fac
 async def test_finding8_emit_with_a_malformed_step_writes_nothing(engine_factory) -> None:
     async with engine_factory(workers=False, reconciler=False) as eng:
         sub = await eng.store.submit(request("atomic", modalities=["text"]))
-        tasks = eng.store.keys.tasks("thinker")
+        tasks = eng.store.keys.tasks("thinker", 0)
         await redisio.ensure_group(eng.redis, tasks, TASK_GROUP)
         entry_id, _ = (await eng.redis.xreadgroup(TASK_GROUP, "w1", {tasks: ">"}, count=1))[0][1][0]
-        await redisio.script(eng.redis, "claim", [tasks], [eng.settings.prefix, TASK_GROUP, "w1", now_ms(), "",
-                                                            "thinker", s(entry_id), sub.id, "1"])
+        await redisio.script(eng.redis, "claim", claim_keys(eng, tasks, sub.id),
+                             [eng.settings.prefix, TASK_GROUP, "w1", now_ms(), "", "thinker", s(entry_id), sub.id, "1"])
 
         def call(steps: list[Any]) -> Any:
-            return redisio.script(eng.redis, "emit", [eng.store.keys.wf(sub.id)],
+            return redisio.script(eng.redis, "emit", emit_keys(eng, sub.id),
                                   ["thinker", 1, "running", now_ms(), eng.settings.prefix, sub.id,
                                    msgpack.packb(steps, use_bin_type=False)])
 
@@ -233,10 +236,10 @@ async def test_finding8_emit_with_a_malformed_step_writes_nothing(engine_factory
 # ---------------------------------------------------------------- finding 9
 async def test_finding9_a_huge_attempt_never_stalls_the_worker(engine_factory) -> None:
     async with engine_factory() as eng:
-        tasks = eng.store.keys.tasks("thinker")
+        tasks = eng.store.keys.tasks("thinker", 0)
         await eng.redis.xadd(tasks, {"wf": "ghost", "s": "thinker", "a": str(10 ** 12)})
         await eng.redis.xadd(tasks, {"wf": "ghost", "s": "thinker", "a": "9999"})     # in bounds: claimed, dropped
-        dlq = eng.store.keys.dlq("thinker")
+        dlq = eng.store.keys.dlq("thinker", 0)
         await eventually(lambda: _xlen_is(eng.redis, dlq, 1))
         (_, entry), = await eng.redis.xrange(dlq)
         assert b"out of bounds" in entry[b"reason"]
@@ -247,13 +250,13 @@ async def test_finding9_a_huge_attempt_never_stalls_the_worker(engine_factory) -
 # ---------------------------------------------------------------- finding 10
 async def test_finding10_dead_letters_are_capped_and_dead_consumers_are_reaped(engine_factory) -> None:
     async with engine_factory(dlq_max_len=10) as eng:
-        tasks, dlq = eng.store.keys.tasks("thinker"), eng.store.keys.dlq("thinker")
+        tasks, dlq = eng.store.keys.tasks("thinker", 0), eng.store.keys.dlq("thinker", 0)
         for _ in range(300):
             await eng.redis.xadd(tasks, {"garbage": "1"})
         await eventually(lambda: _xlen_is(eng.redis, tasks, 0), timeout_s=20)
         assert 0 < await eng.redis.xlen(dlq) < 300        # approximate MAXLEN: whole nodes trimmed
         # consumers that crashed reconcilers left in the event group
-        events = eng.store.keys.events
+        events = eng.store.keys.events(0)
         for name in ("rec-dead-1", "rec-dead-2"):
             await eng.redis.xreadgroup(EVENT_GROUP, name, {events: ">"}, count=1)
         rec = eng.reconcilers[0]
@@ -304,3 +307,16 @@ async def _consumers(url: str, stream: str) -> list[dict[str, Any]]:
         return list(await redis.xinfo_consumers(stream, EVENT_GROUP))
     finally:
         await redis.aclose()
+
+
+def claim_keys(eng: Any, tasks: str, wf_id: str) -> list[str]:
+    """KEYS of a `claim.lua` call of the entry stage (every key a script touches is declared)."""
+    wf = eng.store.keys.wf(wf_id)
+    return [tasks, wf, f"{wf}:stages", f"{wf}:log"]
+
+
+def emit_keys(eng: Any, wf_id: str) -> list[str]:
+    """KEYS of a thinker's `emit.lua` call, as its session declares them (`Session.emit_keys`)."""
+    wf, keys = eng.store.keys.wf(wf_id), eng.store.keys
+    return [wf, keys.tasks("thinker", 0), keys.events(0), f"{wf}:stages", f"{wf}:log", f"{wf}:out:thinker",
+            f"{wf}:edge:thinker:talker"]
