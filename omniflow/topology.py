@@ -28,7 +28,7 @@ from redis.cluster import RedisCluster as SyncRedisCluster
 from redis.sentinel import Sentinel as SyncSentinel
 from redis.exceptions import RedisError, ResponseError
 
-from omniflow.errors import ConfigError
+from omniflow.errors import ConfigError, RedisUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,8 @@ _kinds: dict[str, ServerKind] = {}
 
 def server_kind(url: str) -> ServerKind:
     """What `url` points at; asked once per URL and process (a short synchronous INFO), then cached.
-    A server that cannot be reached now counts as standalone, and is asked again next time."""
+    `RedisUnavailable` when the server cannot be asked now (daemons connect inside their retry
+    loop, so they wait for it)."""
     if urlsplit(url).scheme in SENTINEL_SCHEMES:
         return ServerKind.SENTINEL
     kind = _kinds.get(url)
@@ -135,8 +136,8 @@ def server_kind(url: str) -> ServerKind:
     except ResponseError:          # INFO refused (managed Redis, ACL): not a cluster we can use
         info = {}
     except (RedisError, OSError) as exc:
-        logger.debug("cannot ask %s whether it is a cluster yet: %s", url, exc)
-        return ServerKind.STANDALONE
+        # never guess: a standalone client on a cluster would fail on every other slot's keys
+        raise RedisUnavailable(f"Redis unreachable: {exc}") from exc
     kind = ServerKind.CLUSTER if int(info.get("cluster_enabled", 0) or 0) else ServerKind.STANDALONE
     _kinds[url] = kind
     return kind

@@ -18,6 +18,7 @@ import pytest
 
 import helpers
 from helpers import omniflow
+from omniflow.keys import Keys
 from omniflow.embedded import PID_FILE, EmbeddedServer, free_port
 
 
@@ -109,7 +110,7 @@ async def test_daemons_wait_for_redis_with_one_line_and_serve_when_it_comes(tmp_
         redis = connect(server.url)
         try:
             async def worker_registered() -> bool:
-                return bool(await redis.zcard("waiting:workers"))
+                return bool(await redis.zcard(Keys("waiting").workers))
             await helpers.eventually(worker_registered, timeout_s=30)
         finally:
             await redis.aclose()
