@@ -186,7 +186,7 @@ class FaultRun:
         k = self.keys
         for stage in STAGES:
             await admin.xadd(k.tasks(stage, 0), {"garbage": "yes"})
-            await admin.xadd(k.tasks(stage), {"wf": "ghost", "s": stage, "a": str(2 ** 70)})
+            await admin.xadd(k.tasks(stage, 0), {"wf": "ghost", "s": stage, "a": str(2 ** 70)})
             self.poison_sent[f"dlq:{stage}"] += 2
         await admin.xadd(k.events(0), {"t": "failed", "wf": "ghost", "s": "thinker", "a": str(2 ** 1100)})
         await admin.xadd(k.events(0), {"t": "exploded", "wf": "ghost", "s": "thinker", "a": "1"})
