@@ -48,7 +48,7 @@ from omniflow.errors import (
     ScriptError,
 )
 from omniflow.scripts import SCRIPTS, evalsha_args
-from omniflow.topology import open_client, open_sync_client
+from omniflow.topology import is_cluster, open_client, open_sync_client
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -143,6 +143,10 @@ def translated(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
 async def load_scripts(redis: Redis) -> None:
     """SCRIPT LOAD every script (cheap; idempotent). Called at start and after NOSCRIPT."""
     with boundary():
+        if is_cluster(redis):       # one SCRIPT LOAD per script, sent to every primary
+            for source in SCRIPTS.values():
+                await redis.script_load(source.source)
+            return
         pipe = redis.pipeline(transaction=False)
         for source in SCRIPTS.values():
             pipe.script_load(source.source)

@@ -235,6 +235,5 @@ def pubsub_client(client: Redis) -> Redis:
     node = client.get_random_node()
     kwargs = {k: v for k, v in node.connection_kwargs.items()
               if k in ("username", "password", "socket_timeout", "socket_connect_timeout")}
-    standalone: Redis = Redis(host=node.host, port=node.port, decode_responses=False,
-                              connection_class=FastConnection, **kwargs)
+    standalone: Redis = Redis(host=node.host, port=node.port, decode_responses=False, **kwargs)
     return standalone

@@ -57,3 +57,10 @@ def sentinel_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Calla
     finally:
         for group in made:
             group.stop()
+
+
+@pytest.fixture(scope="session")
+def valkey_url(valkey_cluster: EmbeddedCluster) -> str:
+    """Tests in this directory that use the engine fixtures (`engine_factory`) run against the
+    session's cluster: any node's URL, the engine finds the rest (16 cells over 3 primaries)."""
+    return valkey_cluster.url
