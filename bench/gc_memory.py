@@ -44,7 +44,7 @@ async def main() -> None:
         store = Store(eng.redis, settings, eng.pipeline, batcher=Batcher(eng.redis))
         await asyncio.gather(*(store.submit(SubmitRequest(input=WorkflowInput(text=f"gc {i}"), request_id=f"r{i}"))
                                for i in range(N)))
-        while await eng.redis.zcard("gc:inflight"):
+        while await eng.redis.zcard(store.keys.inflight(0)):
             await asyncio.sleep(0.2)
         peak, keys1 = await used(), await eng.redis.dbsize()
         started = time.monotonic()

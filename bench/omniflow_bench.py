@@ -29,6 +29,7 @@ from bench.common import (
     BenchError, Result, bench_env, check_alive, command_calls, command_delta, redis_client, running, summarize,
     timeout_for,
 )
+from omniflow.keys import Keys
 from omniflow.workers.base import Executor, Session
 
 MAX_SESSIONS = 512
@@ -121,7 +122,7 @@ class _Engine:
         while time.monotonic() < deadline:
             check_alive(procs)
             expected = self.procs if self.colocated else sum(st["replicas"] for st in self.spec["stages"].values())
-            if r.zcount(f"{self.prefix}:workers", int(time.time() * 1000), "+inf") >= expected:
+            if r.zcount(Keys(self.prefix).workers, int(time.time() * 1000), "+inf") >= expected:
                 return
             time.sleep(0.05)
         raise BenchError("omniflow workers did not come up")
@@ -163,14 +164,14 @@ def _busy_s(r: Any, prefix: str, ids: list[str], stage: str) -> float:
     """Sum of the `busy_s` usage the stage's executor reported (time its sessions held a slot)."""
     pipe = r.pipeline(transaction=False)
     for wf_id in ids:
-        pipe.hget(f"{prefix}:wf:{{{wf_id}}}:stages", f"{stage}:usage")
+        pipe.hget(Keys(prefix).stages(wf_id), f"{stage}:usage")
     return sum(json.loads(u).get("busy_s", 0.0) for u in pipe.execute() if u)
 
 
 def _records(r: Any, prefix: str, ids: list[str]) -> list[tuple[str, float, float]]:
     pipe = r.pipeline(transaction=False)
     for wf_id in ids:
-        pipe.hmget(f"{prefix}:wf:{{{wf_id}}}", "created_ms", "finished_ms", "state")
+        pipe.hmget(Keys(prefix).wf(wf_id), "created_ms", "finished_ms", "state")
     out = []
     for wf_id, (created, finished, state) in zip(ids, pipe.execute()):
         if state != b"completed":
@@ -209,7 +210,7 @@ def run_throughput(redis_url: str, n: int, procs_per_stage: int, *, submit_mode:
         client0 = time.process_time()
         ids = asyncio.run(_submit_all(redis_url, eng.prefix, eng.yaml, n, concurrency=512, submit_mode=submit_mode))
         deadline = time.monotonic() + timeout_for(n, 100)
-        while r.zcard(f"{eng.prefix}:inflight") > 0:
+        while r.zcard(Keys(eng.prefix).inflight(0)) > 0:      # one cell: a single server
             check_alive(procs)
             if time.monotonic() > deadline:
                 raise BenchError("omniflow throughput run timed out")
