@@ -135,6 +135,15 @@ class Settings(BaseSettings):
     wait_aof: bool = Field(
         default=False,
         description="`WAITAOF` before acknowledging a submit: the submit is on disk before the client hears `ok`")
+    wait_replicas: int = Field(
+        default=0, ge=0,
+        description="every round trip that changes state waits (`WAIT`) until this many replicas have it, "
+                    "so a failover loses nothing acknowledged; 0: asynchronous replication (see "
+                    "docs/operations.md for what that loses and what the wait costs)")
+    wait_timeout_ms: int = Field(
+        default=1000, ge=1,
+        description="how long that wait may take; a round trip not replicated in time counts as lost and "
+                    "is retried")
     dlq_max_len: int = Field(
         default=10_000, ge=1, description="each dead-letter stream keeps about this many entries")
 

@@ -106,6 +106,7 @@ class Reconciler:
             self._blocking = connect(self.redis_url)
             self._clients = [self.redis, self._blocking]
             self.plane = DataPlane(self.redis, self.settings, worker_id=self.id)
+            redisio.require_replicas(self.redis, self.settings.wait_replicas, self.settings.wait_timeout_ms)
             self.keys = Keys.of(self.settings, self.redis)
             self._stage_event_suffixes = self._suffixes()
         await check_eviction_policy(self.redis)

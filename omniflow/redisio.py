@@ -168,7 +168,38 @@ async def execute(redis: Redis, commands: Sequence[tuple[Any, ...]]) -> list[Any
     return results
 
 
+#: commands that write nothing: a round trip of only these needs no replication wait
+READ_ONLY = frozenset({"XREAD", "XREADGROUP", "XRANGE", "XREVRANGE", "XLEN", "XPENDING", "XINFO", "GET", "MGET",
+                       "HGET", "HMGET", "HGETALL", "EXISTS", "ZCARD", "ZRANGE", "ZREVRANGE", "ZRANGEBYSCORE",
+                       "ZSCORE", "TTL", "PTTL", "PING", "INFO", "SCAN", "TYPE"})
+
+
+_HEARTBEAT_SHA = SCRIPTS["heartbeat"].sha
+
+
+def require_replicas(client: Redis, replicas: int, timeout_ms: int) -> None:
+    """Make every round trip of `client` that writes wait until `replicas` replicas have its writes
+    (`WAIT`, in the same pipeline: one wait per round trip, whatever it carries; on a cluster one
+    per primary the round trip touched). A round trip not replicated in time counts as lost
+    (`RedisUnavailable`): its writes may or may not survive a failover, and every transition is
+    idempotent, so the caller's retry is safe. 0 replicas: no wait (asynchronous replication)."""
+    client.omniflow_wait = (replicas, timeout_ms) if replicas > 0 else None
+
+
+def _first_key(cmd: tuple[Any, ...]) -> Any:
+    return cmd[3] if str(cmd[0]).upper() in ("EVALSHA", "EVAL") else cmd[1]
+
+
+def _needs_replicas(cmd: tuple[Any, ...]) -> bool:
+    name = str(cmd[0]).split(" ", 1)[0].upper()
+    # a lease renewal is not state to keep: waiting on it would let leases lapse while a replica is away
+    return name not in READ_ONLY and not (name == "EVALSHA" and cmd[1] == _HEARTBEAT_SHA)
+
+
 async def _send(redis: Redis, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+    wait = getattr(redis, "omniflow_wait", None)
+    if wait is not None and any(_needs_replicas(c) for c in commands):
+        return await _send_replicated(redis, commands, *wait)
     try:
         if len(commands) == 1:
             try:
@@ -182,6 +213,34 @@ async def _send(redis: Redis, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
     except CLIENT_ERRORS as exc:
         raise translate(exc) from exc
     return [translate(r) if isinstance(r, Exception) else r for r in results]
+
+
+async def _send_replicated(redis: Redis, commands: Sequence[tuple[Any, ...]], replicas: int,
+                           timeout_ms: int) -> list[Any]:
+    """`_send` followed by WAIT on every primary it wrote to, in the same round trip."""
+    cluster = is_cluster(redis)
+    try:
+        pipe = redis.pipeline(transaction=False)
+        for cmd in commands:
+            pipe.execute_command(*cmd)
+        nodes = {}
+        if cluster:
+            for cmd in commands:
+                node = redis.get_node_from_key(_first_key(cmd))
+                nodes[node.name] = node
+            for node in nodes.values():
+                pipe.execute_command("WAIT", replicas, timeout_ms, target_nodes=node)
+        else:
+            pipe.execute_command("WAIT", replicas, timeout_ms)
+        results = await pipe.execute(raise_on_error=False)
+    except CLIENT_ERRORS as exc:
+        raise translate(exc) from exc
+    replies, acks = results[:len(commands)], results[len(commands):]
+    if any(isinstance(a, Exception) or int(a) < replicas for a in acks):
+        lost = RedisUnavailable(f"writes not confirmed by {replicas} replica(s) within {timeout_ms} ms "
+                                f"(WAIT answered {[a if isinstance(a, int) else str(a) for a in acks]})")
+        return [lost] * len(commands)
+    return [translate(r) if isinstance(r, Exception) else r for r in replies]
 
 
 async def call(redis: Redis, *command: Any) -> Any:

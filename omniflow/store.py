@@ -109,6 +109,7 @@ class Store:
         self.settings = settings
         self.pipeline = pipeline
         self.keys = Keys.of(settings, redis)
+        redisio.require_replicas(redis, settings.wait_replicas, settings.wait_timeout_ms)
         if settings.max_in_flight < self.keys.cells:
             raise ConfigError(f"OMNIFLOW_MAX_IN_FLIGHT={settings.max_in_flight} is below the number of cells "
                               f"({self.keys.cells}): every cell must admit at least one workflow")

@@ -275,6 +275,8 @@ class Worker:
             self._write_redis = [self.redis] + [connect(self.redis_url)
                                                 for _ in range(self.settings.write_connections - 1)]
             self._clients = [*self._write_redis, self._intake_redis, self._inbox_redis]
+            for client in self._write_redis:
+                redisio.require_replicas(client, self.settings.wait_replicas, self.settings.wait_timeout_ms)
             self._batchers = [Batcher(client) for client in self._write_redis]
             self.batcher = self._batchers[0]
             self.keys = Keys.of(self.settings, self.redis)
