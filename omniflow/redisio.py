@@ -34,6 +34,7 @@ from redis.exceptions import (
     NoPermissionError,
     NoScriptError,
     OutOfMemoryError,
+    RedisClusterException,
     ReadOnlyError,
     ResponseError,
 )
@@ -54,7 +55,9 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 #: what a redis-py call raises (its own errors, and socket errors it lets through)
-CLIENT_ERRORS: tuple[type[BaseException], ...] = (ClientError, OSError)
+#: (a cluster client's own errors are not redis-py's RedisError: a slot without a primary during
+#: a failover, a command it cannot route)
+CLIENT_ERRORS: tuple[type[BaseException], ...] = (ClientError, RedisClusterException, OSError)
 #: what a Redis call raises before or after translation: catch it only around Redis calls
 #: (an executor's own OSError is a stage failure, never a Redis loss)
 REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, *CLIENT_ERRORS)
@@ -95,6 +98,10 @@ def translate(exc: BaseException) -> OmniflowError:
         return exc
     if isinstance(exc, (AuthenticationError, NoPermissionError)):
         return ConfigError(f"Redis refused our credentials or permissions: {exc} (check OMNIFLOW_REDIS_URL)")
+    if isinstance(exc, RedisClusterException):
+        if "same key slot" in str(exc) or "several slots" in str(exc):    # a command built wrong: a bug
+            return ScriptError(f"Redis Cluster: {exc}")
+        return RedisUnavailable(f"Redis Cluster is changing (a failover?): {exc}")
     for cls, code in _REFUSED_CLASSES:
         if isinstance(exc, cls):
             return RedisRefused(f"Redis refused the command ({code}): {exc}", refusal=code)
@@ -225,6 +232,7 @@ async def _send_replicated(redis: Redis, commands: Sequence[tuple[Any, ...]], re
             pipe.execute_command(*cmd)
         nodes = {}
         if cluster:
+            await redis.initialize()        # the slot map (a no-op once the client knows it)
             for cmd in commands:
                 node = redis.get_node_from_key(_first_key(cmd))
                 nodes[node.name] = node
