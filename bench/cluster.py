@@ -6,7 +6,8 @@ Prints, for docs/operations.md:
 - spread: how the commands of a throughput run fall on the primaries (INFO commandstats per
   node) and commands per workflow, on the cluster (16 cells) and on one server (1 cell);
 - wait: the cost of `OMNIFLOW_WAIT_REPLICAS=1` (every transition confirmed by a replica) in
-  workflows/s and p50, on one server with a replica and on the cluster;
+  workflows/s and p50 under load, on one server with a replica and on the cluster, and in latency
+  one workflow at a time on the server;
 - failover: what a failover loses. Under a steady submit rate, shard 0's replica is cut off from
   its primary for `--lag-s` (SIGSTOP, and its replication link killed), then the primary is
   SIGKILLed and the stale replica promoted (TAKEOVER): every write the primary acknowledged in
@@ -130,6 +131,37 @@ async def submit_and_finish(engine: Engine, n: int, *, concurrency: int = 256) -
     return {"n": n, "wf_s": round(n / wall, 1), "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99)}
 
 
+async def one_at_a_time(engine: Engine, n: int) -> dict[str, Any]:
+    """Latency with nothing else going on: submit, wait for the terminal, next (p50/p99 ms)."""
+    from omniflow.models import SubmitRequest, WorkflowInput
+    from omniflow.pipeline import load_pipeline
+    from omniflow.store import Store, connect
+
+    redis = connect(engine.url)
+    store = Store(redis, engine.settings(), load_pipeline(engine.yaml))
+    lat = []
+    try:
+        for i in range(n):
+            t = time.perf_counter()
+            sub = await store.submit(SubmitRequest(input=WorkflowInput(text=f"l{i}")))
+            doc = await store.wait(sub.id, timeout_s=30)
+            if doc["state"] != "completed":
+                raise BenchError(f"workflow {sub.id} ended {doc['state']}")
+            lat.append((time.perf_counter() - t) * 1000)
+    finally:
+        await redis.aclose()
+    return {"n": n, "p50_ms": round(percentile(lat[5:], 50), 2), "p99_ms": round(percentile(lat[5:], 99), 2)}
+
+
+def latency_run(url: str, n: int, *, wait_replicas: int = 0) -> dict[str, Any]:
+    engine = Engine(url, wait_replicas=wait_replicas)
+    with running(engine.commands, env=engine.env) as procs:
+        engine.wait_ready(procs)
+        result = asyncio.run(one_at_a_time(engine, n))
+    shutil.rmtree(engine.tmp, ignore_errors=True)
+    return result
+
+
 def spread_run(url: str, nodes: list[tuple[str, int]], n: int, *, wait_replicas: int = 0) -> dict[str, Any]:
     engine = Engine(url, wait_replicas=wait_replicas)
     with running(engine.commands, env=engine.env) as procs:
@@ -238,6 +270,10 @@ def main() -> int:
                 if "wait" in only:
                     out["single_wait1"] = spread_run(single.url, [("primary", single.port)], args.n, wait_replicas=1)
                     print("single server, WAIT 1:", json.dumps(out["single_wait1"]), flush=True)
+                    for w in (0, 1):
+                        out[f"single_latency_wait{w}"] = latency_run(single.url, 60, wait_replicas=w)
+                        print(f"single server, one at a time, WAIT {w}:", json.dumps(out[f"single_latency_wait{w}"]),
+                              flush=True)
             finally:
                 replica.stop()
                 single.stop()
