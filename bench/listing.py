@@ -60,7 +60,7 @@ async def main(n: int, repeats: int) -> None:
         started = time.perf_counter()
         ids = await fill(store, n)
         print(f"created {n} workflows in {time.perf_counter() - started:.1f}s", flush=True)
-        middle = int((await redis.zscore(store.keys.all_wf, ids[n // 2])))
+        middle = int((await redis.zscore(store.keys.all_wf(0), ids[n // 2])))
         cases = [
             ("first page, no filter", ListFilter(), 0),
             (f"page at offset {n // 2:,}", ListFilter(), n // 2),

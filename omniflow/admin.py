@@ -17,6 +17,7 @@ from omniflow import listing
 from omniflow.errors import InvalidRequest, WorkflowNotFound
 from omniflow.keys import TASK_GROUP
 from omniflow.models import TERMINAL_STATES, SubmitRequest, WorkflowInput, WorkflowState
+from omniflow.topology import is_cluster
 from omniflow.store import Store, csv, decode_fields, now_ms, s, translate_errors
 from omniflow.window import WINDOW_S, merge, percentile
 
@@ -71,43 +72,51 @@ async def collect_stats(store: Store) -> dict[str, Any]:
     redis, keys, order = store.redis, store.keys, store.pipeline.order
     workers = await list_workers(store)
     now = now_ms()
+    cells = list(keys.all_cells)
+    # every figure is over the cells: each has its own task streams, sets and dead letters
     pipe = redis.pipeline(transaction=False)
-    for name in order:
-        pipe.xlen(keys.tasks(name))
-        pipe.xinfo_groups(keys.tasks(name))
-        pipe.xpending(keys.tasks(name), TASK_GROUP)
-        pipe.xlen(keys.dlq(name))
-    pipe.xlen(keys.dlq(DLQ_EVENTS))
-    pipe.zcard(keys.inflight)
-    pipe.zcard(keys.retries)
-    pipe.xlen(keys.events)
+    for cell in cells:
+        for name in order:
+            pipe.xlen(keys.tasks(name, cell))
+            pipe.xinfo_groups(keys.tasks(name, cell))
+            pipe.xpending(keys.tasks(name, cell), TASK_GROUP)
+            pipe.xlen(keys.dlq(name, cell))
+        pipe.xlen(keys.dlq(DLQ_EVENTS, cell))
+        pipe.zcard(keys.inflight(cell))
+        pipe.zcard(keys.retries(cell))
+        pipe.xlen(keys.events(cell))
     replies = await pipe.execute(raise_on_error=False)
-    per_stage = {name: replies[4 * i: 4 * i + 4] for i, name in enumerate(order)}
-    dlq_events, in_flight, retries, events = replies[4 * len(order):]
-    groups: dict[str, dict[Any, Any]] = {
-        name: next((g for g in (r[1] if isinstance(r[1], list) else []) if s(g.get("name")) == TASK_GROUP), {})
-        for name, r in per_stage.items()}
-    pipe = redis.pipeline(transaction=False)       # the oldest task nobody has read yet, per stage
+    width = 4 * len(order) + 4
+    per_cell = [replies[width * i: width * (i + 1)] for i in range(len(cells))]
+    per_stage = {name: [r[4 * i: 4 * i + 4] for r in per_cell] for i, name in enumerate(order)}
+    dlq_events, in_flight, retries, events = (sum(_int(r[4 * len(order) + j]) for r in per_cell) for j in range(4))
+    groups: dict[str, list[dict[Any, Any]]] = {
+        name: [next((g for g in (r[1] if isinstance(r[1], list) else []) if s(g.get("name")) == TASK_GROUP), {})
+               for r in rows] for name, rows in per_stage.items()}
+    pipe = redis.pipeline(transaction=False)       # the oldest task nobody has read yet, per stage and cell
     for name in order:
-        pipe.xrange(keys.tasks(name), f"({s(groups[name].get('last-delivered-id')) or '0-0'}", "+", count=1)
-    oldest_queued = await pipe.execute(raise_on_error=False)
+        for cell in cells:
+            pipe.xrange(keys.tasks(name, cell), f"({s(groups[name][cell].get('last-delivered-id')) or '0-0'}", "+",
+                        count=1)
+    firsts = await pipe.execute(raise_on_error=False)
     stages: dict[str, Any] = {}
-    for (name, (queued, _, pending, dlq)), first in zip(per_stage.items(), oldest_queued):
-        group = groups[name]
+    for i, (name, rows) in enumerate(per_stage.items()):
         mine = [w for w in workers if w["alive"] and name in w["stages"]]
         window = merge(w["window"].get(name, {}) for w in mine)
-        pending_info = pending if isinstance(pending, dict) else {}
+        oldest_pending = [_ms_of(r[2].get("min")) for r in rows if isinstance(r[2], dict) and r[2].get("min")]
+        oldest_queued = [_ms_of(f[0][0]) for f in firsts[i * len(cells):(i + 1) * len(cells)]
+                         if isinstance(f, list) and f]
         stages[name] = {
-            "queued": int(queued) if isinstance(queued, int) else 0,
-            "lag": int(group.get("lag") or 0),
-            "pending": int(group.get("pending") or 0),
-            "oldest_pending_age_s": _age_s(_ms_of(pending_info.get("min")), now),
-            "oldest_queued_age_s": _age_s(_ms_of(first[0][0]), now) if isinstance(first, list) and first else None,
+            "queued": sum(_int(r[0]) for r in rows),
+            "lag": sum(int(g.get("lag") or 0) for g in groups[name]),
+            "pending": sum(int(g.get("pending") or 0) for g in groups[name]),
+            "oldest_pending_age_s": _age_s(min((x for x in oldest_pending if x), default=None), now),
+            "oldest_queued_age_s": _age_s(min((x for x in oldest_queued if x), default=None), now),
             "live_workers": len(mine),
             "draining_workers": sum(1 for w in mine if w["draining"]),
             "active_sessions": sum(w["sessions"].get(name, 0) for w in mine),
             "capacity": sum(w["capacity"].get(name, 0) for w in mine),
-            "dlq": int(dlq) if isinstance(dlq, int) else 0,
+            "dlq": sum(_int(r[3]) for r in rows),
             "last_minute": {
                 "done": window["done"], "failed": window["failed"], "retries": window["retries"],
                 "throughput_per_s": round(window["done"] / WINDOW_S, 3),
@@ -116,11 +125,12 @@ async def collect_stats(store: Store) -> dict[str, Any]:
         }
     return {
         "at": now / 1000,
-        "in_flight": int(in_flight),
+        "in_flight": in_flight,
         "max_in_flight": store.settings.max_in_flight,
+        "cells": keys.cells,
         "scheduled_retries": int(retries),
-        "events_backlog": int(events) if isinstance(events, int) else 0,
-        "dlq_events": int(dlq_events) if isinstance(dlq_events, int) else 0,
+        "events_backlog": events,
+        "dlq_events": dlq_events,
         "workflows": await store.state_counts(),
         "stages": stages,
         "workers": workers,
@@ -170,8 +180,9 @@ async def count_finished(store: Store, states: tuple[str, ...], older_than_s: fl
     """How many finished workflows in `states` were created more than `older_than_s` ago."""
     cutoff = now_ms() - int(older_than_s * 1000)
     pipe = store.redis.pipeline(transaction=False)
-    for state in states:
-        pipe.zcount(store.keys.state_index(state), "-inf", f"({cutoff}")
+    for cell in store.keys.all_cells:
+        for state in states:
+            pipe.zcount(store.keys.state_index(state, cell), "-inf", f"({cutoff}")
     return sum(int(n) for n in await pipe.execute())
 
 
@@ -190,7 +201,7 @@ async def purge_finished(store: Store, states: tuple[str, ...], older_than_s: fl
         for wf_id in ids:
             pipe.hmget(keys.wf(wf_id), ["state", "tenant", "request_id", "finals"])
         records = await pipe.execute()
-        pipe = redis.pipeline(transaction=True)
+        pipe = redis.pipeline(transaction=not is_cluster(redis))    # (a cluster deletes workflow by workflow)
         for wf_id, (state, tenant, rid, finals) in zip(ids, records):
             if s(state) and s(state) not in FINISHED_STATES:
                 continue            # the index said finished: never delete a live record on a stale entry
@@ -198,7 +209,7 @@ async def purge_finished(store: Store, states: tuple[str, ...], older_than_s: fl
                         keys.webhook(wf_id), keys.webhook_attempts(wf_id),
                         *(keys.out(wf_id, stage) for stage in csv(finals)))
             if s(rid):
-                pipe.unlink(keys.idem(s(tenant), s(rid)))
+                pipe.unlink(keys.idem(s(tenant), s(rid), keys.cell_of(wf_id)))
             listing.unindex(pipe, keys, wf_id, s(tenant))
             deleted += 1
         await pipe.execute()
@@ -225,22 +236,31 @@ def dlq_names(store: Store, stage: str | None) -> list[str]:
 
 @translate_errors
 async def dlq_entries(store: Store, stage: str | None, limit: int) -> list[dict[str, Any]]:
-    """Dead letters, newest first (of one stage, or of all, up to `limit` in total)."""
-    rows = []
+    """Dead letters, newest first per stream (of one stage, or of all, up to `limit` in total)."""
+    rows: list[dict[str, Any]] = []
     for name in dlq_names(store, stage):
-        key = store.keys.dlq(name)
-        for eid, fields in await store.redis.xrevrange(key, count=limit):
-            rows.append({"stream": key, "dlq": name, "entry": s(eid), "at": (_ms_of(eid) or 0) / 1000,
-                         **decode_fields(fields)})
+        for key in _dlq_keys(store, name):
+            for eid, fields in await store.redis.xrevrange(key, count=limit):
+                rows.append({"stream": key, "dlq": name, "entry": s(eid), "at": (_ms_of(eid) or 0) / 1000,
+                             **decode_fields(fields)})
     return rows[:limit]
+
+
+def _dlq_keys(store: Store, name: str) -> list[str]:
+    """One dead-letter stream per cell."""
+    return [store.keys.dlq(name, cell) for cell in store.keys.all_cells]
+
+
+def _int(value: Any) -> int:
+    """A count from a pipeline reply (an error in place counts as 0: e.g. a stream not created yet)."""
+    return int(value) if isinstance(value, int) else 0
 
 
 @translate_errors
 async def dlq_replay(store: Store, stage: str | None, entry: str | None) -> list[dict[str, str]]:
     """Resubmit the workflows of dead letters as new workflows and drop the replayed entries."""
     out = []
-    for name in dlq_names(store, stage):
-        key = store.keys.dlq(name)
+    for name, key in ((n, k) for n in dlq_names(store, stage) for k in _dlq_keys(store, n)):
         entries = await store.redis.xrange(key, entry, entry) if entry else await store.redis.xrange(key, count=1000)
         for eid, fields in entries:
             row = {"dlq": name, "entry": s(eid), "wf": s(fields.get(b"wf"))}
@@ -261,11 +281,11 @@ async def dlq_replay(store: Store, stage: str | None, entry: str | None) -> list
 async def dlq_count(store: Store, stage: str | None, entry: str | None) -> int:
     """How many dead letters `dlq_drop` would delete."""
     pipe = store.redis.pipeline(transaction=False)
-    for name in dlq_names(store, stage):
+    for key in (k for name in dlq_names(store, stage) for k in _dlq_keys(store, name)):
         if entry:
-            pipe.xrange(store.keys.dlq(name), entry, entry)
+            pipe.xrange(key, entry, entry)
         else:
-            pipe.xlen(store.keys.dlq(name))
+            pipe.xlen(key)
     return sum(len(r) if isinstance(r, list) else int(r) for r in await pipe.execute())
 
 
@@ -273,8 +293,7 @@ async def dlq_count(store: Store, stage: str | None, entry: str | None) -> int:
 async def dlq_drop(store: Store, stage: str | None, entry: str | None) -> int:
     """Delete dead letters (one entry, one stage's, or all); returns how many."""
     n = 0
-    for name in dlq_names(store, stage):
-        key = store.keys.dlq(name)
+    for key in (k for name in dlq_names(store, stage) for k in _dlq_keys(store, name)):
         if entry:
             n += await store.redis.xdel(key, entry)
         else:

@@ -128,7 +128,7 @@ class Reconciler:
         wf, cell, keys = self.keys.wf(wf_id), self.keys.cell_of(wf_id), self.keys
         return [wf, keys.inflight(cell), keys.retries(cell), keys.events(cell), keys.dlq(stage, cell),
                 keys.tomb(wf_id), keys.notify(cell), *(keys.tasks(st, cell) for st in self.pipeline.order),
-                *(wf + suffix for suffix in self._stage_event_suffixes)]
+                *keys.state_indexes(cell), *(wf + suffix for suffix in self._stage_event_suffixes)]
 
     async def _leave(self) -> None:
         """Delete our consumer from the event group if it holds nothing (a crashed reconciler's
@@ -465,7 +465,7 @@ class Reconciler:
         """`abort.lua` failing a workflow past its deadline (KEYS: see its header)."""
         wf, keys = self.keys.wf(wf_id), self.keys
         return evalsha_args(
-            "abort", [wf, keys.inflight(cell), keys.tomb(wf_id), keys.notify(cell),
+            "abort", [wf, keys.inflight(cell), keys.tomb(wf_id), keys.notify(cell), *keys.state_indexes(cell),
                       *(wf + suffix for suffix in self._stage_event_suffixes)],
             [self.settings.prefix, now_ms(), "failed", "deadline exceeded", "",
              self.settings.tombstone_ttl_s, self.settings.result_ttl_s])

@@ -59,6 +59,7 @@ from omniflow.errors import (
     StageError,
 )
 from omniflow.keys import TASK_GROUP, Keys
+from omniflow.models import WorkflowState
 from omniflow.pipeline import EdgeMode, Pipeline, import_executor
 from omniflow.redisio import REDIS_ERRORS, connect, ensure_group
 from omniflow.runtime import Backoff, check_eviction_policy, check_layout, forever, when_redis_answers
@@ -587,7 +588,8 @@ class Worker:
         the task that causes it."""
         args = [self.settings.prefix, TASK_GROUP, self.id, now_ms(), ",".join(pool.upstream), pool.stage,
                 *(x for claim in claims for x in claim)]
-        keys = [pool.tasks_keys[cell]]
+        keys = [pool.tasks_keys[cell], self.keys.state_index(WorkflowState.PENDING.value, cell),
+                self.keys.state_index(WorkflowState.RUNNING.value, cell)]
         for _entry_id, wf_id, _attempt in claims:
             wf = self.keys.wf(wf_id)
             keys += [wf, f"{wf}:stages", f"{wf}:log", *(f"{wf}:edge:{src}:{pool.stage}" for src in pool.upstream)]

@@ -87,7 +87,7 @@ async def test_cli_bad_input_exits_2_with_one_clear_line(engine_factory, cli_env
         code, stdout, stderr = await omniflow(*args, env=cli_env(eng))
         assert code == 2, stderr
         assert message in stderr and stderr.count("\n") == 1 and "Traceback" not in stderr
-        assert await eng.redis.zcard(eng.store.keys.all_wf) == 0           # nothing ran
+        assert await eng.redis.zcard(eng.store.keys.all_wf(0)) == 0           # nothing ran
 
 
 async def test_cli_non_utf8_argument_exits_2(engine_factory, cli_env) -> None:
@@ -97,7 +97,7 @@ async def test_cli_non_utf8_argument_exits_2(engine_factory, cli_env) -> None:
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         _, err = await asyncio.wait_for(proc.communicate(), 60)
         assert proc.returncode == 2 and b"is not valid UTF-8" in err and b"Traceback" not in err
-        assert await eng.redis.zcard(eng.store.keys.all_wf) == 0
+        assert await eng.redis.zcard(eng.store.keys.all_wf(0)) == 0
 
 
 async def test_cli_wait_running_out_of_time_exits_4_and_says_so(engine_factory, cli_env, tmp_path) -> None:

@@ -125,7 +125,7 @@ async def test_purge_older_than_deletes_finished_workflows_only(engine_factory, 
         assert await run_json("purge", "--older-than", "1s", "--yes", env=env) == {"deleted_workflows": 1}
         assert await eng.store.state(done.id) is None and await eng.store.state(live.id) is not None
         assert not await eng.redis.exists(eng.store.keys.log(done.id), eng.store.keys.idem("default", "purge-me"))
-        assert await eng.redis.zscore(eng.store.keys.state_index("aborted"), done.id) is None
+        assert await eng.redis.zscore(eng.store.keys.state_index("aborted", 0), done.id) is None
         assert [r["id"] for r in await eng.store.list()] == [live.id]
         deleted = await run_json("purge", "--all", "--yes", env=env)
         assert deleted["deleted_keys"] > 0 and await eng.store.state(live.id) is None
@@ -158,7 +158,7 @@ async def test_dlq_ls_replay_and_drop(engine_factory, cli_env) -> None:
 
 
 async def _dlq_len(eng, n: int) -> bool:
-    return await eng.redis.xlen(eng.store.keys.dlq("thinker")) == n
+    return await eng.redis.xlen(eng.store.keys.dlq("thinker", 0)) == n
 
 
 async def test_batch_results_jsonl_with_audio_and_an_unwrapped_stderr_report(engine_factory, cli_env,

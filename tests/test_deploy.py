@@ -120,7 +120,7 @@ def test_a_wrong_flag_would_be_caught() -> None:
     with pytest.raises(AssertionError, match="No such option"):
         check_command(["omniflow", "worker", "--stages", "thinker"], {"thinker"})
     with pytest.raises(AssertionError, match="no command"):
-        check_command(["omniflow", "workers"], {"thinker"})
+        check_command(["omniflow", "frobnicate"], {"thinker"})
 
 
 def test_every_omniflow_variable_is_a_setting_with_a_valid_value() -> None:

@@ -11,7 +11,7 @@ from omniflow.store import s
 
 
 async def _index(eng, state: str) -> set[str]:
-    return {s(x) for x in await eng.redis.zrange(eng.store.keys.state_index(state), 0, -1)}
+    return {s(x) for x in await eng.redis.zrange(eng.store.keys.state_index(state, 0), 0, -1)}
 
 
 async def test_state_index_follows_every_transition(engine_factory) -> None:
@@ -94,8 +94,8 @@ async def test_trim_drops_old_entries_from_every_index(engine_factory) -> None:
         sub = await eng.store.submit(request("old"), tenant="acme")
         keys = eng.store.keys
         await listing.trim(eng.redis, keys, cutoff_ms=0)
-        assert await eng.redis.zcard(keys.tenant_index("acme")) == 1
-        created = int(await eng.redis.zscore(keys.all_wf, sub.id))
+        assert await eng.redis.zcard(keys.tenant_index("acme", 0)) == 1
+        created = int(await eng.redis.zscore(keys.all_wf(0), sub.id))
         await listing.trim(eng.redis, keys, cutoff_ms=created + 1)
-        for key in (keys.all_wf, keys.state_index("pending"), keys.tenant_index("acme")):
+        for key in (keys.all_wf(0), keys.state_index("pending", 0), keys.tenant_index("acme", 0)):
             assert await eng.redis.zcard(key) == 0

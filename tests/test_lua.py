@@ -29,7 +29,8 @@ async def store(any_server_url, settings_factory):
 
 def claim_keys(store: Store, stage: str, wf_id: str, upstream: tuple[str, ...] = ()) -> list[str]:
     wf = store.keys.wf(wf_id)
-    return [store.keys.tasks(stage, 0), wf, f"{wf}:stages", f"{wf}:log", *(f"{wf}:edge:{u}:{stage}" for u in upstream)]
+    return [store.keys.tasks(stage, 0), store.keys.state_index("pending", 0), store.keys.state_index("running", 0),
+            wf, f"{wf}:stages", f"{wf}:log", *(f"{wf}:edge:{u}:{stage}" for u in upstream)]
 
 
 def emit_keys(store: Store, wf_id: str, stage: str, downstream: tuple[str, ...] = ()) -> list[str]:

@@ -122,7 +122,7 @@ async def test_webhook_to_a_private_address_is_refused_at_submit(engine_factory)
                     "http://10.0.0.7/x", "http://169.254.169.254/x", "gopher://example.com/x"):
             with pytest.raises(InvalidRequest, match="webhook_url"):
                 await eng.store.submit(request("ssrf", ["text"], webhook_url=url))
-        assert await eng.redis.zcard(eng.store.keys.all_wf) == 0
+        assert await eng.redis.zcard(eng.store.keys.all_wf(0)) == 0
 
 
 async def test_webhook_to_a_name_that_resolves_private_at_delivery_is_refused_and_recorded(engine_factory,

@@ -125,4 +125,4 @@ async def test_chat_refuses_n_and_tools_it_cannot_honour(api_factory):
                                                      "body.tools"), ({"functions": [{"name": "f"}]}, "body.functions")):
             r = await http.post("/v1/chat/completions", json={**base, **extra})
             assert r.status_code == 422 and r.json()["error"]["fields"][0]["loc"] == field, extra
-        assert await engine.redis.zcard(engine.store.keys.all_wf) == 0
+        assert await engine.redis.zcard(engine.store.keys.all_wf(0)) == 0

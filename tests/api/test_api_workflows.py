@@ -169,7 +169,7 @@ async def test_whitespace_only_prompt_is_refused_at_submit(api_factory):
     async with api_factory() as (engine, server), server.client() as http:
         r = await http.post("/v1/workflows", json={"input": {"text": " \n\t "}})
         assert r.status_code == 422 and r.json()["error"]["fields"][0]["loc"] == "body.input.text"
-        assert await engine.redis.zcard(engine.store.keys.all_wf) == 0           # nothing was created
+        assert await engine.redis.zcard(engine.store.keys.all_wf(0)) == 0           # nothing was created
 
 
 async def test_a_webhook_url_that_can_never_be_delivered_is_refused_at_submit(api_factory):
@@ -178,7 +178,7 @@ async def test_a_webhook_url_that_can_never_be_delivered_is_refused_at_submit(ap
                     "http://localhost/x", "ftp://example.com/x", "http://user:pw@example.com/x"):
             r = await http.post("/v1/workflows", json={"input": {"text": "x"}, "webhook_url": url})
             assert r.status_code == 422 and "webhook_url" in r.json()["error"]["message"], url
-        assert await engine.redis.zcard(engine.store.keys.all_wf) == 0
+        assert await engine.redis.zcard(engine.store.keys.all_wf(0)) == 0
         r = await http.post("/v1/workflows", json={"input": {"text": "x"}, "webhook_url": "https://hooks.example.com/x"})
         assert r.status_code == 202              # a name is resolved (and checked again) at delivery time
         doc = (await http.get(r.json()["links"]["self"])).json()
