@@ -28,6 +28,8 @@ async def test_chaos_primary_killed_and_replica_promoted(cluster_factory: Callab
                       quiesce_timeout_s=180.0)
     procs = Cluster(tmp_path, valkeys.url, f"x{uuid.uuid4().hex[:8]}", cfg)
     procs.env.update(OMNIFLOW_WAIT_REPLICAS="1", OMNIFLOW_WAIT_TIMEOUT_MS="2000")
+    # the submitting client too: a submit is acknowledged once a replica has it
+    procs.settings = procs.settings.model_copy(update={"wait_replicas": 1, "wait_timeout_ms": 2000})
     procs.start(reconcilers=2)
     killed_ports: list[int] = []
     try:
@@ -64,6 +66,8 @@ async def test_chaos_sentinel_failover_under_load(sentinel_factory: Callable[...
                       quiesce_timeout_s=180.0)
     procs = Cluster(tmp_path, group.url, f"y{uuid.uuid4().hex[:8]}", cfg)
     procs.env.update(OMNIFLOW_WAIT_REPLICAS="1", OMNIFLOW_WAIT_TIMEOUT_MS="2000")
+    # the submitting client too: a submit is acknowledged once a replica has it
+    procs.settings = procs.settings.model_copy(update={"wait_replicas": 1, "wait_timeout_ms": 2000})
     procs.start(reconcilers=2)
     recovered_s: list[float] = []
     try:
