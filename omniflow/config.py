@@ -107,25 +107,43 @@ class Settings(BaseSettings):
     # data plane (omniflow.dataplane): where a chunk's payload travels, chosen per chunk.
     # <= inline max: inside the edge-log entry; larger: shared memory when the consuming replica is
     # on this host (and the payload is at least shm_min), else a Redis key referenced by the entry.
-    dataplane_mode: DataPlaneMode = DataPlaneMode.AUTO
-    dataplane_inline_max_bytes: int = Field(64 << 10, ge=0)
-    dataplane_shm_min_bytes: int = Field(64 << 10, ge=0)
-    dataplane_shm_dir: Path = Path("/dev/shm")
+    dataplane_mode: DataPlaneMode = Field(
+        default=DataPlaneMode.AUTO,
+        description="how chunk payloads travel: chosen per chunk (`auto`), or one transport for all")
+    dataplane_inline_max_bytes: int = Field(
+        default=64 << 10, ge=0, description="payloads up to this size travel inside the edge-log entry")
+    dataplane_shm_min_bytes: int = Field(
+        default=64 << 10, ge=0,
+        description="larger payloads use shared memory from this size on, when the consuming replica shares "
+                    "this host's /dev/shm (same host id); else a Redis key referenced by the entry")
+    dataplane_shm_dir: Path = Field(default=Path("/dev/shm"), description="where shared-memory segments live")
     # segments a producer keeps mapped to recycle once their consumers are done (0: no recycling)
-    dataplane_shm_pool_bytes: int = Field(256 << 20, ge=0)
+    dataplane_shm_pool_bytes: int = Field(
+        default=256 << 20, ge=0,
+        description="segments a producer keeps mapped to recycle once their consumers are done (0: none)")
     # what a reference points at outlives any retry that could need it: at least the longest
     # workflow deadline (max_deadline_s) plus this margin; released earlier at the consumer's
     # finish and at the workflow's terminal, swept if its owner died
-    dataplane_ttl_margin_s: float = Field(300.0, ge=0)
+    dataplane_ttl_margin_s: float = Field(
+        default=300.0, ge=0,
+        description="a payload key or segment lives max_deadline_s plus this (a retry may replay it); released "
+                    "earlier at the consumer's finish and the workflow's terminal")
     # "header": the reference carries a CRC32 of the payload's header (sizes, dtypes, shapes, owner,
     # a nonce), which catches a stale or foreign segment/key; "full" also checksums every byte of
     # the payload (both sides pay ~0.25 ms per MiB here)
-    dataplane_checksum: ChecksumMode = ChecksumMode.HEADER
-    # backpressure: what a producer may have unread by its consumer on one `chunk` edge (0: no bound)
-    dataplane_edge_max_chunks: int = Field(1024, ge=0)
-    dataplane_edge_max_bytes: int = Field(256 << 20, ge=0)
-    # how often workers and the reconciler sweep their host's segments (ended workflows, dead producers)
-    dataplane_sweep_interval_s: float = Field(30.0, gt=0)
+    dataplane_checksum: ChecksumMode = Field(
+        default=ChecksumMode.HEADER,
+        description="what a reference's CRC32 covers: the payload's header (catches a stale or foreign "
+                    "payload), or every byte (`full`, ~0.25 ms per MiB on each side)")
+    dataplane_edge_max_chunks: int = Field(
+        default=1024, ge=0,
+        description="backpressure: chunks a producer may have unread by its consumer on one `chunk` edge (0: no bound)")
+    dataplane_edge_max_bytes: int = Field(
+        default=256 << 20, ge=0,
+        description="backpressure: payload bytes a producer may have unread by its consumer on one edge (0: no bound)")
+    dataplane_sweep_interval_s: float = Field(
+        default=30.0, gt=0,
+        description="how often workers and reconcilers sweep their host's segments (ended workflows, dead producers)")
 
     def dataplane_ttl_s(self) -> float:
         """How long a payload key or segment lives at most (a retry may replay it until then)."""

@@ -120,7 +120,7 @@ class Reconciler:
     def _suffixes(self) -> tuple[str, ...]:
         """What `stage_event.lua` may touch besides the cell's sets and streams, as suffixes of the
         workflow's base key: stages, log, done, the final outputs, the edge logs."""
-        return (":stages", ":log", ":done", *(f":out:{st}" for st in self.pipeline.finals),
+        return (":stages", ":log", ":done", ":blobs", *(f":out:{st}" for st in self.pipeline.finals),
                 *(f":edge:{e.src}:{e.dst}" for st in self.pipeline.order for e in self.pipeline.outputs[st]))
 
     def stage_event_keys(self, wf_id: str, stage: str) -> list[str]:

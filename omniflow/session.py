@@ -385,6 +385,9 @@ class Session:
         keys = self._emit_keys
         if keys is None:
             keys = self._emit_keys = self.emit_keys()
+        blobs = [keys[0] + step[i + 1] for step in steps for i in range(1, len(step) - 2, 3) if step[i] == "B"]
+        if blobs:       # payload keys this call stores (op 'B'): declared like every other key
+            keys = [*keys, *blobs]
         if self._finish is None:
             return evalsha_args("emit", keys, args)
         return evalsha_args("emit", [keys[0], *self._finish[0], *keys[3:]], [*args, self._finish[1]])
@@ -395,7 +398,7 @@ class Session:
         keys, wf_id, cell = self._keys, self.wf_id, self._keys.cell_of(self.wf_id)
         wf = keys.wf(wf_id)
         return [wf, keys.tasks(self.stage, cell), keys.events(cell), f"{wf}:stages", f"{wf}:log",
-                f"{wf}:out:{self.stage}", *(f"{wf}:edge:{self.stage}:{dst}" for dst in self.downstream)]
+                f"{wf}:out:{self.stage}", f"{wf}:blobs", *(f"{wf}:edge:{self.stage}:{dst}" for dst in self.downstream)]
 
     async def close(self, *, tasks_key: str, events_key: str, group: str, entry_id: str, outcome: str,
                     detail: str, retryable: bool) -> str:

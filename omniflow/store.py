@@ -114,7 +114,7 @@ class Store:
             raise ConfigError(f"OMNIFLOW_MAX_IN_FLIGHT={settings.max_in_flight} is below the number of cells "
                               f"({self.keys.cells}): every cell must admit at least one workflow")
         # what `finalize` (_lib.lua) may touch, as suffixes of a workflow's base key
-        self._final_suffixes = tuple(f":out:{st}" for st in pipeline.finals) + tuple(
+        self._final_suffixes = (":blobs", *(f":out:{st}" for st in pipeline.finals)) + tuple(
             f":edge:{e.src}:{e.dst}" for st in pipeline.order for e in pipeline.outputs[st])
 
     # ---------------------------------------------------------------- submit

@@ -25,7 +25,7 @@ from omniflow.dataplane.base import PutContext, Ref, TransportKind, UndecodableP
 from omniflow.dataplane.inline import InlineTransport
 from omniflow.dataplane.policy import choose_transport
 from omniflow.dataplane.rediskey import Command, RedisTransport
-from omniflow.dataplane.shm import ShmTransport, SweepReason, name_part, shm_available
+from omniflow.dataplane.shm import shm_domain, ShmTransport, SweepReason, name_part, shm_available
 from omniflow.keys import Keys
 from omniflow.redisio import translated
 
@@ -52,7 +52,8 @@ class DataPlane:
         self.rediskey = RedisTransport(redis, self.keys, full_checksum=full)
         directory = settings.dataplane_shm_dir
         self.shm = ShmTransport(settings.prefix, directory=directory, full_checksum=full,
-                                pool_bytes=settings.dataplane_shm_pool_bytes) if shm_available(directory) else None
+                                pool_bytes=settings.dataplane_shm_pool_bytes,
+                                domain=shm_domain(directory, settings.host_id)) if shm_available(directory) else None
         self.domain = self.shm.domain if self.shm else ""
         self.ttl_s = settings.dataplane_ttl_s()
 

@@ -1,8 +1,8 @@
 """Redis-key transport: the payload in its own key with a TTL, the entry holds a reference.
 
-For medium payloads and every cross-host case. The key carries the workflow's hash tag
-(`<prefix>:wf:{<id>}:blob:<src>:<dst>:<attempt>:<seq>`, see `omniflow.keys`) and is listed in
-the workflow's `<prefix>:wf:{<id>}:blobs` set, so the workflow's terminal releases it; its TTL is
+For medium payloads and every cross-host case. The key carries the workflow's cell hash tag
+(`<cell>:wf:<id>:blob:<src>:<dst>:<attempt>:<seq>`, see `omniflow.keys`) and is listed in
+the workflow's `<cell>:wf:<id>:blobs` set, so the workflow's terminal releases it; its TTL is
 at least the longest workflow deadline, so a retry can replay it while the workflow lives.
 
 Compared with an inline payload, Redis holds the bytes once (the edge entry and the inbox copy
@@ -10,6 +10,7 @@ hold only the reference) and the AOF logs them once.
 """
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +23,10 @@ from omniflow.keys import Keys
 from omniflow.redisio import boundary
 
 Command = tuple[Any, ...]
+
+
+#: a payload key (`Keys.blob`): `<prefix>:{<cell tag>}:wf:<id>:blob:<src>:<dst>:<attempt>:<seq>`
+BLOB_KEY = re.compile(r"[^{}]+:\{[^}]+\}:wf:[^:{}]+:blob:[^{}]+")
 
 
 class RedisTransport(Transport):
@@ -66,9 +71,9 @@ class RedisTransport(Transport):
         """Refuse a key outside our prefix (or outside workflow `wf_id`)."""
         if wf_id is not None:
             ours = ref.location.startswith(f"{self.keys.wf(wf_id)}:blob:")
-        else:
-            base = self.keys.wf("")[:-1]        # "<prefix>:wf:{"
-            ours = ref.location.startswith(base) and "}:blob:" in ref.location
+        else:       # `<prefix>:{<cell tag>}:wf:<id>:blob:...` of any cell
+            ours = BLOB_KEY.fullmatch(ref.location) is not None and \
+                ref.location.startswith(f"{self.keys.prefix}:{{")
         if not ours:
             raise ForeignReference(f"payload key {ref.location!r} is outside "
                                    f"{self.keys.wf(wf_id or '<id>')}:blob:*")
@@ -87,11 +92,11 @@ class RedisTransport(Transport):
             return 0
         with boundary():
             pipe = self.redis.pipeline(transaction=False)
-            pipe.unlink(*mine)
-            for key in mine:
-                pipe.srem(key.split("}:blob:", 1)[0] + "}:blobs", key)
-            freed, *_ = await pipe.execute()
-        return int(freed)
+            for key in mine:        # one key per command: payloads of several cells are several slots
+                pipe.unlink(key)
+                pipe.srem(key.split(":blob:", 1)[0] + ":blobs", key)
+            replies = await pipe.execute()
+        return sum(int(n) for n in replies[::2])
 
     async def release_workflow(self, wf_id: str) -> int:
         registry = self.keys.blobs(wf_id)

@@ -93,9 +93,10 @@ def parse_name(name: str) -> Segment | None:
     return Segment(name, m["prefix"], m["worker"], m["wf"], m["src"], m["dst"], int(m["attempt"]), int(m["seq"]))
 
 
-def shm_domain(directory: Path = DEFAULT_SHM_DIR) -> str:
-    """Who can read this host's segments: host name, boot id and the device of the shm mount (two
-    containers on one machine with their own /dev/shm get different domains)."""
+def shm_domain(directory: Path = DEFAULT_SHM_DIR, host_id: str | None = None) -> str:
+    """Who can read this host's segments: the host id (`OMNIFLOW_HOST_ID`, default the host name),
+    boot id and the device of the shm mount (two containers on one machine with their own /dev/shm
+    get different domains; two "hosts" given different ids never share memory)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
     except OSError:
@@ -104,7 +105,7 @@ def shm_domain(directory: Path = DEFAULT_SHM_DIR) -> str:
         dev = os.stat(directory).st_dev
     except OSError:
         dev = 0
-    return f"{socket.gethostname()}:{boot}:{dev}"
+    return f"{host_id or socket.gethostname()}:{boot}:{dev}"
 
 
 def shm_available(directory: Path = DEFAULT_SHM_DIR) -> bool:

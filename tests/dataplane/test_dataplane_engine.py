@@ -31,7 +31,7 @@ def segments(prefix: str) -> list[str]:
 
 
 async def blob_keys(eng: Any) -> list[bytes]:
-    return [k async for k in eng.redis.scan_iter(match=f"{eng.settings.prefix}:wf:*:blob*", count=1000)]
+    return [k async for k in eng.redis.scan_iter(match=f"{eng.settings.prefix}:*:wf:*:blob*", count=1000)]
 
 
 def worker_of(eng: Any, stage: str) -> Any:

@@ -262,8 +262,8 @@ async def test_shm_segment_with_undecodable_dtype_is_refused(plane: DataPlane) -
 
 
 async def test_redis_reference_outside_our_namespace_missing_or_unsound_is_refused(plane: DataPlane) -> None:
-    p = plane.settings.prefix
-    for key in ("other:key", f"{p}:wf:{{wf2}}:blob:a:b:1:1", f"{p}:workers", f"x{p}:wf:{{wf1}}:blob:a:b:1:1"):
+    for key in ("other:key", plane.keys.blob("wf2", "a", "b", 1, 1), plane.keys.workers,
+                "x" + plane.keys.blob("wf1", "a", "b", 1, 1)):
         with pytest.raises(ForeignReference):
             await plane.get(Ref(TransportKind.REDIS, key, 10, 0), wf_id="wf1")
     with pytest.raises(PayloadMissing):
