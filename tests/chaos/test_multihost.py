@@ -9,6 +9,7 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis import Redis
@@ -114,6 +115,47 @@ async def _replicas(url: str, run: ChaosRun) -> dict[str, dict[str, list[str]]]:
 
 
 @pytest.mark.timeout(300)
+async def test_chunks_cross_hosts_through_redis_and_stay_in_shared_memory_within_one(lab: NetLab | None,
+                                                                                     tmp_path: Path) -> None:
+    """Every chunk by reference (no inline payloads): between stages on two hosts it travels in a
+    Redis key, never in shared memory; between stages on one host, in shared memory. What decides
+    is the host id (`OMNIFLOW_HOST_ID`): the namespaces here share one kernel and one /dev/shm."""
+    bind = ["127.0.0.1", *(lab.bind_addresses() if lab else [])]
+    server = EmbeddedServer(data_dir=tmp_path / "valkey", extra_args=["--bind", " ".join(bind)]).start()
+    cfg = ChaosConfig(workflows=40, submit_rate=8.0, replicas=1, max_sessions=16, min_worker_kills=0)
+    cluster = Cluster(tmp_path, server.url, f"t{uuid.uuid4().hex[:8]}", cfg)
+    cluster.env.update(OMNIFLOW_DATAPLANE_INLINE_MAX_BYTES="0", OMNIFLOW_DATAPLANE_SHM_MIN_BYTES="0")
+    hosts = [Host(name, f"redis://{ns.root_ip if ns else '127.0.0.1'}:{server.port}/0", ns)
+             for name, ns in zip("ab", lab.namespaces if lab else [None, None])]
+    seen: dict[tuple[str, str, str], set[str]] = {}
+    try:
+        # the thinker on host a only: its consumers are on host a or b, so both kinds of edge occur
+        # (Valkey hands a task to the reader blocked longest: readers of one stage alternate)
+        for role in ROLES:
+            cluster.spawn(role, hosts[0])
+        for role in ("worker:talker", "worker:code2wav"):
+            cluster.spawn(role, hosts[1])
+        run = ChaosRun(cluster, server.url, scenario="transports")
+
+        async def watch() -> None:
+            await _sample_transports(server.url, run, seen, until=lambda: len(run.accepted) >= cfg.workflows)
+
+        rep = await run.run(watch())
+        replicas = await _replicas(server.url, run)
+    finally:
+        cluster.stop()
+        server.stop()
+    _assert_clean(rep)
+    kinds: dict[str, set[str]] = {"cross": set(), "same": set()}
+    for (wf, src, dst), found in seen.items():
+        a, b = replicas.get(wf, {}).get(src, []), replicas.get(wf, {}).get(dst, [])
+        if len(a) == len(b) == 1:       # one attempt each: the hosts are known
+            kinds["cross" if _host_of(a[0], hosts) != _host_of(b[0], hosts) else "same"] |= found
+    assert kinds["cross"] == {"redis"}, kinds
+    assert kinds["same"] == {"shm"}, kinds
+
+
+@pytest.mark.timeout(300)
 async def test_sigterm_rolling_restart_loses_nothing(lab: NetLab | None, tmp_path: Path) -> None:
     """A rolling restart of one host under load: SIGTERM to each of its processes in turn (a
     replacement started once it has exited). Each one exits cleanly, nothing is lost or
@@ -179,5 +221,32 @@ async def _pending_owned(url: str, run: ChaosRun, consumers: list[str]) -> dict[
                 if name in consumers and info["pending"]:
                     owned[f"{stage}/{name}"] = info["pending"]
         return owned
+    finally:
+        await redis.aclose()
+
+
+async def _sample_transports(url: str, run: ChaosRun, seen: dict[tuple[str, str, str], set[str]], *,
+                             until: Any) -> None:
+    """While the run goes on, the transport of every chunk reference found in the edge logs
+    (they are deleted at each workflow's terminal), by (workflow, producer stage, consumer stage);
+    until `until()` is true and a few seconds more."""
+    from omniflow.dataplane.base import Ref
+    from omniflow.worker import decode_chunks
+
+    redis = connect(url)
+    stop_at = None
+    try:
+        while stop_at is None or asyncio.get_running_loop().time() < stop_at:
+            if stop_at is None and until():        # every workflow submitted: the last ones run ~2 s more
+                stop_at = asyncio.get_running_loop().time() + 3.0
+            async for raw in redis.scan_iter(match=f"{run.keys.prefix}:*:wf:*:edge:*", count=1000):
+                key = s(raw)
+                wf, _, edge = key.split(":wf:", 1)[1].partition(":edge:")
+                src, _, dst = edge.partition(":")
+                for _, fields in await redis.xrange(key):
+                    for chunk in decode_chunks(fields[b"m"]):
+                        if b"r" in chunk:
+                            seen.setdefault((wf, src, dst), set()).add(Ref.unpack(chunk[b"r"]).kind.value)
+            await asyncio.sleep(0.1)
     finally:
         await redis.aclose()
