@@ -82,6 +82,11 @@ MAX_USAGE_CHARS = 16_384    # an executor's usage document (the reconciler refus
 WORKER_INFO_TTL_S = 86_400
 INBOX_TRIM_EVERY = 128      # inbox entries read between two trims
 INTAKE_RECHECK_MS = 20      # a multi-stage worker with a full stage re-reads this often to add it back
+# Tasks delivered to this worker that it never heard of (the reply of its read was lost with the
+# connection: a failover, a killed client) are looked for this often, once pending this long.
+ORPHAN_AUDIT_S = 5.0
+ORPHAN_IDLE_MS = 3_000
+ORPHAN_BATCH = 256
 
 
 def fields_dict(flat: list[bytes]) -> dict[bytes, bytes]:
@@ -212,6 +217,7 @@ class Worker:
         self._sessions: dict[str, tuple[Session | None, asyncio.Task[None]]] = {}
         self._slot_free = asyncio.Event()
         self._claim_tasks: set[asyncio.Task[None]] = set()
+        self._held: set[str] = set()     # task entry ids this worker is working on (claim, session, dead letter)
         # (wf, stage, attempt) -> the input queue of that session
         self._inputs: dict[tuple[str, str, int], asyncio.Queue[Any]] = {}
         self._plans: dict[tuple[str, bytes, bytes], tuple[tuple[str, ...], ...]] = {}
@@ -245,7 +251,7 @@ class Worker:
             loops: list[tuple[str, Callable[[], Coroutine[Any, Any, None]]]] = [
                 *((f"intake:{g[0]}", functools.partial(self._intake, g)) for g in groups),
                 ("heartbeat", self._heartbeat), ("abort-listener", self._abort_listener),
-                ("watchdog", self._watchdog), ("dataplane-sweep", self._sweep),
+                ("watchdog", self._watchdog), ("dataplane-sweep", self._sweep), ("orphans", self._orphans),
                 *((f"inbox:{g[0]}", functools.partial(self._inbox, g)) for g in groups)]
             background = [asyncio.create_task(forever(f"worker {self.id}: {name}", loop), name=name)
                           for name, loop in loops]
@@ -384,6 +390,47 @@ class Worker:
                     if session._waiter is not None:      # the wait itself (on this loop, whoever awaits it)
                         session._waiter.cancel()
 
+    async def _orphans(self) -> None:
+        """Claim again the tasks delivered to this worker that it never heard of.
+
+        A task read by XREADGROUP is pending for this worker from the moment the server delivers it;
+        if the reply is lost with the connection (a failover, a killed client, a restart after the
+        delivery was replicated), nobody works on it and nobody re-queues it: the worker is alive
+        and renews its lease. So every `ORPHAN_AUDIT_S` the worker lists its own pending tasks idle
+        for `ORPHAN_IDLE_MS` that it does not hold, takes them back (XCLAIM) and claims them as if
+        just read."""
+        while True:
+            await asyncio.sleep(ORPHAN_AUDIT_S)
+            for pool in self.pools.values():
+                for cell, stream in pool.tasks_keys.items():
+                    try:
+                        await self._adopt_orphans(pool, cell, stream)
+                    except RedisError as exc:
+                        logger.warning("worker %s: looking for orphaned tasks of %s failed: %s", self.id, stream, exc)
+
+    async def _adopt_orphans(self, pool: StagePool, cell: int, stream: str) -> int:
+        with redisio.boundary():
+            rows = await self.redis.xpending_range(stream, TASK_GROUP, min="-", max="+", count=ORPHAN_BATCH,
+                                                   consumername=self.id, idle=ORPHAN_IDLE_MS)
+        ids = [s(row["message_id"]) for row in rows if s(row["message_id"]) not in self._held]
+        if not ids:
+            return 0
+        with redisio.boundary():
+            entries = await self.redis.xclaim(stream, TASK_GROUP, self.id, ORPHAN_IDLE_MS, ids)
+        found = [(s(eid), fields) for eid, fields in entries if fields and s(eid) not in self._held]
+        # deleted while pending (its session ended elsewhere): un-pend it (Redis 7 and Valkey drop such
+        # entries from the pending list in XCLAIM itself; older servers return them without fields)
+        gone = [s(eid) for eid, fields in entries if not fields]
+        if gone:
+            with redisio.boundary():
+                await self.redis.xack(stream, TASK_GROUP, *gone)
+        if found:
+            logger.warning("worker %s: %d task(s) of %s were delivered to it but never received; claiming them",
+                           self.id, len(found), pool.stage)
+            self.stats["orphans"] = self.stats.get("orphans", 0) + len(found)
+            self._accept(pool, cell, found)
+        return len(found)
+
     # ------------------------------------------------------------ intake
     async def _intake(self, cells: tuple[int, ...]) -> None:
         """One blocking XREADGROUP over the task streams of `cells` for every stage with a free slot.
@@ -464,21 +511,27 @@ class Worker:
                     if key.startswith(prefix) and int(key.rsplit("|", 1)[1]) < attempt:
                         held.cancel()
             claims.append((entry_id, wf_id, attempt))
+            self._held.add(entry_id)
         if claims:
             pool.claiming += len(claims)
             task = asyncio.create_task(self._claim(pool, cell, claims))
             self._claim_tasks.add(task)
             task.add_done_callback(self._claim_tasks.discard)
 
-    def _spawn(self, key: str, coro: Any, session: Session | None = None, pool: StagePool | None = None) -> None:
+    def _spawn(self, key: str, coro: Any, session: Session | None = None, pool: StagePool | None = None,
+               *, entry_id: str | None = None) -> None:
         task = asyncio.create_task(coro, name=key)
         self._sessions[key] = (session, task)
         if pool is not None:
             pool.active += 1
-        task.add_done_callback(lambda _t: self._release(key, pool))
+        if entry_id is not None:
+            self._held.add(entry_id)
+        task.add_done_callback(lambda _t: self._release(key, pool, entry_id))
 
-    def _release(self, key: str, pool: StagePool | None) -> None:
+    def _release(self, key: str, pool: StagePool | None, entry_id: str | None = None) -> None:
         self._sessions.pop(key, None)
+        if entry_id is not None:
+            self._held.discard(entry_id)
         if pool is not None:
             pool.active -= 1
         self._slot_free.set()
@@ -506,7 +559,8 @@ class Worker:
         logger.warning("worker %s: dead-lettering entry %s of %s: %s", self.id, entry_id, stream, reason)
         call = redisio.dead_letter_call(self.keys.dlq(dlq_name, cell), stream, group, entry_id, fields, reason,
                                         max_len=self.settings.dlq_max_len)
-        self._spawn(f"dlq:{stream}:{entry_id}", self._write_until_done(call, f"dead-letter {entry_id}"))
+        self._spawn(f"dlq:{stream}:{entry_id}", self._write_until_done(call, f"dead-letter {entry_id}"),
+                    entry_id=entry_id)
 
     async def _write_until_done(self, call: tuple[Any, ...], what: str) -> None:
         backoff = Backoff()
@@ -552,6 +606,7 @@ class Worker:
                                       f"claim failed: {reply}")
                 self.stats["dropped"] += 1
                 self._inputs.pop((wf_id, stage, attempt), None)
+                self._held.discard(entry_id)
                 continue
             try:
                 _, raw_input, raw_params, raw_stages, raw_finals, seq = reply[:6]
@@ -574,12 +629,14 @@ class Worker:
                 self._inputs.pop((wf_id, stage, attempt), None)
                 self._spawn(f"{wf_id}|{stage}|{attempt}",
                             self._fail_unstartable(pool, cell, entry_id, wf_id, attempt, f"workflow record is malformed: "
-                                                   f"{type(exc).__name__}: {exc}"[:MAX_DETAIL_CHARS]))
+                                                   f"{type(exc).__name__}: {exc}"[:MAX_DETAIL_CHARS]),
+                            entry_id=entry_id)
                 continue
             self.stats["claimed"] += 1
             if attempt > 1:
                 self.window.retried(stage)
-            self._spawn(f"{wf_id}|{stage}|{attempt}", self._session(pool, cell, entry_id, session), session, pool)
+            self._spawn(f"{wf_id}|{stage}|{attempt}", self._session(pool, cell, entry_id, session), session, pool,
+                        entry_id=entry_id)
 
     async def _claim_call(self, pool: StagePool, cell: int, claims: list[tuple[str, str, int]]) -> list[Any] | None:
         """The `claim.lua` replies of a batch, one per task (an exception for a task that alone cannot

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 
+from omniflow import worker as worker_module
 from omniflow.keys import TASK_GROUP
 
 from conftest import toy_spec
@@ -105,3 +106,25 @@ async def test_a_stage_that_cannot_resume_restarts_with_its_downstream(engine_fa
         assert restarts == [{"t": "restart", "stage": "thinker", "attempt": "2", "stages": "thinker,talker,code2wav"}]
         reasons = {f["stage"]: f["reason"] for f in log if f.get("t") == "retry" and f["stage"] != "thinker"}
         assert reasons == {"talker": "upstream thinker restarted", "code2wav": "upstream thinker restarted"}
+
+
+async def test_a_task_delivered_but_never_received_is_claimed_again(engine_factory, monkeypatch) -> None:
+    """The reply of an XREADGROUP lost with its connection (a failover, a killed client) leaves the
+    task pending for a live worker that never heard of it: the worker finds it and claims it."""
+    monkeypatch.setattr(worker_module, "ORPHAN_AUDIT_S", 0.3)
+    monkeypatch.setattr(worker_module, "ORPHAN_IDLE_MS", 200)
+    async with engine_factory(workers=False) as eng:
+        for stage in ("talker", "code2wav"):
+            await eng.add_worker(stage)
+        sub = await eng.store.submit(request("lost in delivery"))
+        worker_id = "thinker-orphan-test"
+        # delivered to the thinker worker-to-be, whose read's reply never arrives
+        stream = eng.store.keys.tasks("thinker", eng.store.keys.cell_of(sub.id))
+        got = await eng.redis.xreadgroup(TASK_GROUP, worker_id, {stream: ">"}, count=10)
+        assert got and len(got[0][1]) == 1
+        worker = await eng.add_worker("thinker", worker_id=worker_id)
+        doc = await eng.store.wait(sub.id, timeout_s=20)
+        assert doc["state"] == "completed", doc
+        assert doc["outputs"]["thinker"]["text"] == expected_text("lost in delivery")
+        assert doc["stages"]["thinker"]["attempt"] == 1          # the same attempt: nothing was retried
+        assert worker.stats["orphans"] == 1
