@@ -145,11 +145,14 @@ def server_kind(url: str) -> ServerKind:
 
 # ---------------------------------------------------------------- clients
 class ClusterClient(RedisCluster):  # type: ignore[misc]  # redis is Any to mypy (pyproject.toml)
-    """redis-py's asyncio cluster client, with the two things omniflow needs added:
+    """redis-py's asyncio cluster client, with the three things omniflow needs added:
 
     - XREAD/XREADGROUP are routed by the keys after STREAMS; redis-py would ask a server
       (`COMMAND GETKEYS`) before every such read, a round trip per blocking read;
-    - its connections pack commands with hiredis, like the standalone client's."""
+    - its connections pack commands with hiredis, like the standalone client's;
+    - a default node always exists: redis-py 5.3 drops it when that node fails over and its
+      pipeline then dies on `None.name` (an AttributeError, not a Redis error) until the slot
+      map is reloaded; any primary it knows serves as the default meanwhile."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -158,6 +161,14 @@ class ClusterClient(RedisCluster):  # type: ignore[misc]  # redis is Any to mypy
         self.nodes_manager.connection_kwargs["connection_class"] = fast
         for node in self.nodes_manager.startup_nodes.values():
             node.connection_class = fast
+
+    def get_default_node(self) -> Any:
+        node = self.nodes_manager.default_node
+        if node is None:
+            primaries = self.get_primaries()
+            if primaries:
+                node = self.nodes_manager.default_node = primaries[0]
+        return node
 
     async def _determine_slot(self, command: str, *args: Any) -> int:
         if command.upper() in ("XREAD", "XREADGROUP"):
