@@ -242,10 +242,11 @@ class ChunkSource(Executor):
 
     async def run(self, session: Session) -> dict[str, Any]:
         size, n = int(session.params["size"]), int(session.params["chunks"])
+        pace_s = float(session.params.get("pace_s", ENGINE_PACE_S))
         body = np.frombuffer(os.urandom(size), dtype=np.uint8)
         for _ in range(n):
             await session.emit(data={"t": time.monotonic_ns(), "b": body})
-            await asyncio.sleep(ENGINE_PACE_S)
+            await asyncio.sleep(pace_s)
         return {"chunks": n}
 
 
@@ -263,7 +264,8 @@ class ChunkSink(Executor):
         return {"chunks": len(lat)}
 
 
-def engine_chunk_latency(url: str, size: int, workflows: int, chunks: int, *, mode: str = "auto") -> dict[str, Any]:
+def engine_chunk_latency(url: str, size: int, workflows: int, chunks: int, *, mode: str = "auto",
+                         pace_s: float = ENGINE_PACE_S) -> dict[str, Any]:
     """Chunks of `size` through the whole engine between two worker processes (emit -> emit.lua ->
     edge log + inbox -> the consumer's session): per-chunk latency, emit to payload in hand."""
     import tempfile
@@ -276,7 +278,7 @@ def engine_chunk_latency(url: str, size: int, workflows: int, chunks: int, *, mo
     tmp = Path(tempfile.mkdtemp(prefix="omniflow-dp-"))
     stage = {"retry": {"max_attempts": 1, "input_timeout_s": 60}, "max_sessions": 4}
     spec = {"name": "dataplane", "stages": {
-        "src": {**stage, "executor": "bench.dataplane:ChunkSource", "params": {"size": size, "chunks": chunks}},
+        "src": {**stage, "executor": "bench.dataplane:ChunkSource", "params": {"size": size, "chunks": chunks, "pace_s": pace_s}},
         "dst": {**stage, "executor": "bench.dataplane:ChunkSink", "final_output": "text"}},
         "edges": [{"from": "src", "to": "dst"}]}
     (tmp / "p.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))

@@ -16,7 +16,7 @@ import yaml
 from redis.asyncio import Redis
 
 from omniflow.config import DEFAULT_PIPELINE, Settings
-from omniflow.dataplane.shm import DEFAULT_SHM_DIR, name_part, parse_name
+from omniflow.dataplane.shm import DEFAULT_SHM_DIR, name_part, parse_arena, parse_name
 from omniflow.embedded import EmbeddedServer, redis_server_binaries
 from omniflow.pipeline import Pipeline, build_pipeline
 from omniflow.reconciler import Reconciler
@@ -30,18 +30,18 @@ SESSION_PREFIXES: set[str] = set()
 
 
 def leftover_segments(prefixes: set[str], directory: Path = DEFAULT_SHM_DIR) -> list[str]:
-    """Names of the segments in `directory` that belong to one of `prefixes`."""
+    """Names of the segments and arenas in `directory` that belong to one of `prefixes`."""
     parts = {name_part(p) for p in prefixes}
     try:
         names = [entry.name for entry in directory.iterdir()]
     except FileNotFoundError:
         return []
-    return sorted(n for n in names if (seg := parse_name(n)) is not None and seg.prefix in parts)
+    return sorted(n for n in names if (seg := parse_name(n) or parse_arena(n)) is not None and seg.prefix in parts)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_leftover_segments() -> Iterator[None]:
-    """After the whole session, /dev/shm holds no segment of ours (they are removed, and reported)."""
+    """After the whole session, /dev/shm holds no segment or arena of ours (removed, and reported)."""
     yield
     leftovers = leftover_segments(SESSION_PREFIXES)
     for name in leftovers:

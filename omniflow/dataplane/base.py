@@ -98,9 +98,10 @@ class PutContext:
 class Ref:
     """A payload reference small enough for a stream entry.
 
-    `location` is the Redis key or the shared-memory segment name; `nbytes` its exact size;
-    `checksum` the CRC32 of the payload header (or of all of it); `host` the shared-memory
-    domain of a segment (empty for Redis). An inline ref carries the encoded payload in `data`.
+    `location` is the Redis key, the shared-memory segment or the arena's name; `nbytes` its exact
+    size; `checksum` the CRC32 of the payload header (or of all of it); `host` the shared-memory
+    domain of a segment (empty for Redis); in an arena, `slot` and the generation `gen` of the payload
+    it holds there (-1 and 0 otherwise). An inline ref carries the encoded payload in `data`.
     """
 
     kind: TransportKind
@@ -109,28 +110,38 @@ class Ref:
     checksum: int = 0
     host: str = ""
     data: bytes = b""
+    slot: int = -1
+    gen: int = 0
 
     def pack(self) -> bytes:
         """The reference as it is stored in an edge entry (msgpack; inline refs: the payload)."""
         if self.kind is TransportKind.INLINE:
             return self.data
-        packed: bytes = msgpack.packb([self.kind.code, self.location, self.nbytes, self.checksum, self.host])
+        fields: list[Any] = [self.kind.code, self.location, self.nbytes, self.checksum, self.host]
+        if self.slot >= 0:
+            fields += [self.slot, self.gen]
+        packed: bytes = msgpack.packb(fields)
         return packed
 
     @classmethod
     def unpack(cls, raw: bytes) -> Ref:
         """Parse a packed (non-inline) reference; refuse anything that is not one."""
         try:
-            code, location, nbytes, checksum, host = msgpack.unpackb(raw, raw=False)
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            fields = msgpack.unpackb(raw, raw=False)
+            code, location, nbytes, checksum, host = fields[:5]
+            slot, gen = fields[5:] if len(fields) == 7 else (-1, 0)
+            if len(fields) not in (5, 7):
+                raise ValueError(f"{len(fields)} fields")
+        except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
             raise UndecodablePayload(f"not a payload reference: {exc}") from exc
         kind = _KINDS.get(code) if isinstance(code, int) else None
         if kind is None or kind is TransportKind.INLINE:
             raise UndecodablePayload(f"not a payload reference: unknown transport {code!r}")
         if not (isinstance(location, str) and isinstance(host, str) and isinstance(nbytes, int)
-                and isinstance(checksum, int) and nbytes >= 0):
+                and isinstance(checksum, int) and nbytes >= 0 and isinstance(slot, int) and isinstance(gen, int)
+                and slot >= -1 and gen >= 0):
             raise UndecodablePayload("not a payload reference: fields of the wrong type")
-        return cls(kind, location, nbytes, checksum, host)
+        return cls(kind, location, nbytes, checksum, host, slot=slot, gen=gen)
 
 
 class Transport(ABC):

@@ -30,7 +30,7 @@ import msgpack
 import numpy as np
 
 from omniflow.dataplane import tensors
-from omniflow.dataplane.base import ChecksumMismatch, SizeMismatch, UndecodablePayload
+from omniflow.dataplane.base import ChecksumMismatch, ForeignReference, SizeMismatch, UndecodablePayload
 
 _NDARRAY = 1              # inline ndarray: packb((dtype.str, shape, raw)) -- omniflow.codec's format
 _TENSOR = 2               # inline tensor: packb((torch dtype name, shape, raw))
@@ -257,11 +257,12 @@ def frame_info(head: bytes) -> FrameInfo:
     return FrameInfo(header_len, data_len, expiry_ms, list(owner) if isinstance(owner, list) else [])
 
 
-def decode_frame(buf: Any, *, nbytes: int, checksum: int, what: str = "payload") -> Any:
+def decode_frame(buf: Any, *, nbytes: int, checksum: int, what: str = "payload", wf_id: str | None = None) -> Any:
     """The payload of a frame held in `buf` (bytes, or an mmap: arrays come back as views of it).
 
     Refuses a frame of another size than `nbytes`, one whose prelude + header CRC32 is not
-    `checksum`, and one whose header does not describe sound arrays inside the frame.
+    `checksum`, one whose header does not describe sound arrays inside the frame, and, with
+    `wf_id`, one whose header names another owner workflow.
     """
     size = len(buf)
     if size != nbytes:
@@ -276,10 +277,12 @@ def decode_frame(buf: Any, *, nbytes: int, checksum: int, what: str = "payload")
     if start + data_len != size:
         raise SizeMismatch(f"{what}: {start + data_len} bytes by its header, {size} in fact")
     try:
-        spans, _owner, _nonce, structure = msgpack.unpackb(head[PRELUDE.size:], raw=False)
+        spans, owner, _nonce, structure = msgpack.unpackb(head[PRELUDE.size:], raw=False)
         spans = [(int(off), int(n)) for off, n in spans]
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise UndecodablePayload(f"{what}: header does not decode: {exc}") from exc
+    if wf_id is not None and not (isinstance(owner, list) and owner and str(owner[0]) == wf_id):
+        raise ForeignReference(f"{what} belongs to another workflow than {wf_id}")
     for off, n in spans:
         if off < 0 or n < 0 or off + n > data_len:
             raise UndecodablePayload(f"{what}: buffer [{off}, {off + n}) lies outside the {data_len} data bytes")
@@ -291,7 +294,7 @@ def decode_frame(buf: Any, *, nbytes: int, checksum: int, what: str = "payload")
         view.release()
         if crc != data_crc:
             raise ChecksumMismatch(f"{what}: data checksum {crc:#010x}, its header says {data_crc:#010x}")
-    writable = not isinstance(buf, bytes)
+    writable = not memoryview(buf).readonly
 
     def hook(code: int, data: bytes) -> Any:
         if code == _F_BYTES:

@@ -51,7 +51,7 @@ class DataPlane:
         self.inline = InlineTransport()
         self.rediskey = RedisTransport(redis, self.keys, full_checksum=full)
         directory = settings.dataplane_shm_dir
-        self.shm = ShmTransport(settings.prefix, directory=directory, full_checksum=full,
+        self.shm = ShmTransport(settings.prefix, directory=directory, full_checksum=full, worker_id=worker_id,
                                 pool_bytes=settings.dataplane_shm_pool_bytes,
                                 domain=shm_domain(directory, settings.host_id)) if shm_available(directory) else None
         self.domain = self.shm.domain if self.shm else ""
@@ -162,5 +162,5 @@ class DataPlane:
         found = self.shm.inventory()
         if worker is not None:
             found = [f for f in found if f.segment.worker == name_part(worker)]
-        live = await self.live_workflows(f.wf_id for f in found)
+        live = await self.live_workflows(f.wf_id for f in found if f.wf_id)
         return self.shm.sweep(found, live_wfs=live, live_workers=await self.live_workers())

@@ -1,20 +1,24 @@
-"""Shared-memory transport: the payload in a segment under /dev/shm, the entry holds a reference.
+"""Shared-memory transport: the payload in this host's /dev/shm, the entry holds a reference.
 
-For large payloads whose consumer runs on the producer's host. The producer writes the frame
-into a new segment with one `writev` (the one copy: from the array's memory into the segment);
-the consumer maps the segment copy-on-write and gets numpy arrays / torch tensors that are views
-of it (no copy; writable, and a write never reaches the segment).
+For large payloads whose consumer runs on the producer's host. A producer copies each payload
+frame into a free slot of one of its arenas (`omniflow.dataplane.arena`: files it keeps allocated
+and mapped for its life) — the one copy of this path; the consumer maps the arena once and gets
+numpy arrays / torch tensors that are views of it (no copy; writable, and a write never reaches
+the producer's memory). A payload too large for an arena, or one that finds every arena full, gets
+a segment of its own instead, written with one `writev` and mapped copy-on-write by the consumer.
 
-Segment names attribute every segment to its owner, so any process on the host can release
-or sweep them (`of-<prefix>-<worker>-<wf>-<src>.<dst>-<attempt>.<seq>`; each part reduced to
-`[A-Za-z0-9_]`); the frame header repeats the owner exactly and holds the expiry. A segment
-lives until its consumer's session is done, its workflow ends (terminal) or its TTL passes; a
-producer that dies leaves its segments to the sweep (`sweep`), which frees those of ended
-workflows, expired ones and half-written ones of dead workers. A live workflow's segments stay
-even when their producer died: its consumers (and their retries) replay them.
+Names attribute everything to its owner, so any process on the host can release or sweep it:
+arenas are `of-<prefix>-<worker>-arena-<n>` and each slot's frame header names the workflow,
+stages, attempt and step; a segment of its own is `of-<prefix>-<worker>-<wf>-<src>.<dst>-<attempt>.<seq>`
+(each part reduced to `[A-Za-z0-9_]`; its header repeats the owner exactly and holds the expiry).
+A payload lives until its consumer's session is done, its workflow ends (terminal, abort) or its
+TTL passes. A producer that dies leaves its arenas and segments to the sweep (`sweep`), which frees
+those of ended workflows, expired ones and half-written ones of dead workers; an arena goes once
+nothing in it is live. A live workflow's payloads stay even when their producer died: its
+consumers (and their retries) replay them.
 
 A reference names the host's shared-memory domain (`shm_domain`): a consumer elsewhere gets
-`WrongHost` (retryable) instead of reading another host's segment of the same name.
+`WrongHost` (retryable) instead of reading another host's file of the same name.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from omniflow.dataplane import arena as arenas
 from omniflow.dataplane import codec
 from omniflow.dataplane.base import (
     ForeignReference, PayloadMissing, PutContext, Ref, SizeMismatch, Transport, TransportKind, UndecodablePayload,
@@ -43,26 +48,24 @@ from omniflow.dataplane.base import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_SHM_DIR = Path("/dev/shm")
-NAMESPACE = "of"                 # every segment name starts with "of-<prefix>-"
-THREAD_MIN_BYTES = 4 << 20       # segments this large are written off the event loop
+NAMESPACE = "of"                 # every file name starts with "of-<prefix>-"
+THREAD_MIN_BYTES = 4 << 20       # payloads this large are written off the event loop by `put`
 _PART = re.compile(r"[^A-Za-z0-9_]")
 _NAME = re.compile(r"^of-(?P<prefix>\w+)-(?P<worker>\w+)-(?P<wf>\w+)-(?P<src>\w+)\.(?P<dst>\w+)"
                    r"-(?P<attempt>\d{1,9})\.(?P<seq>\d{1,12})$", re.ASCII)
+_ARENA = re.compile(r"^of-(?P<prefix>\w+)-(?P<worker>\w+)-arena-(?P<index>\d{1,9})$", re.ASCII)
 _IOV_MAX = 1024
-# A segment starts with a control block the frame's checksum does not cover: magic and a state word.
-# A consumer that is done with a segment (its session ended and no view of it is left) sets the state
-# to FREE instead of unlinking it; its producer recycles it for a later chunk (rename + overwrite): the
-# pages stay allocated and mapped, which is most of what a new segment costs (see docs/benchmarks.md).
-CONTROL = struct.Struct("<4sII")     # magic, state, 1 if a producer pools it
+# A segment of its own starts with a control block the frame's checksum does not cover: magic, a state
+# word, and a flag that was 1 when producers recycled such segments (now arenas do).
+CONTROL = struct.Struct("<4sII")
 CONTROL_BYTES = 64
 SEG_MAGIC = b"OFSG"
 STATE_IN_USE, STATE_FREE = 0, 1
-CAPACITY_STEP = 64 << 10            # pooled segments are sized in these steps
 DEFAULT_POOL_BYTES = 256 << 20
 
 
 def name_part(value: str) -> str:
-    """One part of a segment name: `[A-Za-z0-9_]`, at most 64 characters, never empty."""
+    """One part of a file name: `[A-Za-z0-9_]`, at most 64 characters, never empty."""
     return _PART.sub("_", value)[:64] or "_"
 
 
@@ -71,9 +74,14 @@ def segment_name(ctx: PutContext) -> str:
             f"{name_part(ctx.src)}.{name_part(ctx.dst)}-{int(ctx.attempt)}.{int(ctx.seq)}")
 
 
+def arena_name(prefix: str, worker_id: str, index: int) -> str:
+    return f"{NAMESPACE}-{name_part(prefix)}-{name_part(worker_id)}-arena-{int(index)}"
+
+
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """A segment of ours found in the shared-memory directory, as its name attributes it."""
+    """A payload of ours in the shared-memory directory, as its name (and, in an arena, its slot's
+    header) attributes it. For an arena slot `name` is the arena's file."""
 
     name: str
     prefix: str
@@ -85,12 +93,28 @@ class Segment:
     seq: int
 
 
+@dataclass(frozen=True, slots=True)
+class ArenaFile:
+    """An arena of ours in the shared-memory directory: its producer, and its number."""
+
+    name: str
+    prefix: str
+    worker: str
+    index: int
+
+
 def parse_name(name: str) -> Segment | None:
     """The owner parts of a segment name, or None if it is not one of ours."""
     m = _NAME.match(name)
     if m is None:
         return None
     return Segment(name, m["prefix"], m["worker"], m["wf"], m["src"], m["dst"], int(m["attempt"]), int(m["seq"]))
+
+
+def parse_arena(name: str) -> ArenaFile | None:
+    """The owner parts of an arena's name, or None if it is not one of ours."""
+    m = _ARENA.match(name)
+    return None if m is None else ArenaFile(name, m["prefix"], m["worker"], int(m["index"]))
 
 
 def shm_domain(directory: Path = DEFAULT_SHM_DIR, host_id: str | None = None) -> str:
@@ -125,20 +149,25 @@ def _writev_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
 
 
 class SweepReason(str, Enum):
-    """Why the sweep freed a segment."""
+    """Why the sweep freed a payload."""
 
     EXPIRED = "expired"          # past its TTL (from its header)
     ENDED = "ended"              # its workflow is terminal or gone
-    ORPHAN = "orphan"            # half-written or handed back for recycling, and its worker is dead
+    ORPHAN = "orphan"            # half-written (or an empty arena), and its worker is dead
 
 
 @dataclass(frozen=True, slots=True)
 class Found:
-    """A segment of ours and what its header says (None: no readable header, e.g. half-written)."""
+    """A payload of ours and what its header says (None: no readable header, e.g. half-written).
+
+    `slot` is its slot when it lives in an arena (`segment.name` is then the arena), -1 for a
+    segment of its own; an arena with nothing in use is listed once with slot -1 and no header."""
 
     segment: Segment
     info: codec.FrameInfo | None
-    free: bool = False           # its consumer handed it back and it waits for its producer to recycle it
+    free: bool = False           # a segment handed back by its consumer (written by older versions)
+    slot: int = -1
+    arena: bool = False
 
     @property
     def wf_id(self) -> str:
@@ -149,76 +178,18 @@ class Found:
 
 def sweep_verdict(found: Found, *, now_ms: int, live_wfs: set[str] | None,
                   live_workers: set[str] | None) -> SweepReason | None:
-    """Whether the sweep frees one segment (a pure function). `live_wfs` None: unknown (not tested);
-    `live_workers` None: unknown. A live workflow's segment stays even when its producer died: the
+    """Whether the sweep frees one payload (a pure function). `live_wfs` None: unknown (not tested);
+    `live_workers` None: unknown. A live workflow's payload stays even when its producer died: the
     consumer, or its retry, replays it from the edge log."""
     if found.info is not None and found.info.expiry_ms <= now_ms:
         return SweepReason.EXPIRED
-    if live_wfs is not None and found.wf_id not in live_wfs:
+    if live_wfs is not None and found.wf_id not in live_wfs and not (found.arena and found.info is None):
         return SweepReason.ENDED
-    # half-written, or handed back for recycling, by a producer that is gone: nobody will finish or reuse it
+    # half-written, or handed back, by a producer that is gone: nobody will finish or reuse it
     if (found.info is None or found.free) and live_workers is not None and \
             found.segment.worker not in {name_part(w) for w in live_workers}:
         return SweepReason.ORPHAN
     return None
-
-
-@dataclass(slots=True)
-class _Pooled:
-    """A segment this producer created and keeps mapped, to recycle once its consumer frees it."""
-
-    name: str
-    capacity: int
-    mm: mmap.mmap
-
-    def free(self) -> bool:
-        return bool(CONTROL.unpack_from(self.mm)[1] == STATE_FREE)
-
-
-class SegmentPool:
-    """A producer's segments, recycled when their consumers are done: no page allocation, mapping or
-    freeing per chunk. Bounded by `limit_bytes` of segment capacity; past it, segments are plain."""
-
-    def __init__(self, limit_bytes: int) -> None:
-        self.limit_bytes = limit_bytes
-        self.items: list[_Pooled] = []
-        self.bytes = 0
-        self._lock = threading.Lock()        # put_sync may run on compute threads
-
-    def take(self, need: int) -> _Pooled | None:
-        """A free segment of at least `need` bytes (and at most twice that), removed from the pool."""
-        with self._lock:
-            for i, item in enumerate(self.items):
-                if need <= item.capacity <= 2 * need + CAPACITY_STEP and item.free():
-                    return self.items.pop(i)
-        return None
-
-    def room_for(self, capacity: int) -> bool:
-        return self.bytes + capacity <= self.limit_bytes
-
-    def add(self, item: _Pooled, *, new: bool) -> None:
-        with self._lock:
-            self.items.append(item)
-            if new:
-                self.bytes += item.capacity
-
-    def drop(self, item: _Pooled) -> None:
-        with self._lock:
-            self.bytes -= item.capacity
-        item.mm.close()
-
-    def close(self, directory: Path) -> int:
-        """Unmap everything; unlink the segments no consumer needs any more (FREE). Returns how many."""
-        with self._lock:
-            items, self.items, self.bytes = self.items, [], 0
-        freed = 0
-        for item in items:
-            if item.free():
-                with _suppress_missing():
-                    os.unlink(os.path.join(directory, item.name))
-                    freed += 1
-            item.mm.close()
-        return freed
 
 
 class _suppress_missing:
@@ -230,54 +201,95 @@ class _suppress_missing:
 
 
 class ShmTransport(Transport):
-    """Payload frames in shared-memory segments of this host."""
+    """Payload frames in this host's shared memory: arenas, and segments of their own."""
 
     kind = TransportKind.SHM
 
     def __init__(self, prefix: str, *, directory: Path = DEFAULT_SHM_DIR, full_checksum: bool = False,
-                 domain: str | None = None, pool_bytes: int = DEFAULT_POOL_BYTES) -> None:
+                 domain: str | None = None, pool_bytes: int = DEFAULT_POOL_BYTES, worker_id: str = "",
+                 arena_bytes: int = arenas.DEFAULT_ARENA_BYTES) -> None:
         self.prefix = prefix
         self.directory = Path(directory)
         self.full_checksum = full_checksum
         self.domain = domain or shm_domain(self.directory)
-        self.pool = SegmentPool(pool_bytes) if pool_bytes > 0 else None
+        self.worker_id = worker_id
+        self.pool_bytes = pool_bytes                  # what this producer's arenas may hold in all
+        self.arena_bytes = min(arena_bytes, pool_bytes)
         self._mine = f"{NAMESPACE}-{name_part(prefix)}-"
-        # consumer side: how many live mappings each segment we read has, and which we were told to release
+        # producer side: our arenas
+        self.arenas: list[arenas.Arena] = []
+        self._arena_index = 0
+        self._arenas_lock = threading.Lock()
+        # consumer side: arenas we map, how many live views each payload we read has, which we released
+        self._maps: dict[str, arenas.Mapped] = {}
         self._mapped: dict[str, int] = {}
-        self._released: set[str] = set()
-        self._lock = threading.Lock()
+        self._released: dict[str, Ref] = {}
+        self._lock = threading.RLock()      # view finalizers may run inside a locked section (GC)
+        self._pagemap = arenas.open_pagemap()
 
-    # ------------------------------------------------------------ put / get
+    # ------------------------------------------------------------ put
     def put_sync(self, payload: Any, ctx: PutContext) -> Ref:
         """`put` without the event loop (for a compute thread)."""
+        expiry_ms = int((time.time() + ctx.ttl_s) * 1000)
         frame = codec.encode_frame(payload, owner=[ctx.wf_id, ctx.src, ctx.dst, ctx.attempt, ctx.seq, ctx.worker_id],
-                                   expiry_ms=int((time.time() + ctx.ttl_s) * 1000), full_checksum=self.full_checksum)
+                                   expiry_ms=expiry_ms, full_checksum=self.full_checksum)
+        ref = self._put_in_arena(frame, ctx.wf_id, expiry_ms)
+        if ref is not None:
+            return ref
         name = segment_name(ctx)
-        if not self._recycle(name, frame):
-            self._write(name, frame)
+        self._write(name, frame)
         return Ref(TransportKind.SHM, name, frame.nbytes, frame.checksum, self.domain)
 
-    def _recycle(self, name: str, frame: codec.Frame) -> bool:
-        """Write `frame` into a free pooled segment renamed to `name`; False if there is none."""
-        if self.pool is None:
-            return False
-        while (item := self.pool.take(CONTROL_BYTES + frame.nbytes)) is not None:
-            try:
-                # atomic; replaces a segment of the same name (a repeated put of this very step)
-                os.rename(os.path.join(self.directory, item.name), os.path.join(self.directory, name))
-            except FileNotFoundError:        # swept meanwhile (its workflow ended): forget it
-                self.pool.drop(item)
+    def _put_in_arena(self, frame: codec.Frame, wf_id: str, expiry_ms: int) -> Ref | None:
+        if self.arena_bytes <= 0 or frame.nbytes > self.arena_bytes // 2:
+            return None                  # none, or too large to share one: a segment of its own
+        for arena in self._arenas_for(frame.nbytes):
+            with arena.lock:
+                spot = arena.reserve(frame.nbytes, wf_id, expiry_ms)
+            if spot is None:
                 continue
-            item.name = name
-            pos = CONTROL_BYTES
-            for part in frame.parts():
-                n = len(part) if isinstance(part, bytes) else part.nbytes
-                item.mm[pos:pos + n] = part
-                pos += n
-            CONTROL.pack_into(item.mm, 0, SEG_MAGIC, STATE_IN_USE, 1)
-            self.pool.add(item, new=False)
-            return True
-        return False
+            slot, offset, gen = spot
+            try:
+                arena.write(offset, frame)
+            except BaseException:
+                with arena.lock:
+                    arena.forget(slot)
+                raise
+            with arena.lock:
+                arena.publish(slot, gen, offset, frame.nbytes, expiry_ms)
+            return Ref(TransportKind.SHM, arena.name, frame.nbytes, frame.checksum, self.domain, slot=slot, gen=gen)
+        return None
+
+    def _arenas_for(self, nbytes: int) -> Iterator[arenas.Arena]:
+        """Our arenas, then a new one while the pool has room for it."""
+        with self._arenas_lock:
+            gone = [a for a in self.arenas if not a.linked()]
+            for arena in gone:           # unlinked under us (a sweep took us for dead): never write there again
+                logger.warning("arena %s was removed under its live producer; starting another", arena.name)
+                self.arenas.remove(arena)
+                arena.close(unlink=False)
+            current = list(self.arenas)
+        yield from current
+        with self._arenas_lock:
+            if sum(a.size for a in self.arenas) + self.arena_bytes > self.pool_bytes:
+                return
+            new = self._new_arena()
+        if new is not None:
+            yield new
+
+    def _new_arena(self) -> arenas.Arena | None:
+        while True:
+            self._arena_index += 1
+            name = arena_name(self.prefix, self.worker_id, self._arena_index)
+            try:
+                arena = arenas.Arena(os.path.join(self.directory, name), name, self.arena_bytes)
+            except FileExistsError:
+                continue                 # left by an earlier process of the same id: not ours to reuse
+            except OSError as exc:       # /dev/shm full or too small: segments of their own (or Redis) then
+                logger.warning("cannot create a %d-byte arena in %s: %s", self.arena_bytes, self.directory, exc)
+                return None
+            self.arenas.append(arena)
+            return arena
 
     def _write(self, name: str, frame: codec.Frame) -> None:
         path = os.path.join(self.directory, name)
@@ -289,14 +301,9 @@ class ShmTransport(Transport):
             # a reader of the old one keeps its mapping
             os.unlink(path)
             fd = os.open(path, flags, 0o600)
-        capacity = -(-(CONTROL_BYTES + frame.nbytes) // CAPACITY_STEP) * CAPACITY_STEP
-        pooled = self.pool is not None and self.pool.room_for(capacity)
-        control = CONTROL.pack(SEG_MAGIC, STATE_IN_USE, int(pooled)).ljust(CONTROL_BYTES, b"\0")
+        control = CONTROL.pack(SEG_MAGIC, STATE_IN_USE, 0).ljust(CONTROL_BYTES, b"\0")
         try:
             _writev_all(fd, [control, *frame.parts()])
-            if self.pool is not None and pooled:
-                os.ftruncate(fd, capacity)
-                self.pool.add(_Pooled(name, capacity, mmap.mmap(fd, capacity)), new=True)
         except BaseException:
             os.unlink(path)
             raise
@@ -308,10 +315,19 @@ class ShmTransport(Transport):
             return await asyncio.to_thread(self.put_sync, payload, ctx)
         return self.put_sync(payload, ctx)
 
-    def check(self, ref: Ref, wf_id: str | None) -> Segment:
-        """Refuse a name that is not a segment of ours (prefix, and workflow `wf_id` if given)."""
+    # ------------------------------------------------------------ get
+    def check(self, ref: Ref, wf_id: str | None) -> Segment | ArenaFile:
+        """Refuse a name that is not an arena or segment of ours (prefix, and workflow `wf_id` if given:
+        a slot's workflow is checked against its header when it is read)."""
+        if not ref.location.startswith(self._mine):
+            raise ForeignReference(f"segment {ref.location!r} is outside our namespace {self._mine}*")
+        if ref.slot >= 0:
+            found = parse_arena(ref.location)
+            if found is None:
+                raise ForeignReference(f"arena {ref.location!r} is outside our namespace {self._mine}*-arena-*")
+            return found
         seg = parse_name(ref.location)
-        if seg is None or not ref.location.startswith(self._mine):
+        if seg is None:
             raise ForeignReference(f"segment {ref.location!r} is outside our namespace {self._mine}*")
         if wf_id is not None and seg.wf_id != name_part(wf_id):
             raise ForeignReference(f"segment {ref.location!r} belongs to another workflow than {wf_id}")
@@ -322,6 +338,8 @@ class ShmTransport(Transport):
         self.check(ref, wf_id)
         if ref.host != self.domain:
             raise WrongHost(f"segment {ref.location} is in the shared memory of {ref.host}, not of {self.domain}")
+        if ref.slot >= 0:
+            return self._get_slot(ref, wf_id)
         try:
             fd = os.open(os.path.join(self.directory, ref.location), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -339,11 +357,43 @@ class ShmTransport(Transport):
             raise UndecodablePayload(f"segment {ref.location} is not an omniflow segment")
         payload = codec.decode_frame(memoryview(mm)[CONTROL_BYTES:CONTROL_BYTES + ref.nbytes], nbytes=ref.nbytes,
                                      checksum=ref.checksum, what=f"segment {ref.location}")
-        with self._lock:
-            self._mapped[ref.location] = self._mapped.get(ref.location, 0) + 1
-        # the producer may recycle the segment once we released it AND no view of it is left here
-        weakref.finalize(mm, self._unmapped, ref.location)
+        self._watch(mm, ref.location)
         return payload
+
+    def _get_slot(self, ref: Ref, wf_id: str | None) -> Any:
+        mapped = self._map(ref.location)
+        offset = mapped.entry(ref.slot, ref.gen, ref.nbytes)
+        key = _slot_key(ref)
+        with self._lock:
+            first = key not in self._mapped
+            self._mapped[key] = self._mapped.get(key, 0) + 1
+        try:
+            # the first reader gets views of our mapping of the arena; a second one while those live gets a
+            # mapping of its own, so it never sees what the first wrote into its (private) pages
+            holder = mapped.holder(offset, ref.nbytes) if first else mapped.private(offset, ref.nbytes)
+            payload = codec.decode_frame(memoryview(holder)[:ref.nbytes], nbytes=ref.nbytes, checksum=ref.checksum,
+                                         what=f"arena {ref.location} slot {ref.slot}", wf_id=wf_id)
+        except BaseException:
+            self._unmapped(key, ref)
+            raise
+        weakref.finalize(holder, self._unmapped, key, ref)
+        return payload
+
+    def _map(self, name: str) -> arenas.Mapped:
+        mapped = self._maps.get(name)
+        if mapped is None:
+            opened = arenas.Mapped(os.path.join(self.directory, name), name)
+            with self._lock:
+                mapped = self._maps.setdefault(name, opened)
+            if mapped is not opened:
+                opened.close()
+        return mapped
+
+    def _watch(self, holder: Any, key: str) -> None:
+        """Count a segment's live views: it is handed back once released and the last view is gone."""
+        with self._lock:
+            self._mapped[key] = self._mapped.get(key, 0) + 1
+        weakref.finalize(holder, self._unmapped, key)
 
     async def get(self, ref: Ref, *, wf_id: str | None = None) -> Any:
         return self.get_sync(ref, wf_id=wf_id)
@@ -357,76 +407,120 @@ class ShmTransport(Transport):
             return False
 
     async def release(self, refs: Sequence[Ref]) -> int:
-        """The consumer is done with these segments: each is handed back to its producer (state FREE)
-        as soon as no view of it is left in this process; unlinked if it cannot be recycled."""
+        """The consumer is done with these payloads: each is handed back (an arena slot to its producer,
+        a segment of its own unlinked) as soon as no view of it is left in this process."""
         freed = 0
         for ref in refs:
             if ref.kind is TransportKind.SHM and ref.host == self.domain:
                 self.check(ref, None)          # never touch a path a reference smuggled in
+                key = _slot_key(ref) if ref.slot >= 0 else ref.location
                 with self._lock:
-                    if ref.location in self._released:
+                    if key in self._released:
                         continue
-                    self._released.add(ref.location)
-                    mapped = self._mapped.get(ref.location, 0)
+                    self._released[key] = ref
+                    mapped = self._mapped.get(key, 0)
                 if not mapped:
-                    freed += self._hand_back(ref.location)
+                    freed += self._hand_back(key)
         return freed
 
-    def _unmapped(self, name: str) -> None:
+    def _unmapped(self, key: str, ref: Ref | None = None) -> None:
         with self._lock:
-            left = self._mapped.get(name, 1) - 1
+            left = self._mapped.get(key, 1) - 1
             if left > 0:
-                self._mapped[name] = left
+                self._mapped[key] = left
                 return
-            self._mapped.pop(name, None)
-            if name not in self._released:
+            self._mapped.pop(key, None)
+            if ref is not None:
+                # no view of this payload is left here: drop our private copies of its pages (a later read
+                # here, a retry's, or the slot's next payload must see the file, not what we wrote)
+                mapped = self._maps.get(ref.location)
+                if mapped is not None:
+                    mapped.scrub(ref.slot, ref.gen, ref.nbytes, self._pagemap)
+            if key not in self._released:
                 return
-        self._hand_back(name)
+        self._hand_back(key)
 
-    def _hand_back(self, name: str) -> int:
-        """Mark a released segment FREE for its producer to recycle (by name: a segment renamed for a
-        newer chunk is left alone); one that is not poolable is unlinked."""
+    def _hand_back(self, key: str) -> int:
         with self._lock:
-            self._released.discard(name)
-        try:
-            fd = os.open(os.path.join(self.directory, name), os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
+            ref = self._released.pop(key, None)
+        if ref is None:
             return 0
+        if ref.slot < 0:
+            return int(self._unlink(ref.location))
         try:
-            raw = os.pread(fd, CONTROL.size, 0)
-            if len(raw) == CONTROL.size and CONTROL.unpack(raw)[0] == SEG_MAGIC and CONTROL.unpack(raw)[2] == 1:
-                os.pwrite(fd, struct.pack("<I", STATE_FREE), 4)
-                return 1
-        finally:
-            os.close(fd)
-        return self._unlink(name)
+            return int(self._map(ref.location).hand_back(ref.slot, ref.gen))
+        except (PayloadMissing, UndecodablePayload):
+            return 0                     # the arena is gone, or is not one: nothing to hand back
 
     def segments(self) -> Iterator[Segment]:
-        """Our segments (this prefix) in the shared-memory directory."""
+        """Our segments of their own (this prefix) in the shared-memory directory."""
+        for name in self._names():
+            seg = parse_name(name)
+            if seg is not None:
+                yield seg
+
+    def arena_files(self) -> Iterator[ArenaFile]:
+        """Every arena of this prefix in the shared-memory directory (ours and other processes')."""
+        for name in self._names():
+            found = parse_arena(name)
+            if found is not None:
+                yield found
+
+    def _names(self) -> list[str]:
         try:
-            entries = list(os.scandir(self.directory))
+            return [entry.name for entry in os.scandir(self.directory) if entry.name.startswith(self._mine)]
         except FileNotFoundError:
-            return
-        for entry in entries:
-            if entry.name.startswith(self._mine):
-                seg = parse_name(entry.name)
-                if seg is not None:
-                    yield seg
+            return []
+
+    def payloads(self) -> list[str]:
+        """What of ours holds shared memory for a payload now: segments by name, arena slots in use as
+        `<arena>#<slot>` (an arena that holds nothing is not listed)."""
+        out = [seg.name for seg in self.segments()]
+        for item in self.inventory():
+            if item.arena and item.slot >= 0:
+                out.append(f"{item.segment.name}#{item.slot}")
+        return sorted(out)
 
     async def release_workflow(self, wf_id: str) -> int:
+        """Free one workflow's payloads on this host: its segments, and the slots of our arenas (other
+        producers free theirs when they hear of the abort, or at their sweep)."""
         part = name_part(wf_id)
-        return sum(self._unlink(seg.name) for seg in self.segments() if seg.wf_id == part)
+        freed = sum(self._unlink(seg.name) for seg in self.segments() if seg.wf_id == part)
+        for arena in list(self.arenas):
+            with arena.lock:
+                freed += arena.take_back([s for s, held in arena.held.items() if held.wf_id == wf_id])
+        return freed
 
     def release_all(self) -> int:
-        """Free every segment of this prefix (tests, `omniflow purge`)."""
-        if self.pool is not None:
-            self.pool.close(self.directory)
-        return sum(self._unlink(seg.name) for seg in self.segments())
+        """Free every arena and segment of this prefix (tests, `omniflow purge`)."""
+        self.close()
+        self._forget_maps(everything=True)
+        return sum(self._unlink(name) for name in self._names()
+                   if parse_name(name) is not None or parse_arena(name) is not None)
 
     def close(self) -> int:
-        """At shutdown: unmap the pool, unlink its free segments (the others may still be read)."""
-        return self.pool.close(self.directory) if self.pool is not None else 0
+        """At shutdown: unmap our arenas; unlink those nothing in use is left in (the others stay for
+        their consumers, and go with the sweep once their workflows end). Returns how many went."""
+        with self._arenas_lock:
+            mine, self.arenas = self.arenas, []
+        gone = 0
+        for arena in mine:
+            with arena.lock:
+                arena.reclaim(force=True)
+                empty = not arena.held
+                arena.close(unlink=empty)
+            gone += int(empty)
+        return gone
 
+    def _forget_maps(self, *, everything: bool = False) -> None:
+        """Drop our mappings of arenas that were unlinked (or all): pages of a removed file stay
+        allocated while anyone maps them."""
+        with self._lock:
+            drop = [name for name, m in self._maps.items() if everything or not m.linked()]
+            for name in drop:
+                self._maps.pop(name).close()
+
+    # ------------------------------------------------------------ sweep
     def read_header(self, name: str) -> codec.FrameInfo | None:
         """A segment's owner and expiry from its header; None if it has none readable (half-written)."""
         try:
@@ -443,11 +537,32 @@ class ShmTransport(Transport):
             os.close(fd)
 
     def inventory(self) -> list[Found]:
-        """Every segment of this prefix with its header: what `sweep` decides on."""
-        return [Found(seg, self.read_header(seg.name), self.is_free(seg.name)) for seg in self.segments()]
+        """Every payload of this prefix on the host with its header: what `sweep` decides on. Slots of
+        our own arenas come from our bookkeeping; other arenas are read from their files."""
+        found = [Found(seg, self.read_header(seg.name), self.is_free(seg.name)) for seg in self.segments()]
+        own = {a.name: a for a in self.arenas}
+        for af in self.arena_files():
+            arena = own.get(af.name)
+            slots: list[tuple[int, codec.FrameInfo | None]]
+            if arena is not None:
+                with arena.lock:
+                    arena.reclaim(force=True)
+                    slots = [(slot, codec.FrameInfo(0, 0, held.expiry_ms, [held.wf_id]))
+                             for slot, held in arena.held.items()]
+            else:
+                scanned = arenas.scan(os.path.join(self.directory, af.name))
+                slots = [(item.slot, item.info) for item in scanned or []]
+            for slot, info in slots:
+                owner = info.owner if info else []
+                seg = Segment(af.name, af.prefix, af.worker, name_part(str(owner[0])) if owner else "",
+                              "", "", 0, 0)
+                found.append(Found(seg, info, slot=slot, arena=True))
+            if not slots:
+                found.append(Found(Segment(af.name, af.prefix, af.worker, "", "", "", 0, 0), None, arena=True))
+        return found
 
     def is_free(self, name: str) -> bool:
-        """True when the segment's consumer handed it back (state FREE) for its producer to recycle."""
+        """True when a segment's consumer handed it back (state FREE) and only waits to be unlinked."""
         try:
             with open(os.path.join(self.directory, name), "rb") as f:
                 raw = f.read(CONTROL.size)
@@ -458,12 +573,40 @@ class ShmTransport(Transport):
 
     def sweep(self, found: Sequence[Found], *, live_wfs: set[str] | None, live_workers: set[str] | None,
               now_ms: int | None = None) -> dict[SweepReason, int]:
-        """Free the segments of `found` that `sweep_verdict` condemns; counts by reason."""
+        """Free what of `found` `sweep_verdict` condemns; counts by reason. A slot of our own arena is
+        taken back; another producer's arena goes when its producer is dead and nothing in it lives
+        (a live producer takes back its own slots at its sweep)."""
         now = int(time.time() * 1000) if now_ms is None else now_ms
         freed = {reason: 0 for reason in SweepReason}
+        by_arena: dict[str, list[tuple[Found, SweepReason | None]]] = {}
         for item in found:
             reason = sweep_verdict(item, now_ms=now, live_wfs=live_wfs, live_workers=live_workers)
-            if reason is not None and self._unlink(item.segment.name):
+            if item.arena:
+                by_arena.setdefault(item.segment.name, []).append((item, reason))
+            elif reason is not None and self._unlink(item.segment.name):
                 freed[reason] += 1
                 logger.info("swept segment %s (%s)", item.segment.name, reason.value)
+        own = {a.name: a for a in self.arenas}
+        for name, items in by_arena.items():
+            arena = own.get(name)
+            if arena is not None:
+                doomed = [(item.slot, reason) for item, reason in items if reason is not None and item.slot >= 0]
+                with arena.lock:
+                    arena.take_back([slot for slot, _ in doomed])
+                for _slot, why in doomed:
+                    if why is not None:
+                        freed[why] += 1
+                continue
+            worker = items[0][0].segment.worker
+            dead = live_workers is not None and worker not in {name_part(w) for w in live_workers}
+            if dead and all(reason is not None for _, reason in items) and self._unlink(name):
+                for item, reason in items:
+                    if reason is not None and (item.slot >= 0 or len(items) == 1):
+                        freed[reason] += 1
+                logger.info("swept arena %s of dead worker %s", name, worker)
+        self._forget_maps()
         return freed
+
+
+def _slot_key(ref: Ref) -> str:
+    return f"{ref.location}#{ref.slot}.{ref.gen}"

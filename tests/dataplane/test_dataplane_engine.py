@@ -18,7 +18,7 @@ from helpers import eventually, omniflow, request, run_to_end
 from dataplane_fixtures import expected_digest, pipeline
 from omniflow.config import DataPlaneMode
 from omniflow.dataplane import DataPlane, Ref, TransportKind
-from omniflow.dataplane.shm import DEFAULT_SHM_DIR, shm_available
+from omniflow.dataplane.shm import DEFAULT_SHM_DIR, ShmTransport, shm_available
 from omniflow.store import s
 
 pytestmark = pytest.mark.skipif(not shm_available(DEFAULT_SHM_DIR), reason="no /dev/shm on this host")
@@ -27,6 +27,11 @@ KIB = 1 << 10
 
 
 def segments(prefix: str) -> list[str]:
+    """Payloads of this prefix held in shared memory: segments, and arena slots in use."""
+    return ShmTransport(prefix).payloads()
+
+
+def files(prefix: str) -> list[str]:
     return sorted(n for n in os.listdir(DEFAULT_SHM_DIR) if n.startswith(f"of-{prefix}-"))
 
 
@@ -47,9 +52,11 @@ async def test_large_payloads_travel_through_shared_memory_and_are_released(engi
         assert consumer.stats["payloads_released"] == 6          # by reference, released at its finish
         assert not await blob_keys(eng)                          # none went through Redis keys
         prefix = eng.settings.prefix
-        # (the released segments may sit in the producer's recycling pool for a while, or not: racy to check)
+        assert not segments(prefix)                              # handed back: the producer's arena holds none
+        assert files(prefix)                                     # ... and stays, for the next payloads
         await DataPlane(eng.redis, eng.settings).sweep()         # the workflow ended: nothing of it stays
         assert not segments(prefix)
+    assert not files(prefix)                                     # the arenas go with their workers
 
 
 async def test_small_payloads_stay_inline(engine_factory) -> None:

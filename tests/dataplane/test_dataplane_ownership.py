@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from omniflow.config import Settings
-from omniflow.dataplane import DataPlane, TransportKind
+from omniflow.dataplane import DataPlane, Ref, TransportKind
 from omniflow.dataplane.codec import FrameInfo
 from omniflow.dataplane.shm import DEFAULT_SHM_DIR, Found, Segment, SweepReason, shm_available, sweep_verdict
 from omniflow.store import connect
@@ -36,8 +36,23 @@ async def plane(valkey_url: str, shm_prefix: str) -> AsyncIterator[DataPlane]:
 
 
 def ours(plane: DataPlane) -> set[str]:
+    """Payloads of this prefix in shared memory: segments by name, arena slots in use as `<arena>#<slot>`."""
     assert plane.shm is not None
-    return {seg.name for seg in plane.shm.segments()}
+    return set(plane.shm.payloads())
+
+
+def owners(plane: DataPlane) -> list[str]:
+    """The workflow of each payload held (arena slots and segments)."""
+    assert plane.shm is not None
+    return sorted(f.wf_id for f in plane.shm.inventory() if f.slot >= 0 or not f.arena)
+
+
+def pid(ref: Ref) -> str:
+    return f"{ref.location}#{ref.slot}" if ref.slot >= 0 else ref.location
+
+
+def files(plane: DataPlane) -> list[str]:
+    return sorted(n for n in os.listdir(DEFAULT_SHM_DIR) if n.startswith(f"of-{plane.settings.prefix}-"))
 
 
 async def set_state(plane: DataPlane, wf: str, state: str) -> None:
@@ -51,7 +66,7 @@ async def test_release_workflow_frees_its_keys_and_segments_only(plane: DataPlan
             refs[(wf, seq)] = await plane.put(np.zeros(2048), plane.context(wf, "thinker", "talker", 1, seq), kind=kind)
     assert len(ours(plane)) == 4
     assert await plane.release_workflow("wfa") == 3
-    assert all("-wfb-" in name for name in ours(plane)) and len(ours(plane)) == 2
+    assert owners(plane) == ["wfb", "wfb"] and len(ours(plane)) == 2
     assert not await plane.redis.exists(refs[("wfa", 3)].location, plane.keys.blobs("wfa"))
     assert await plane.redis.exists(refs[("wfb", 3)].location)
     assert (await plane.get(refs[("wfb", 1)], wf_id="wfb")).shape == (2048,)
@@ -97,8 +112,8 @@ async def test_sweep_frees_ended_expired_and_orphaned_segments_and_keeps_live_on
         (DEFAULT_SHM_DIR / name).write_bytes(b"OF")          # a producer died (or is) mid-write
     freed = await plane.sweep()
     assert freed == {SweepReason.ENDED: 2, SweepReason.EXPIRED: 1, SweepReason.ORPHAN: 1}
-    assert ours(plane) == {live.location, half_live}
-    assert {done.location, gone.location, expired.location, half_dead}.isdisjoint(ours(plane))
+    assert ours(plane) == {pid(live), half_live}
+    assert {pid(done), pid(gone), pid(expired), half_dead}.isdisjoint(ours(plane))
     await set_state(plane, "wflive", "aborted")
     await plane.sweep()
     assert not ours(plane)
@@ -110,14 +125,42 @@ async def test_sweep_of_one_worker_leaves_the_others(plane: DataPlane) -> None:
     ra = await a.put(np.ones(10), a.context("wfx", "thinker", "talker", 1, 1), kind=TransportKind.SHM)
     rb = await b.put(np.ones(10), b.context("wfx", "thinker", "talker", 1, 2), kind=TransportKind.SHM)
     assert await plane.sweep(worker="w-a") == {SweepReason.ENDED: 1, SweepReason.EXPIRED: 0, SweepReason.ORPHAN: 0}
-    assert ours(plane) == {rb.location} and ra.location not in ours(plane)
+    assert ours(plane) == {pid(rb)} and not os.path.exists(DEFAULT_SHM_DIR / ra.location)   # w-a's arena went
+    for dp in (a, b):
+        assert dp.shm is not None
+        dp.shm.close()
+
+
+async def test_an_arena_goes_only_when_its_producer_is_dead_and_nothing_in_it_lives(plane: DataPlane) -> None:
+    """Another producer's arena: kept while its producer lives (it takes back its own slots), and while
+    a slot of a live workflow is in it; unlinked once neither holds."""
+    await set_state(plane, "wfl", "running")
+    other = DataPlane(plane.redis, plane.settings, worker_id="w-other")
+    lease = {"w-other": int(time.time() * 1000) + 60_000}
+    await plane.redis.zadd(plane.keys.workers, lease)
+    ref = await other.put(np.ones(100), other.context("wfl", "thinker", "talker", 1, 1), kind=TransportKind.SHM)
+    gone = await other.put(np.ones(100), other.context("wfx", "thinker", "talker", 1, 1), kind=TransportKind.SHM)
+    assert ours(plane) == {pid(ref), pid(gone)}
+    await plane.sweep()                                  # its producer lives: its own sweep decides
+    assert ours(plane) == {pid(ref), pid(gone)}
+    assert await other.sweep() == {SweepReason.ENDED: 1, SweepReason.EXPIRED: 0, SweepReason.ORPHAN: 0}
+    assert ours(plane) == {pid(ref)}
+    await plane.redis.zrem(plane.keys.workers, "w-other")      # it died
+    await plane.sweep()
+    assert ours(plane) == {pid(ref)}                     # the consumer (or its retry) may still read it
+    assert (await plane.get(ref, wf_id="wfl")).shape == (100,)
+    await set_state(plane, "wfl", "completed")
+    assert sum((await plane.sweep()).values()) == 1
+    assert not files(plane)
+    assert other.shm is not None
+    other.shm.close()
 
 
 PRODUCER = textwrap.dedent("""
     import asyncio, sys
     import numpy as np
     from omniflow.config import Settings
-    from omniflow.dataplane import DataPlane, TransportKind
+    from omniflow.dataplane import DataPlane, Ref, TransportKind
     from omniflow.store import connect
 
     async def main():
@@ -137,8 +180,8 @@ PRODUCER = textwrap.dedent("""
 
 @pytest.mark.slow
 async def test_segments_of_a_producer_killed_mid_stream_are_swept(plane: DataPlane, valkey_url: str) -> None:
-    """SIGKILL a process that writes 8 MiB segments in a loop; once its workflow has ended, the sweep
-    leaves nothing of it behind (complete segments and the one it was writing alike)."""
+    """SIGKILL a process that writes 8 MiB payloads in a loop (into its arenas, then segments of their
+    own once they are full); once its workflow has ended, the sweep leaves nothing of it behind."""
     await set_state(plane, "wfk", "running")
     proc = subprocess.Popen([sys.executable, "-c", PRODUCER, valkey_url, plane.settings.prefix],
                             stdout=subprocess.PIPE, text=True)
@@ -148,10 +191,9 @@ async def test_segments_of_a_producer_killed_mid_stream_are_swept(plane: DataPla
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     left = ours(plane)
-    assert len(left) >= 3 and all("-w_doomed-wfk-" in name for name in left)
+    assert len(left) >= 3 and all("-w_doomed-" in name for name in left) and set(owners(plane)) == {"wfk"}
     await plane.sweep()                              # workflow still live: its chunks stay for the consumer
-    assert {n for n in ours(plane) if plane.shm and plane.shm.read_header(n)} == \
-        {n for n in left if plane.shm and plane.shm.read_header(n)}
+    assert {p for p in ours(plane) if "#" in p} == {p for p in left if "#" in p}
     await set_state(plane, "wfk", "failed")
     await plane.sweep()
-    assert not ours(plane)
+    assert not ours(plane) and not files(plane)

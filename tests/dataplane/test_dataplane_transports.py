@@ -1,8 +1,10 @@
 """Each transport against the real thing: a Valkey server and this host's /dev/shm."""
 from __future__ import annotations
 
+import gc
 import mmap
 import os
+import resource
 import tracemalloc
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,7 +18,8 @@ from omniflow.dataplane import (
     ChecksumMismatch, DataPlane, ForeignReference, PayloadMissing, Ref, SizeMismatch, TransportKind,
     UndecodablePayload, WrongHost, ref_field,
 )
-from omniflow.dataplane.shm import CONTROL, CONTROL_BYTES, DEFAULT_SHM_DIR, STATE_FREE, shm_available
+from omniflow.dataplane import arena as arenas
+from omniflow.dataplane.shm import CONTROL, CONTROL_BYTES, DEFAULT_SHM_DIR, shm_available
 from omniflow.store import connect
 
 from dataplane_forge import ext, forge_frame
@@ -41,12 +44,34 @@ async def plane(valkey_url: str, shm_prefix: str) -> AsyncIterator[DataPlane]:
     await redis.aclose()
 
 
+@pytest.fixture
+async def plain(valkey_url: str, shm_prefix: str) -> AsyncIterator[DataPlane]:
+    """A data plane without arenas: every shared-memory payload gets a segment of its own."""
+    redis = connect(valkey_url)
+    dp = DataPlane(redis, Settings(redis_url=valkey_url, prefix=shm_prefix, dataplane_shm_pool_bytes=0),
+                   worker_id="thinker-host-1-abc")
+    yield dp
+    assert dp.shm is not None
+    dp.shm.release_all()
+    await redis.aclose()
+
+
 def seg_path(ref: Ref) -> Path:
     return DEFAULT_SHM_DIR / ref.location
 
 
-def seg_state(ref: Ref) -> int:
-    return int(CONTROL.unpack(seg_path(ref).read_bytes()[:CONTROL.size])[1])
+def slot_row(ref: Ref) -> tuple[int, int, int, int, int]:
+    """(gen, freed, offset, nbytes, expiry ms) of an arena slot, read from the file."""
+    raw = os.pread(fd := os.open(seg_path(ref), os.O_RDONLY), arenas.SLOT.itemsize,
+                   arenas.TABLE_AT + ref.slot * arenas.SLOT.itemsize)
+    os.close(fd)
+    gen, freed, offset, nbytes, expiry = np.frombuffer(raw, dtype=arenas.SLOT)[0].tolist()
+    return gen, freed, offset, nbytes, expiry
+
+
+def in_use(ref: Ref) -> bool:
+    gen, freed, *_ = slot_row(ref)
+    return gen == ref.gen and freed != gen
 
 
 async def put(plane: DataPlane, payload: Any, kind: TransportKind, *, wf: str = "wf1", seq: int = 1) -> Ref:
@@ -101,30 +126,78 @@ async def test_the_policy_picks_per_chunk_by_size_and_consumer_host(plane: DataP
     assert plane.choose(large, consumer_domain="other-host:1:2") is TransportKind.REDIS
     assert plane.choose(large, consumer_domain=None) is TransportKind.REDIS
     ref = await plane.put(large, plane.context("wf1", "thinker", "talker", 1, 1), consumer_domain=plane.domain)
-    assert ref.kind is TransportKind.SHM and seg_path(ref).exists()
+    assert ref.kind is TransportKind.SHM and ref.slot >= 0 and in_use(ref)
     await plane.release([ref])
-    assert not seg_path(ref).exists() or seg_state(ref) == STATE_FREE
+    assert not in_use(ref)
 
 
-async def test_a_released_segment_is_recycled_by_its_producer(plane: DataPlane) -> None:
-    """Release hands a segment back (FREE) once the consumer holds no view of it; the producer's next
-    chunk reuses it (same inode, renamed): no page is allocated or freed for it."""
+async def test_a_released_slot_is_reused_by_its_producer_once_no_view_is_left(plane: DataPlane) -> None:
+    """Release hands a slot back once the consumer holds no view of it; the producer's next payload
+    reuses its memory (same arena file, same offset, a new generation): nothing is created, mapped or
+    freed for it. A reference to the payload it held before is refused, never read as the new one."""
     arr = np.arange(300_000, dtype=np.float32)
     first = await put(plane, arr, TransportKind.SHM, seq=1)
     inode = os.stat(seg_path(first)).st_ino
     view = await plane.get(first, wf_id="wf1")
     await plane.release([first])
-    assert seg_state(first) != STATE_FREE            # a view of it is still alive here: not yet
+    assert in_use(first)                             # a view of it is still alive here: not yet
     second = await put(plane, arr * 2, TransportKind.SHM, seq=2)
-    assert os.stat(seg_path(second)).st_ino != inode
+    assert second.slot != first.slot and slot_row(second)[2] != slot_row(first)[2]
     assert np.array_equal(view, arr)                 # untouched
     del view
-    assert seg_state(first) == STATE_FREE
+    assert not in_use(first)
     third = await put(plane, arr * 3, TransportKind.SHM, seq=3)
-    assert os.stat(seg_path(third)).st_ino == inode and not seg_path(first).exists()
+    assert (third.location, third.slot) == (first.location, first.slot) and third.gen != first.gen
+    assert slot_row(third)[2] == slot_row(first)[2] and os.stat(seg_path(third)).st_ino == inode
     assert np.array_equal(await plane.get(third, wf_id="wf1"), arr * 3)
     with pytest.raises(PayloadMissing):
         await plane.get(first, wf_id="wf1")
+
+
+@pytest.mark.parametrize("pagemap", [True, False], ids=["pagemap", "no-pagemap"])
+async def test_what_a_consumer_wrote_never_shows_in_the_slots_next_payload(plane: DataPlane, pagemap: bool) -> None:
+    """Views are writable and private: a write stays in the consumer's pages. Once its views are gone
+    those pages are dropped (found in /proc/self/pagemap; without it, always), so the slot's next
+    payload, or a second read of the same one, is what the producer wrote."""
+    assert plane.shm is not None
+    if not pagemap:
+        plane.shm._pagemap = None
+    arr = np.arange(300_000, dtype=np.float32)
+    first = await put(plane, arr, TransportKind.SHM, seq=1)
+    view = await plane.get(first, wf_id="wf1")
+    view[:1000] = -1.0                               # the consumer works in place
+    again = await plane.get(first, wf_id="wf1")      # read twice while the first views live
+    assert np.array_equal(again, arr)
+    del view, again
+    assert np.array_equal(await plane.get(first, wf_id="wf1"), arr)
+    await plane.release([first])
+    gc.collect()
+    second = await put(plane, arr * 2, TransportKind.SHM, seq=2)
+    assert second.slot == first.slot
+    assert np.array_equal(await plane.get(second, wf_id="wf1"), arr * 2)
+
+
+async def test_steady_state_creates_no_file_and_faults_no_page(plane: DataPlane) -> None:
+    """Put, read every page of, and release 1 MiB payloads: after the first round the arena and the
+    consumer's mapping are reused, so there is one file, one mapping, and (almost) no page fault per
+    payload (a fresh 1 MiB mapping faults 256 pages on each side)."""
+    assert plane.shm is not None
+    arr = np.frombuffer(os.urandom(1 << 20), dtype=np.uint8)
+    for seq in range(1, 4):                          # warm up: the arena and the mapping are made here
+        ref = await put(plane, arr, TransportKind.SHM, seq=seq)
+        assert int((await plane.get(ref, wf_id="wf1"))[::4096].sum()) >= 0
+        await plane.release([ref])
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for seq in range(10, 30):
+        ref = await put(plane, arr, TransportKind.SHM, seq=seq)
+        out = await plane.get(ref, wf_id="wf1")
+        assert int(out[::4096].sum()) == int(arr[::4096].sum())
+        del out
+        await plane.release([ref])
+    per_payload = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / 20
+    assert per_payload < 32, per_payload
+    assert len(list(plane.shm.arena_files())) == 1 and len(plane.shm._maps) == 1
+    assert not list(plane.shm.segments())
 
 
 async def test_mode_setting_forces_one_transport(valkey_url: str, shm_prefix: str) -> None:
@@ -136,18 +209,38 @@ async def test_mode_setting_forces_one_transport(valkey_url: str, shm_prefix: st
         await redis.aclose()
 
 
-async def test_segment_name_attributes_the_owner_and_the_consumer_gets_a_view(plane: DataPlane) -> None:
+async def test_arena_and_slot_attribute_the_owner_and_the_consumer_gets_a_view(plane: DataPlane) -> None:
     arr = np.random.default_rng(3).standard_normal((1024, 1024)).astype(np.float32)     # 4 MiB
     ref = await put(plane, {"h": arr}, TransportKind.SHM, seq=12)
-    assert ref.location == f"of-{plane.settings.prefix}-thinker_host_1_abc-wf1-thinker.talker-1.12"
+    assert ref.location == f"of-{plane.settings.prefix}-thinker_host_1_abc-arena-1" and ref.slot == 0
     assert os.stat(seg_path(ref)).st_mode & 0o777 == 0o600
+    (found,) = arenas.scan(str(seg_path(ref))) or []
+    assert found.info is not None
+    assert found.info.owner == ["wf1", "thinker", "talker", 1, 12, "thinker-host-1-abc"]
     out = (await plane.get(ref, wf_id="wf1"))["h"]
+    assert plane.shm is not None
+    mapping = plane.shm._maps[ref.location]
+    start = out.__array_interface__["data"][0]
+    assert mapping.address <= start < start + out.nbytes <= mapping.address + mapping.size    # a view of it
+    assert np.array_equal(out, arr)
+    await plane.release([ref])
+
+
+async def test_segment_name_attributes_the_owner_and_the_consumer_gets_a_view(plain: DataPlane) -> None:
+    arr = np.random.default_rng(3).standard_normal((1024, 1024)).astype(np.float32)     # 4 MiB
+    ref = await put(plain, {"h": arr}, TransportKind.SHM, seq=12)
+    assert ref.location == f"of-{plain.settings.prefix}-thinker_host_1_abc-wf1-thinker.talker-1.12"
+    assert ref.slot == -1 and os.stat(seg_path(ref)).st_mode & 0o777 == 0o600
+    out = (await plain.get(ref, wf_id="wf1"))["h"]
     base: Any = out
     while isinstance(base, np.ndarray):
         base = base.base
     assert isinstance(base, memoryview) and isinstance(base.obj, mmap.mmap)   # a view of the segment
     assert np.array_equal(out, arr)
-    await plane.release([ref])
+    await plain.release([ref])
+    assert seg_path(ref).exists()                    # a view of it is alive here
+    del out, base
+    assert not seg_path(ref).exists()                # the last one went: unlinked
 
 
 async def test_shared_memory_path_makes_no_copy_beyond_the_segment(plane: DataPlane) -> None:
@@ -212,32 +305,86 @@ async def test_shm_reference_to_another_workflow_is_refused(plane: DataPlane) ->
     await plane.release([ref])
 
 
-async def test_shm_reference_of_wrong_size_or_checksum_or_host_is_refused(plane: DataPlane) -> None:
-    ref = await put(plane, {"h": np.arange(4096, dtype=np.int64)}, TransportKind.SHM)
+async def test_shm_reference_of_wrong_size_or_checksum_or_host_is_refused(plain: DataPlane) -> None:
+    ref = await put(plain, {"h": np.arange(4096, dtype=np.int64)}, TransportKind.SHM)
     with pytest.raises(SizeMismatch):
-        await plane.get(Ref(ref.kind, ref.location, ref.nbytes + 8, ref.checksum, ref.host), wf_id="wf1")
+        await plain.get(Ref(ref.kind, ref.location, ref.nbytes + 8, ref.checksum, ref.host), wf_id="wf1")
     with pytest.raises(ChecksumMismatch):
-        await plane.get(Ref(ref.kind, ref.location, ref.nbytes, ref.checksum ^ 0x10, ref.host), wf_id="wf1")
+        await plain.get(Ref(ref.kind, ref.location, ref.nbytes, ref.checksum ^ 0x10, ref.host), wf_id="wf1")
     with pytest.raises(WrongHost, match="shared memory of"):
-        await plane.get(Ref(ref.kind, ref.location, ref.nbytes, ref.checksum, "elsewhere:1:2"), wf_id="wf1")
+        await plain.get(Ref(ref.kind, ref.location, ref.nbytes, ref.checksum, "elsewhere:1:2"), wf_id="wf1")
     with open(seg_path(ref), "r+b") as f:          # a segment changed under its reference
         f.seek(CONTROL_BYTES + 40)
         byte = f.read(1)
         f.seek(CONTROL_BYTES + 40)
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(ChecksumMismatch):
-        await plane.get(ref, wf_id="wf1")
+        await plain.get(ref, wf_id="wf1")
     os.truncate(seg_path(ref), CONTROL_BYTES + ref.nbytes - 100)
     with pytest.raises(SizeMismatch):
-        await plane.get(ref, wf_id="wf1")
+        await plain.get(ref, wf_id="wf1")
+    assert await plain.release_workflow("wf1") == 1
+    with pytest.raises(PayloadMissing):
+        await plain.get(ref, wf_id="wf1")
+
+
+async def test_arena_reference_of_wrong_slot_generation_size_checksum_or_host_is_refused(plane: DataPlane) -> None:
+    ref = await put(plane, {"h": np.arange(4096, dtype=np.int64)}, TransportKind.SHM)
+    assert ref.slot >= 0
+
+    def variant(**kw: Any) -> Ref:
+        fields = {"kind": ref.kind, "location": ref.location, "nbytes": ref.nbytes, "checksum": ref.checksum,
+                  "host": ref.host, "slot": ref.slot, "gen": ref.gen} | kw
+        return Ref(**fields)
+
+    with pytest.raises(PayloadMissing):                              # another payload's generation
+        await plane.get(variant(gen=ref.gen + 7), wf_id="wf1")
+    with pytest.raises(UndecodablePayload, match="no slot"):
+        await plane.get(variant(slot=10**6), wf_id="wf1")
+    with pytest.raises(SizeMismatch):
+        await plane.get(variant(nbytes=ref.nbytes + 8), wf_id="wf1")
+    with pytest.raises(ChecksumMismatch):
+        await plane.get(variant(checksum=ref.checksum ^ 0x10), wf_id="wf1")
+    with pytest.raises(WrongHost, match="shared memory of"):
+        await plane.get(variant(host="elsewhere:1:2"), wf_id="wf1")
+    with pytest.raises(ForeignReference):                            # an arena name outside our namespace
+        await plane.get(variant(location=ref.location.replace(plane.settings.prefix, "other")), wf_id="wf1")
+    with pytest.raises(ForeignReference):                            # a segment name passed off as an arena
+        await plane.get(variant(location=f"of-{plane.settings.prefix}-w-wf1-thinker.talker-1.1"), wf_id="wf1")
+    offset = slot_row(ref)[2]
+    fd = os.open(seg_path(ref), os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, offset + 40)                          # the payload changed under its reference
+        os.pwrite(fd, bytes([byte[0] ^ 0xFF]), offset + 40)
+        with pytest.raises(ChecksumMismatch):
+            await plane.get(ref, wf_id="wf1")
+        os.pwrite(fd, byte, offset + 40)
+        assert (await plane.get(ref, wf_id="wf1"))["h"][-1] == 4095
+        # a table entry that points outside the arena's data (a bug, or a hostile writer)
+        at = arenas.TABLE_AT + ref.slot * arenas.SLOT.itemsize + 8
+        os.pwrite(fd, (os.fstat(fd).st_size - 4096).to_bytes(8, "little"), at)
+        with pytest.raises(UndecodablePayload, match="outside"):
+            await plane.get(ref, wf_id="wf1")
+    finally:
+        os.close(fd)
     assert await plane.release_workflow("wf1") == 1
     with pytest.raises(PayloadMissing):
         await plane.get(ref, wf_id="wf1")
 
 
+async def test_a_file_named_like_an_arena_that_is_not_one_is_refused(plane: DataPlane) -> None:
+    name = f"of-{plane.settings.prefix}-w-arena-7"
+    (DEFAULT_SHM_DIR / name).write_bytes(b"OFSG" + bytes(8188))
+    with pytest.raises(UndecodablePayload, match="not an omniflow arena"):
+        await plane.get(Ref(TransportKind.SHM, name, 64, 0, plane.domain, slot=0, gen=1), wf_id="wf1")
+    with pytest.raises(PayloadMissing):
+        await plane.get(Ref(TransportKind.SHM, name.replace("-7", "-8"), 64, 0, plane.domain, slot=0, gen=1))
+
+
 async def test_full_checksum_mode_catches_a_changed_segment_byte(valkey_url: str, shm_prefix: str) -> None:
     redis = connect(valkey_url)
-    dp = DataPlane(redis, Settings(redis_url=valkey_url, prefix=shm_prefix, dataplane_checksum=ChecksumMode.FULL))
+    dp = DataPlane(redis, Settings(redis_url=valkey_url, prefix=shm_prefix, dataplane_checksum=ChecksumMode.FULL,
+                                   dataplane_shm_pool_bytes=0))
     try:
         ref = await put(dp, np.arange(100_000, dtype=np.float32), TransportKind.SHM)
         with open(seg_path(ref), "r+b") as f:
