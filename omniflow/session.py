@@ -265,8 +265,10 @@ class Session:
             return
         sizes: dict[str, int] = {}
         if self._plane is not None and (data is not None or to):
-            sizes = await self._admit(data, to)
-        step = self._build_step(self.seq, text, audio, sample_rate, data, to, checkpoint)
+            sizes, must_wait = self._sizes(data, to)
+            if must_wait:
+                await self._admit(sizes)
+        step = self._build_step(self.seq, text, audio, sample_rate, data, to, checkpoint, sizes)
         for dst, nbytes in sizes.items():
             window = self._windows.get(dst)
             if window is not None:
@@ -283,32 +285,46 @@ class Session:
         if len(self._inflight) >= MAX_EMITS_IN_FLIGHT:
             await self.flush()
 
-    async def _admit(self, data: Any, to: Mapping[str, Any] | None) -> dict[str, int]:
-        """Before a step with payloads: wait while a `chunk` edge has too much unread (backpressure),
-        and learn where a large payload's consumer runs. Returns each payload's size by stage."""
+    def _sizes(self, data: Any, to: Mapping[str, Any] | None) -> tuple[dict[str, int], bool]:
+        """Each payload's size by stage, and whether `_admit` must run before the step is built (a
+        `chunk` edge without room, or a large payload whose consumer's host is not known yet)."""
         assert self._plane is not None
         s = self._plane.settings
         sizes: dict[str, int] = {}
+        must_wait = False
+        bounded = s.dataplane_edge_max_chunks > 0 or s.dataplane_edge_max_bytes > 0
         for dst in self.downstream:
             payload = (to or {}).get(dst, data)
             if payload is None:
                 continue
             nbytes = sizes[dst] = payload_nbytes(payload)
-            if dst in self._chunk_dsts and (s.dataplane_edge_max_chunks > 0 or s.dataplane_edge_max_bytes > 0):
+            if bounded and dst in self._chunk_dsts:
                 window = self._windows.get(dst)
                 if window is None:
                     window = self._windows[dst] = EdgeWindow(max_chunks=s.dataplane_edge_max_chunks,
                                                              max_bytes=s.dataplane_edge_max_bytes)
-                if not window.has_room(nbytes):
-                    await wait_for_room(window, nbytes, functools.partial(self._position_of, dst),
-                                        self._bp or WaitStats())
+                must_wait = must_wait or not window.has_room(nbytes)
+            if nbytes > s.dataplane_inline_max_bytes and self._domain_of is not None:
+                domain, when = self._domains.get(dst, ("", 0.0))
+                must_wait = must_wait or time.monotonic() - when > (DOMAIN_REFRESH_S if domain else DOMAIN_RECHECK_S)
+        return sizes, must_wait
+
+    async def _admit(self, sizes: dict[str, int]) -> None:
+        """Before a step with payloads: wait while a `chunk` edge has too much unread (backpressure),
+        and learn where a large payload's consumer runs."""
+        assert self._plane is not None
+        s = self._plane.settings
+        for dst, nbytes in sizes.items():
+            window = self._windows.get(dst)
+            if window is not None and not window.has_room(nbytes):
+                await wait_for_room(window, nbytes, functools.partial(self._position_of, dst),
+                                    self._bp or WaitStats())
             if nbytes > s.dataplane_inline_max_bytes and self._domain_of is not None:
                 domain, when = self._domains.get(dst, ("", 0.0))
                 if time.monotonic() - when > (DOMAIN_REFRESH_S if domain else DOMAIN_RECHECK_S):
                     # the consuming session's replica (once it is claimed); until then: a Redis key
                     domain = await self._on_home(self._domain_of(self.wf_id, dst))
                     self._domains[dst] = (domain, time.monotonic())
-        return sizes
 
     async def _position_of(self, dst: str) -> int:
         return await self._on_home(self._read_position(dst))
@@ -317,13 +333,13 @@ class Session:
         raw = await self._batcher.send("HGET", self._keys.stages(self.wf_id), f"{dst}:rd:{self.stage}")
         return int(raw or 0)
 
-    def _payload_fields(self, seq: int, dst: str, payload: Any, step: list[Any]) -> list[Any]:
-        """The chunk fields of one payload: inline (`d`), or a reference (`r`) to a segment written
+    def _payload_fields(self, seq: int, dst: str, payload: Any, step: list[Any], nbytes: int | None) -> list[Any]:
+        """The chunk fields of one payload: inline (`d`), or a reference (`r`) to shared memory written
         now or to a Redis key the step stores (op 'B', before the 'E' op that references it)."""
         plane = self._plane
         if plane is None:
             return ["seq", seq, "a", self.attempt, "d", codec.dumps(payload)]
-        kind = plane.choose(payload, consumer_domain=self._domains.get(dst, ("", 0.0))[0] or None)
+        kind = plane.choose(payload, consumer_domain=self._domains.get(dst, ("", 0.0))[0] or None, nbytes=nbytes)
         if kind is TransportKind.INLINE:
             return ["seq", seq, "a", self.attempt, "d", codec.dumps(payload)]
         ctx = plane.context(self.wf_id, self.stage, dst, self.attempt, seq)
@@ -335,7 +351,8 @@ class Session:
         return ["seq", seq, "a", self.attempt, "r", ref.pack()]
 
     def _build_step(self, seq: int, text: str | None, audio: np.ndarray | None, sample_rate: int | None,
-                    data: Any, to: Mapping[str, Any] | None, checkpoint: str | None) -> list[Any]:
+                    data: Any, to: Mapping[str, Any] | None, checkpoint: str | None,
+                    sizes: Mapping[str, int] | None = None) -> list[Any]:
         """One step's ops for `emit.lua` (payloads encoded here, on the caller's thread)."""
         step: list[Any] = [seq]
         if self.is_final and text:
@@ -355,7 +372,7 @@ class Session:
             payloads.update({dst: data for dst in self.downstream if dst not in payloads})
         for dst, payload in payloads.items():
             if dst in self.downstream:
-                fields = self._payload_fields(seq, dst, payload, step)
+                fields = self._payload_fields(seq, dst, payload, step, (sizes or {}).get(dst))
                 step += ["E", dst, fields]
         if checkpoint:
             step += ["C", str(checkpoint), ""]

@@ -3,10 +3,11 @@
 A segment of its own per chunk costs more kernel work than the copy it carries (1 MiB here: its
 pages allocated, faulted in by the producer and again by the consumer, mapped, unmapped and freed:
 ~0.5 ms, against ~25 µs for the copy into memory that is already mapped). So a producer keeps a few
-arenas allocated and mapped for its whole life (`DEFAULT_ARENA_BYTES` each, pre-faulted) and puts
-each payload into a free slot of one; a consumer maps each arena it reads once and keeps the
-mapping. In steady state a chunk costs the producer one copy and the consumer nothing but the views
-it reads: no file is created, opened, mapped or unlinked per chunk, and no page is faulted in.
+arenas mapped for its whole life (`DEFAULT_ARENA_BYTES` each; their pages allocated and faulted in
+once, as the arena first fills) and puts each payload into a free slot of one; a consumer maps each
+arena it reads once and keeps the mapping. In steady state a chunk costs the producer one copy and
+the consumer nothing but the views it reads: no file is created, opened, mapped or unlinked per
+chunk, and no page is faulted in.
 
 Layout of an arena file (`of-<prefix>-<worker>-arena-<n>`, mode 0600):
 
@@ -33,6 +34,7 @@ dropped (`MADV_DONTNEED`), so the slot's next payload is not hidden behind a sta
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import heapq
 import mmap
@@ -57,7 +59,12 @@ HEADER = struct.Struct("<4sIIIQQQ")
 FREES_AT = HEADER.size - 8
 TABLE_AT = 64
 SLOT = np.dtype([("gen", "<u4"), ("freed", "<u4"), ("offset", "<u8"), ("nbytes", "<u8"), ("expiry_ms", "<u8")])
+ENTRY = struct.Struct("<IIQQQ")       # one row of SLOT, for reading or writing a single slot
+_FREED = struct.Struct("<I")
 PAGE = mmap.PAGESIZE
+GROW_STEP = 4 << 20           # an arena's pages are allocated in steps of this much, as it fills
+MADV_POPULATE_WRITE = 23      # Linux 5.14+: fault pages in writable in one call
+LINK_CHECK_S = 0.5            # how often a producer makes sure its arena was not unlinked under it
 HOLDER_STEP = 64 << 10        # consumer views are held by buffers sized in these steps (few distinct types)
 _PAGEMAP = "/proc/self/pagemap"
 _PM_PRESENT, _PM_SWAPPED, _PM_FILE = 1 << 63, 1 << 62, 1 << 61
@@ -86,9 +93,8 @@ class Arena:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
-            # allocate every page now: a full /dev/shm fails here (ENOSPC), never as a SIGBUS mid-copy
-            os.posix_fallocate(fd, 0, size)
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            os.posix_fallocate(fd, 0, data_at)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
             HEADER.pack_into(mm, 0, ARENA_MAGIC, ARENA_VERSION, slots, 0, data_at, size, 0)
         except BaseException:
             os.close(fd)
@@ -100,9 +106,28 @@ class Arena:
         self.held: dict[int, _Held] = {}
         self._free: list[tuple[int, int]] = [(data_at, size - data_at)]     # (offset, length), by offset
         self._slots = list(range(slots))                                     # a heap: lowest index first
+        self._ready = data_at            # pages below this are allocated and mapped (the arena grows as used)
         self._gen = 0
         self._frees_seen = 0
+        self._checked = time.monotonic()
         self.lock = threading.Lock()
+
+    def _grow(self, end: int) -> bool:
+        """Allocate and map the pages up to `end` (once: the lowest space is used first, so an arena
+        only ever grows to what its producer had in flight). A full /dev/shm fails here (ENOSPC),
+        never as a SIGBUS in the middle of a copy."""
+        if end <= self._ready:
+            return True
+        grow = _round_up(max(end, self._ready + GROW_STEP), PAGE)
+        grow = min(grow, self.size)
+        try:
+            os.posix_fallocate(self.fd, self._ready, grow - self._ready)
+        except OSError:
+            return False
+        with contextlib.suppress(OSError, ValueError):     # older kernels: the copy faults them in instead
+            self.mm.madvise(MADV_POPULATE_WRITE, self._ready, grow - self._ready)
+        self._ready = grow
+        return True
 
     # ------------------------------------------------------------ space
     def _take(self, capacity: int) -> int | None:
@@ -155,18 +180,25 @@ class Arena:
             off = self._take(capacity) if self._slots else None
         if off is None:
             return None
+        if not self._grow(off + capacity):
+            self._give(off, capacity)
+            return None
         slot = heapq.heappop(self._slots)
         self._gen = self._gen % 0xFFFF_FFFF + 1           # never 0: a slot never used has gen 0
-        if self._gen == int(self.table[slot]["freed"]):   # after a wrap: must differ from the last release
+        if self._gen == self._row(slot)[1]:               # after a wrap: must differ from the last release
             self._gen = self._gen % 0xFFFF_FFFF + 1
         self.held[slot] = _Held(off, capacity, wf_id, expiry_ms)
         return slot, off, self._gen
 
+    def _row(self, slot: int) -> tuple[int, int, int, int, int]:
+        row: tuple[int, int, int, int, int] = ENTRY.unpack_from(self.mm, TABLE_AT + slot * ENTRY.size)
+        return row
+
     def publish(self, slot: int, gen: int, offset: int, nbytes: int, expiry_ms: int) -> None:
         """Make a slot's entry say what was written (the gen last: it is what marks the slot in use)."""
-        row = self.table[slot:slot + 1]
-        row["offset"], row["nbytes"], row["expiry_ms"] = offset, nbytes, expiry_ms
-        row["gen"] = gen
+        at = TABLE_AT + slot * ENTRY.size
+        struct.pack_into("<QQQ", self.mm, at + 8, offset, nbytes, expiry_ms)
+        struct.pack_into("<I", self.mm, at, gen)
 
     def write(self, offset: int, frame: codec.Frame) -> None:
         """Copy `frame` into the arena at `offset` (the one copy of the shared-memory path)."""
@@ -185,14 +217,18 @@ class Arena:
         table too, so a sweep of this arena after our death sees them free."""
         for slot in slots:
             if slot in self.held:
-                row = self.table[slot:slot + 1]
-                row["freed"] = row["gen"]
+                _FREED.pack_into(self.mm, TABLE_AT + slot * ENTRY.size + 4, self._row(slot)[0])
                 self._drop(slot)
         return len(slots)
 
     # ------------------------------------------------------------ life
     def linked(self) -> bool:
-        """False once the file was unlinked under us (a sweep that took this worker for dead)."""
+        """False once the file was unlinked under us (a sweep that took this worker for dead); asked
+        of the file at most every `LINK_CHECK_S`."""
+        now = time.monotonic()
+        if now - self._checked < LINK_CHECK_S:
+            return True
+        self._checked = now
         try:
             return os.fstat(self.fd).st_nlink > 0
         except OSError:
@@ -236,14 +272,18 @@ class Mapped:
             os.close(fd)
             raise
         self.name, self.fd, self.mm, self.size, self.data_at = name, fd, mm, size, data_at
-        self.table: np.ndarray = np.ndarray((slots,), dtype=SLOT, buffer=mm, offset=TABLE_AT)
+        self.slots = slots
         self.address = ctypes.addressof(ctypes.c_ubyte.from_buffer(mm))
+
+    def _row(self, slot: int) -> tuple[int, int, int, int, int]:
+        row: tuple[int, int, int, int, int] = ENTRY.unpack_from(self.mm, TABLE_AT + slot * ENTRY.size)
+        return row
 
     def entry(self, slot: int, gen: int, nbytes: int) -> int:
         """The offset of a slot's payload, after checking the entry against the reference."""
-        if not 0 <= slot < len(self.table):
+        if not 0 <= slot < self.slots:
             raise UndecodablePayload(f"arena {self.name} has no slot {slot}")
-        gen_now, freed, offset, size, _expiry = self.table[slot].tolist()
+        gen_now, freed, offset, size, _expiry = self._row(slot)
         if gen_now != gen or freed == gen:
             raise PayloadMissing(f"arena {self.name} slot {slot}: payload {gen} is gone (released or swept)")
         if size != nbytes:
@@ -266,20 +306,20 @@ class Mapped:
     def scrub(self, slot: int, gen: int, nbytes: int, pagemap: int | None) -> None:
         """Drop this process's private copies of a slot's pages (what views of it wrote), so the next
         read of the slot, here, sees the file again."""
-        row = self.table[slot].tolist()
+        row = self._row(slot)
         if row[0] != gen or not nbytes:
             return
-        offset = int(row[2])
+        offset = row[2]
         if _written(pagemap, self.address + offset, nbytes):
             self.mm.madvise(mmap.MADV_DONTNEED, offset, min(_round_up(nbytes, PAGE), self.size - offset))
 
     def hand_back(self, slot: int, gen: int) -> bool:
         """Mark a slot freed (through the file) and tell its producer; False if it holds another
         payload by now (taken back and reused: its workflow ended)."""
-        row = self.table[slot].tolist()
+        row = self._row(slot)
         if row[0] != gen or row[1] == gen:
             return False
-        os.pwrite(self.fd, struct.pack("<I", gen), TABLE_AT + slot * SLOT.itemsize + 4)
+        os.pwrite(self.fd, _FREED.pack(gen), TABLE_AT + slot * ENTRY.size + 4)
         frees = int.from_bytes(self.mm[FREES_AT:FREES_AT + 8], "little")
         os.pwrite(self.fd, (frees + 1).to_bytes(8, "little"), FREES_AT)
         return True
@@ -292,7 +332,6 @@ class Mapped:
 
     def close(self) -> None:
         """Forget the mapping; it is unmapped when the last view of it is gone."""
-        del self.table
         os.close(self.fd)
 
 

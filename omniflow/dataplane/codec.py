@@ -17,6 +17,7 @@ process that imported torch already (`omniflow.dataplane.tensors`).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import struct
@@ -55,6 +56,15 @@ def _contiguous(arr: np.ndarray) -> np.ndarray:
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+_NONCE_BASE = int.from_bytes(os.urandom(8), "little")
+_nonces = itertools.count(1)
+
+
+def _nonce() -> bytes:
+    """8 bytes no other frame of this process (and, but for chance, of any other) carries."""
+    return ((_NONCE_BASE + next(_nonces)) & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "little")
 
 
 # --------------------------------------------------------------------------- inline
@@ -211,7 +221,7 @@ def encode_frame(obj: Any, *, owner: Sequence[Any] = (), expiry_ms: int = 0, ful
         pos = _align(pos + buf.nbytes)
     data_len = (offsets[-1] + ex.buffers[-1].nbytes) if ex.buffers else 0
     header = msgpack.packb([[[off, buf.nbytes] for off, buf in zip(offsets, ex.buffers, strict=True)],
-                            list(owner), os.urandom(8), structure], use_bin_type=True)
+                            list(owner), _nonce(), structure], use_bin_type=True)
     data_crc = 0
     if full_checksum:
         for buf in ex.buffers:
@@ -258,12 +268,21 @@ def frame_info(head: bytes) -> FrameInfo:
 
 
 def decode_frame(buf: Any, *, nbytes: int, checksum: int, what: str = "payload", wf_id: str | None = None) -> Any:
-    """The payload of a frame held in `buf` (bytes, or an mmap: arrays come back as views of it).
+    """The payload of a frame held in `buf` (bytes, or a mapping: arrays come back as views of it).
 
+    numpy arrays are read-only views (as an inline payload's are); torch tensors are writable views
+    when `buf` is writable (a private mapping: a write stays in this process), else copies.
     Refuses a frame of another size than `nbytes`, one whose prelude + header CRC32 is not
     `checksum`, one whose header does not describe sound arrays inside the frame, and, with
     `wf_id`, one whose header names another owner workflow.
     """
+    return decode_frame_views(buf, nbytes=nbytes, checksum=checksum, what=what, wf_id=wf_id)[0]
+
+
+def decode_frame_views(buf: Any, *, nbytes: int, checksum: int, what: str = "payload",
+                       wf_id: str | None = None) -> tuple[Any, bool]:
+    """`decode_frame`, and whether the payload holds writable views of `buf` (tensors): only then
+    can its consumer have written into `buf`."""
     size = len(buf)
     if size != nbytes:
         raise SizeMismatch(f"{what} is {size} bytes, the reference says {nbytes}")
@@ -295,8 +314,11 @@ def decode_frame(buf: Any, *, nbytes: int, checksum: int, what: str = "payload",
         if crc != data_crc:
             raise ChecksumMismatch(f"{what}: data checksum {crc:#010x}, its header says {data_crc:#010x}")
     writable = not memoryview(buf).readonly
+    readonly = memoryview(buf).toreadonly()     # numpy views: nobody can turn them writable
+    wrote = False
 
     def hook(code: int, data: bytes) -> Any:
+        nonlocal wrote
         if code == _F_BYTES:
             off, n = spans[msgpack.unpackb(data)]
             return bytes(buf[start + off:start + off + n])
@@ -309,16 +331,18 @@ def decode_frame(buf: Any, *, nbytes: int, checksum: int, what: str = "payload",
                 dtype, dims = _check_tensor(kind, shape, n)
             if n and (start + off) % dtype.alignment:
                 raise UndecodablePayload(f"{what}: buffer at {start + off} is not aligned for {dtype}")
-            arr = np.frombuffer(buf, dtype=dtype, count=n // dtype.itemsize, offset=start + off).reshape(dims)
+            count = n // dtype.itemsize
             if code == _F_NDARRAY:
-                return arr
+                return np.frombuffer(readonly, dtype=dtype, count=count, offset=start + off).reshape(dims)
             # a tensor must be writable: a view of a private mapping is; one of immutable bytes is copied
+            arr = np.frombuffer(buf, dtype=dtype, count=count, offset=start + off).reshape(dims)
+            wrote = wrote or writable
             return tensors.from_array(kind, arr if writable else arr.copy())
         raise UndecodablePayload(f"{what}: unknown extension type {code}")
 
     try:
-        return msgpack.unpackb(structure, ext_hook=hook, raw=False, strict_map_key=False)
-    except (UndecodablePayload, SizeMismatch, ChecksumMismatch):
+        return msgpack.unpackb(structure, ext_hook=hook, raw=False, strict_map_key=False), wrote
+    except (UndecodablePayload, SizeMismatch, ChecksumMismatch, ForeignReference):
         raise
     except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
         raise UndecodablePayload(f"{what}: structure does not decode: {exc}") from exc

@@ -60,12 +60,13 @@ class DataPlane:
     def context(self, wf_id: str, src: str, dst: str, attempt: int, seq: int) -> PutContext:
         return PutContext(self.settings.prefix, wf_id, src, dst, attempt, seq, self.worker_id, self.ttl_s)
 
-    def choose(self, payload: Any, *, consumer_domain: str | None) -> TransportKind:
-        """The transport for `payload`, for a consumer whose replica has shared-memory domain
-        `consumer_domain` (None: not known yet, e.g. the session is not claimed)."""
+    def choose(self, payload: Any, *, consumer_domain: str | None, nbytes: int | None = None) -> TransportKind:
+        """The transport for `payload` (of `nbytes`, when the caller measured it), for a consumer whose
+        replica has shared-memory domain `consumer_domain` (None: not known yet, e.g. not claimed)."""
         s = self.settings
-        limit = max(s.dataplane_inline_max_bytes, s.dataplane_shm_min_bytes)
-        return choose_transport(codec.payload_nbytes(payload, limit), mode=s.dataplane_mode,
+        if nbytes is None:
+            nbytes = codec.payload_nbytes(payload, max(s.dataplane_inline_max_bytes, s.dataplane_shm_min_bytes))
+        return choose_transport(nbytes, mode=s.dataplane_mode,
                                 inline_max_bytes=s.dataplane_inline_max_bytes,
                                 shm_min_bytes=s.dataplane_shm_min_bytes,
                                 same_host=bool(consumer_domain) and consumer_domain == self.domain,

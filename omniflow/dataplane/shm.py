@@ -224,6 +224,8 @@ class ShmTransport(Transport):
         self._maps: dict[str, arenas.Mapped] = {}
         self._mapped: dict[str, int] = {}
         self._released: dict[str, Ref] = {}
+        self._writable: set[str] = set()             # payloads of which we handed out writable views
+        self._known: dict[str, ArenaFile] = {}       # arena names we mapped (so: checked)
         self._lock = threading.RLock()      # view finalizers may run inside a locked section (GC)
         self._pagemap = arenas.open_pagemap()
 
@@ -319,6 +321,9 @@ class ShmTransport(Transport):
     def check(self, ref: Ref, wf_id: str | None) -> Segment | ArenaFile:
         """Refuse a name that is not an arena or segment of ours (prefix, and workflow `wf_id` if given:
         a slot's workflow is checked against its header when it is read)."""
+        known = self._known.get(ref.location) if ref.slot >= 0 else None
+        if known is not None:
+            return known                                 # checked when it was first mapped
         if not ref.location.startswith(self._mine):
             raise ForeignReference(f"segment {ref.location!r} is outside our namespace {self._mine}*")
         if ref.slot >= 0:
@@ -371,20 +376,28 @@ class ShmTransport(Transport):
             # the first reader gets views of our mapping of the arena; a second one while those live gets a
             # mapping of its own, so it never sees what the first wrote into its (private) pages
             holder = mapped.holder(offset, ref.nbytes) if first else mapped.private(offset, ref.nbytes)
-            payload = codec.decode_frame(memoryview(holder)[:ref.nbytes], nbytes=ref.nbytes, checksum=ref.checksum,
-                                         what=f"arena {ref.location} slot {ref.slot}", wf_id=wf_id)
+            payload, wrote = codec.decode_frame_views(memoryview(holder)[:ref.nbytes], nbytes=ref.nbytes,
+                                                      checksum=ref.checksum, wf_id=wf_id,
+                                                      what=f"arena {ref.location} slot {ref.slot}")
         except BaseException:
-            self._unmapped(key, ref)
+            self._unmapped(key, None)
             raise
+        if wrote and first:
+            with self._lock:
+                self._writable.add(key)
         weakref.finalize(holder, self._unmapped, key, ref)
         return payload
 
     def _map(self, name: str) -> arenas.Mapped:
         mapped = self._maps.get(name)
         if mapped is None:
+            file = parse_arena(name)
+            if file is None or not name.startswith(self._mine):
+                raise ForeignReference(f"arena {name!r} is outside our namespace {self._mine}*-arena-*")
             opened = arenas.Mapped(os.path.join(self.directory, name), name)
             with self._lock:
                 mapped = self._maps.setdefault(name, opened)
+                self._known[name] = file
             if mapped is not opened:
                 opened.close()
         return mapped
@@ -430,9 +443,11 @@ class ShmTransport(Transport):
                 self._mapped[key] = left
                 return
             self._mapped.pop(key, None)
-            if ref is not None:
-                # no view of this payload is left here: drop our private copies of its pages (a later read
-                # here, a retry's, or the slot's next payload must see the file, not what we wrote)
+            if ref is not None and key in self._writable:
+                # no view of this payload is left here, and some (tensors) were writable: drop our private
+                # copies of its pages (a later read here, a retry's, or the slot's next payload must see
+                # the file, not what we wrote). numpy views are read-only: nothing to drop.
+                self._writable.discard(key)
                 mapped = self._maps.get(ref.location)
                 if mapped is not None:
                     mapped.scrub(ref.slot, ref.gen, ref.nbytes, self._pagemap)
@@ -519,6 +534,7 @@ class ShmTransport(Transport):
             drop = [name for name, m in self._maps.items() if everything or not m.linked()]
             for name in drop:
                 self._maps.pop(name).close()
+                self._known.pop(name, None)
 
     # ------------------------------------------------------------ sweep
     def read_header(self, name: str) -> codec.FrameInfo | None:

@@ -154,27 +154,40 @@ async def test_a_released_slot_is_reused_by_its_producer_once_no_view_is_left(pl
         await plane.get(first, wf_id="wf1")
 
 
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
+async def test_numpy_views_are_read_only_on_every_transport(plane: DataPlane, kind: TransportKind) -> None:
+    ref = await put(plane, {"h": np.arange(100_000, dtype=np.float32)}, kind)
+    out = (await plane.get(ref, wf_id="wf1"))["h"]
+    assert not out.flags.writeable
+    with pytest.raises(ValueError):
+        out[0] = 1.0
+    with pytest.raises(ValueError):
+        out.setflags(write=True)                     # nobody can turn a view of the arena writable
+    await plane.release([ref])
+
+
 @pytest.mark.parametrize("pagemap", [True, False], ids=["pagemap", "no-pagemap"])
 async def test_what_a_consumer_wrote_never_shows_in_the_slots_next_payload(plane: DataPlane, pagemap: bool) -> None:
-    """Views are writable and private: a write stays in the consumer's pages. Once its views are gone
-    those pages are dropped (found in /proc/self/pagemap; without it, always), so the slot's next
+    """Tensor views are writable and private: a write stays in the consumer's pages. Once its views are
+    gone those pages are dropped (found in /proc/self/pagemap; without it, always), so the slot's next
     payload, or a second read of the same one, is what the producer wrote."""
+    torch = pytest.importorskip("torch")
     assert plane.shm is not None
     if not pagemap:
         plane.shm._pagemap = None
-    arr = np.arange(300_000, dtype=np.float32)
-    first = await put(plane, arr, TransportKind.SHM, seq=1)
+    t = torch.arange(300_000, dtype=torch.float32)
+    first = await put(plane, t, TransportKind.SHM, seq=1)
     view = await plane.get(first, wf_id="wf1")
     view[:1000] = -1.0                               # the consumer works in place
     again = await plane.get(first, wf_id="wf1")      # read twice while the first views live
-    assert np.array_equal(again, arr)
+    assert torch.equal(again, t)
     del view, again
-    assert np.array_equal(await plane.get(first, wf_id="wf1"), arr)
+    assert torch.equal(await plane.get(first, wf_id="wf1"), t)
     await plane.release([first])
     gc.collect()
-    second = await put(plane, arr * 2, TransportKind.SHM, seq=2)
+    second = await put(plane, t * 2, TransportKind.SHM, seq=2)
     assert second.slot == first.slot
-    assert np.array_equal(await plane.get(second, wf_id="wf1"), arr * 2)
+    assert torch.equal(await plane.get(second, wf_id="wf1"), t * 2)
 
 
 async def test_steady_state_creates_no_file_and_faults_no_page(plane: DataPlane) -> None:
