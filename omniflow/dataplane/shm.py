@@ -1,16 +1,14 @@
 """Shared-memory transport: the payload in this host's /dev/shm, the entry holds a reference.
 
 For large payloads whose consumer runs on the producer's host. A producer copies each payload
-frame into a free slot of one of its arenas (`omniflow.dataplane.arena`: files it keeps allocated
-and mapped for its life) — the one copy of this path; the consumer maps the arena once and gets
-numpy arrays / torch tensors that are views of it (no copy; writable, and a write never reaches
-the producer's memory). A payload too large for an arena, or one that finds every arena full, gets
-a segment of its own instead, written with one `writev` and mapped copy-on-write by the consumer.
+frame into a free slot of one of its arenas (`omniflow.dataplane.arena`: files it keeps mapped for
+its life) — the one copy of this path; the consumer maps the arena once and gets numpy arrays
+(read-only) and torch tensors (writable; a write never reaches the producer's memory) that are views
+of it: no copy. A payload too large for an arena, or one that finds every arena full, gets a
+segment of its own instead (`omniflow.dataplane.segment`).
 
-Names attribute everything to its owner, so any process on the host can release or sweep it:
-arenas are `of-<prefix>-<worker>-arena-<n>` and each slot's frame header names the workflow,
-stages, attempt and step; a segment of its own is `of-<prefix>-<worker>-<wf>-<src>.<dst>-<attempt>.<seq>`
-(each part reduced to `[A-Za-z0-9_]`; its header repeats the owner exactly and holds the expiry).
+Names attribute everything to its owner, so any process on the host can release or sweep it
+(`omniflow.dataplane.ownership`).
 A payload lives until its consumer's session is done, its workflow ends (terminal, abort) or its
 TTL passes. A producer that dies leaves its arenas and segments to the sweep (`sweep`), which frees
 those of ended workflows, expired ones and half-written ones of dead workers; an arena goes once
@@ -24,180 +22,36 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import mmap
 import os
-import re
-import socket
-import struct
 import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from omniflow.dataplane import arena as arenas
-from omniflow.dataplane import codec
+from omniflow.dataplane import codec, segment
 from omniflow.dataplane.base import (
-    ForeignReference, PayloadMissing, PutContext, Ref, SizeMismatch, Transport, TransportKind, UndecodablePayload,
+    ForeignReference, PayloadMissing, PutContext, Ref, Transport, TransportKind, UndecodablePayload,
     WrongHost,
 )
+from omniflow.dataplane.ownership import (
+    DEFAULT_SHM_DIR, NAMESPACE, ArenaFile, Found, Segment, SweepReason, arena_name, name_part, parse_arena, parse_name,
+    segment_name, shm_available, shm_domain, sweep_verdict,
+)
+from omniflow.dataplane.segment import CONTROL, CONTROL_BYTES, STATE_FREE, STATE_IN_USE
+
+__all__ = [
+    "CONTROL", "CONTROL_BYTES", "DEFAULT_SHM_DIR", "STATE_FREE", "STATE_IN_USE", "ArenaFile", "Found", "Segment",
+    "ShmTransport", "SweepReason", "name_part", "parse_arena", "parse_name", "segment_name", "shm_available",
+    "shm_domain", "sweep_verdict",
+]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SHM_DIR = Path("/dev/shm")
-NAMESPACE = "of"                 # every file name starts with "of-<prefix>-"
 THREAD_MIN_BYTES = 4 << 20       # payloads this large are written off the event loop by `put`
-_PART = re.compile(r"[^A-Za-z0-9_]")
-_NAME = re.compile(r"^of-(?P<prefix>\w+)-(?P<worker>\w+)-(?P<wf>\w+)-(?P<src>\w+)\.(?P<dst>\w+)"
-                   r"-(?P<attempt>\d{1,9})\.(?P<seq>\d{1,12})$", re.ASCII)
-_ARENA = re.compile(r"^of-(?P<prefix>\w+)-(?P<worker>\w+)-arena-(?P<index>\d{1,9})$", re.ASCII)
-_IOV_MAX = 1024
-# A segment of its own starts with a control block the frame's checksum does not cover: magic, a state
-# word, and a flag that was 1 when producers recycled such segments (now arenas do).
-CONTROL = struct.Struct("<4sII")
-CONTROL_BYTES = 64
-SEG_MAGIC = b"OFSG"
-STATE_IN_USE, STATE_FREE = 0, 1
-DEFAULT_POOL_BYTES = 256 << 20
-
-
-def name_part(value: str) -> str:
-    """One part of a file name: `[A-Za-z0-9_]`, at most 64 characters, never empty."""
-    return _PART.sub("_", value)[:64] or "_"
-
-
-def segment_name(ctx: PutContext) -> str:
-    return (f"{NAMESPACE}-{name_part(ctx.prefix)}-{name_part(ctx.worker_id)}-{name_part(ctx.wf_id)}-"
-            f"{name_part(ctx.src)}.{name_part(ctx.dst)}-{int(ctx.attempt)}.{int(ctx.seq)}")
-
-
-def arena_name(prefix: str, worker_id: str, index: int) -> str:
-    return f"{NAMESPACE}-{name_part(prefix)}-{name_part(worker_id)}-arena-{int(index)}"
-
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """A payload of ours in the shared-memory directory, as its name (and, in an arena, its slot's
-    header) attributes it. For an arena slot `name` is the arena's file."""
-
-    name: str
-    prefix: str
-    worker: str
-    wf_id: str
-    src: str
-    dst: str
-    attempt: int
-    seq: int
-
-
-@dataclass(frozen=True, slots=True)
-class ArenaFile:
-    """An arena of ours in the shared-memory directory: its producer, and its number."""
-
-    name: str
-    prefix: str
-    worker: str
-    index: int
-
-
-def parse_name(name: str) -> Segment | None:
-    """The owner parts of a segment name, or None if it is not one of ours."""
-    m = _NAME.match(name)
-    if m is None:
-        return None
-    return Segment(name, m["prefix"], m["worker"], m["wf"], m["src"], m["dst"], int(m["attempt"]), int(m["seq"]))
-
-
-def parse_arena(name: str) -> ArenaFile | None:
-    """The owner parts of an arena's name, or None if it is not one of ours."""
-    m = _ARENA.match(name)
-    return None if m is None else ArenaFile(name, m["prefix"], m["worker"], int(m["index"]))
-
-
-def shm_domain(directory: Path = DEFAULT_SHM_DIR, host_id: str | None = None) -> str:
-    """Who can read this host's segments: the host id (`OMNIFLOW_HOST_ID`, default the host name),
-    boot id and the device of the shm mount (two containers on one machine with their own /dev/shm
-    get different domains; two "hosts" given different ids never share memory)."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
-    except OSError:
-        boot = "noboot"
-    try:
-        dev = os.stat(directory).st_dev
-    except OSError:
-        dev = 0
-    return f"{host_id or socket.gethostname()}:{boot}:{dev}"
-
-
-def shm_available(directory: Path = DEFAULT_SHM_DIR) -> bool:
-    """True where segments can be created (a writable tmpfs directory, e.g. Linux /dev/shm)."""
-    return directory.is_dir() and os.access(directory, os.W_OK | os.X_OK)
-
-
-def _writev_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
-    while views:
-        written = os.writev(fd, views[:_IOV_MAX])
-        while views and written >= views[0].nbytes:
-            written -= views[0].nbytes
-            views.pop(0)
-        if views and written:
-            views[0] = views[0][written:]
-
-
-class SweepReason(str, Enum):
-    """Why the sweep freed a payload."""
-
-    EXPIRED = "expired"          # past its TTL (from its header)
-    ENDED = "ended"              # its workflow is terminal or gone
-    ORPHAN = "orphan"            # half-written (or an empty arena), and its worker is dead
-
-
-@dataclass(frozen=True, slots=True)
-class Found:
-    """A payload of ours and what its header says (None: no readable header, e.g. half-written).
-
-    `slot` is its slot when it lives in an arena (`segment.name` is then the arena), -1 for a
-    segment of its own; an arena with nothing in use is listed once with slot -1 and no header."""
-
-    segment: Segment
-    info: codec.FrameInfo | None
-    free: bool = False           # a segment handed back by its consumer (written by older versions)
-    slot: int = -1
-    arena: bool = False
-
-    @property
-    def wf_id(self) -> str:
-        """The exact workflow id (from the header; the name holds a reduced form)."""
-        owner = self.info.owner if self.info else []
-        return str(owner[0]) if owner else self.segment.wf_id
-
-
-def sweep_verdict(found: Found, *, now_ms: int, live_wfs: set[str] | None,
-                  live_workers: set[str] | None) -> SweepReason | None:
-    """Whether the sweep frees one payload (a pure function). `live_wfs` None: unknown (not tested);
-    `live_workers` None: unknown. A live workflow's payload stays even when its producer died: the
-    consumer, or its retry, replays it from the edge log."""
-    if found.info is not None and found.info.expiry_ms <= now_ms:
-        return SweepReason.EXPIRED
-    if live_wfs is not None and found.wf_id not in live_wfs and not (found.arena and found.info is None):
-        return SweepReason.ENDED
-    # half-written, or handed back, by a producer that is gone: nobody will finish or reuse it
-    if (found.info is None or found.free) and live_workers is not None and \
-            found.segment.worker not in {name_part(w) for w in live_workers}:
-        return SweepReason.ORPHAN
-    return None
-
-
-class _suppress_missing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type[BaseException] | None, *_: Any) -> bool:
-        return kind is not None and issubclass(kind, FileNotFoundError)
+DEFAULT_POOL_BYTES = 256 << 20   # what one producer's arenas may hold in all (dataplane_shm_pool_bytes)
 
 
 class ShmTransport(Transport):
@@ -239,7 +93,7 @@ class ShmTransport(Transport):
         if ref is not None:
             return ref
         name = segment_name(ctx)
-        self._write(name, frame)
+        segment.write(os.path.join(self.directory, name), frame)
         return Ref(TransportKind.SHM, name, frame.nbytes, frame.checksum, self.domain)
 
     def _put_in_arena(self, frame: codec.Frame, wf_id: str, expiry_ms: int) -> Ref | None:
@@ -293,25 +147,6 @@ class ShmTransport(Transport):
             self.arenas.append(arena)
             return arena
 
-    def _write(self, name: str, frame: codec.Frame) -> None:
-        path = os.path.join(self.directory, name)
-        flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC
-        try:
-            fd = os.open(path, flags, 0o600)
-        except FileExistsError:
-            # this very step of this attempt was put before (a repeated emit): the new one replaces it;
-            # a reader of the old one keeps its mapping
-            os.unlink(path)
-            fd = os.open(path, flags, 0o600)
-        control = CONTROL.pack(SEG_MAGIC, STATE_IN_USE, 0).ljust(CONTROL_BYTES, b"\0")
-        try:
-            _writev_all(fd, [control, *frame.parts()])
-        except BaseException:
-            os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
-
     async def put(self, payload: Any, ctx: PutContext) -> Ref:
         if codec.payload_nbytes(payload, THREAD_MIN_BYTES) >= THREAD_MIN_BYTES:
             return await asyncio.to_thread(self.put_sync, payload, ctx)
@@ -345,23 +180,7 @@ class ShmTransport(Transport):
             raise WrongHost(f"segment {ref.location} is in the shared memory of {ref.host}, not of {self.domain}")
         if ref.slot >= 0:
             return self._get_slot(ref, wf_id)
-        try:
-            fd = os.open(os.path.join(self.directory, ref.location), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise PayloadMissing(f"segment {ref.location} is gone (released, expired or swept)") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size < CONTROL_BYTES + ref.nbytes:
-                raise SizeMismatch(f"segment {ref.location} is {size} bytes, too small for the "
-                                   f"{ref.nbytes}-byte payload the reference says")
-            # copy-on-write: the arrays are writable views; a write stays private to this process
-            mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-        finally:
-            os.close(fd)
-        if mm[:4] != SEG_MAGIC:
-            raise UndecodablePayload(f"segment {ref.location} is not an omniflow segment")
-        payload = codec.decode_frame(memoryview(mm)[CONTROL_BYTES:CONTROL_BYTES + ref.nbytes], nbytes=ref.nbytes,
-                                     checksum=ref.checksum, what=f"segment {ref.location}")
+        payload, mm = segment.read(os.path.join(self.directory, ref.location), ref.location, ref.nbytes, ref.checksum)
         self._watch(mm, ref.location)
         return payload
 
@@ -537,25 +356,11 @@ class ShmTransport(Transport):
                 self._known.pop(name, None)
 
     # ------------------------------------------------------------ sweep
-    def read_header(self, name: str) -> codec.FrameInfo | None:
-        """A segment's owner and expiry from its header; None if it has none readable (half-written)."""
-        try:
-            fd = os.open(os.path.join(self.directory, name), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
-        try:
-            prelude = os.pread(fd, codec.PRELUDE.size, CONTROL_BYTES)
-            header_len = codec.read_prelude(prelude)[1]
-            return codec.frame_info(prelude + os.pread(fd, header_len, CONTROL_BYTES + codec.PRELUDE.size))
-        except UndecodablePayload:
-            return None
-        finally:
-            os.close(fd)
-
     def inventory(self) -> list[Found]:
         """Every payload of this prefix on the host with its header: what `sweep` decides on. Slots of
         our own arenas come from our bookkeeping; other arenas are read from their files."""
-        found = [Found(seg, self.read_header(seg.name), self.is_free(seg.name)) for seg in self.segments()]
+        found = [Found(seg, segment.read_header(path), segment.is_free(path))
+                 for seg in self.segments() for path in [os.path.join(self.directory, seg.name)]]
         own = {a.name: a for a in self.arenas}
         for af in self.arena_files():
             arena = own.get(af.name)
@@ -576,16 +381,6 @@ class ShmTransport(Transport):
             if not slots:
                 found.append(Found(Segment(af.name, af.prefix, af.worker, "", "", "", 0, 0), None, arena=True))
         return found
-
-    def is_free(self, name: str) -> bool:
-        """True when a segment's consumer handed it back (state FREE) and only waits to be unlinked."""
-        try:
-            with open(os.path.join(self.directory, name), "rb") as f:
-                raw = f.read(CONTROL.size)
-        except FileNotFoundError:
-            return False
-        return len(raw) == CONTROL.size and CONTROL.unpack(raw)[0] == SEG_MAGIC and \
-            CONTROL.unpack(raw)[1] == STATE_FREE
 
     def sweep(self, found: Sequence[Found], *, live_wfs: set[str] | None, live_workers: set[str] | None,
               now_ms: int | None = None) -> dict[SweepReason, int]:
