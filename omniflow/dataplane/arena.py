@@ -2,7 +2,7 @@
 
 A segment of its own per chunk costs more kernel work than the copy it carries (1 MiB here: its
 pages allocated, faulted in by the producer and again by the consumer, mapped, unmapped and freed:
-~0.5 ms, against ~25 µs for the copy into memory that is already mapped). So a producer keeps a few
+~1 ms in all, against ~30 µs for the copy into memory that is already mapped). So a producer keeps a few
 arenas mapped for its whole life (`DEFAULT_ARENA_BYTES` each; their pages allocated and faulted in
 once, as the arena first fills) and puts each payload into a free slot of one; a consumer maps each
 arena it reads once and keeps the mapping. In steady state a chunk costs the producer one copy and
@@ -26,10 +26,11 @@ A reference names the arena, the slot and its generation: a payload released and
 `PayloadMissing`, never someone else's bytes, and the frame header's owner (workflow, stages, attempt,
 step, worker) is checked against the reading session's workflow.
 
-Consumers map an arena private (copy-on-write), so arrays they get are writable views and a write
-stays theirs. Before a slot is handed back, pages of it the consumer wrote are found in
-`/proc/self/pagemap` (a private copy is an anonymous page, an untouched one is the file's) and
-dropped (`MADV_DONTNEED`), so the slot's next payload is not hidden behind a stale private page.
+Consumers map an arena private (copy-on-write): numpy views are read-only, torch tensor views are
+writable and a write stays theirs. Once the last view of a payload with tensors is gone, pages of it
+the consumer wrote are found in `/proc/self/pagemap` (a private copy is an anonymous page, an
+untouched one is the file's) and dropped (`MADV_DONTNEED`), so the slot's next payload is not hidden
+behind a stale private page.
 """
 from __future__ import annotations
 
