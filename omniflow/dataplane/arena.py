@@ -43,6 +43,7 @@ import os
 import struct
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +103,7 @@ class Arena:
             os.unlink(path)
             raise
         self.name, self.path, self.size, self.fd, self.mm = name, path, size, fd, mm
+        self._close_fd = weakref.finalize(self, os.close, fd)     # also when dropped without close()
         self.table: np.ndarray = np.ndarray((slots,), dtype=SLOT, buffer=mm, offset=TABLE_AT)
         self.bytes: np.ndarray = np.frombuffer(mm, dtype=np.uint8)
         self.held: dict[int, _Held] = {}
@@ -236,9 +238,10 @@ class Arena:
             return False
 
     def close(self, *, unlink: bool) -> None:
+        """Unmap (no thread may write into it any more) and close; unlink the file if asked."""
         del self.table, self.bytes
         self.mm.close()
-        os.close(self.fd)
+        self._close_fd()
         if unlink:
             try:
                 os.unlink(self.path)

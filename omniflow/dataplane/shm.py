@@ -122,8 +122,7 @@ class ShmTransport(Transport):
             gone = [a for a in self.arenas if not a.linked()]
             for arena in gone:           # unlinked under us (a sweep took us for dead): never write there again
                 logger.warning("arena %s was removed under its live producer; starting another", arena.name)
-                self.arenas.remove(arena)
-                arena.close(unlink=False)
+                self.arenas.remove(arena)     # unmapped once no thread writes into it any more (not closed here)
             current = list(self.arenas)
         yield from current
         with self._arenas_lock:

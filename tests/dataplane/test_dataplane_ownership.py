@@ -197,3 +197,17 @@ async def test_segments_of_a_producer_killed_mid_stream_are_swept(plane: DataPla
     await set_state(plane, "wfk", "failed")
     await plane.sweep()
     assert not ours(plane) and not files(plane)
+
+
+async def test_a_producer_whose_arena_was_removed_under_it_starts_another(plane: DataPlane,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep that took a live producer for dead (its lease lapsed on a loaded box) may unlink its arena:
+    the producer notices and writes its next payloads into a new one, never into the removed file."""
+    from omniflow.dataplane import arena as arenas
+
+    monkeypatch.setattr(arenas, "LINK_CHECK_S", 0.0)
+    first = await plane.put(np.ones(1000), plane.context("wfa", "thinker", "talker", 1, 1), kind=TransportKind.SHM)
+    os.unlink(DEFAULT_SHM_DIR / first.location)
+    second = await plane.put(np.ones(1000) * 2, plane.context("wfa", "thinker", "talker", 1, 2), kind=TransportKind.SHM)
+    assert second.location != first.location and os.path.exists(DEFAULT_SHM_DIR / second.location)
+    assert float((await plane.get(second, wf_id="wfa"))[0]) == 2.0
