@@ -722,6 +722,8 @@ async def memory_per_mib(url: str, chunks: int = 16) -> dict[str, dict[str, floa
             if keys:
                 await redis.delete(*keys)
             await plane.release_workflow(WF)
+            plane.close()
+            _release_prefix(prefix)
     finally:
         await redis.aclose()
     return out
