@@ -101,8 +101,6 @@ class Settings(BaseSettings):
         description="a worker's group-commit write connections; one workflow's writes always take the same one")
     block_ms: int = Field(
         default=2_000, ge=1, description="how long blocking stream reads wait before they loop")
-    inline_chunk_max_bytes: int = Field(
-        default=1 << 20, ge=1, description="the largest chunk payload carried inline in a stream entry")
 
     # data plane (omniflow.dataplane): where a chunk's payload travels, chosen per chunk.
     # <= inline max: inside the edge-log entry; larger: shared memory when the consuming replica is
