@@ -21,11 +21,20 @@ from omniflow.topology import is_cluster
 
 if TYPE_CHECKING:
     from omniflow.config import Settings
+    from omniflow.pipeline import Pipeline
 
 DEFAULT_PREFIX = "of"
 TASK_GROUP = "workers"
 EVENT_GROUP = "reconciler"
 NOTIFY_GROUP = "webhooks"
+
+
+def finalize_suffixes(pipeline: Pipeline) -> tuple[str, ...]:
+    """The keys of a workflow that `finalize` (_lib.lua) may touch, as suffixes of its base key
+    (`Keys.wf`): stages, log, done, the payload registry, the final stages' outputs and every edge
+    log. Computed once per pipeline; `Keys.finalize_keys` adds the cell's keys."""
+    return (":stages", ":log", ":done", ":blobs", *(f":out:{st}" for st in pipeline.finals),
+            *(f":edge:{e.src}:{e.dst}" for st in pipeline.order for e in pipeline.outputs[st]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +104,13 @@ class Keys:
         length-prefixed: both parts may contain ':', and (`team`, `a:x`) must never meet (`team:a`, `x`)."""
         where = self.idem_cell(tenant, key) if cell is None else cell
         return f"{self.cell(where)}:idem:{len(tenant)}:{tenant}:{key}"
+
+    def finalize_keys(self, wf_id: str, suffixes: tuple[str, ...]) -> list[str]:
+        """Every key `finalize` (_lib.lua) may touch besides the workflow's base key and its cell's
+        in-flight set: the workflow's keys (`suffixes`, from `finalize_suffixes`), its tombstone,
+        its cell's notify stream and state indexes. Every script that may end a workflow declares them."""
+        wf, cell = self.wf(wf_id), cell_of(wf_id)
+        return [self.tomb(wf_id), self.notify(cell), *self.state_indexes(cell), *(wf + suffix for suffix in suffixes)]
 
     # --- one cell -------------------------------------------------------------
     def tasks(self, stage: str, cell: int) -> str:

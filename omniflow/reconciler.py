@@ -34,12 +34,13 @@ from omniflow.dataplane import DataPlane
 from omniflow.entries import EventKind, event, retry_member
 from omniflow.entries import task as task_entry
 from omniflow.errors import MalformedEntry, RedisError, RedisUnavailable, ScriptError
-from omniflow.keys import EVENT_GROUP, TASK_GROUP, Keys
+from omniflow.keys import EVENT_GROUP, TASK_GROUP, Keys, finalize_suffixes
+from omniflow.models import WorkflowState
 from omniflow.pipeline import Pipeline
 from omniflow.redisio import connect, ensure_group
 from omniflow.runtime import Backoff, check_eviction_policy, check_layout, forever, when_redis_answers
 from omniflow.scripts import evalsha_args
-from omniflow.store import csv, now_ms, s
+from omniflow.store import abort_call, csv, now_ms, s
 from omniflow.topology import is_cluster, read_groups
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class Reconciler:
         self.started = asyncio.Event()
         self._redis_ok_at = 0.0         # monotonic time of the last event read that Redis answered
         self._sweeps = 0
-        self._stage_event_suffixes = self._suffixes()
+        self._final_suffixes = finalize_suffixes(pipeline)
         self.counts: dict[str, int] = {"events": 0, "completed": 0, "failed": 0, "retry": 0, "ignored": 0,
                                        "lost": 0, "deadline": 0, "dead_letters": 0, "segments_swept": 0}
 
@@ -108,7 +109,6 @@ class Reconciler:
             self.plane = DataPlane(self.redis, self.settings, worker_id=self.id)
             redisio.require_replicas(self.redis, self.settings.wait_replicas, self.settings.wait_timeout_ms)
             self.keys = Keys.of(self.settings, self.redis)
-            self._stage_event_suffixes = self._suffixes()
         await check_eviction_policy(self.redis)
         await check_layout(self.redis, self.keys)
         await redisio.load_scripts(self.redis)
@@ -117,18 +117,12 @@ class Reconciler:
             for stage in self.pipeline.order:
                 await ensure_group(self.redis, self.keys.tasks(stage, cell), TASK_GROUP)
 
-    def _suffixes(self) -> tuple[str, ...]:
-        """What `stage_event.lua` may touch besides the cell's sets and streams, as suffixes of the
-        workflow's base key: stages, log, done, the final outputs, the edge logs."""
-        return (":stages", ":log", ":done", ":blobs", *(f":out:{st}" for st in self.pipeline.finals),
-                *(f":edge:{e.src}:{e.dst}" for st in self.pipeline.order for e in self.pipeline.outputs[st]))
-
     def stage_event_keys(self, wf_id: str, stage: str) -> list[str]:
         """KEYS of a `stage_event.lua` call (see its header): all of `wf_id`'s cell."""
         wf, cell, keys = self.keys.wf(wf_id), self.keys.cell_of(wf_id), self.keys
         return [wf, keys.inflight(cell), keys.retries(cell), keys.events(cell), keys.dlq(stage, cell),
-                keys.tomb(wf_id), keys.notify(cell), *(keys.tasks(st, cell) for st in self.pipeline.order),
-                *keys.state_indexes(cell), *(wf + suffix for suffix in self._stage_event_suffixes)]
+                *(keys.tasks(st, cell) for st in self.pipeline.order),
+                *keys.finalize_keys(wf_id, self._final_suffixes)]
 
     async def _leave(self) -> None:
         """Delete our consumer from the event group if it holds nothing (a crashed reconciler's
@@ -450,8 +444,9 @@ class Reconciler:
         late = [(cell, wf_id) for cell, ids in await self._due(self.keys.inflight) for wf_id in ids]
         if not late:
             return 0
-        store_calls = [self._abort_call(wf_id, cell) for cell, wf_id in late]
-        results = await self._run_scripts(store_calls)
+        results = await self._run_scripts([
+            abort_call(self.keys, self.settings, self._final_suffixes, wf_id, state=WorkflowState.FAILED,
+                       reason="deadline exceeded") for _cell, wf_id in late])
         # A record that expired or vanished ('gone') must not pin an admission slot; one whose abort
         # failed (e.g. NOSCRIPT twice) stays, so that the next sweep fails it properly.
         stray = [(cell, wf_id) for (cell, wf_id), r in zip(late, results)
@@ -460,15 +455,6 @@ class Reconciler:
             await self.redis.zrem(self.keys.inflight(cell), wf_id)
         self.counts["deadline"] += len(late)
         return len(late)
-
-    def _abort_call(self, wf_id: str, cell: int) -> tuple[Any, ...]:
-        """`abort.lua` failing a workflow past its deadline (KEYS: see its header)."""
-        wf, keys = self.keys.wf(wf_id), self.keys
-        return evalsha_args(
-            "abort", [wf, keys.inflight(cell), keys.tomb(wf_id), keys.notify(cell), *keys.state_indexes(cell),
-                      *(wf + suffix for suffix in self._stage_event_suffixes)],
-            [self.settings.prefix, now_ms(), "failed", "deadline exceeded", "",
-             self.settings.tombstone_ttl_s, self.settings.result_ttl_s])
 
     async def _sweep_consumers(self, *, idle_ms: int | None = None) -> int:
         """Delete the consumers crashed reconcilers left in the event group (one per crash, forever

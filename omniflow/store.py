@@ -33,7 +33,7 @@ from omniflow.errors import (
     WorkflowNotFound,
     WorkflowRetired,
 )
-from omniflow.keys import Keys
+from omniflow.keys import Keys, finalize_suffixes
 from omniflow.models import TERMINAL_STATES, SubmitRequest, Submitted, WorkflowState
 from omniflow.pipeline import Pipeline, Plan
 from omniflow.redisio import connect, translated
@@ -89,6 +89,15 @@ def check_same_body(wf_id: str, req: SubmitRequest, stored_hash: str) -> None:
             "use a fresh request_id for a different request")
 
 
+def abort_call(keys: Keys, settings: Settings, final_suffixes: tuple[str, ...], wf_id: str, *,
+               state: WorkflowState, reason: str, stage: str = "") -> tuple[Any, ...]:
+    """The `abort.lua` call retiring `wf_id` (a client's abort, the reconciler's deadline sweep);
+    `final_suffixes`: `keys.finalize_suffixes` of the pipeline."""
+    return scripts.evalsha_args(
+        "abort", [keys.wf(wf_id), keys.inflight(keys.cell_of(wf_id)), *keys.finalize_keys(wf_id, final_suffixes)],
+        [settings.prefix, now_ms(), state.value, reason, stage, settings.tombstone_ttl_s, settings.result_ttl_s])
+
+
 @dataclass(frozen=True)
 class _PlanParts:
     plan: Plan
@@ -113,9 +122,7 @@ class Store:
         if settings.max_in_flight < self.keys.cells:
             raise ConfigError(f"OMNIFLOW_MAX_IN_FLIGHT={settings.max_in_flight} is below the number of cells "
                               f"({self.keys.cells}): every cell must admit at least one workflow")
-        # what `finalize` (_lib.lua) may touch, as suffixes of a workflow's base key
-        self._final_suffixes = (":blobs", *(f":out:{st}" for st in pipeline.finals)) + tuple(
-            f":edge:{e.src}:{e.dst}" for st in pipeline.order for e in pipeline.outputs[st])
+        self._final_suffixes = finalize_suffixes(pipeline)
 
     # ---------------------------------------------------------------- submit
     @translated
@@ -264,21 +271,6 @@ class Store:
         return WorkflowRetired(f"workflow {wf_id} is retired (aborted or failed) and cannot be resubmitted; "
                                "submit again with a fresh request_id")
 
-    def finalize_keys(self, wf_id: str) -> list[str]:
-        """Every key `finalize` (_lib.lua) may touch, after the base key and the in-flight set:
-        stages, log, done, the tombstone, the cell's notify stream and state indexes, final outputs,
-        edge logs."""
-        wf, cell = self.keys.wf(wf_id), cells.cell_of(wf_id)
-        return [f"{wf}:stages", f"{wf}:log", f"{wf}:done", self.keys.tomb(wf_id), self.keys.notify(cell),
-                *self.keys.state_indexes(cell), *(wf + suffix for suffix in self._final_suffixes)]
-
-    def abort_call(self, wf_id: str, *, state: WorkflowState, reason: str, stage: str = "") -> tuple[Any, ...]:
-        """The `abort.lua` call retiring `wf_id` (client abort, deadline sweep)."""
-        return scripts.evalsha_args(
-            "abort", [self.keys.wf(wf_id), self.keys.inflight(cells.cell_of(wf_id)), *self.finalize_keys(wf_id)],
-            [self.settings.prefix, now_ms(), state.value, reason, stage,
-             self.settings.tombstone_ttl_s, self.settings.result_ttl_s])
-
     async def _wait_aof(self) -> None:
         try:
             await redisio.call(self.redis, "WAITAOF", 1, 0, 1000)
@@ -292,7 +284,8 @@ class Store:
         """Abort a live workflow. Returns the state it ends in (already-terminal ones are left as they are)."""
         if tenant is not None:
             await self._check_tenant(wf_id, tenant)
-        reply = await redisio.call(self.redis, *self.abort_call(wf_id, state=state, reason=reason, stage=stage))
+        reply = await redisio.call(self.redis, *abort_call(self.keys, self.settings, self._final_suffixes, wf_id,
+                                                           state=state, reason=reason, stage=stage))
         code = s(reply[0])
         if code == "gone":
             raise WorkflowNotFound(f"no workflow {wf_id}")
