@@ -37,7 +37,7 @@ def create_app(settings: Settings, pipeline: Pipeline, *, redis_url: str) -> Fas
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redis = connect(redis_url)
         store = Store(redis, settings, pipeline)
-        hub = LogHub(redis, store.keys)
+        hub = LogHub(store)
         hub.start()
         registry = CollectorRegistry(auto_describe=False)
         app.state.api = ApiState(

@@ -6,7 +6,7 @@ own XREAD BLOCK; instead they subscribe here: one `StreamMux` watches every
 log that has at least one subscriber and copies each entry to every
 subscriber's queue. A subscriber replays the history after its cursor with
 XRANGE first and drops live duplicates by id, so it never misses an entry
-that arrived between its subscription and its replay.
+that arrived between its subscription and its replay (`Store.read_log`).
 """
 from __future__ import annotations
 
@@ -15,11 +15,8 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 
-from redis.asyncio import Redis
-
-from omniflow.keys import Keys
 from omniflow.mux import Entry, StreamMux
-from omniflow.store import decode_fields, s
+from omniflow.store import LOG_ENTRY_LIMIT, Store, decode_fields, s
 from omniflow.topology import read_groups
 
 Event = tuple[str, dict[str, str]]
@@ -43,12 +40,12 @@ def is_stream_id(value: str) -> bool:
 class LogHub:
     """Subscribe to workflow event logs without one connection per waiter."""
 
-    def __init__(self, redis: Redis, keys: Keys, *, block_ms: int = 5_000) -> None:
-        self._redis = redis
-        self._keys = keys
+    def __init__(self, store: Store, *, block_ms: int = 5_000) -> None:
+        self._store = store
+        self._keys = store.keys
         # one blocking read over every cell on a single server; one per cell on a cluster
-        groups = read_groups(redis, keys.cells)
-        self._muxes = [StreamMux(redis, keys, block_ms=block_ms, cell=group[0]) for group in groups]
+        groups = read_groups(store.redis, store.keys.cells)
+        self._muxes = [StreamMux(store.redis, store.keys, block_ms=block_ms, cell=group[0]) for group in groups]
         self._mux_of = {cell: mux for group, mux in zip(groups, self._muxes) for cell in group}
         self._subs: dict[str, set[asyncio.Queue[Entry]]] = {}
         self._pumps: dict[str, asyncio.Task[None]] = {}
@@ -110,25 +107,27 @@ class LogHub:
         if cell not in self._mux_of:
             cell = 0            # an id of no cell of ours: its log does not exist, the history says so
         queue = await self._subscribe(key, after, cell)
-        events = self._iterate(key, queue, after, timeout_s, idle_s)
+        events = self._iterate(wf_id, queue, after, timeout_s, idle_s)
         try:
             yield events
         finally:
             await events.aclose()
             self._unsubscribe(key, queue, cell)
 
-    async def _iterate(self, key: str, queue: asyncio.Queue[Entry], after: str,
+    async def _iterate(self, wf_id: str, queue: asyncio.Queue[Entry], after: str,
                        timeout_s: float | None, idle_s: float | None) -> AsyncGenerator[Event, None]:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         cursor = stream_id(after)
-        history = await self._redis.xrange(key, min=f"({after}" if after != "0-0" else "-")
-        for raw_id, fields in history:
-            eid = s(raw_id)
-            cursor = stream_id(eid)
-            event = decode_fields(fields)
-            yield eid, event
-            if event.get("t") == "terminal":
-                return
+        while True:         # the history, page by page
+            page = await self._store.read_log(wf_id, after=after)
+            for eid, event in page:
+                cursor = stream_id(eid)
+                yield eid, event
+                if event.get("t") == "terminal":
+                    return
+            if len(page) < LOG_ENTRY_LIMIT:
+                break
+            after = page[-1][0]
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
