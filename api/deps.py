@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -13,16 +14,17 @@ from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
 from omniflow.api.errors import ApiError, retry_after
-from omniflow.api.fleet import PoolsCache
 from omniflow.api.hub import LogHub
 from omniflow.api.limits import RateLimiter
 from omniflow.api.metrics import StageLatency
 from omniflow.config import Settings
+from omniflow.fleet import collect_stats
 from omniflow.pipeline import Pipeline
 from omniflow.store import Store
 
 DEFAULT_TENANT = "default"
 ADMIN_TENANT = "admin"
+POOLS_MAX_AGE_S = 0.5
 
 
 def parse_api_keys(raw: str) -> dict[str, str]:
@@ -50,6 +52,24 @@ class Principal:
     def scope(self) -> str | None:
         """The tenant filter for store calls: None (everything) for admins."""
         return None if self.admin else self.tenant
+
+
+class PoolsCache:
+    """The pools snapshot (`omniflow.fleet.collect_stats`), read at most once per `max_age_s` however
+    many dashboards and SSE streams of this API process watch it."""
+
+    def __init__(self, max_age_s: float = POOLS_MAX_AGE_S) -> None:
+        self.max_age_s = max_age_s
+        self._value: dict[str, Any] | None = None
+        self._at = 0.0
+        self._lock = asyncio.Lock()
+
+    async def get(self, store: Store) -> dict[str, Any]:
+        async with self._lock:
+            if self._value is None or time.monotonic() - self._at > self.max_age_s:
+                self._value = await collect_stats(store)
+                self._at = time.monotonic()
+            return self._value
 
 
 @dataclass

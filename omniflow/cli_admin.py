@@ -1,6 +1,6 @@
 """The operator's commands: `stats [--watch]`, `workers`, `drain`/`undrain`, `purge`, `dlq ls|replay|drop`.
 
-Thin parsing over `omniflow.admin`. Destructive commands (purge, dlq drop) say what they
+Thin parsing over `omniflow.admin` (actions) and `omniflow.fleet` (reads). Destructive commands (purge, dlq drop) say what they
 would delete and ask; without a terminal they need `--yes` (exit 2 otherwise), and a "no"
 exits 1 with nothing deleted. `drain --wait` that runs out of time exits 4.
 """
@@ -97,7 +97,7 @@ def stats(watch: bool = typer.Option(False, "--watch", help="refresh in place un
     """Per stage: workers, busy sessions, queue lag and pending, oldest pending, the last minute's
     throughput, p50/p99, failures and retries, dead letters; workflows per state, in flight vs limit.
     With --watch --json: one JSON document per line per refresh."""
-    from omniflow.admin import collect_stats
+    from omniflow.fleet import collect_stats
 
     if not watch:
         data = _run(_with_client, lambda client: collect_stats(client.store))
@@ -131,14 +131,15 @@ def stats(watch: bool = typer.Option(False, "--watch", help="refresh in place un
 @handle_errors
 def workers(as_json: bool = JsonOpt) -> None:
     """Every registered worker: stages, host, pid, sessions held, heartbeat age, live / draining."""
-    from omniflow.admin import list_workers
+    from omniflow.fleet import list_workers
 
     rows = _run(_with_client, lambda client: list_workers(client.store))
     _print_json(rows) if as_json else console.print(workers_table(rows))
 
 
 def _set_drain(worker_id: str, drain: bool, wait: bool, timeout: float | None, as_json: bool) -> None:
-    from omniflow.admin import list_workers, set_drain
+    from omniflow.admin import set_drain
+    from omniflow.fleet import list_workers
 
     async def go(client: Any) -> dict[str, Any]:
         row = await set_drain(client.store, worker_id, drain=drain)
@@ -222,7 +223,7 @@ def _dlq_stage(positional: str | None, option: str | None) -> str | None:
         raise InvalidRequest(f"two stages given: {positional!r} and --stage {option!r}")
     stage = positional or option
     if stage is not None:
-        from omniflow.admin import DLQ_EVENTS
+        from omniflow.keys import DLQ_EVENTS
 
         pipe = _pipeline()
         if stage not in (*pipe.order, DLQ_EVENTS):

@@ -27,6 +27,7 @@ DEFAULT_PREFIX = "of"
 TASK_GROUP = "workers"
 EVENT_GROUP = "reconciler"
 NOTIFY_GROUP = "webhooks"
+DLQ_EVENTS = "events"           # the dead-letter stream of malformed events (`Keys.dlq`; not a stage)
 
 
 def finalize_suffixes(pipeline: Pipeline) -> tuple[str, ...]:

@@ -34,7 +34,7 @@ from omniflow.dataplane import DataPlane
 from omniflow.entries import EventKind, event, retry_member
 from omniflow.entries import task as task_entry
 from omniflow.errors import MalformedEntry, RedisError, RedisUnavailable, ScriptError
-from omniflow.keys import EVENT_GROUP, TASK_GROUP, Keys, finalize_suffixes
+from omniflow.keys import DLQ_EVENTS, EVENT_GROUP, TASK_GROUP, Keys, finalize_suffixes
 from omniflow.models import WorkflowState
 from omniflow.pipeline import Pipeline
 from omniflow.redisio import connect, ensure_group
@@ -202,7 +202,7 @@ class Reconciler:
 
     def _dead_letter_call(self, entry_id: bytes | str, fields: dict[bytes, bytes] | None, reason: str,
                           cell: int) -> tuple[Any, ...]:
-        return redisio.dead_letter_call(self.keys.dlq("events", cell), self.keys.events(cell), EVENT_GROUP, entry_id,
+        return redisio.dead_letter_call(self.keys.dlq(DLQ_EVENTS, cell), self.keys.events(cell), EVENT_GROUP, entry_id,
                                         fields, reason, max_len=self.settings.dlq_max_len)
 
     async def apply(self, entries: list[tuple[bytes, dict[bytes, bytes] | None]], cell: int = 0) -> list[str]:

@@ -41,14 +41,11 @@ from omniflow.redisio import connect, translated
 if TYPE_CHECKING:
     from omniflow.listing import ListFilter, ListPage
 
-__all__ = ["LOG_ENTRY_LIMIT", "Store", "connect", "csv", "decode_fields", "new_id", "now_ms", "s",
-           "translate_errors"]
+__all__ = ["LOG_ENTRY_LIMIT", "Store", "abort_call", "connect", "csv", "decode_fields", "new_id", "now_ms", "s"]
 
 LOG_ENTRY_LIMIT = 10_000
 #: a submit refused for memory is over capacity, like one over `max_in_flight`
 SUBMIT_OOM_RETRY_AFTER_S = 1.0
-
-translate_errors = translated     # the name the admin helpers use
 
 
 def now_ms() -> int:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from omniflow.admin import collect_stats
+from omniflow.fleet import collect_stats
 from omniflow.errors import PipelineError
 from omniflow.pipeline import build_pipeline
 from omniflow.worker import parse_stages

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query
 
-from omniflow import admin
+from omniflow import admin, fleet
 from omniflow.api.deps import AdminDep, ApiState, StateDep
 from omniflow.api.schemas import AUTH_ERRORS, ErrorResponse, Pools, WorkerView
 from omniflow.api.sse import EventStreamResponse, event_schema, sse_event
@@ -63,7 +63,7 @@ async def _pools_stream(state: ApiState, interval: float, count: int | None) -> 
 @router.get("/workers", response_model=list[WorkerView], responses=ADMIN_ERRORS,
             summary="Every registered worker: stages, host, heartbeat age, sessions held, drain flag")
 async def workers(state: StateDep, _: AdminDep) -> Any:
-    return await admin.list_workers(state.store)
+    return await fleet.list_workers(state.store)
 
 
 _DRAIN_ERRORS = {422: {"model": E, "description": "no live worker with this id"}, **ADMIN_ERRORS}

@@ -7,7 +7,6 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 
 from omniflow.api.deps import StateDep
-from omniflow.api.fleet import live_workers
 from omniflow.api.metrics import CONTENT_TYPE, render
 from omniflow.api.schemas import Health, Readiness
 from omniflow.errors import RedisError
@@ -27,7 +26,7 @@ async def readyz(state: StateDep) -> Any:
     stages = state.pipeline.order
     try:
         await state.store.ping()
-        counts = await live_workers(state.store)
+        counts = await state.store.live_workers()
     except RedisError as exc:
         body = Readiness(status="unready", redis=False, stages=dict.fromkeys(stages, 0), missing=list(stages),
                          message=f"Redis unreachable: {exc}")
