@@ -460,21 +460,6 @@ class Store:
         return int(audio[stage]["sample_rate"] or 0), samples
 
     @translated
-    async def list_page(self, *, state: str | None = None, tenant: str | None = None, offset: int = 0,
-                        limit: int = 50, stage: str | None = None, since_ms: int | None = None,
-                        request_id: str | None = None) -> tuple[list[dict[str, Any]], int | None]:
-        """One page of workflows, newest first, filtered (see `omniflow.listing`).
-
-        `offset` counts positions in the index walked; the second value is the offset to
-        continue from (None at the end).
-        """
-        from omniflow.listing import ListFilter
-
-        page = await self.list_workflows(ListFilter(state=state, tenant=tenant, stage=stage, since_ms=since_ms,
-                                                    request_id=request_id), offset=offset, limit=limit)
-        return page.rows, page.next_offset
-
-    @translated
     async def list_workflows(self, flt: ListFilter, *, offset: int = 0, limit: int = 50) -> ListPage:
         """One page of the workflows matching `flt` (the listing indexes: `omniflow.listing`)."""
         from omniflow import listing     # imported here: listing builds on this module's helpers
@@ -490,8 +475,10 @@ class Store:
 
     async def list(self, *, state: str | None = None, tenant: str | None = None, offset: int = 0,
                    limit: int = 50) -> builtins.list[dict[str, Any]]:
-        """Newest first (the first page of `list_page`)."""
-        return (await self.list_page(state=state, tenant=tenant, offset=offset, limit=limit))[0]
+        """One page of workflows, newest first (the rows of `list_workflows`)."""
+        from omniflow.listing import ListFilter
+
+        return (await self.list_workflows(ListFilter(state=state, tenant=tenant), offset=offset, limit=limit)).rows
 
     # ---------------------------------------------------------------- reads for the API and the CLI
     @translated
