@@ -16,6 +16,7 @@ from omniflow.errors import InvalidRequest, WorkflowNotFound
 from omniflow.fleet import entry_ms, list_workers
 from omniflow.keys import DLQ_EVENTS
 from omniflow.models import TERMINAL_STATES, SubmitRequest, WorkflowInput, WorkflowState
+from omniflow.pipeline import Pipeline
 from omniflow.redisio import translated
 from omniflow.store import Store, csv, decode_fields, now_ms, s
 from omniflow.topology import is_cluster
@@ -111,9 +112,9 @@ async def purge_all(store: Store) -> int:
     return n
 
 
-def dlq_names(store: Store, stage: str | None) -> list[str]:
+def dlq_names(pipeline: Pipeline, stage: str | None) -> list[str]:
     """The dead-letter streams meant by `stage` (None: all of them); unknown names are refused."""
-    known = [*store.pipeline.order, DLQ_EVENTS]
+    known = [*pipeline.order, DLQ_EVENTS]
     if stage is None:
         return known
     if stage not in known:
@@ -125,7 +126,7 @@ def dlq_names(store: Store, stage: str | None) -> list[str]:
 async def dlq_entries(store: Store, stage: str | None, limit: int) -> list[dict[str, Any]]:
     """Dead letters, newest first per stream (of one stage, or of all, up to `limit` in total)."""
     rows: list[dict[str, Any]] = []
-    for name in dlq_names(store, stage):
+    for name in dlq_names(store.pipeline, stage):
         for key in _dlq_keys(store, name):
             for eid, fields in await store.redis.xrevrange(key, count=limit):
                 rows.append({"stream": key, "dlq": name, "entry": s(eid), "at": (entry_ms(eid) or 0) / 1000,
@@ -142,7 +143,7 @@ def _dlq_keys(store: Store, name: str) -> list[str]:
 async def dlq_replay(store: Store, stage: str | None, entry: str | None) -> list[dict[str, str]]:
     """Resubmit the workflows of dead letters as new workflows and drop the replayed entries."""
     out = []
-    for name, key in ((n, k) for n in dlq_names(store, stage) for k in _dlq_keys(store, n)):
+    for name, key in ((n, k) for n in dlq_names(store.pipeline, stage) for k in _dlq_keys(store, n)):
         entries = await store.redis.xrange(key, entry, entry) if entry else await store.redis.xrange(key, count=1000)
         for eid, fields in entries:
             row = {"dlq": name, "entry": s(eid), "wf": s(fields.get(b"wf"))}
@@ -163,7 +164,7 @@ async def dlq_replay(store: Store, stage: str | None, entry: str | None) -> list
 async def dlq_count(store: Store, stage: str | None, entry: str | None) -> int:
     """How many dead letters `dlq_drop` would delete."""
     pipe = store.redis.pipeline(transaction=False)
-    for key in (k for name in dlq_names(store, stage) for k in _dlq_keys(store, name)):
+    for key in (k for name in dlq_names(store.pipeline, stage) for k in _dlq_keys(store, name)):
         if entry:
             pipe.xrange(key, entry, entry)
         else:
@@ -175,7 +176,7 @@ async def dlq_count(store: Store, stage: str | None, entry: str | None) -> int:
 async def dlq_drop(store: Store, stage: str | None, entry: str | None) -> int:
     """Delete dead letters (one entry, one stage's, or all); returns how many."""
     n = 0
-    for key in (k for name in dlq_names(store, stage) for k in _dlq_keys(store, name)):
+    for key in (k for name in dlq_names(store.pipeline, stage) for k in _dlq_keys(store, name)):
         if entry:
             n += await store.redis.xdel(key, entry)
         else:

@@ -219,16 +219,24 @@ def purge(older_than: str = typer.Option(None, "--older-than", help="finished wo
 # ---------------------------------------------------------------- dead letters
 def _dlq_stage(positional: str | None, option: str | None) -> str | None:
     """The stage named by `STAGE` or `--stage` (not two different ones), checked against the pipeline."""
+    from omniflow.admin import dlq_names
+
     if positional and option and positional != option:
         raise InvalidRequest(f"two stages given: {positional!r} and --stage {option!r}")
     stage = positional or option
     if stage is not None:
-        from omniflow.keys import DLQ_EVENTS
-
-        pipe = _pipeline()
-        if stage not in (*pipe.order, DLQ_EVENTS):
-            raise InvalidRequest(f"unknown stage {stage!r}; dead-letter streams: {[*pipe.order, DLQ_EVENTS]}")
+        dlq_names(_pipeline(), stage)
     return stage
+
+
+def _dlq_target(positional: str | None, option: str | None, every: bool, entry: str | None) -> str | None:
+    """What `dlq replay` / `dlq drop` act on: one stage's dead letters, or (`--all`) every stage's."""
+    name = _dlq_stage(positional, option)
+    if (name is None) != every:
+        raise InvalidRequest("give a STAGE (or --stage), or --all for every stage")
+    if entry is not None and name is None:
+        raise InvalidRequest("--entry needs the STAGE it belongs to")
+    return name
 
 
 StageArg = typer.Argument(None, metavar="[STAGE]", help="a stage, or `events` (malformed events)")
@@ -258,11 +266,7 @@ def dlq_replay(stage: str = StageArg, stage_opt: str = StageOpt,
     """Resubmit the workflows of dead letters as new workflows, and drop the replayed entries."""
     from omniflow.admin import dlq_replay as replay
 
-    name = _dlq_stage(stage, stage_opt)
-    if (name is None) != every:
-        raise InvalidRequest("give a STAGE (or --stage), or --all for every stage")
-    if entry is not None and name is None:
-        raise InvalidRequest("--entry needs the STAGE it belongs to")
+    name = _dlq_target(stage, stage_opt, every, entry)
     rows = _run(_with_client, lambda client: replay(client.store, name, entry))
     if as_json:
         _print_json(rows)
@@ -284,11 +288,7 @@ def dlq_drop(stage: str = StageArg, stage_opt: str = StageOpt,
     from omniflow.admin import dlq_count
     from omniflow.admin import dlq_drop as drop
 
-    name = _dlq_stage(stage, stage_opt)
-    if (name is None) != every:
-        raise InvalidRequest("give a STAGE (or --stage), or --all for every stage")
-    if entry is not None and name is None:
-        raise InvalidRequest("--entry needs the STAGE it belongs to")
+    name = _dlq_target(stage, stage_opt, every, entry)
     found = _run(_with_client, lambda client: dlq_count(client.store, name, entry))
     if found:
         _confirm(f"Delete {found} dead letter(s) from {name or 'every stage'}?", yes)
