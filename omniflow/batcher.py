@@ -24,6 +24,7 @@ from redis.asyncio import Redis
 
 from omniflow import redisio, scripts
 from omniflow.errors import RedisRefused
+from omniflow.runtime import Backoff
 
 logger = logging.getLogger(__name__)
 
@@ -109,11 +110,10 @@ class Batcher:
         logger.warning("Redis refused %d command(s) (%s); holding them and retrying for up to %.0fs",
                        len(held), held[0][2], self.refused_retry_s)
         deadline = time.monotonic() + self.refused_retry_s
-        delay_s = REFUSED_BACKOFF_FIRST_S
+        backoff = Backoff(first_s=REFUSED_BACKOFF_FIRST_S, cap_s=REFUSED_BACKOFF_CAP_S)
         while held and not self.closing and time.monotonic() < deadline:
             self.refusals += 1
-            await asyncio.sleep(delay_s)
-            delay_s = min(delay_s * 2, REFUSED_BACKOFF_CAP_S)
+            await backoff.sleep()
             try:
                 results = await self._run([cmd for cmd, _, _ in held])
             except Exception as exc:  # noqa: BLE001 - the round trip failed: every waiter must hear it

@@ -165,8 +165,7 @@ async def _again_and_again(name: str, run: Callable[[], Coroutine[Any, Any, None
             failing = True
         except Exception:  # noqa: BLE001 - a bug: logged with its traceback, then restarted
             logger.exception("jobs runner: %s stopped on an unexpected error; restarting it", name)
-        await asyncio.sleep(backoff.delay_s)
-        backoff.delay_s = min(backoff.delay_s * 2, backoff.cap_s)
+        await backoff.sleep()
 
 
 def run_jobs(settings: Settings, pipeline: Pipeline, redis_url: str) -> None:

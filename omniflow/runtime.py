@@ -34,10 +34,15 @@ class Backoff:
     def reset(self) -> None:
         self.delay_s = self.first_s
 
-    async def wait(self, log: logging.Logger, what: str, exc: BaseException) -> None:
-        log.warning("%s: %s; retrying in %.2fs", what, exc, self.delay_s)
+    async def sleep(self) -> None:
+        """Wait the current delay, then double it (up to the cap)."""
         await asyncio.sleep(self.delay_s)
         self.delay_s = min(self.delay_s * 2, self.cap_s)
+
+    async def wait(self, log: logging.Logger, what: str, exc: BaseException) -> None:
+        """Say why (one warning), then `sleep`."""
+        log.warning("%s: %s; retrying in %.2fs", what, exc, self.delay_s)
+        await self.sleep()
 
 
 async def when_redis_answers(setup: Callable[[], Coroutine[Any, Any, None]], *, what: str, url: str,
@@ -55,8 +60,7 @@ async def when_redis_answers(setup: Callable[[], Coroutine[Any, Any, None]], *, 
             if not said:
                 logger.warning("%s: Redis at %s is not answering (%s); retrying with backoff", what, url, exc)
                 said = True
-            await asyncio.sleep(backoff.delay_s)
-            backoff.delay_s = min(backoff.delay_s * 2, backoff.cap_s)
+            await backoff.sleep()
             continue
         if said:
             logger.info("%s: Redis at %s answers again", what, url)
@@ -76,8 +80,7 @@ async def forever(name: str, loop: Callable[[], Coroutine[Any, Any, None]]) -> N
             raise
         except Exception:  # noqa: BLE001 - logged with its traceback, then the loop restarts
             logger.exception("%s stopped on an unexpected error; restarting it in %.1fs", name, backoff.delay_s)
-            await asyncio.sleep(backoff.delay_s)
-            backoff.delay_s = min(backoff.delay_s * 2, backoff.cap_s)
+            await backoff.sleep()
 
 
 def setup_logging(level: str | None = None) -> None:
