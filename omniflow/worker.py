@@ -76,7 +76,6 @@ __all__ = ["Worker", "ensure_group", "parse_stages", "run_worker"]
 
 T = TypeVar("T")
 
-DEFAULT_GRACE_S = 10.0
 MAX_DETAIL_CHARS = 4096     # an executor's error message, as the workflow record keeps it
 MAX_USAGE_CHARS = 16_384    # an executor's usage document (the reconciler refuses reports over 64 KiB)
 WORKER_INFO_TTL_S = 86_400
@@ -236,7 +235,9 @@ class Worker:
         self._undrained.set()
 
     # ------------------------------------------------------------ lifecycle
-    async def run(self, stop: asyncio.Event | None = None, *, grace_s: float = DEFAULT_GRACE_S) -> None:
+    async def run(self, stop: asyncio.Event | None = None, *, grace_s: float | None = None) -> None:
+        """Serve until `stop`; then let the sessions held run for `grace_s` (default: the
+        `shutdown_grace_s` setting) and hand the rest back."""
         stop = stop or asyncio.Event()
         self._clients: list[Redis] = []
         try:
@@ -264,7 +265,7 @@ class Worker:
                 if task.done() and task.exception():
                     logger.error("worker task %s died: %r", task.get_name(), task.exception())
             stopper.cancel()
-            await self._shutdown(background, grace_s)
+            await self._shutdown(background, self.settings.shutdown_grace_s if grace_s is None else grace_s)
         finally:
             for pool in self.pools.values():
                 await pool.close_executor()
@@ -302,17 +303,20 @@ class Worker:
 
     async def _shutdown(self, background: list[asyncio.Task[Any]], grace_s: float) -> None:
         self._stopping = True
-        background[0].cancel()          # stop taking tasks
-        await asyncio.gather(background[0], return_exceptions=True)
+        intake = background[:self._intake_loops]     # stop taking tasks: every read group's loop
+        for task in intake:
+            task.cancel()
+        await asyncio.gather(*intake, return_exceptions=True)
         active = [task for _, task in self._sessions.values()]
         if active:
             logger.info("worker %s: waiting up to %.1fs for %d session(s)", self.id, grace_s, len(active))
             await asyncio.wait(active, timeout=grace_s)
         for _, task in list(self._sessions.values()):
             task.cancel()
-        for task in background[1:]:
+        rest = background[self._intake_loops:]
+        for task in rest:
             task.cancel()
-        await asyncio.gather(*background[1:], *[t for _, t in self._sessions.values()], return_exceptions=True)
+        await asyncio.gather(*rest, *[t for _, t in self._sessions.values()], return_exceptions=True)
         try:
             for batcher in self._batchers:
                 batcher.closing = True          # a refused write now fails at once: our lease goes to 0
@@ -937,8 +941,5 @@ def run_worker(settings: Settings, pipeline: Pipeline, stage: str | Sequence[str
     from omniflow.health import with_health
 
     worker = Worker(settings=settings, pipeline=pipeline, stage=stage, redis_url=redis_url)
-
-    async def run(stop: asyncio.Event) -> None:
-        await worker.run(stop, grace_s=settings.shutdown_grace_s)
-    run_until_signal(with_health(run, port=settings.health_port, ready=worker.ready))
+    run_until_signal(with_health(worker.run, port=settings.health_port, ready=worker.ready))
 
