@@ -26,12 +26,12 @@ from typing import Any, Self
 
 from redis import Redis
 
-from omniflow.embedded import DEFAULT_START_TIMEOUT_S, EmbeddedServer, free_port
+from omniflow.cells import CLUSTER_SLOTS
+from omniflow.embedded import DEFAULT_START_TIMEOUT_S, EmbeddedServer, free_port, valkey_binary
 from omniflow.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-CLUSTER_SLOTS = 16384
 DEFAULT_NODE_TIMEOUT_MS = 2_000
 DEFAULT_FORM_TIMEOUT_S = 30.0
 DEFAULT_FAILOVER_TIMEOUT_S = 30.0
@@ -299,13 +299,8 @@ class SentinelServer(EmbeddedServer):
                 f"sentinel failover-timeout {self.master_name} 10000",
                 f"sentinel parallel-syncs {self.master_name} 1", "",
             ]))
-        return [self.binary or _binary(), str(conf), "--sentinel", "--port", str(self.port), "--bind", self.host,
+        return [self.binary or valkey_binary(), str(conf), "--sentinel", "--port", str(self.port), "--bind", self.host,
                 "--dir", str(self.data_dir), "--logfile", str(self.data_dir / "server.log")]
-
-
-def _binary() -> str:
-    from omniflow.embedded import valkey_binary
-    return valkey_binary()
 
 
 @dataclass
