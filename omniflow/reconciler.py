@@ -187,18 +187,27 @@ class Reconciler:
         if self.keys.cell_of(ev.wf_id) != cell:
             raise MalformedEntry(f"workflow {ev.wf_id} is not in cell {cell}")
         retry = self.pipeline.stages[ev.stage].retry
-        due, task_args = now, ["", "", ""]
+        due, task = now, ("", "")
         if ev.kind is EventKind.FAILED:   # only a failure waits before its retry
             due += backoff_ms(ev.attempt, base_s=retry.backoff_s, cap_s=retry.backoff_max_s,
                               jitter=retry.jitter, rng=self._rng)
         elif ev.kind is EventKind.LOST:   # a live worker lost Redis mid-session: ack its task, retry it at once
-            task_args = [self.keys.tasks(ev.stage, cell), ev.task_entry, TASK_GROUP]
+            task = (self.keys.tasks(ev.stage, cell), ev.task_entry)
+        return self._stage_event_call(ev.wf_id, ev.stage, ev.kind.value, ev.attempt, now, ev.detail,
+                                      retryable=ev.retryable, due_ms=due, task=task, event_id=entry_id)
+
+    def _stage_event_call(self, wf_id: str, stage: str, kind: str, attempt: int, now: int, detail: str, *,
+                          retryable: bool, due_ms: int, task: tuple[str, bytes | str] = ("", ""),
+                          event_id: bytes | str = "") -> tuple[Any, ...]:
+        """A `stage_event.lua` call (ARGV: see its header): `task` is the (stream, entry) a `lost`
+        session's task is acknowledged in, `event_id` the event entry it applies ('' for a sweep's)."""
+        stream, entry = task
         return evalsha_args(
-            "stage_event", self.stage_event_keys(ev.wf_id, ev.stage),
-            [self.settings.prefix, ev.kind.value, ev.stage, ev.attempt, now, ev.detail, "1" if ev.retryable else "0",
-             retry.max_attempts, due, self.settings.tombstone_ttl_s, self.settings.result_ttl_s, *task_args,
-             EVENT_GROUP, entry_id, self.settings.dlq_max_len],
-        )
+            "stage_event", self.stage_event_keys(wf_id, stage),
+            [self.settings.prefix, kind, stage, attempt, now, detail, "1" if retryable else "0",
+             self.pipeline.stages[stage].retry.max_attempts, due_ms, self.settings.tombstone_ttl_s,
+             self.settings.result_ttl_s, stream, entry, TASK_GROUP if stream else "", EVENT_GROUP, event_id,
+             self.settings.dlq_max_len])
 
     def _dead_letter_call(self, entry_id: bytes | str, fields: dict[bytes, bytes] | None, reason: str,
                           cell: int) -> tuple[Any, ...]:
@@ -376,7 +385,6 @@ class Reconciler:
         if gone:    # the entry was deleted (its session finished or was dropped): just un-pend it
             await self.redis.xack(stream, TASK_GROUP, *gone)
         calls = []
-        retry = self.pipeline.stages[stage].retry
         for p, rows in zip(pending, found):
             if not rows:
                 continue
@@ -393,11 +401,9 @@ class Reconciler:
                                                       f"task of workflow {task.wf_id} in cell {cell}",
                                                       max_len=self.settings.dlq_max_len))
                 continue
-            calls.append(evalsha_args(
-                "stage_event", self.stage_event_keys(task.wf_id, stage),
-                [self.settings.prefix, "lost", stage, task.attempt, now, f"worker {worker_id} stopped heartbeating",
-                 "1", retry.max_attempts, now, self.settings.tombstone_ttl_s, self.settings.result_ttl_s,
-                 stream, entry_id, TASK_GROUP, EVENT_GROUP, "", self.settings.dlq_max_len]))
+            calls.append(self._stage_event_call(task.wf_id, stage, EventKind.LOST.value, task.attempt, now,
+                                                f"worker {worker_id} stopped heartbeating", retryable=True,
+                                                due_ms=now, task=(stream, entry_id)))
         results = await self._run_scripts(calls)
         failed = sum(isinstance(r, Exception) for r in results)
         # entries whose script failed are still pending: keep the consumer, try again next sweep
