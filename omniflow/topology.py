@@ -187,6 +187,12 @@ def is_cluster(client: Any) -> bool:
     return isinstance(client, RedisCluster)
 
 
+def _sentinel(cls: Any, spec: SentinelURL) -> Any:
+    """redis-py's `Sentinel` (asyncio or synchronous: `cls`) for the sentinels of `spec`, with its credentials."""
+    auth = {"username": spec.username, "password": spec.password}
+    return cls(list(spec.sentinels), sentinel_kwargs={**auth, "socket_timeout": DETECT_TIMEOUT_S}, **auth)
+
+
 def open_client(url: str, **kwargs: Any) -> Redis:
     """An asyncio client for whatever `url` points at (see the module docstring), replies as
     bytes, commands packed by hiredis. Cluster clients are typed as `Redis`: omniflow uses the
@@ -195,10 +201,7 @@ def open_client(url: str, **kwargs: Any) -> Redis:
     options = {"decode_responses": False, "socket_keepalive": True, **kwargs}
     if kind is ServerKind.SENTINEL:
         spec = parse_sentinel_url(url)
-        auth = {"username": spec.username, "password": spec.password}
-        sentinel = Sentinel(list(spec.sentinels), sentinel_kwargs={**auth, "socket_timeout": DETECT_TIMEOUT_S},
-                            **auth)
-        return sentinel.master_for(
+        return _sentinel(Sentinel, spec).master_for(
             spec.service, db=spec.db, ssl=spec.ssl,
             connection_class=FastSentinelSSLConnection if spec.ssl else FastSentinelConnection, **options)
     if kind is ServerKind.CLUSTER:
@@ -216,10 +219,7 @@ def open_sync_client(url: str, **kwargs: Any) -> SyncRedis:
     options = {"decode_responses": False, "socket_keepalive": True, **kwargs}
     if kind is ServerKind.SENTINEL:
         spec = parse_sentinel_url(url)
-        auth = {"username": spec.username, "password": spec.password}
-        sentinel = SyncSentinel(list(spec.sentinels), sentinel_kwargs={**auth, "socket_timeout": DETECT_TIMEOUT_S},
-                                **auth)
-        return sentinel.master_for(spec.service, db=spec.db, ssl=spec.ssl, **options)
+        return _sentinel(SyncSentinel, spec).master_for(spec.service, db=spec.db, ssl=spec.ssl, **options)
     if kind is ServerKind.CLUSTER:
         client: SyncRedis = SyncRedisCluster.from_url(url, **options)
         return client
