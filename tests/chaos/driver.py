@@ -29,6 +29,7 @@ import yaml
 from redis.asyncio import Redis
 
 from omniflow.config import Settings
+from omniflow.dataplane.shm import DEFAULT_SHM_DIR, name_part, parse_arena, parse_name
 from omniflow.embedded import EmbeddedServer
 from omniflow.errors import OmniflowError, RedisUnavailable
 from omniflow.keys import EVENT_GROUP, TASK_GROUP, Keys
@@ -229,6 +230,14 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 proc.popen.kill()
                 proc.popen.wait(5)
+        # Every process of this cluster is gone: what it left in shared memory (a SIGKILLed producer's
+        # segments, on a "host" no surviving process sweeps) goes with it; the session-wide check in
+        # conftest.py then sees nothing of ours.
+        part = name_part(self.settings.prefix)
+        for entry in DEFAULT_SHM_DIR.iterdir():
+            seg = parse_name(entry.name) or parse_arena(entry.name)
+            if seg is not None and seg.prefix == part:
+                entry.unlink(missing_ok=True)
 
 
 def api_available() -> bool:
