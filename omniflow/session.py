@@ -151,17 +151,33 @@ class Session:
         """
         open_srcs = set(self.upstream)
         while open_srcs:
-            src, fields = await self._on_home(self._next_raw(open_srcs))
+            # what is already here is taken without a coroutine (the common case under load)
+            ready = None if self._remote() else self._next_ready()
+            src, fields = ready if ready is not None else await self._on_home(self._next_raw(open_srcs))
             if fields.get(b"eos"):
                 open_srcs.discard(src)
                 continue
             seq = self._seq_of(src, fields)
             if seq <= self._last_in.get(src, 0):
                 continue   # replayed or duplicated: consumers are idempotent on (stage, seq)
-            chunk = await self._decode(src, seq, fields)
+            chunk = self._decode_inline(src, seq, fields) or await self._decode(src, seq, fields)
             self._last_in[src] = chunk.seq
             self._note_read(src, chunk.seq, fields)
             yield chunk
+
+    def _next_ready(self) -> tuple[str, dict[bytes, bytes]] | None:
+        """The next raw chunk if one is here already (catch-up or queue), else None; worker's loop."""
+        if self._catchup_pos < len(self._catchup):
+            src, fields = self._catchup[self._catchup_pos]
+            self._catchup_pos += 1
+        elif not self._queue.empty():
+            src, fields = self._queue.get_nowait()
+        else:
+            return None
+        if self.waiting_input and not fields.get(b"eos"):
+            self.waiting_input, self._status = False, "running"
+            self._schedule()
+        return src, fields
 
     async def _next_raw(self, open_srcs: set[str]) -> tuple[str, dict[bytes, bytes]]:
         """The next raw chunk (catch-up first, then the inbox queue); runs on the worker's loop."""
@@ -194,6 +210,17 @@ class Session:
         try:
             return int(fields[b"seq"])
         except (KeyError, ValueError, TypeError) as exc:
+            raise NonRetryableError(f"stage {self.stage}: malformed chunk from {src}: {exc!r}") from exc
+
+    def _decode_inline(self, src: str, seq: int, fields: dict[bytes, bytes]) -> Chunk | None:
+        """The chunk, when its payload is inline (no reference to resolve); else None."""
+        inline = fields.get(b"d")
+        a = fields.get(b"a")
+        if inline is None or a is None:
+            return None
+        try:
+            return Chunk(src=src, seq=seq, attempt=int(a), data=codec.loads(inline))
+        except (ValueError, TypeError) as exc:
             raise NonRetryableError(f"stage {self.stage}: malformed chunk from {src}: {exc!r}") from exc
 
     async def _decode(self, src: str, seq: int, fields: dict[bytes, bytes]) -> Chunk:
@@ -337,7 +364,7 @@ class Session:
         """The chunk fields of one payload: inline (`d`), or a reference (`r`) to shared memory written
         now or to a Redis key the step stores (op 'B', before the 'E' op that references it)."""
         plane = self._plane
-        if plane is None:
+        if plane is None or (nbytes is not None and nbytes <= plane.inline_upto):
             return ["seq", seq, "a", self.attempt, "d", codec.dumps(payload)]
         kind = plane.choose(payload, consumer_domain=self._domains.get(dst, ("", 0.0))[0] or None, nbytes=nbytes)
         if kind is TransportKind.INLINE:

@@ -625,7 +625,7 @@ class Worker:
                     resume_seq=int(seq or 0), _batcher=self.batcher_for(wf_id), _keys=self.keys,
                     upstream=upstream, required=required, _queue=queue, _catchup=catchup,
                     _input_timeout_s=pool.spec.retry.input_timeout_s, waiting_input=bool(upstream),
-                    checkpoint=checkpoint, _home=loop,
+                    checkpoint=checkpoint, _home=loop if pool.compute is not None else None,
                     _plane=self.plane, _domain_of=self._domain_of, _chunk_dsts=pool.chunk_dsts,
                     _bp=self.backpressure,
                 )

@@ -13,13 +13,14 @@ the same domain may hand it segments, anything else goes through Redis.
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
 
-from omniflow.config import ChecksumMode, Settings
+from omniflow.config import ChecksumMode, DataPlaneMode, Settings
 from omniflow.dataplane import codec
 from omniflow.dataplane.base import PutContext, Ref, TransportKind, UndecodablePayload, WrongHost
 from omniflow.dataplane.inline import InlineTransport
@@ -56,6 +57,9 @@ class DataPlane:
                                 domain=shm_domain(directory, settings.host_id)) if shm_available(directory) else None
         self.domain = self.shm.domain if self.shm else ""
         self.ttl_s = settings.dataplane_ttl_s()
+        # payloads of at most this many bytes go inline without asking `choose` (the common case)
+        self.inline_upto = {DataPlaneMode.AUTO: settings.dataplane_inline_max_bytes,
+                            DataPlaneMode.INLINE: sys.maxsize}.get(settings.dataplane_mode, -1)
 
     def context(self, wf_id: str, src: str, dst: str, attempt: int, seq: int) -> PutContext:
         return PutContext(self.settings.prefix, wf_id, src, dst, attempt, seq, self.worker_id, self.ttl_s)
