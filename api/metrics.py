@@ -108,6 +108,8 @@ DATAPLANE_COUNTERS = (
     ("payloads_released", "omniflow_dataplane_payloads_released",
      "Chunk payloads (Redis keys, shared-memory segments) released by their consumers"),
     ("segments_swept", "omniflow_dataplane_segments_swept", "Shared-memory segments freed by the host sweep"),
+    ("regenerated", "omniflow_dataplane_regenerated",
+     "Producer stages run again because a consumer could not read their chunks (another host's shared memory)"),
 )
 
 

@@ -45,7 +45,7 @@ import numpy as np
 
 from omniflow import codec
 from omniflow.dataplane.backpressure import EdgeWindow, WaitStats, wait_for_room
-from omniflow.dataplane.base import Ref, TransportKind
+from omniflow.dataplane.base import InputLost, PayloadMissing, Ref, TransportKind, WrongHost
 from omniflow.dataplane.codec import payload_nbytes
 from omniflow.errors import Fenced, NonRetryableError, RedisUnavailable
 from omniflow.scripts import EmitResult, evalsha_args
@@ -225,7 +225,8 @@ class Session:
 
     async def _decode(self, src: str, seq: int, fields: dict[bytes, bytes]) -> Chunk:
         """The chunk with its payload: inline (`d`), or resolved from its reference (`r`); a reference
-        that cannot be honoured fails the session with a `DataPlaneError` saying why."""
+        that cannot be honoured fails the session with a `DataPlaneError` saying why (`InputLost` for
+        a payload that is gone or on another host: the worker has its producer run again)."""
         try:
             attempt = int(fields[b"a"])
             inline = fields.get(b"d")
@@ -235,10 +236,14 @@ class Session:
         except (KeyError, ValueError, TypeError) as exc:
             raise NonRetryableError(f"stage {self.stage}: malformed chunk from {src}: {exc!r}") from exc
         plane = self._plane
-        if ref.kind is TransportKind.SHM and plane.shm is not None:
-            data = plane.shm.get_sync(ref, wf_id=self.wf_id)       # a mapping: cheap on any thread
-        else:
-            data = await self._on_home(plane.get(ref, wf_id=self.wf_id))
+        try:
+            if ref.kind is TransportKind.SHM and plane.shm is not None:
+                data = plane.shm.get_sync(ref, wf_id=self.wf_id)       # a mapping: cheap on any thread
+            else:
+                data = await self._on_home(plane.get(ref, wf_id=self.wf_id))
+        except (PayloadMissing, WrongHost) as exc:
+            raise InputLost(f"stage {self.stage}: chunk {seq} from {src} cannot be read here: {exc}",
+                            src=src, seq=seq) from exc
         self.held.append(ref)
         return Chunk(src=src, seq=seq, attempt=attempt, data=data)
 

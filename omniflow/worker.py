@@ -45,7 +45,7 @@ from omniflow import redisio
 from omniflow.batcher import Batcher
 from omniflow.compute import ComputeThread
 from omniflow.config import Settings
-from omniflow.dataplane import DataPlane
+from omniflow.dataplane import DataPlane, InputLost
 from omniflow.dataplane.backpressure import WaitStats
 from omniflow.entries import inbox as inbox_entry
 from omniflow.entries import task as task_entry
@@ -226,7 +226,7 @@ class Worker:
         self.started = asyncio.Event()
         self.stats: dict[str, float] = {"claimed": 0, "dropped": 0, "done": 0, "failed": 0, "fenced": 0,
                                         "dead_letters": 0, "backpressure_waits": 0, "backpressure_wait_s": 0.0,
-                                        "payloads_released": 0, "segments_swept": 0}
+                                        "payloads_released": 0, "segments_swept": 0, "regenerated": 0}
         self.backpressure = WaitStats()
         self._replica_domains: dict[str, str] = {}     # replica id -> its shared-memory domain
         self._background: set[asyncio.Task[Any]] = set()
@@ -824,21 +824,34 @@ class Worker:
                     return              # our lease goes to 0 at shutdown: the reconciler re-queues it
                 await backoff.wait(logger, f"session {wf_id}/{stage}: could not report it lost", exc)
 
-    async def _restart(self, session: Session) -> None:
+    async def _restart(self, session: Session, *, lost: InputLost | None = None) -> str:
         """This executor cannot resume: its output, and everything downstream of it, starts over
-        (`restart.lua` re-queues the downstream sessions and logs a `restart` event)."""
-        below = self.pipeline.descendants(session.stage, session.required)
-        edges = [f"{s}:{e.dst}" for s in (session.stage, *below) for e in self.pipeline.outputs[s]
+        (`restart.lua` re-queues the downstream sessions and logs a `restart` event).
+
+        With `lost` ("regenerate"): this session cannot read what stage `lost.src` wrote (the
+        chunks were in the shared memory of a host it cannot map, or are gone), so that stage runs
+        again, and everything downstream of it, this session included (fenced by its attempt: the
+        new attempt reads the new output). Returns the script's answer: 'ok', 'fenced' or, for a
+        producer that has used its attempts, 'exhausted'."""
+        stage = lost.src if lost is not None else session.stage
+        below = self.pipeline.descendants(stage, session.required)
+        requeued = below if lost is None else [stage, *below]
+        edges = [f"{s}:{e.dst}" for s in (stage, *below) for e in self.pipeline.outputs[s]
                  if e.dst in session.required]
         wf, cell = self.keys.wf(session.wf_id), self.keys.cell_of(session.wf_id)
         keys = [wf, f"{wf}:stages", f"{wf}:log", *(f"{wf}:edge:{edge}" for edge in edges),
-                *(f"{wf}:out:{st}" for st in (session.stage, *below)), *(self.keys.tasks(st, cell) for st in below)]
-        reply = await self.batcher_for(session.wf_id).script(
-            "restart", keys,
-            [self.settings.prefix, session.stage, session.attempt, now_ms(), ",".join(below), ",".join(edges)])
-        if s(reply) == "fenced":
+                *(f"{wf}:out:{st}" for st in (stage, *below)), *(self.keys.tasks(st, cell) for st in requeued)]
+        args: list[Any] = [self.settings.prefix, stage, "" if lost else session.attempt, now_ms(), ",".join(below),
+                           ",".join(edges)]
+        if lost is not None:
+            args += [session.stage, session.attempt, self.pipeline.stages[stage].retry.max_attempts,
+                     str(lost)[:MAX_DETAIL_CHARS]]
+        reply = s(await self.batcher_for(session.wf_id).script("restart", keys, args))
+        if reply == "fenced" or (lost is not None and reply == "ok"):
             session.fenced = True
-        session.resume_seq = 0
+        if lost is None:
+            session.resume_seq = 0
+        return reply
 
     async def _execute(self, pool: StagePool, session: Session) -> tuple[str, str, bool]:
         """Run the executor; map how it ended to (outcome, detail, retryable)."""
@@ -850,6 +863,8 @@ class Worker:
             return "done", usage_json(usage, session), True
         except Fenced:
             return "failed", "fenced", False
+        except InputLost as exc:
+            return await self._regenerate(session, exc)
         except TimeoutError:
             return "failed", f"attempt timed out after {retry.attempt_timeout_s:g}s", True
         except StageError as exc:
@@ -863,8 +878,30 @@ class Worker:
             logger.exception("executor %s failed on %s", session.stage, session.wf_id)
             return "failed", f"{type(exc).__name__}: {exc}"[:MAX_DETAIL_CHARS], True
 
-    # ------------------------------------------------------------ abort
     # ------------------------------------------------------------ data plane
+    async def _regenerate(self, session: Session, lost: InputLost) -> tuple[str, str, bool]:
+        """This session cannot read a chunk of `lost.src` here: have that stage run again (see
+        `_restart`); this attempt ends fenced. A producer out of attempts fails this session with the
+        reason, retryable (a replica on the producer's host may still read it)."""
+        # The newer attempt the script queues may reach this worker before its reply does, and
+        # cancel this one: the call is shielded, and what it did is counted when it ends.
+        call = asyncio.ensure_future(self._restart(session, lost=lost))
+        self._background.add(call)
+        call.add_done_callback(functools.partial(self._regenerated, session, lost))
+        reply = await asyncio.shield(call)
+        if reply == "ok":
+            return "failed", f"{lost}; {lost.src} runs again"[:MAX_DETAIL_CHARS], True
+        if reply == "exhausted":
+            return "failed", f"{lost}; {lost.src} has used its attempts"[:MAX_DETAIL_CHARS], True
+        return "failed", "fenced", False
+
+    def _regenerated(self, session: Session, lost: InputLost, call: asyncio.Future[str]) -> None:
+        self._background.discard(call)
+        if not call.cancelled() and call.exception() is None and call.result() == "ok":
+            self.stats["regenerated"] += 1
+            logger.warning("session %s/%s: %s; %s runs again", session.wf_id, session.stage, lost, lost.src)
+
+
     async def _domain_of(self, wf_id: str, dst: str) -> str:
         """The shared-memory domain of the replica the consuming session `dst` of `wf_id` is bound to
         ('' while it is not claimed, or when that replica publishes none)."""

@@ -109,8 +109,10 @@ class Engine:
         self.reconcilers: list[Reconciler] = []
         self._tasks: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
 
-    async def add_worker(self, stage: str, *, grace_s: float = 10.0, **kwargs: Any) -> Worker:
-        worker = Worker(settings=self.settings, pipeline=self.pipeline, stage=stage, redis_url=self.url, **kwargs)
+    async def add_worker(self, stage: str, *, grace_s: float = 10.0, settings: Settings | None = None,
+                         **kwargs: Any) -> Worker:
+        worker = Worker(settings=settings or self.settings, pipeline=self.pipeline, stage=stage, redis_url=self.url,
+                        **kwargs)
         await self._spawn(lambda stop: worker.run(stop, grace_s=grace_s), worker.started)
         self.workers.setdefault(stage, []).append(worker)
         return worker

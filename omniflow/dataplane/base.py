@@ -11,6 +11,8 @@ Errors (all `StageError`s: they fail the consuming session, which is retried per
     DataPlaneError             a chunk's payload cannot be delivered
     ├── PayloadMissing         the key or segment is gone (released, expired, swept); retryable
     ├── WrongHost              the segment is in another host's shared memory; retryable
+    ├── InputLost              either of the two above, met by a consuming session: its producer
+    │                          stage is run again (`restart.lua`, regenerate) instead
     └── BadReference           the reference or what it points at is not ours or not sound
         ├── ForeignReference   outside our namespace (path, prefix, workflow)
         ├── SizeMismatch       the segment or key is not the size the reference says
@@ -40,6 +42,16 @@ class PayloadMissing(DataPlaneError):
 
 class WrongHost(DataPlaneError):
     """The segment lives in another host's shared memory (a replica there may read it)."""
+
+
+class InputLost(DataPlaneError):
+    """A consuming session cannot read its producer's chunk `seq` from stage `src` here (the payload
+    is gone, or in the shared memory of a host this one cannot map: the producer's host died, or
+    this retry landed elsewhere). Retrying the consumer cannot help; running `src` again can."""
+
+    def __init__(self, message: str, *, src: str, seq: int) -> None:
+        super().__init__(message)
+        self.src, self.seq = src, seq
 
 
 class BadReference(DataPlaneError):

@@ -223,6 +223,72 @@ async def test_a_consumer_killed_mid_read_resumes_from_the_edge_log(engine_facto
         assert not segments(eng.settings.prefix)
 
 
+@pytest.mark.slow
+async def test_a_consumer_retried_on_another_host_has_its_producer_run_again(engine_factory, tmp_path: Path) -> None:
+    """The producer's chunks sit in its host's shared memory; the consumer reading them is SIGKILLed
+    and its retry lands on another host, which cannot map them (as when that host died with them).
+    Retrying the consumer there could never read them: the producer runs again instead (its new
+    chunks go through Redis keys, the consumer being elsewhere), and the workflow completes exactly."""
+    spec = pipeline(chunks=10, nbytes=256 * KIB, producer_delay_s=0.15, consumer_delay_s=0.3)
+    async with engine_factory(spec, workers=False) as eng:
+        await eng.add_worker("src")
+        proc = spawn_worker(eng, tmp_path, "dst", spec)
+        try:
+            # the consumer is up before the submit: the producer learns its host at once (shared memory)
+            await eventually(lambda: _live_workers(eng, 2), timeout_s=30)
+            sub = await eng.store.submit(request("x"))
+            await eventually(lambda: _at_least(eng, sub.id, "src:seq", 10), timeout_s=30)
+            await eventually(lambda: _reading(eng, sub.id), timeout_s=30)
+            assert segments(eng.settings.prefix)            # the chunks, in this host's shared memory
+        finally:
+            kill(proc)
+        other = await eng.add_worker("dst", settings=eng.settings.model_copy(update={"host_id": "other-host"}))
+        doc = await eng.store.wait(sub.id, timeout_s=60)
+        assert doc["state"] == "completed", doc["error"]
+        assert doc["outputs"]["dst"]["text"] == expected_digest(10, 256 * KIB)     # each chunk once, in order
+        assert doc["stages"]["src"]["attempt"] == 2                                  # run again, once
+        assert other.stats["regenerated"] == 1
+        log = [fields for _, fields in await eng.redis.xrange(eng.store.keys.log(sub.id))]
+        restarts = [f for f in log if f.get(b"t") == b"restart"]
+        assert len(restarts) == 1 and restarts[0][b"stage"] == b"src" and restarts[0][b"by"] == b"dst"
+        assert any(f.get(b"t") == b"retry" and f.get(b"stage") == b"src" and b"cannot be read" in f.get(b"reason", b"")
+                   for f in log)
+        # the unread first chunks: nobody will release them; the producer's periodic sweep takes its
+        # arena slots back (the workflow has ended)
+        await worker_of(eng, "src").plane.sweep()
+        assert not segments(eng.settings.prefix)
+
+
+@pytest.mark.slow
+async def test_a_producer_out_of_attempts_is_not_run_again(engine_factory, tmp_path: Path) -> None:
+    """The same, with a producer allowed one attempt: it is not run again; the consumer fails with the
+    reason (never a hang), after its own retries."""
+    spec = pipeline(chunks=10, nbytes=256 * KIB, producer_delay_s=0.15, consumer_delay_s=0.3)
+    spec["stages"]["src"]["retry"] = {**spec["stages"]["src"]["retry"], "max_attempts": 1}
+    async with engine_factory(spec, workers=False) as eng:
+        await eng.add_worker("src")
+        proc = spawn_worker(eng, tmp_path, "dst", spec)
+        try:
+            await eventually(lambda: _live_workers(eng, 2), timeout_s=30)
+            sub = await eng.store.submit(request("x"))
+            await eventually(lambda: _at_least(eng, sub.id, "src:seq", 10), timeout_s=30)
+            await eventually(lambda: _reading(eng, sub.id), timeout_s=30)
+            assert segments(eng.settings.prefix)
+        finally:
+            kill(proc)
+        other = await eng.add_worker("dst", settings=eng.settings.model_copy(update={"host_id": "other-host"}))
+        doc = await eng.store.wait(sub.id, timeout_s=60)
+        assert doc["state"] == "failed" and doc["error_stage"] == "dst", doc
+        assert "cannot be read here" in doc["error"] and "src has used its attempts" in doc["error"], doc["error"]
+        assert doc["stages"]["src"]["attempt"] == 1 and other.stats["regenerated"] == 0
+        await worker_of(eng, "src").plane.sweep()
+        assert not segments(eng.settings.prefix)
+
+
+async def _live_workers(eng: Any, n: int) -> bool:
+    return bool(await eng.redis.zcard(eng.store.keys.workers) >= n)
+
+
 async def _reading(eng: Any, wf_id: str) -> bool:
     """The consumer has its first chunk (its session went from waiting_input to running)."""
     return s(await eng.redis.hget(eng.store.keys.stages(wf_id), "dst") or b"") == "running"
