@@ -88,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     print("  (SmolLM2-135M thinker, Piper talker + code2wav on this CPU; the first start builds the "
           "model cache, ~30 s)", flush=True)
     t0 = time.monotonic()
+    # up's own banner would land in the middle of the streamed answer: its stdout goes (errors still show)
     up = subprocess.Popen([sys.executable, "-m", "omniflow.cli", "up", "--no-api", "--pipeline", str(PIPELINE)],
-                          env=env)
+                          env=env, stdout=subprocess.DEVNULL)
     try:
         wait_ready(env, up, stages=3)
         print(f"ready in {time.monotonic() - t0:.1f}s", flush=True)

@@ -247,6 +247,12 @@ class Worker:
             for pool in self.pools.values():
                 pool.start_compute()
                 await pool.call(pool.executor.setup())
+            # Live (counted by /readyz, `stats`, the demo's readiness) only once its models are loaded:
+            # the first heartbeat follows the executors' setup. Until then it holds nothing to lease.
+            try:
+                await self._heartbeat_once()
+            except RedisError as exc:       # the heartbeat loop tries again within an interval
+                logger.warning("worker %s: first heartbeat failed: %s", self.id, exc)
             groups = read_groups(self.redis, self.keys.cells)
             self._intake_loops = len(groups)
             loops: list[tuple[str, Callable[[], Coroutine[Any, Any, None]]]] = [
@@ -299,7 +305,6 @@ class Worker:
         for pool in self.pools.values():
             for key in pool.tasks_keys.values():
                 await ensure_group(self.redis, key, TASK_GROUP)
-        await self._heartbeat_once()
 
     async def _shutdown(self, background: list[asyncio.Task[Any]], grace_s: float) -> None:
         self._stopping = True
