@@ -494,16 +494,19 @@ class Store:
                 for eid, f in await self.redis.xrange(self.keys.out(wf_id, stage), min=start)]
 
     @translated
-    async def live_workers(self) -> dict[str, int]:
+    async def live_workers(self, *, claiming: bool = False) -> dict[str, int]:
         """Live workers per stage of the pipeline: members of `<p>:workers` whose lease (score, ms) is
-        in the future. A worker serving several stages (`--stage a,b`, `up --colocate`) counts for each."""
+        in the future. A worker serving several stages (`--stage a,b`, `up --colocate`) counts for each.
+        `claiming`: only those that take new work (not drained: readiness)."""
         ids = await self.redis.zrangebyscore(self.keys.workers, f"({now_ms()}", "+inf")
         counts = dict.fromkeys(self.pipeline.order, 0)
         if ids:
             pipe = self.redis.pipeline(transaction=False)
             for worker_id in ids:
-                pipe.hget(self.keys.worker_info(s(worker_id)), "stage")
-            for served in await pipe.execute():
+                pipe.hmget(self.keys.worker_info(s(worker_id)), "stage", "drain")
+            for served, drain in await pipe.execute():
+                if claiming and drain:
+                    continue
                 for name in csv(served):
                     if name in counts:
                         counts[name] += 1

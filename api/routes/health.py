@@ -21,12 +21,12 @@ async def healthz() -> Health:
 
 @router.get("/readyz", response_model=Readiness,
             responses={503: {"model": Readiness, "description": "Redis unreachable or a stage has no live worker"}},
-            summary="Redis is reachable and every stage has a live worker")
+            summary="Redis is reachable and every stage has a live worker that is not drained")
 async def readyz(state: StateDep) -> Any:
     stages = state.pipeline.order
     try:
         await state.store.ping()
-        counts = await state.store.live_workers()
+        counts = await state.store.live_workers(claiming=True)      # a drained worker takes no new work
     except RedisError as exc:
         body = Readiness(status="unready", redis=False, stages=dict.fromkeys(stages, 0), missing=list(stages),
                          message=f"Redis unreachable: {exc}")

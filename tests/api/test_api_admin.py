@@ -72,8 +72,11 @@ async def test_drain_stops_claiming_and_undrain_resumes(api_factory):
         assert doc["stages"]["thinker"]["status"] == "pending"          # nobody claimed it
         pools = (await http.get("/v1/admin/pools")).json()
         assert pools["stages"]["thinker"]["draining_workers"] == 1 and pools["stages"]["thinker"]["lag"] == 1
+        ready = await http.get("/readyz")       # its only worker drained: nothing takes new thinker work
+        assert ready.status_code == 503 and ready.json()["missing"] == ["thinker"], ready.json()
         r = await http.post(f"/v1/admin/workers/{thinker.id}/undrain")
         assert r.status_code == 200 and r.json()["draining"] is False
+        assert (await http.get("/readyz")).status_code == 200
         assert (await http.get(f"/v1/workflows/{wf}", params={"wait": 10})).json()["state"] == "completed"
         r = await http.post("/v1/admin/workers/no-such-worker/drain")
         assert r.status_code == 422 and "no live worker" in r.json()["error"]["message"]
