@@ -166,7 +166,8 @@ class Session:
             yield chunk
 
     def _next_ready(self) -> tuple[str, dict[bytes, bytes]] | None:
-        """The next raw chunk if one is here already (catch-up or queue), else None; worker's loop."""
+        """The next raw chunk if one is here already (catch-up first, then the inbox queue), else
+        None; runs on the worker's loop."""
         if self._catchup_pos < len(self._catchup):
             src, fields = self._catchup[self._catchup_pos]
             self._catchup_pos += 1
@@ -174,37 +175,34 @@ class Session:
             src, fields = self._queue.get_nowait()
         else:
             return None
+        return self._took(src, fields)
+
+    def _took(self, src: str, fields: dict[bytes, bytes]) -> tuple[str, dict[bytes, bytes]]:
         if self.waiting_input and not fields.get(b"eos"):
             self.waiting_input, self._status = False, "running"
             self._schedule()
         return src, fields
 
     async def _next_raw(self, open_srcs: set[str]) -> tuple[str, dict[bytes, bytes]]:
-        """The next raw chunk (catch-up first, then the inbox queue); runs on the worker's loop."""
-        if self._catchup_pos < len(self._catchup):
-            src, fields = self._catchup[self._catchup_pos]
-            self._catchup_pos += 1
-        elif self._queue.empty():
-            # the worker's watchdog cancels this wait if it outlasts the input timeout
-            self.waiting_since = time.monotonic()
-            self._waiter = asyncio.current_task()
-            try:
-                src, fields = await self._queue.get()
-            except asyncio.CancelledError:
-                if self.input_timed_out:
-                    raise NonRetryableError(
-                        f"stage {self.stage}: no input from {sorted(open_srcs)} within {self._input_timeout_s:g}s"
-                    ) from None
-                raise
-            finally:
-                self.waiting_since = 0.0
-                self._waiter = None
-        else:
-            src, fields = self._queue.get_nowait()
-        if self.waiting_input and not fields.get(b"eos"):
-            self.waiting_input, self._status = False, "running"
-            self._schedule()
-        return src, fields
+        """The next raw chunk, waiting for it if none is here yet; runs on the worker's loop."""
+        ready = self._next_ready()
+        if ready is not None:
+            return ready
+        # the worker's watchdog cancels this wait if it outlasts the input timeout
+        self.waiting_since = time.monotonic()
+        self._waiter = asyncio.current_task()
+        try:
+            src, fields = await self._queue.get()
+        except asyncio.CancelledError:
+            if self.input_timed_out:
+                raise NonRetryableError(
+                    f"stage {self.stage}: no input from {sorted(open_srcs)} within {self._input_timeout_s:g}s"
+                ) from None
+            raise
+        finally:
+            self.waiting_since = 0.0
+            self._waiter = None
+        return self._took(src, fields)
 
     def _seq_of(self, src: str, fields: dict[bytes, bytes]) -> int:
         try:

@@ -906,7 +906,6 @@ class Worker:
             self.stats["regenerated"] += 1
             logger.warning("session %s/%s: %s; %s runs again", session.wf_id, session.stage, lost, lost.src)
 
-
     async def _domain_of(self, wf_id: str, dst: str) -> str:
         """The shared-memory domain of the replica the consuming session `dst` of `wf_id` is bound to
         ('' while it is not claimed, or when that replica publishes none)."""
