@@ -223,32 +223,41 @@ async def test_a_consumer_killed_mid_read_resumes_from_the_edge_log(engine_facto
         assert not segments(eng.settings.prefix)
 
 
+async def _reader_on_this_host_killed(eng: Any, tmp_path: Path, spec: dict[str, Any]) -> tuple[str, Any]:
+    """The producer (a worker here) streams its chunks into this host's shared memory for a consumer
+    process on this host, SIGKILLed part-way through reading them; its retry can only land on a
+    worker of another host (added here, returned with the workflow id)."""
+    await eng.add_worker("src")
+    proc = spawn_worker(eng, tmp_path, "dst", spec)
+    try:
+        # the consumer is up before the submit: the producer learns its host at once (shared memory)
+        await eventually(lambda: _live_workers(eng, 2), timeout_s=30)
+        sub = await eng.store.submit(request("x"))
+        chunks = spec["stages"]["src"]["params"]["chunks"]
+        await eventually(lambda: _at_least(eng, sub.id, "src:seq", chunks), timeout_s=30)
+        await eventually(lambda: _reading(eng, sub.id), timeout_s=30)
+        assert segments(eng.settings.prefix)            # the chunks, in this host's shared memory
+    finally:
+        kill(proc)
+    other = await eng.add_worker("dst", settings=eng.settings.model_copy(update={"host_id": "other-host"}))
+    return sub.id, other
+
+
 @pytest.mark.slow
 async def test_a_consumer_retried_on_another_host_has_its_producer_run_again(engine_factory, tmp_path: Path) -> None:
-    """The producer's chunks sit in its host's shared memory; the consumer reading them is SIGKILLed
-    and its retry lands on another host, which cannot map them (as when that host died with them).
-    Retrying the consumer there could never read them: the producer runs again instead (its new
-    chunks go through Redis keys, the consumer being elsewhere), and the workflow completes exactly."""
+    """The consumer's retry lands on another host, which cannot map the chunks (as when their host
+    died with them). Retrying the consumer there could never read them: the producer runs again
+    instead (its new chunks go through Redis keys, the consumer being elsewhere), and the workflow
+    completes exactly."""
     spec = pipeline(chunks=10, nbytes=256 * KIB, producer_delay_s=0.15, consumer_delay_s=0.3)
     async with engine_factory(spec, workers=False) as eng:
-        await eng.add_worker("src")
-        proc = spawn_worker(eng, tmp_path, "dst", spec)
-        try:
-            # the consumer is up before the submit: the producer learns its host at once (shared memory)
-            await eventually(lambda: _live_workers(eng, 2), timeout_s=30)
-            sub = await eng.store.submit(request("x"))
-            await eventually(lambda: _at_least(eng, sub.id, "src:seq", 10), timeout_s=30)
-            await eventually(lambda: _reading(eng, sub.id), timeout_s=30)
-            assert segments(eng.settings.prefix)            # the chunks, in this host's shared memory
-        finally:
-            kill(proc)
-        other = await eng.add_worker("dst", settings=eng.settings.model_copy(update={"host_id": "other-host"}))
-        doc = await eng.store.wait(sub.id, timeout_s=60)
+        wf_id, other = await _reader_on_this_host_killed(eng, tmp_path, spec)
+        doc = await eng.store.wait(wf_id, timeout_s=60)
         assert doc["state"] == "completed", doc["error"]
         assert doc["outputs"]["dst"]["text"] == expected_digest(10, 256 * KIB)     # each chunk once, in order
         assert doc["stages"]["src"]["attempt"] == 2                                  # run again, once
         assert other.stats["regenerated"] == 1
-        log = [fields for _, fields in await eng.redis.xrange(eng.store.keys.log(sub.id))]
+        log = [fields for _, fields in await eng.redis.xrange(eng.store.keys.log(wf_id))]
         restarts = [f for f in log if f.get(b"t") == b"restart"]
         assert len(restarts) == 1 and restarts[0][b"stage"] == b"src" and restarts[0][b"by"] == b"dst"
         assert any(f.get(b"t") == b"retry" and f.get(b"stage") == b"src" and b"cannot be read" in f.get(b"reason", b"")
@@ -266,18 +275,8 @@ async def test_a_producer_out_of_attempts_is_not_run_again(engine_factory, tmp_p
     spec = pipeline(chunks=10, nbytes=256 * KIB, producer_delay_s=0.15, consumer_delay_s=0.3)
     spec["stages"]["src"]["retry"] = {**spec["stages"]["src"]["retry"], "max_attempts": 1}
     async with engine_factory(spec, workers=False) as eng:
-        await eng.add_worker("src")
-        proc = spawn_worker(eng, tmp_path, "dst", spec)
-        try:
-            await eventually(lambda: _live_workers(eng, 2), timeout_s=30)
-            sub = await eng.store.submit(request("x"))
-            await eventually(lambda: _at_least(eng, sub.id, "src:seq", 10), timeout_s=30)
-            await eventually(lambda: _reading(eng, sub.id), timeout_s=30)
-            assert segments(eng.settings.prefix)
-        finally:
-            kill(proc)
-        other = await eng.add_worker("dst", settings=eng.settings.model_copy(update={"host_id": "other-host"}))
-        doc = await eng.store.wait(sub.id, timeout_s=60)
+        wf_id, other = await _reader_on_this_host_killed(eng, tmp_path, spec)
+        doc = await eng.store.wait(wf_id, timeout_s=60)
         assert doc["state"] == "failed" and doc["error_stage"] == "dst", doc
         assert "cannot be read here" in doc["error"] and "src has used its attempts" in doc["error"], doc["error"]
         assert doc["stages"]["src"]["attempt"] == 1 and other.stats["regenerated"] == 0
