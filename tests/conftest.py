@@ -16,6 +16,7 @@ import yaml
 from redis.asyncio import Redis
 
 from omniflow.config import DEFAULT_PIPELINE, Settings
+from omniflow.dataplane import DataPlane
 from omniflow.dataplane.shm import DEFAULT_SHM_DIR, name_part, parse_arena, parse_name
 from omniflow.embedded import EmbeddedServer, redis_server_binaries
 from omniflow.pipeline import Pipeline, build_pipeline
@@ -96,6 +97,30 @@ def shm_prefix() -> str:
     prefix = f"t{uuid.uuid4().hex[:10]}"
     SESSION_PREFIXES.add(prefix)
     return prefix
+
+
+@pytest.fixture
+async def plane_of(valkey_url: str, shm_prefix: str) -> AsyncIterator[Callable[..., DataPlane]]:
+    """`plane_of(worker_id, **settings)`: a data plane of this test's prefix on the session's Valkey;
+    at the end every payload it holds is released and every key of the prefix deleted."""
+    made: list[DataPlane] = []
+    redis = connect(valkey_url)
+
+    def make(worker_id: str, **settings: Any) -> DataPlane:
+        dp = DataPlane(redis, Settings(redis_url=valkey_url, prefix=shm_prefix, **settings), worker_id=worker_id)
+        made.append(dp)
+        return dp
+
+    try:
+        yield make
+        for dp in made:
+            assert dp.shm is not None
+            dp.shm.release_all()
+        keys = [k async for k in redis.scan_iter(match=f"{shm_prefix}:*")]
+        if keys:
+            await redis.delete(*keys)
+    finally:
+        await redis.aclose()
 
 
 class Engine:

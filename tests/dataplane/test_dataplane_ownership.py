@@ -8,31 +8,21 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
-from omniflow.config import Settings
 from omniflow.dataplane import DataPlane, Ref, TransportKind
 from omniflow.dataplane.codec import FrameInfo
 from omniflow.dataplane.shm import DEFAULT_SHM_DIR, Found, Segment, SweepReason, shm_available, sweep_verdict
-from omniflow.store import connect
 
 pytestmark = pytest.mark.skipif(not shm_available(DEFAULT_SHM_DIR), reason="no /dev/shm on this host")
 
 
 @pytest.fixture
-async def plane(valkey_url: str, shm_prefix: str) -> AsyncIterator[DataPlane]:
-    redis = connect(valkey_url)
-    dp = DataPlane(redis, Settings(redis_url=valkey_url, prefix=shm_prefix), worker_id="w-live")
-    yield dp
-    assert dp.shm is not None
-    dp.shm.release_all()
-    keys = [k async for k in redis.scan_iter(match=f"{shm_prefix}:*")]
-    if keys:
-        await redis.delete(*keys)
-    await redis.aclose()
+def plane(plane_of: Callable[..., DataPlane]) -> DataPlane:
+    return plane_of("w-live")
 
 
 def ours(plane: DataPlane) -> set[str]:

@@ -6,7 +6,7 @@ import mmap
 import os
 import resource
 import tracemalloc
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,28 +32,14 @@ TENSOR_DTYPES = ["float32", "float16", "bfloat16", "int64"]
 
 
 @pytest.fixture
-async def plane(valkey_url: str, shm_prefix: str) -> AsyncIterator[DataPlane]:
-    redis = connect(valkey_url)
-    dp = DataPlane(redis, Settings(redis_url=valkey_url, prefix=shm_prefix), worker_id="thinker-host-1-abc")
-    yield dp
-    assert dp.shm is not None
-    dp.shm.release_all()
-    keys = [k async for k in redis.scan_iter(match=f"{shm_prefix}:*")]
-    if keys:
-        await redis.delete(*keys)
-    await redis.aclose()
+def plane(plane_of: Callable[..., DataPlane]) -> DataPlane:
+    return plane_of("thinker-host-1-abc")
 
 
 @pytest.fixture
-async def plain(valkey_url: str, shm_prefix: str) -> AsyncIterator[DataPlane]:
+def plain(plane_of: Callable[..., DataPlane]) -> DataPlane:
     """A data plane without arenas: every shared-memory payload gets a segment of its own."""
-    redis = connect(valkey_url)
-    dp = DataPlane(redis, Settings(redis_url=valkey_url, prefix=shm_prefix, dataplane_shm_pool_bytes=0),
-                   worker_id="thinker-host-1-abc")
-    yield dp
-    assert dp.shm is not None
-    dp.shm.release_all()
-    await redis.aclose()
+    return plane_of("thinker-host-1-abc", dataplane_shm_pool_bytes=0)
 
 
 def seg_path(ref: Ref) -> Path:
