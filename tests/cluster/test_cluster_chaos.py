@@ -20,17 +20,23 @@ from tests.chaos.test_chaos import _assert_clean, _report
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
 
+def _replicated_processes(tmp_path: Path, url: str, tag: str) -> tuple[ChaosConfig, Cluster]:
+    """The chaos processes (2 reconcilers) on `url`, with every transition confirmed by one replica
+    (`WAIT 1`), the submitting client's included: a submit is acknowledged once a replica has it."""
+    cfg = ChaosConfig(workflows=90, submit_rate=6.0, replicas=1, max_sessions=32, min_worker_kills=0,
+                      quiesce_timeout_s=180.0)
+    procs = Cluster(tmp_path, url, f"{tag}{uuid.uuid4().hex[:8]}", cfg)
+    procs.env.update(OMNIFLOW_WAIT_REPLICAS="1", OMNIFLOW_WAIT_TIMEOUT_MS="2000")
+    procs.settings = procs.settings.model_copy(update={"wait_replicas": 1, "wait_timeout_ms": 2000})
+    procs.start(reconcilers=2)
+    return cfg, procs
+
+
 @pytest.mark.timeout(420)
 async def test_chaos_primary_killed_and_replica_promoted(cluster_factory: Callable[..., EmbeddedCluster],
                                                           tmp_path: Path) -> None:
     valkeys = cluster_factory(appendfsync="always")
-    cfg = ChaosConfig(workflows=90, submit_rate=6.0, replicas=1, max_sessions=32, min_worker_kills=0,
-                      quiesce_timeout_s=180.0)
-    procs = Cluster(tmp_path, valkeys.url, f"x{uuid.uuid4().hex[:8]}", cfg)
-    procs.env.update(OMNIFLOW_WAIT_REPLICAS="1", OMNIFLOW_WAIT_TIMEOUT_MS="2000")
-    # the submitting client too: a submit is acknowledged once a replica has it
-    procs.settings = procs.settings.model_copy(update={"wait_replicas": 1, "wait_timeout_ms": 2000})
-    procs.start(reconcilers=2)
+    cfg, procs = _replicated_processes(tmp_path, valkeys.url, "x")
     killed_ports: list[int] = []
     try:
         run = ChaosRun(procs, valkeys.url, scenario="cluster-failover")
@@ -62,13 +68,7 @@ async def test_chaos_sentinel_failover_under_load(sentinel_factory: Callable[...
     workers, reconcilers and the client reconnect to the promoted replica. With `WAIT 1` (two
     replicas, so the promoted one still has one): nothing lost, duplicated or hung."""
     group = sentinel_factory(replicas=2, appendfsync="always")
-    cfg = ChaosConfig(workflows=90, submit_rate=6.0, replicas=1, max_sessions=32, min_worker_kills=0,
-                      quiesce_timeout_s=180.0)
-    procs = Cluster(tmp_path, group.url, f"y{uuid.uuid4().hex[:8]}", cfg)
-    procs.env.update(OMNIFLOW_WAIT_REPLICAS="1", OMNIFLOW_WAIT_TIMEOUT_MS="2000")
-    # the submitting client too: a submit is acknowledged once a replica has it
-    procs.settings = procs.settings.model_copy(update={"wait_replicas": 1, "wait_timeout_ms": 2000})
-    procs.start(reconcilers=2)
+    cfg, procs = _replicated_processes(tmp_path, group.url, "y")
     recovered_s: list[float] = []
     try:
         run = ChaosRun(procs, group.url, scenario="sentinel-failover")
