@@ -67,16 +67,23 @@ async def test_finding1_a_stage_is_never_done_over_a_lost_write(engine_factory) 
         assert doc["outputs"]["code2wav"]["chunks"] == 8
 
 
+async def _claimed_thinker(eng: Any, text: str) -> tuple[Any, bytes]:
+    """A text-only workflow whose thinker task consumer `w1` has read and claimed by hand (claim.lua,
+    attempt 1): the workflow and the task's entry id."""
+    sub = await eng.store.submit(request(text, modalities=["text"]))
+    tasks = eng.store.keys.tasks("thinker", 0)
+    await redisio.ensure_group(eng.redis, tasks, TASK_GROUP)
+    entry_id, _ = (await eng.redis.xreadgroup(TASK_GROUP, "w1", {tasks: ">"}, count=1))[0][1][0]
+    await redisio.script(eng.redis, "claim", claim_keys(eng, tasks, sub.id),
+                         [eng.settings.prefix, TASK_GROUP, "w1", now_ms(), "", "thinker", s(entry_id), sub.id, "1"])
+    return sub, entry_id
+
+
 async def test_finding1_finish_with_steps_missing_is_a_retryable_failure(engine_factory) -> None:
     """The script-level guarantee: a finish whose step count is above what is stored closes the
     session as a retryable failure ('gap'), never as done."""
     async with engine_factory(workers=False, reconciler=False) as eng:
-        sub = await eng.store.submit(request("gap", modalities=["text"]))
-        tasks = eng.store.keys.tasks("thinker", 0)
-        await redisio.ensure_group(eng.redis, tasks, TASK_GROUP)
-        entry_id, _ = (await eng.redis.xreadgroup(TASK_GROUP, "w1", {tasks: ">"}, count=1))[0][1][0]
-        await redisio.script(eng.redis, "claim", claim_keys(eng, tasks, sub.id),
-                             [eng.settings.prefix, TASK_GROUP, "w1", now_ms(), "", "thinker", s(entry_id), sub.id, "1"])
+        sub, entry_id = await _claimed_thinker(eng, "gap")
         step = msgpack.packb([[1, "T", "a", ""]], use_bin_type=False)
         fin = msgpack.packb([TASK_GROUP, s(entry_id), "done", "{}", "1", 2, ""], use_bin_type=False)
         reply = await redisio.script(eng.redis, "emit", emit_keys(eng, sub.id),
@@ -209,12 +216,7 @@ async def test_finding7_idempotency_keys_of_two_tenants_never_collide(engine_fac
 # ---------------------------------------------------------------- finding 8
 async def test_finding8_emit_with_a_malformed_step_writes_nothing(engine_factory) -> None:
     async with engine_factory(workers=False, reconciler=False) as eng:
-        sub = await eng.store.submit(request("atomic", modalities=["text"]))
-        tasks = eng.store.keys.tasks("thinker", 0)
-        await redisio.ensure_group(eng.redis, tasks, TASK_GROUP)
-        entry_id, _ = (await eng.redis.xreadgroup(TASK_GROUP, "w1", {tasks: ">"}, count=1))[0][1][0]
-        await redisio.script(eng.redis, "claim", claim_keys(eng, tasks, sub.id),
-                             [eng.settings.prefix, TASK_GROUP, "w1", now_ms(), "", "thinker", s(entry_id), sub.id, "1"])
+        sub, entry_id = await _claimed_thinker(eng, "atomic")
 
         def call(steps: list[Any]) -> Any:
             return redisio.script(eng.redis, "emit", emit_keys(eng, sub.id),
