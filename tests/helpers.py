@@ -42,6 +42,17 @@ async def eventually(check: Callable[[], Awaitable[Any]], *, timeout_s: float = 
         await asyncio.sleep(interval_s)
 
 
+def wait_until(check: Callable[[], Any], *, timeout_s: float = 40.0, interval_s: float = 0.2) -> Any:
+    """`eventually` for synchronous checks (processes, the CLI): poll until `check` is truthy."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError("condition not met in time")
+
+
 async def log_entries(store: Store, wf_id: str) -> list[dict[str, str]]:
     return [fields for _, fields in await store.read_log(wf_id)]
 

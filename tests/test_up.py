@@ -6,10 +6,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from helpers import wait_until
 
 
 def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -22,16 +22,6 @@ def live_workers(env: dict[str, str]) -> dict[str, int]:
     if res.returncode != 0:
         return {}
     return {name: st["live_workers"] for name, st in json.loads(res.stdout)["stages"].items()}
-
-
-def wait_for(check, timeout_s: float = 40.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError("condition not met in time")
 
 
 def worker_pids(up_pid: int, stage: str) -> list[int]:
@@ -47,13 +37,13 @@ def test_up_restarts_a_killed_worker_and_shuts_down_cleanly(tmp_path: Path) -> N
                 "OMNIFLOW_LEASE_TIMEOUT_S": "1.0", "OMNIFLOW_HEARTBEAT_INTERVAL_S": "0.2"})
     up = subprocess.Popen([sys.executable, "-m", "omniflow.cli", "up", "--no-api"], env=env, cwd=tmp_path)
     try:
-        wait_for(lambda: live_workers(env) == {"thinker": 1, "talker": 1, "code2wav": 1})
+        wait_until(lambda: live_workers(env) == {"thinker": 1, "talker": 1, "code2wav": 1})
         assert (tmp_path / "home" / "valkey" / "appendonlydir").is_dir()      # AOF on, data under OMNIFLOW_HOME
-        victim = wait_for(lambda: worker_pids(up.pid, "talker"))[0]
+        victim = wait_until(lambda: worker_pids(up.pid, "talker"))[0]
         os.kill(victim, signal.SIGKILL)
-        replacement = wait_for(lambda: [p for p in worker_pids(up.pid, "talker") if p != victim])
+        replacement = wait_until(lambda: [p for p in worker_pids(up.pid, "talker") if p != victim])
         assert replacement
-        wait_for(lambda: live_workers(env).get("talker") == 1)
+        wait_until(lambda: live_workers(env).get("talker") == 1)
         res = cli("submit", "after a crash", "--modalities", "text,audio", "--wait", "--json", env=env)
         assert res.returncode == 0, res.stderr
         assert json.loads(res.stdout)["state"] == "completed"

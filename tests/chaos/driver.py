@@ -187,12 +187,16 @@ class Cluster:
         except ProcessLookupError:
             pass
         if sig == signal.SIGKILL:
-            try:
-                proc.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-            self.procs.remove(proc)
-            self.dead.append(proc)
+            self._bury(proc)
+
+    def _bury(self, proc: Proc) -> None:
+        """A SIGKILLed process: reaped, and counted among the dead (not as crashed)."""
+        try:
+            proc.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.procs.remove(proc)
+        self.dead.append(proc)
 
     def kill_host(self, host: Host) -> list[Proc]:
         """SIGKILL every process of one simulated host at once (a machine that died)."""
@@ -203,17 +207,16 @@ class Cluster:
             except ProcessLookupError:
                 pass
         for proc in victims:
-            try:
-                proc.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-            self.procs.remove(proc)
-            self.dead.append(proc)
+            self._bury(proc)
         return victims
 
     def crashed(self) -> list[Proc]:
         """Processes that exited although nobody killed them (a bug, unless Redis was down)."""
         return [p for p in self.procs if p.popen.poll() is not None]
+
+    def crash_report(self) -> list[str]:
+        """`crashed()` as the report says it: role, pid and exit code of each."""
+        return [f"{p.role} pid {p.popen.pid} rc {p.popen.returncode}" for p in self.crashed()]
 
     def stop(self, timeout_s: float = 15.0) -> None:
         for proc in self.procs:
@@ -459,6 +462,7 @@ class ChaosRun:
                 chaos_task.cancel()
                 await asyncio.gather(chaos_task, return_exceptions=True)
             await redis.aclose()
+        self.report.crashed = self.cluster.crash_report()
         return self.report
 
     async def wait_quiet(self, redis: Redis) -> None:

@@ -258,7 +258,7 @@ class FaultRun:
     # ------------------------------------------------------------ checks
     async def verify(self, admin: Redis, baseline: dict[str, int]) -> None:
         rep = self.report
-        rep.crashed = [f"{p.role} pid {p.popen.pid} rc {p.popen.returncode}" for p in self.cluster.crashed()]
+        rep.crashed = self.cluster.crash_report()
         if rep.crashed:
             rep.problems.append(f"processes exited: {rep.crashed}")
         for proc in self.cluster.procs:

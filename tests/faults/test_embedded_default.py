@@ -9,15 +9,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 import helpers
-from helpers import omniflow
+from helpers import omniflow, wait_until
 from omniflow.keys import Keys
 from omniflow.embedded import PID_FILE, EmbeddedServer, free_port
 
@@ -41,16 +39,6 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
-
-
-def wait_for(check: Callable[[], Any], timeout_s: float = 40.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError("condition not met in time")
 
 
 @pytest.mark.parametrize(("name", "value"), [("OMNIFLOW_MAX_IN_FLIGHT", "abc"), ("OMNIFLOW_REDIS_URL", "notaurl")])
@@ -171,7 +159,7 @@ def test_up_one_per_home_supervises_valkey_and_takes_it_down_when_killed(up_home
     first = start_up(env, "--no-api", cwd=tmp_path)
     children: list[int] = []
     try:
-        wait_for(lambda: cli(env, "stats").returncode == 0)
+        wait_until(lambda: cli(env, "stats").returncode == 0)
         # a second `up` on the same home is refused, naming the first
         second = start_up(env, "--no-api", cwd=tmp_path)
         _, err = second.communicate(timeout=60)
@@ -182,8 +170,8 @@ def test_up_one_per_home_supervises_valkey_and_takes_it_down_when_killed(up_home
         old = valkey_pid(home)
         assert old
         os.kill(old, signal.SIGKILL)
-        wait_for(lambda: (valkey_pid(home) or old) != old and alive(valkey_pid(home) or 0))
-        assert wait_for(lambda: submit_completes(env), timeout_s=60)
+        wait_until(lambda: (valkey_pid(home) or old) != old and alive(valkey_pid(home) or 0))
+        assert wait_until(lambda: submit_completes(env), timeout_s=60)
         children = [int(p) for p in subprocess.run(["pgrep", "-P", str(first.pid)], text=True,
                                                    capture_output=True).stdout.split()]
         server = valkey_pid(home)
@@ -191,7 +179,7 @@ def test_up_one_per_home_supervises_valkey_and_takes_it_down_when_killed(up_home
         # `up` killed hard: its Valkey and its children do not outlive it
         first.kill()
         first.wait(10)
-        wait_for(lambda: not alive(server) and not any(alive(p) for p in children), timeout_s=30)
+        wait_until(lambda: not alive(server) and not any(alive(p) for p in children), timeout_s=30)
     finally:
         if first.poll() is None:
             first.send_signal(signal.SIGINT)
@@ -209,7 +197,7 @@ def test_up_stops_an_orphaned_valkey_left_on_its_home(up_home, tmp_path) -> None
     orphan_pid = orphan.process.pid
     up = start_up(env, "--no-api", cwd=tmp_path)
     try:
-        wait_for(lambda: cli(env, "stats").returncode == 0)
+        wait_until(lambda: cli(env, "stats").returncode == 0)
         orphan.process.wait(30)                      # stopped by `up` (SIGTERM: AOF flushed)
         assert valkey_pid(home) not in (None, orphan_pid)
     finally:
