@@ -36,7 +36,7 @@ $(MODELS): $(STAMP)
 models: $(MODELS)
 
 demo: $(MODELS)
-	$(PY) -m omniflow.demo "$(Q)"
+	$(PY) -m omniflow.ops.demo "$(Q)"
 
 # The multi-host test puts each simulated host in a network namespace when `ip` (iproute2) is there
 # and we are root; without it that test still runs, with process groups only.

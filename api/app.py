@@ -19,7 +19,7 @@ from omniflow.api.routes import admin, health, openai, ui, workflows
 from omniflow.config import Settings
 from omniflow.errors import ConfigError
 from omniflow.pipeline import Pipeline
-from omniflow.store import Store, connect
+from omniflow.client.store import Store, connect
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from omniflow.api.hub import LogHub
 from omniflow.api.limits import RateLimiter
 from omniflow.api.metrics import StageLatency
 from omniflow.config import Settings
-from omniflow.fleet import collect_stats
+from omniflow.ops.fleet import collect_stats
 from omniflow.pipeline import Pipeline
-from omniflow.store import Store
+from omniflow.client.store import Store
 
 DEFAULT_TENANT = "default"
 ADMIN_TENANT = "admin"
@@ -55,7 +55,7 @@ class Principal:
 
 
 class PoolsCache:
-    """The pools snapshot (`omniflow.fleet.collect_stats`), read at most once per `max_age_s` however
+    """The pools snapshot (`omniflow.ops.fleet.collect_stats`), read at most once per `max_age_s` however
     many dashboards and SSE streams of this API process watch it."""
 
     def __init__(self, max_age_s: float = POOLS_MAX_AGE_S) -> None:

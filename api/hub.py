@@ -15,9 +15,9 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 
-from omniflow.mux import Entry, StreamMux
-from omniflow.store import LOG_ENTRY_LIMIT, Store, decode_fields, s
-from omniflow.topology import read_groups
+from omniflow.storage.mux import Entry, StreamMux
+from omniflow.client.store import LOG_ENTRY_LIMIT, Store, decode_fields, s
+from omniflow.storage.topology import read_groups
 
 Event = tuple[str, dict[str, str]]
 IDLE: Event = ("", {})

@@ -1,7 +1,8 @@
 """Prometheus metrics, read from Redis at scrape time.
 
 Gauges (queue lag/pending, DLQ sizes, in-flight, live workers) are read fresh
-on every scrape (`omniflow.fleet`: the same reads as the pools snapshot). Stage latencies come from workflow records: each scrape
+on every scrape (`omniflow.ops.fleet`: the same reads as the pools snapshot). Stage latencies come
+from workflow records: each scrape
 looks at the workflows created since the last one (and those it saw still
 running), and observes, for each one that has become terminal, every stage's
 queue wait (`t_start - t_submit`), run time (`t_end - t_start`) and time to
@@ -17,10 +18,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from omniflow import fleet
-from omniflow.keys import DLQ_EVENTS
+from omniflow.ops import fleet
+from omniflow.storage.keys import DLQ_EVENTS
 from omniflow.models import TERMINAL_STATES, WorkflowState
-from omniflow.store import Store
+from omniflow.client.store import Store
 
 if TYPE_CHECKING:
     from omniflow.api.deps import ApiState
@@ -115,7 +116,7 @@ DATAPLANE_COUNTERS = (
 
 async def render(state: ApiState) -> bytes:
     """The exposition: this process's histograms and the gauges read now (every read goes through
-    `omniflow.fleet` or the store: Redis away or refusing is a 503, like every route)."""
+    `omniflow.ops.fleet` or the store: Redis away or refusing is a 503, like every route)."""
     store, stages = state.store, state.pipeline.order
     await state.latency.scan(store)
     queues = await fleet.read_queues(store)

@@ -33,10 +33,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from omniflow.config import DEFAULT_PIPELINE, Settings
-from omniflow.embedded import EmbeddedServer, free_port
+from omniflow.ops.embedded import EmbeddedServer, free_port
 from omniflow.pipeline import load_pipeline
-from omniflow.reconciler import Reconciler
-from omniflow.worker import Worker
+from omniflow.engine.reconciler import Reconciler
+from omniflow.engine.worker import Worker
 
 
 def percentile(values: list[float], q: float) -> float:

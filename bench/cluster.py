@@ -36,10 +36,10 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import BenchError, bench_env, check_alive, percentile, running  # noqa: E402
 from bench.omniflow_bench import pipeline_yaml  # noqa: E402
-from omniflow.embedded import EmbeddedServer  # noqa: E402
-from omniflow.embedded_ha import EmbeddedCluster, wait_for  # noqa: E402
-from omniflow.keys import Keys  # noqa: E402
-from omniflow.topology import open_sync_client  # noqa: E402
+from omniflow.ops.embedded import EmbeddedServer  # noqa: E402
+from omniflow.ops.embedded_ha import EmbeddedCluster, wait_for  # noqa: E402
+from omniflow.storage.keys import Keys  # noqa: E402
+from omniflow.storage.topology import open_sync_client  # noqa: E402
 
 STAGES = ("thinker", "talker", "code2wav")
 
@@ -98,10 +98,10 @@ def command_counts(nodes: list[tuple[str, int]]) -> dict[str, int]:
 
 async def submit_and_finish(engine: Engine, n: int, *, concurrency: int = 256) -> dict[str, Any]:
     """Submit n workflows (group-committed), wait for all of them: wf/s, p50/p99 ms."""
-    from omniflow.batcher import Batcher
+    from omniflow.storage.batcher import Batcher
     from omniflow.models import SubmitRequest, WorkflowInput
     from omniflow.pipeline import load_pipeline
-    from omniflow.store import Store, connect
+    from omniflow.client.store import Store, connect
 
     redis = connect(engine.url)
     store = Store(redis, engine.settings(), load_pipeline(engine.yaml), batcher=Batcher(redis))
@@ -135,7 +135,7 @@ async def one_at_a_time(engine: Engine, n: int) -> dict[str, Any]:
     """Latency with nothing else going on: submit, wait for the terminal, next (p50/p99 ms)."""
     from omniflow.models import SubmitRequest, WorkflowInput
     from omniflow.pipeline import load_pipeline
-    from omniflow.store import Store, connect
+    from omniflow.client.store import Store, connect
 
     redis = connect(engine.url)
     store = Store(redis, engine.settings(), load_pipeline(engine.yaml))
@@ -184,7 +184,7 @@ async def failover_run(cluster: EmbeddedCluster, *, wait_replicas: int, rate: fl
     from omniflow.errors import OmniflowError
     from omniflow.models import SubmitRequest, WorkflowInput
     from omniflow.pipeline import load_pipeline
-    from omniflow.store import Store, connect
+    from omniflow.client.store import Store, connect
 
     engine = Engine(cluster.url, wait_replicas=wait_replicas)
     accepted: list[str] = []

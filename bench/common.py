@@ -214,7 +214,7 @@ atexit.register(_cleanup_all)
 @contextlib.contextmanager
 def start_server(appendonly: bool = False, appendfsync: str = "everysec") -> Iterator[Any]:
     """A fresh private Valkey (never the system Redis); `.url`. Removed afterwards."""
-    from omniflow.embedded import EmbeddedServer
+    from omniflow.ops.embedded import EmbeddedServer
 
     tmp = Path(tempfile.mkdtemp(prefix="omniflow-bench-"))
     server = EmbeddedServer(data_dir=tmp, appendonly=appendonly, appendfsync=appendfsync)

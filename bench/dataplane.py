@@ -135,7 +135,7 @@ async def _valkey_cpu_s(redis: Any) -> float:
 async def producer(url: str, prefix: str, transport: str, quick: bool, out: str) -> None:
     from omniflow.config import DataPlaneMode, Settings
     from omniflow.dataplane import DataPlane, TransportKind, ref_field
-    from omniflow.store import connect
+    from omniflow.client.store import connect
 
     redis = connect(url)
     acks = connect(url)          # its own connection: a blocking read must not hold up the writes
@@ -219,7 +219,7 @@ async def producer(url: str, prefix: str, transport: str, quick: bool, out: str)
 async def consumer(url: str, prefix: str, transport: str, quick: bool, out: str) -> None:
     from omniflow.config import Settings
     from omniflow.dataplane import DataPlane, Ref, TransportKind
-    from omniflow.store import connect
+    from omniflow.client.store import connect
 
     redis = connect(url)
     plane = DataPlane(redis, Settings(redis_url=url, prefix=prefix), worker_id="bench-consumer")
@@ -470,7 +470,7 @@ def engine_chunk_latency(url: str, size: int, workflows: int, chunks: int, *, mo
     import yaml
 
     from bench.common import redis_client, running
-    from omniflow.keys import Keys
+    from omniflow.storage.keys import Keys
 
     prefix = f"de{uuid.uuid4().hex[:6]}"
     tmp = Path(tempfile.mkdtemp(prefix="omniflow-dp-"))
@@ -517,7 +517,7 @@ def engine_chunk_latency(url: str, size: int, workflows: int, chunks: int, *, mo
                     if i:
                         lat += json.loads(doc["outputs"]["dst"]["text"])
         if trace:
-            from omniflow.scripts import SCRIPTS
+            from omniflow.storage.scripts import SCRIPTS
 
             sha = SCRIPTS["emit"].sha.encode()
             for entry in r.slowlog_get(100_000):
@@ -686,7 +686,7 @@ async def memory_per_mib(url: str, chunks: int = 16) -> dict[str, dict[str, floa
     """Redis memory and AOF bytes per MiB of payload, per transport, for 1 MiB chunks in flight."""
     from omniflow.config import Settings
     from omniflow.dataplane import DataPlane, TransportKind, ref_field
-    from omniflow.store import connect
+    from omniflow.client.store import connect
 
     redis = connect(url)
     out: dict[str, dict[str, float]] = {}

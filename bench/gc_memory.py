@@ -17,12 +17,12 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from conftest import Engine, toy_spec  # noqa: E402
 
-from omniflow.batcher import Batcher  # noqa: E402
+from omniflow.storage.batcher import Batcher  # noqa: E402
 from omniflow.config import Settings  # noqa: E402
-from omniflow.embedded import EmbeddedServer  # noqa: E402
+from omniflow.ops.embedded import EmbeddedServer  # noqa: E402
 from omniflow.models import SubmitRequest, WorkflowInput  # noqa: E402
 from omniflow.pipeline import build_pipeline  # noqa: E402
-from omniflow.store import Store  # noqa: E402
+from omniflow.client.store import Store  # noqa: E402
 
 N = 2000
 

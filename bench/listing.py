@@ -24,7 +24,7 @@ from bench.common import start_server
 
 
 async def fill(store, n: int) -> list[str]:
-    from omniflow.batcher import Batcher
+    from omniflow.storage.batcher import Batcher
     from omniflow.models import SubmitRequest, WorkflowInput
 
     batched = type(store)(store.redis, store.settings, store.pipeline, batcher=Batcher(store.redis))
@@ -48,9 +48,9 @@ def _failed():
 
 async def main(n: int, repeats: int) -> None:
     from omniflow.config import Settings
-    from omniflow.listing import ListFilter
+    from omniflow.storage.listing import ListFilter
     from omniflow.pipeline import load_pipeline
-    from omniflow.store import Store, connect
+    from omniflow.client.store import Store, connect
 
     with start_server() as server:
         settings = Settings(redis_url=server.url, prefix="lb", max_in_flight=10 ** 7, max_deadline_s=10 ** 6,

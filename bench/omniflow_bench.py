@@ -29,7 +29,7 @@ from bench.common import (
     BenchError, Result, bench_env, check_alive, command_calls, command_delta, redis_client, running, summarize,
     timeout_for,
 )
-from omniflow.keys import Keys
+from omniflow.storage.keys import Keys
 from omniflow.workers.base import Executor, Session
 
 MAX_SESSIONS = 512
@@ -130,11 +130,11 @@ class _Engine:
 
 async def _submit_all(url: str, prefix: str, yaml_path: Path, n: int, concurrency: int,
                       submit_mode: str = "single") -> list[str]:
-    from omniflow.batcher import Batcher
+    from omniflow.storage.batcher import Batcher
     from omniflow.config import Settings
     from omniflow.models import SubmitRequest, WorkflowInput
     from omniflow.pipeline import load_pipeline
-    from omniflow.store import Store, connect
+    from omniflow.client.store import Store, connect
 
     settings = Settings(redis_url=url, prefix=prefix, max_in_flight=1_000_000)
     if submit_mode == "single":
@@ -272,7 +272,7 @@ async def _latency(url: str, prefix: str, yaml_path: Path, n: int) -> list[tuple
     from omniflow.config import Settings
     from omniflow.models import SubmitRequest, WorkflowInput
     from omniflow.pipeline import load_pipeline
-    from omniflow.store import Store, connect
+    from omniflow.client.store import Store, connect
 
     redis = connect(url)
     store = Store(redis, Settings(redis_url=url, prefix=prefix), load_pipeline(yaml_path))

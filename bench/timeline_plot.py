@@ -22,7 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from omniflow.config import Settings  # noqa: E402
-from omniflow.embedded import EmbeddedServer  # noqa: E402
+from omniflow.ops.embedded import EmbeddedServer  # noqa: E402
 from omniflow.models import SubmitRequest, WorkflowInput  # noqa: E402
 from omniflow.pipeline import build_pipeline  # noqa: E402
 

@@ -46,7 +46,7 @@ def traffic(env: dict[str, str], stop: threading.Event) -> None:
 
 
 def stats_watch() -> None:
-    from omniflow.embedded import free_port
+    from omniflow.ops.embedded import free_port
 
     home = Path(tempfile.mkdtemp(prefix="omniflow-shots-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMNIFLOW_")}

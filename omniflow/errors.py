@@ -21,7 +21,7 @@
         ├── Fenced             this session's attempt was superseded or the workflow ended
         └── DataPlaneError     a chunk's payload cannot be delivered (tree in `omniflow.dataplane.base`)
 
-redis-py errors are translated at one boundary (`omniflow.redisio`) with
+redis-py errors are translated at one boundary (`omniflow.storage.redisio`) with
 `raise ... from exc`; every loop has one rule per class: retry `RedisUnavailable`
 with backoff, dead-letter `MalformedEntry` (and the entry behind a `ScriptError`),
 never exit, never acknowledge what was not applied.
@@ -46,7 +46,7 @@ class RedisNotFound(ConfigError):
 
 
 class RedisError(OmniflowError):
-    """Redis did not do what was asked (translated from redis-py in `omniflow.redisio`)."""
+    """Redis did not do what was asked (translated from redis-py in `omniflow.storage.redisio`)."""
 
 
 class RedisUnavailable(RedisError):

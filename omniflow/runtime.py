@@ -13,8 +13,8 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from omniflow.errors import ConfigError, RedisUnavailable
-from omniflow.keys import Keys
-from omniflow.redisio import boundary
+from omniflow.storage.keys import Keys
+from omniflow.storage.redisio import boundary
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@
         usage = await run_executor(Upper(stage="upper", params={}), session)
         assert session.text_out == "HI!" and usage == {"tokens": 1}
 
-`FakeSession` has the members of `omniflow.session.Session` an executor uses
+`FakeSession` has the members of `omniflow.engine.session.Session` an executor uses
 (`input`, `text`, `params`, `attempt`, `resume_seq`, `checkpoint`,
 `fast_forward()`, `inputs()`, `emit()`, `flush()`, `is_final`, `downstream`).
 Payloads go through the same msgpack codec as in production, so a tensor that
@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from omniflow import codec
+from omniflow.dataplane import codec
 from omniflow.errors import Fenced, NonRetryableError
-from omniflow.session import Chunk
+from omniflow.engine.session import Chunk
 
 if TYPE_CHECKING:
     from omniflow.workers.base import Executor

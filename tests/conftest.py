@@ -18,11 +18,11 @@ from redis.asyncio import Redis
 from omniflow.config import DEFAULT_PIPELINE, Settings
 from omniflow.dataplane import DataPlane
 from omniflow.dataplane.shm import DEFAULT_SHM_DIR, name_part, parse_arena, parse_name
-from omniflow.embedded import EmbeddedServer, redis_server_binaries
+from omniflow.ops.embedded import EmbeddedServer, redis_server_binaries
 from omniflow.pipeline import Pipeline, build_pipeline
-from omniflow.reconciler import Reconciler
-from omniflow.store import Store, connect
-from omniflow.worker import Worker
+from omniflow.engine.reconciler import Reconciler
+from omniflow.client.store import Store, connect
+from omniflow.engine.worker import Worker
 
 SERVERS = redis_server_binaries()
 # Key prefixes this test session used (`settings_factory`, `shm_prefix`): none of their shared-memory

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from omniflow.models import SubmitRequest, WorkflowInput
-from omniflow.store import Store, s
+from omniflow.client.store import Store, s
 from omniflow.workers.toy import reply_words
 
 

@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from omniflow.jobs import JobsRunner
+from omniflow.jobs.runner import JobsRunner
 
 SECRET = "whsec_" + base64.b64encode(b"omniflow-test-secret-0123456789!").decode()
 FAST = {"webhook_secret": SECRET, "webhook_allow_hosts": "127.0.0.1", "webhook_backoff_s": 0.05,

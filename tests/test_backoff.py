@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 
-from omniflow.reconciler import backoff_ms
+from omniflow.engine.reconciler import backoff_ms
 
 
 def test_backoff_grows_exponentially_and_is_capped() -> None:

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from omniflow.batch import batch_status, parse_batch_file, submit_batch, wait_batch
+from omniflow.jobs.batch import batch_status, parse_batch_file, submit_batch, wait_batch
 from omniflow.cli import app
 from omniflow.config import Settings
 from omniflow.errors import InvalidRequest
-from omniflow.jobqueue import create_job_pool
+from omniflow.jobs.queue import create_job_pool
 from omniflow.pipeline import build_pipeline
 
 from conftest import toy_spec
@@ -117,7 +117,7 @@ async def test_batch_resumes_in_a_new_runner_after_a_stop(engine_factory, tmp_pa
 # ---------------------------------------------------------------- the CLI, as a subprocess
 async def cli(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
     registered = any(group.name == "batch" for group in app.registered_groups)
-    argv = ["-m", "omniflow.cli", "batch"] if registered else ["-m", "omniflow.cli_batch"]
+    argv = ["-m", "omniflow.cli", "batch"] if registered else ["-m", "omniflow.cli.batch"]
     return await run_cli(*argv, *args, env=env)
 
 

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 from redis.crc import key_slot as redis_key_slot
 
-from omniflow.cells import (
+from omniflow.storage.cells import (
     CLUSTER_SLOTS,
     cell_for_key,
     cell_limit,
@@ -16,7 +16,7 @@ from omniflow.cells import (
     new_id,
     radical_inverse,
 )
-from omniflow.embedded_ha import slot_ranges
+from omniflow.ops.embedded_ha import slot_ranges
 
 
 def test_key_slot_is_redis_key_slot() -> None:

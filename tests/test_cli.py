@@ -141,7 +141,7 @@ async def test_make_demo_script_runs_end_to_end(tmp_path) -> None:
     repo = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMNIFLOW_")}
     env["OMNIFLOW_MODELS_DIR"] = os.environ.get("OMNIFLOW_MODELS_DIR", str(repo / ".omniflow" / "models"))
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "omniflow.demo", "What is a cat?",
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "omniflow.ops.demo", "What is a cat?",
                                                 cwd=str(tmp_path), env=env,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     out, _ = await asyncio.wait_for(proc.communicate(), 540)

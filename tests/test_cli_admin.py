@@ -196,6 +196,6 @@ async def test_batch_results_jsonl_with_audio_and_an_unwrapped_stderr_report(eng
 
 
 async def _batch_done(eng, batch_id: str) -> None:
-    from omniflow.batch import wait_batch
+    from omniflow.jobs.batch import wait_batch
 
     assert (await wait_batch(eng.store, batch_id, timeout_s=20))["state"] == "failed"     # line 3 is invalid

@@ -8,7 +8,7 @@ import torch
 from conftest import toy_spec
 from helpers import request, run_to_end
 
-from omniflow import codec
+from omniflow.dataplane import codec
 from omniflow.dataplane.base import UndecodablePayload
 
 TORCH_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64]

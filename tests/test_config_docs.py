@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from omniflow.config import Settings
-from omniflow.config_docs import missing_descriptions, render
+from omniflow.ops.config_docs import missing_descriptions, render
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
-REGENERATE = "regenerate it: python -m omniflow.config_docs > docs/configuration.md"
+REGENERATE = "regenerate it: python -m omniflow.ops.config_docs > docs/configuration.md"
 
 
 def test_every_setting_has_a_description() -> None:

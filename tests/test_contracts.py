@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from omniflow.cells import cell_limit
+from omniflow.storage.cells import cell_limit
 from omniflow.errors import AdmissionRefused, InvalidRequest, WorkflowRetired
-from omniflow.keys import TASK_GROUP
-from omniflow.store import new_id
+from omniflow.storage.keys import TASK_GROUP
+from omniflow.client.store import new_id
 
 from conftest import toy_spec
 from helpers import eventually, expected_text, log_entries, request, run_to_end, stage_status, terminal_count, text_steps
@@ -62,7 +62,7 @@ async def test_completion_exactly_once_in_either_arrival_order(engine_factory, o
         reports = {stage: (f"0-{i + 1}", {**sent, b"s": stage.encode(), b"d": b'{"stage": "%s"}' % stage.encode()})
                    for i, stage in enumerate(order)}
         await eng.redis.hset(wf_key, "finished", "")        # as if no report had been applied yet
-        from omniflow.reconciler import Reconciler
+        from omniflow.engine.reconciler import Reconciler
         rec = Reconciler(settings=eng.settings, pipeline=eng.pipeline, redis_url=eng.url)
         rec.redis, rec.keys = eng.redis, eng.store.keys
         results = [(await rec.apply([reports[stage]], cell))[0] for stage in order]

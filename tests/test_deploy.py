@@ -19,10 +19,10 @@ from redis import Redis
 
 from omniflow.cli import app
 from omniflow.config import Settings
-from omniflow.embedded import EmbeddedServer, free_port, valkey_binary
-from omniflow.embedded_ha import SentinelServer, wait_for
-from omniflow.k8s import render
-from omniflow.keys import TASK_GROUP, Keys
+from omniflow.ops.embedded import EmbeddedServer, free_port, valkey_binary
+from omniflow.ops.embedded_ha import SentinelServer, wait_for
+from omniflow.ops.k8s import render
+from omniflow.storage.keys import TASK_GROUP, Keys
 from omniflow.pipeline import load_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,7 +145,7 @@ def test_worker_manifests_are_generated_from_the_pipeline(path: str, part: str, 
     shipped = (K8S / path).read_text()
     fresh = render(Path("deploy/pipelines/omni-toy.yaml"), prefix=configmap()["OMNIFLOW_PREFIX"], part=part,
                    cluster_cells=cells)
-    assert shipped == fresh, (f"deploy/k8s/{path} is out of date: python -m omniflow.k8s {part}"
+    assert shipped == fresh, (f"deploy/k8s/{path} is out of date: python -m omniflow.ops.k8s {part}"
                               f"{f' --cluster-cells {cells}' if cells else ''} > deploy/k8s/{path}")
 
 

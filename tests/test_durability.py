@@ -5,10 +5,10 @@ import asyncio
 
 import pytest
 
-from omniflow.embedded import EmbeddedServer
+from omniflow.ops.embedded import EmbeddedServer
 from omniflow.errors import ConfigError
-from omniflow.reconciler import Reconciler
-from omniflow.worker import Worker
+from omniflow.engine.reconciler import Reconciler
+from omniflow.engine.worker import Worker
 
 from conftest import toy_spec
 from helpers import eventually, request

@@ -5,7 +5,7 @@ import asyncio
 
 import httpx
 
-from omniflow.health import HealthServer, with_health
+from omniflow.engine.health import HealthServer, with_health
 
 
 async def test_health_server_answers_probes_over_http() -> None:

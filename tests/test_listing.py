@@ -5,9 +5,9 @@ import asyncio
 
 from helpers import eventually, request
 
-from omniflow import listing
-from omniflow.listing import ListFilter
-from omniflow.store import s
+from omniflow.storage import listing
+from omniflow.storage.listing import ListFilter
+from omniflow.client.store import s
 
 
 async def _index(eng, state: str) -> set[str]:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from omniflow import scripts
-from omniflow.keys import TASK_GROUP
+from omniflow.storage import scripts
+from omniflow.storage.keys import TASK_GROUP
 from omniflow.pipeline import build_pipeline
-from omniflow.reconciler import Reconciler
-from omniflow.store import Store, connect, now_ms, s
-from omniflow.worker import ensure_group
+from omniflow.engine.reconciler import Reconciler
+from omniflow.client.store import Store, connect, now_ms, s
+from omniflow.engine.worker import ensure_group
 
 from conftest import toy_spec
 from helpers import request

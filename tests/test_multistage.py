@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from omniflow.fleet import collect_stats
+from omniflow.ops.fleet import collect_stats
 from omniflow.errors import PipelineError
 from omniflow.pipeline import build_pipeline
-from omniflow.worker import parse_stages
+from omniflow.engine.worker import parse_stages
 
 from conftest import toy_spec
 from helpers import cli_env, eventually, expected_text, log_entries, omniflow, request, text_steps

@@ -16,10 +16,10 @@ from redis.exceptions import (
     TimeoutError,
 )
 
-from omniflow import redisio
-from omniflow.batcher import Batcher
+from omniflow.storage import redisio
+from omniflow.storage.batcher import Batcher
 from omniflow.errors import AdmissionRefused, ConfigError, RedisRefused, RedisUnavailable, ScriptError
-from omniflow.store import Store
+from omniflow.client.store import Store
 
 from helpers import request
 

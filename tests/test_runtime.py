@@ -11,8 +11,8 @@ from conftest import toy_spec
 from helpers import eventually, request, run_to_end
 from workers_fixtures import BlockingThinker, CountingLM
 
-from omniflow.compute import ComputeThread
-from omniflow.reconciler import Reconciler
+from omniflow.engine.compute import ComputeThread
+from omniflow.engine.reconciler import Reconciler
 
 LEASE_S = 1.0
 

@@ -1,4 +1,4 @@
-"""Continuous batching (`omniflow.stepping`) and the fake session, without Redis."""
+"""Continuous batching (`omniflow.engine.stepping`) and the fake session, without Redis."""
 from __future__ import annotations
 
 import asyncio

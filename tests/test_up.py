@@ -58,7 +58,7 @@ def test_up_restarts_a_killed_worker_and_shuts_down_cleanly(tmp_path: Path) -> N
 def test_up_colocate_runs_one_worker_process_per_replica_serving_every_stage(tmp_path: Path) -> None:
     from omniflow.config import Settings
     from omniflow.pipeline import build_pipeline
-    from omniflow.up import Supervisor
+    from omniflow.ops.up import Supervisor
 
     from conftest import toy_spec
 

@@ -9,11 +9,11 @@ import pytest
 from standardwebhooks import Webhook
 
 from omniflow.config import Settings
-from omniflow.egress import EgressPolicy, EgressRefused, check_url, forbidden_reason
+from omniflow.jobs.egress import EgressPolicy, EgressRefused, check_url, forbidden_reason
 from omniflow.errors import InvalidRequest
-from omniflow.keys import NOTIFY_GROUP, Keys
-from omniflow.store import s
-from omniflow.webhooks import backoff_s, webhook_id
+from omniflow.storage.keys import NOTIFY_GROUP, Keys
+from omniflow.client.store import s
+from omniflow.jobs.webhooks import backoff_s, webhook_id
 
 from conftest import toy_spec
 from helpers import eventually, request

@@ -1,7 +1,7 @@
 """The per-stage window a worker publishes with its heartbeat (pure logic)."""
 from __future__ import annotations
 
-from omniflow.window import BUCKETS_S, StageWindow, merge, percentile
+from omniflow.engine.window import BUCKETS_S, StageWindow, merge, percentile
 
 
 class Clock:

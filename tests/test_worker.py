@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import asyncio
 
-from omniflow import worker as worker_module
-from omniflow.keys import TASK_GROUP
+from omniflow.engine import worker as worker_module
+from omniflow.storage.keys import TASK_GROUP
 
 from conftest import toy_spec
 from helpers import eventually, expected_text, log_entries, request, run_to_end

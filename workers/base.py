@@ -11,13 +11,13 @@ called once per session and runs concurrently with others up to the stage's
 is retried per the stage's retry policy.
 
 Where it runs (`runs_on`): by default `setup`, `run` and `close` run on the
-stage's own compute thread (`omniflow.compute`), in an event loop of their own,
+stage's own compute thread (`omniflow.engine.compute`), in an event loop of their own,
 so a blocking forward pass never delays the worker's heartbeat, claims or
 abort fan-out. Pure-asyncio executors that never block (the toy stages) may say
 `runs_on = "loop"` and run on the worker's loop, saving a thread hop per call.
 
 Continuous batching: subclass `BatchedExecutor` and implement `join`, `step`,
-`leave`; the runtime's `StepLoop` (`omniflow.stepping`) steps every joined
+`leave`; the runtime's `StepLoop` (`omniflow.engine.stepping`) steps every joined
 session together and emits each one's output through its own session. An
 engine that batches internally (vLLM) subclasses plain `Executor` and consumes
 its engine's async stream in `run`.
@@ -29,8 +29,8 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from omniflow.errors import NonRetryableError, StageError
-from omniflow.session import Chunk, Session
-from omniflow.stepping import StepLoop, StepOutput
+from omniflow.engine.session import Chunk, Session
+from omniflow.engine.stepping import StepLoop, StepOutput
 
 __all__ = ["BatchedExecutor", "Chunk", "Executor", "NonRetryableError", "Session", "StageError", "StepOutput"]
 

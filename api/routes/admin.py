@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query
 
-from omniflow import admin, fleet
+from omniflow.ops import admin, fleet
 from omniflow.api.deps import AdminDep, ApiState, StateDep
 from omniflow.api.schemas import AUTH_ERRORS, ErrorResponse, Pools, WorkerView
 from omniflow.api.sse import EventStreamResponse, event_schema, sse_event

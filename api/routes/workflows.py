@@ -9,8 +9,8 @@ from fastapi import APIRouter, Header, Path, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from omniflow import admin
-from omniflow.admin import since_ms
+from omniflow.ops import admin
+from omniflow.ops.admin import since_ms
 
 from omniflow.api.audio import AudioFormat, encode, media_type
 from omniflow.api.deps import ApiState, PrincipalDep, StateDep, SubmitterDep
@@ -28,9 +28,9 @@ from omniflow.api.schemas import (
     WorkflowSummary,
 )
 from omniflow.api.sse import EventStreamResponse, event_schema, sse_comment, sse_event
-from omniflow.listing import ListFilter
+from omniflow.storage.listing import ListFilter
 from omniflow.models import TERMINAL_STATES, SubmitRequest, WorkflowState
-from omniflow.timeline import gantt
+from omniflow.ops.timeline import gantt
 
 MAX_WAIT_S = 60.0
 SSE_KEEPALIVE_S = 15.0

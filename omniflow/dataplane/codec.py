@@ -4,8 +4,8 @@ Two forms of the same payload (any msgpack-able value; numpy arrays, torch tenso
 anywhere inside it):
 
 - **inline** (`dumps`/`loads`): one msgpack document, arrays as an extension type
-  (dtype, shape, bytes). A superset of `omniflow.codec`: what that module writes, `loads`
-  reads, so `omniflow.codec` can delegate here. Tensors are a second extension type.
+  (dtype, shape, bytes). A superset of `omniflow.dataplane.codec`: what that module writes, `loads`
+  reads, so `omniflow.dataplane.codec` can delegate here. Tensors are a second extension type.
 - **frame** (`encode_frame`/`decode_frame`): for payloads that live in a Redis key or a
   shared-memory segment. A fixed prelude, a small msgpack header (structure, dtypes, shapes,
   buffer offsets, owner, nonce) and the raw buffers, each 64-byte aligned, so the consumer
@@ -33,7 +33,7 @@ import numpy as np
 from omniflow.dataplane import tensors
 from omniflow.dataplane.base import ChecksumMismatch, ForeignReference, SizeMismatch, UndecodablePayload
 
-_NDARRAY = 1              # inline ndarray: packb((dtype.str, shape, raw)) -- omniflow.codec's format
+_NDARRAY = 1              # inline ndarray: packb((dtype.str, shape, raw)) -- omniflow.dataplane.codec's format
 _TENSOR = 2               # inline tensor: packb((torch dtype name, shape, raw))
 _F_NDARRAY = 10           # frame ndarray: packb((dtype.str, shape, buffer index))
 _F_TENSOR = 11            # frame tensor: packb((torch dtype name, shape, buffer index))
@@ -103,7 +103,7 @@ def dumps(obj: Any) -> bytes:
 
 
 def loads(data: bytes) -> Any:
-    """Inverse of `dumps` (and of `omniflow.codec.dumps`); refuses arrays that could hold objects."""
+    """Inverse of `dumps` (and of `omniflow.dataplane.codec.dumps`); refuses arrays that could hold objects."""
     try:
         return msgpack.unpackb(data, ext_hook=_inline_hook, raw=False, strict_map_key=False)
     except UndecodablePayload:

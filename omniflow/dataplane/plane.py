@@ -27,8 +27,8 @@ from omniflow.dataplane.inline import InlineTransport
 from omniflow.dataplane.policy import choose_transport
 from omniflow.dataplane.rediskey import Command, RedisTransport
 from omniflow.dataplane.shm import shm_domain, ShmTransport, SweepReason, name_part, shm_available
-from omniflow.keys import Keys
-from omniflow.redisio import translated
+from omniflow.storage.keys import Keys
+from omniflow.storage.redisio import translated
 
 LIVE_STATES = frozenset({b"pending", b"running"})
 INLINE_FIELD = "d"

@@ -1,7 +1,7 @@
 """Redis-key transport: the payload in its own key with a TTL, the entry holds a reference.
 
 For medium payloads and every cross-host case. The key carries the workflow's cell hash tag
-(`<cell>:wf:<id>:blob:<src>:<dst>:<attempt>:<seq>`, see `omniflow.keys`) and is listed in
+(`<cell>:wf:<id>:blob:<src>:<dst>:<attempt>:<seq>`, see `omniflow.storage.keys`) and is listed in
 the workflow's `<cell>:wf:<id>:blobs` set, so the workflow's terminal releases it; its TTL is
 at least the longest workflow deadline, so a retry can replay it while the workflow lives.
 
@@ -19,8 +19,8 @@ from redis.asyncio import Redis
 
 from omniflow.dataplane import codec
 from omniflow.dataplane.base import ForeignReference, PayloadMissing, PutContext, Ref, Transport, TransportKind
-from omniflow.keys import Keys
-from omniflow.redisio import boundary
+from omniflow.storage.keys import Keys
+from omniflow.storage.redisio import boundary
 
 Command = tuple[Any, ...]
 

@@ -13,7 +13,7 @@ import pytest
 import uvicorn
 
 from omniflow.api.app import create_app
-from omniflow.embedded import free_port
+from omniflow.ops.embedded import free_port
 Engine = Any  # tests/conftest.py:Engine (not importable: tests/ is not a package)
 
 ADMIN_KEY = "admin-secret"

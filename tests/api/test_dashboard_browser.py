@@ -147,6 +147,6 @@ async def test_dashboard_in_a_real_browser(api_factory, tmp_path):
 
 
 async def _talkers(engine, n: int) -> bool:
-    from omniflow.fleet import list_workers
+    from omniflow.ops.fleet import list_workers
 
     return sum(1 for w in await list_workers(engine.store) if w["alive"] and "talker" in w["stages"]) == n

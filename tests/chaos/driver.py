@@ -30,12 +30,12 @@ from redis.asyncio import Redis
 
 from omniflow.config import Settings
 from omniflow.dataplane.shm import DEFAULT_SHM_DIR, name_part, parse_arena, parse_name
-from omniflow.embedded import EmbeddedServer
+from omniflow.ops.embedded import EmbeddedServer
 from omniflow.errors import OmniflowError, RedisUnavailable
-from omniflow.keys import EVENT_GROUP, TASK_GROUP, Keys
+from omniflow.storage.keys import EVENT_GROUP, TASK_GROUP, Keys
 from omniflow.models import SubmitRequest, WorkflowInput
 from omniflow.pipeline import load_pipeline
-from omniflow.store import Store, connect, s
+from omniflow.client.store import Store, connect, s
 from omniflow.workers.toy import codes_for, hidden_state, reply_words, tone
 from tests.chaos.hosts import Host
 
@@ -90,8 +90,8 @@ class ChaosConfig:
 
 def keys_for(settings: Settings, url: str) -> Keys:
     """The keys of the deployment at `url`: its cells as every process there counts them."""
-    from omniflow.cells import DEFAULT_CLUSTER_CELLS
-    from omniflow.topology import ServerKind, server_kind
+    from omniflow.storage.cells import DEFAULT_CLUSTER_CELLS
+    from omniflow.storage.topology import ServerKind, server_kind
 
     cluster = server_kind(url) is ServerKind.CLUSTER
     return Keys(settings.prefix, settings.cells or (DEFAULT_CLUSTER_CELLS if cluster else 1))

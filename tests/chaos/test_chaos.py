@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from omniflow.embedded import EmbeddedServer
+from omniflow.ops.embedded import EmbeddedServer
 from tests.chaos.driver import ChaosConfig, ChaosRun, Cluster, Report, api_available, dump
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
@@ -118,7 +118,7 @@ async def test_chaos_kill_redis(server: EmbeddedServer, tmp_path: Path) -> None:
 
 
 def _free_port() -> int:
-    from omniflow.embedded import free_port
+    from omniflow.ops.embedded import free_port
 
     return free_port()
 

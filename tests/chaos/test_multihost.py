@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from redis import Redis
 
-from omniflow.embedded import EmbeddedServer
-from omniflow.store import connect, s
+from omniflow.ops.embedded import EmbeddedServer
+from omniflow.client.store import connect, s
 from tests.chaos.driver import ChaosConfig, ChaosRun, Cluster
 from tests.chaos.hosts import IP, Host, NetLab
 from tests.chaos.test_chaos import _assert_clean, _report
@@ -234,7 +234,7 @@ async def _sample_transports(url: str, run: ChaosRun, seen: dict[tuple[str, str,
     (they are deleted at each workflow's terminal), by (workflow, producer stage, consumer stage);
     until `until()` is true and a few seconds more."""
     from omniflow.dataplane.base import Ref
-    from omniflow.worker import decode_chunks
+    from omniflow.engine.worker import decode_chunks
 
     redis = connect(url)
     stop_at = None

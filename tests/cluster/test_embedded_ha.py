@@ -11,7 +11,7 @@ from redis import Redis
 from redis.cluster import RedisCluster
 from redis.sentinel import Sentinel
 
-from omniflow.embedded_ha import CLUSTER_SLOTS, EmbeddedCluster, EmbeddedSentinelGroup, slot_ranges
+from omniflow.ops.embedded_ha import CLUSTER_SLOTS, EmbeddedCluster, EmbeddedSentinelGroup, slot_ranges
 
 
 def _pid_alive(pid: int) -> bool:

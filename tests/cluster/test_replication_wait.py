@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from omniflow import redisio
-from omniflow.embedded import EmbeddedServer
-from omniflow.embedded_ha import wait_for
+from omniflow.storage import redisio
+from omniflow.ops.embedded import EmbeddedServer
+from omniflow.ops.embedded_ha import wait_for
 from omniflow.errors import RedisUnavailable
-from omniflow.scripts import evalsha_args
+from omniflow.storage.scripts import evalsha_args
 
 
 @pytest.fixture

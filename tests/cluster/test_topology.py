@@ -5,9 +5,9 @@ from collections.abc import Callable
 
 import pytest
 
-from omniflow.embedded_ha import EmbeddedCluster, EmbeddedSentinelGroup
+from omniflow.ops.embedded_ha import EmbeddedCluster, EmbeddedSentinelGroup
 from omniflow.errors import ConfigError
-from omniflow.topology import ServerKind, is_cluster, open_client, parse_sentinel_url, server_kind
+from omniflow.storage.topology import ServerKind, is_cluster, open_client, parse_sentinel_url, server_kind
 
 
 def test_parse_sentinel_urls() -> None:

@@ -7,7 +7,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from omniflow import codec as engine_codec
+from omniflow.dataplane import codec as engine_codec
 from omniflow.config import DataPlaneMode
 from omniflow.dataplane import codec
 from omniflow.dataplane.base import (

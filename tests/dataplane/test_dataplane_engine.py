@@ -19,7 +19,7 @@ from dataplane_fixtures import expected_digest, pipeline
 from omniflow.config import DataPlaneMode
 from omniflow.dataplane import DataPlane, Ref, TransportKind
 from omniflow.dataplane.shm import DEFAULT_SHM_DIR, ShmTransport, shm_available
-from omniflow.store import s
+from omniflow.client.store import s
 
 pytestmark = pytest.mark.skipif(not shm_available(DEFAULT_SHM_DIR), reason="no /dev/shm on this host")
 

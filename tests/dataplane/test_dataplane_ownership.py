@@ -151,7 +151,7 @@ PRODUCER = textwrap.dedent("""
     import numpy as np
     from omniflow.config import Settings
     from omniflow.dataplane import DataPlane, Ref, TransportKind
-    from omniflow.store import connect
+    from omniflow.client.store import connect
 
     async def main():
         url, prefix = sys.argv[1], sys.argv[2]

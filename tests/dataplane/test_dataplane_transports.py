@@ -20,7 +20,7 @@ from omniflow.dataplane import (
 )
 from omniflow.dataplane import arena as arenas
 from omniflow.dataplane.shm import CONTROL, CONTROL_BYTES, DEFAULT_SHM_DIR, shm_available
-from omniflow.store import connect
+from omniflow.client.store import connect
 
 from dataplane_forge import ext, forge_frame
 

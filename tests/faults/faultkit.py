@@ -31,12 +31,12 @@ from typing import Any
 import msgpack
 from redis.asyncio import Redis
 
-from omniflow.embedded import EmbeddedServer
+from omniflow.ops.embedded import EmbeddedServer
 from omniflow.errors import AdmissionRefused, OmniflowError
-from omniflow.keys import EVENT_GROUP, NOTIFY_GROUP, TASK_GROUP, Keys
+from omniflow.storage.keys import EVENT_GROUP, NOTIFY_GROUP, TASK_GROUP, Keys
 from omniflow.models import SubmitRequest, WorkflowInput
-from omniflow.redisio import REDIS_ERRORS, connect
-from omniflow.store import Store, s
+from omniflow.storage.redisio import REDIS_ERRORS, connect
+from omniflow.client.store import Store, s
 from tests.chaos.driver import STAGES, TERMINAL, ChaosConfig, Cluster, expected_output, prompt_for
 
 FAULTS = ("oom", "readonly", "busy", "pause", "kill-clients", "script-flush", "poison")

@@ -16,8 +16,8 @@ import pytest
 
 import helpers
 from helpers import omniflow, wait_until
-from omniflow.keys import Keys
-from omniflow.embedded import PID_FILE, EmbeddedServer, free_port
+from omniflow.storage.keys import Keys
+from omniflow.ops.embedded import PID_FILE, EmbeddedServer, free_port
 
 
 def bare_env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -93,7 +93,7 @@ async def test_daemons_wait_for_redis_with_one_line_and_serve_when_it_comes(tmp_
         await asyncio.sleep(1)
         assert all(p.returncode is None for p in procs.values())          # nobody died of it
         server = EmbeddedServer(data_dir=tmp_path / "late-valkey", port=port, appendonly=False).start()
-        from omniflow.redisio import connect
+        from omniflow.storage.redisio import connect
 
         redis = connect(server.url)
         try:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from faultkit import FAULTS, FaultRun
-from omniflow.embedded import EmbeddedServer
+from omniflow.ops.embedded import EmbeddedServer
 from tests.chaos.driver import ChaosConfig, Cluster
 
 pytestmark = [pytest.mark.slow]

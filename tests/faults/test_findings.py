@@ -13,11 +13,11 @@ import msgpack
 import pytest
 from redis.asyncio import Redis
 
-from omniflow import redisio, scripts
+from omniflow.storage import redisio, scripts
 from omniflow.errors import RedisUnavailable, ScriptError
-from omniflow.keys import EVENT_GROUP, TASK_GROUP
-from omniflow.reconciler import Reconciler, backoff_ms
-from omniflow.store import now_ms, s
+from omniflow.storage.keys import EVENT_GROUP, TASK_GROUP
+from omniflow.engine.reconciler import Reconciler, backoff_ms
+from omniflow.client.store import now_ms, s
 
 from conftest import toy_spec
 from helpers import eventually, expected_text, log_entries, request, run_to_end, text_steps
@@ -272,7 +272,7 @@ async def test_finding10_dead_letters_are_capped_and_dead_consumers_are_reaped(e
 
 
 async def test_finding10_a_wake_stream_expires(engine_factory) -> None:
-    from omniflow.mux import WAKE_TTL_S, StreamMux
+    from omniflow.storage.mux import WAKE_TTL_S, StreamMux
 
     async with engine_factory(workers=False, reconciler=False) as eng:
         mux = StreamMux(eng.redis, eng.store.keys, owner_id="killed-api")

@@ -1,0 +1,3 @@
+from omniflow.cli import main
+
+main()

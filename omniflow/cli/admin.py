@@ -1,0 +1,307 @@
+"""The operator's commands: `stats [--watch]`, `workers`, `drain`/`undrain`, `purge`, `dlq ls|replay|drop`.
+
+Thin parsing over `omniflow.ops.admin` (actions) and `omniflow.ops.fleet` (reads). Destructive commands (purge,
+dlq drop) say what they
+would delete and ask; without a terminal they need `--yes` (exit 2 otherwise), and a "no"
+exits 1 with nothing deleted. `drain --wait` that runs out of time exits 4.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+import typer
+from rich.console import Group
+from rich.live import Live
+from rich.table import Table
+
+from omniflow.cli.common import (
+    EXIT_TIMED_OUT,
+    EXIT_WORKFLOW_FAILED,
+    JsonOpt,
+    _pipeline,
+    _print_json,
+    _run,
+    _with_client,
+    console,
+    err_console,
+    handle_errors,
+    print_result,
+    print_rows,
+)
+from omniflow.errors import InvalidRequest
+
+dlq_app = typer.Typer(help="Dead-letter streams: tasks that exhausted their attempts, malformed entries.",
+                      no_args_is_help=True)
+
+DRAIN_POLL_S = 0.5
+
+
+def _confirm(question: str, yes: bool) -> None:
+    """Go on when `--yes`, or when the operator answers yes at a terminal; else stop."""
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        raise InvalidRequest(f"{question} Run again with --yes to confirm.")
+    if not typer.confirm(question, default=False):
+        err_console.print("nothing deleted", highlight=False)
+        raise typer.Exit(EXIT_WORKFLOW_FAILED)
+
+
+# ---------------------------------------------------------------- stats
+def _age(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.0f}ms" if value < 1 else f"{value:.1f}s"
+
+
+def stats_view(data: dict[str, Any]) -> Group:
+    """The pools snapshot as rich tables (what `stats` prints and `stats --watch` refreshes)."""
+    counts = " · ".join(f"{k} {v}" for k, v in data["workflows"].items())
+    table = Table(title=f"in flight {data['in_flight']} / {data['max_in_flight']}   ({counts})",
+                  caption=f"retries scheduled {data['scheduled_retries']} · events backlog {data['events_backlog']}"
+                          f" · {time.strftime('%H:%M:%S', time.localtime(data['at']))}")
+    columns = ("stage", "workers", "busy", "queued", "lag", "pending", "oldest", "done/min", "p50", "p99",
+               "failed", "retried", "dlq")
+    for col in columns:
+        table.add_column(col, justify="left" if col == "stage" else "right")
+    for name, st in data["stages"].items():
+        lm = st["last_minute"]
+        workers = str(st["live_workers"]) + (f" ({st['draining_workers']} draining)" if st["draining_workers"] else "")
+        table.add_row(name, workers if st["live_workers"] else "[red]0[/red]",
+                      f"{st['active_sessions']}/{st['capacity']}", str(st["queued"]), str(st["lag"]),
+                      str(st["pending"]), _age(st["oldest_pending_age_s"]), str(lm["done"]), _age(lm["p50_s"]),
+                      _age(lm["p99_s"]), str(lm["failed"]), str(lm["retries"]), str(st["dlq"]))
+    return Group(table, workers_table(data["workers"]))
+
+
+def workers_table(workers: list[dict[str, Any]]) -> Table:
+    table = Table(title=f"workers ({sum(w['alive'] for w in workers)} live)")
+    for col in ("worker", "stages", "host", "pid", "sessions", "heartbeat", "state"):
+        table.add_column(col)
+    for w in workers:
+        sessions = ", ".join(f"{s} {w['sessions'].get(s, 0)}/{w['capacity'].get(s, 0)}" for s in w["stages"])
+        state = ("[yellow]draining[/yellow]" if w["draining"] else "live") if w["alive"] else "[red]lease lapsed[/red]"
+        table.add_row(w["id"], ",".join(w["stages"]), w["host"] or "-", str(w["pid"] or "-"), sessions,
+                      _age(w["heartbeat_age_s"]), state)
+    return table
+
+
+@handle_errors
+def stats(watch: bool = typer.Option(False, "--watch", help="refresh in place until Ctrl-C"),
+          interval: float = typer.Option(1.0, "--interval", min=0.1, help="seconds between refreshes"),
+          count: int = typer.Option(None, "--count", min=1, help="with --watch: stop after this many refreshes"),
+          as_json: bool = JsonOpt) -> None:
+    """Per stage: workers, busy sessions, queue lag and pending, oldest pending, the last minute's
+    throughput, p50/p99, failures and retries, dead letters; workflows per state, in flight vs limit.
+    With --watch --json: one JSON document per line per refresh."""
+    from omniflow.ops.fleet import collect_stats
+
+    if not watch:
+        data = _run(_with_client, lambda client: collect_stats(client.store))
+        _print_json(data) if as_json else console.print(stats_view(data))
+        return
+
+    async def go(client: Any) -> None:
+        shown = 0
+        if as_json:
+            while count is None or shown < count:
+                sys.stdout.write(json.dumps(await collect_stats(client.store)) + "\n")
+                sys.stdout.flush()
+                shown += 1
+                if count is None or shown < count:
+                    await asyncio.sleep(interval)
+            return
+        with Live(console=console, auto_refresh=False, transient=False) as live:
+            while count is None or shown < count:
+                live.update(stats_view(await collect_stats(client.store)), refresh=True)
+                shown += 1
+                if count is None or shown < count:
+                    await asyncio.sleep(interval)
+
+    try:
+        _run(_with_client, go)
+    except KeyboardInterrupt:
+        return
+
+
+# ---------------------------------------------------------------- workers and drain
+@handle_errors
+def workers(as_json: bool = JsonOpt) -> None:
+    """Every registered worker: stages, host, pid, sessions held, heartbeat age, live / draining."""
+    from omniflow.ops.fleet import list_workers
+
+    rows = _run(_with_client, lambda client: list_workers(client.store))
+    _print_json(rows) if as_json else console.print(workers_table(rows))
+
+
+def _set_drain(worker_id: str, drain: bool, wait: bool, timeout: float | None, as_json: bool) -> None:
+    from omniflow.ops.admin import set_drain
+    from omniflow.ops.fleet import list_workers
+
+    async def go(client: Any) -> dict[str, Any]:
+        row = await set_drain(client.store, worker_id, drain=drain)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while wait and row["sessions_held"] > 0 and row["alive"]:
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(DRAIN_POLL_S)
+            row = next((w for w in await list_workers(client.store) if w["id"] == worker_id),
+                       {**row, "alive": False, "sessions_held": 0})
+        return row
+
+    row = _run(_with_client, go)
+    held = row["sessions_held"]
+    if not drain:
+        line = f"worker {worker_id} claims again ({held} session(s) held)"
+    elif held == 0:
+        line = f"worker {worker_id} is drained: it holds no session and claims nothing; stop it when you like"
+    else:
+        line = f"worker {worker_id} is draining: it claims nothing new and still holds {held} session(s)"
+    print_result(row, line, as_json=as_json)
+    if drain and wait and held > 0:
+        raise typer.Exit(EXIT_TIMED_OUT)
+
+
+@handle_errors
+def drain(worker_id: str = typer.Argument(..., metavar="WORKER", help="a worker id from `omniflow workers`"),
+          wait: bool = typer.Option(False, "--wait", help="block until it holds no session"),
+          timeout: float = typer.Option(None, "--timeout", min=0, help="with --wait: seconds at most (then exit 4)"),
+          as_json: bool = JsonOpt) -> None:
+    """Drain a worker for a graceful restart: within a heartbeat it stops claiming; the sessions it
+    holds run to their end. When it holds none, stop it: nothing is retried."""
+    _set_drain(worker_id, True, wait, timeout, as_json)
+
+
+@handle_errors
+def undrain(worker_id: str = typer.Argument(..., metavar="WORKER"), as_json: bool = JsonOpt) -> None:
+    """Lift a drain: the worker claims again."""
+    _set_drain(worker_id, False, False, None, as_json)
+
+
+# ---------------------------------------------------------------- purge
+@handle_errors
+def purge(older_than: str = typer.Option(None, "--older-than", help="finished workflows created longer ago "
+                                                                     "than DURATION: 90s, 10m, 2h, 7d"),
+          state: str = typer.Option(None, "--state", help="with --older-than: only completed, failed or aborted ones"),
+          everything: bool = typer.Option(False, "--all", help="delete EVERY key under the prefix (a wipe)"),
+          yes: bool = typer.Option(False, "--yes", help="do not ask"),
+          as_json: bool = JsonOpt) -> None:
+    """Delete finished workflows older than a duration (live ones are never touched), or, with
+    --all, everything under the key prefix. Asks first; --yes skips the question."""
+    from omniflow.ops.admin import count_finished, finished_states, parse_duration, purge_all, purge_finished
+    from omniflow.config import get_settings
+
+    if everything == (older_than is not None):
+        raise InvalidRequest("purge needs --older-than DURATION (finished workflows) or --all "
+                             "(every key under the prefix), and --yes or a confirmation")
+    if everything:
+        if state is not None:
+            raise InvalidRequest("--state goes with --older-than, not with --all")
+        _confirm(f"Delete EVERY key under the prefix {get_settings().prefix!r} (all workflows, live ones "
+                 "included, queues, workers' records)?", yes)
+        n = _run(_with_client, lambda client: purge_all(client.store))
+        print_result({"deleted_keys": n}, f"deleted {n} keys", as_json=as_json)
+        return
+    states, seconds = finished_states(state), parse_duration(older_than)
+    found = _run(_with_client, lambda client: count_finished(client.store, states, seconds))
+    if found == 0:
+        print_result({"deleted_workflows": 0}, f"no {'/'.join(states)} workflow created more than {older_than} ago",
+                     as_json=as_json)
+        return
+    _confirm(f"Delete {found} {'/'.join(states)} workflow(s) created more than {older_than} ago?", yes)
+    n = _run(_with_client, lambda client: purge_finished(client.store, states, seconds))
+    print_result({"deleted_workflows": n}, f"deleted {n} finished workflow(s)", as_json=as_json)
+
+
+# ---------------------------------------------------------------- dead letters
+def _dlq_stage(positional: str | None, option: str | None) -> str | None:
+    """The stage named by `STAGE` or `--stage` (not two different ones), checked against the pipeline."""
+    from omniflow.ops.admin import dlq_names
+
+    if positional and option and positional != option:
+        raise InvalidRequest(f"two stages given: {positional!r} and --stage {option!r}")
+    stage = positional or option
+    if stage is not None:
+        dlq_names(_pipeline(), stage)
+    return stage
+
+
+def _dlq_target(positional: str | None, option: str | None, every: bool, entry: str | None) -> str | None:
+    """What `dlq replay` / `dlq drop` act on: one stage's dead letters, or (`--all`) every stage's."""
+    name = _dlq_stage(positional, option)
+    if (name is None) != every:
+        raise InvalidRequest("give a STAGE (or --stage), or --all for every stage")
+    if entry is not None and name is None:
+        raise InvalidRequest("--entry needs the STAGE it belongs to")
+    return name
+
+
+StageArg = typer.Argument(None, metavar="[STAGE]", help="a stage, or `events` (malformed events)")
+StageOpt = typer.Option(None, "--stage", help="the same as STAGE")
+
+
+@dlq_app.command("ls")
+@handle_errors
+def dlq_ls(stage: str = StageArg, stage_opt: str = StageOpt, limit: int = typer.Option(50, "--limit", min=1),
+           as_json: bool = JsonOpt) -> None:
+    """List dead letters, newest first (all streams, or one stage's)."""
+    from omniflow.ops.admin import dlq_entries
+
+    name = _dlq_stage(stage, stage_opt)
+    rows = _run(_with_client, lambda client: dlq_entries(client.store, name, limit))
+    print_rows(rows, ("dlq", "entry", "workflow", "attempt", "reason"),
+               lambda row: [row["dlq"], row["entry"], row.get("wf", ""), row.get("a", ""),
+                            row.get("error") or row.get("reason", "")], as_json=as_json)
+
+
+@dlq_app.command("replay")
+@handle_errors
+def dlq_replay(stage: str = StageArg, stage_opt: str = StageOpt,
+               every: bool = typer.Option(False, "--all", help="every stage's dead letters"),
+               entry: str = typer.Option(None, "--entry", help="one entry id (with a stage)"),
+               as_json: bool = JsonOpt) -> None:
+    """Resubmit the workflows of dead letters as new workflows, and drop the replayed entries."""
+    from omniflow.ops.admin import dlq_replay as replay
+
+    name = _dlq_target(stage, stage_opt, every, entry)
+    rows = _run(_with_client, lambda client: replay(client.store, name, entry))
+    if as_json:
+        _print_json(rows)
+        return
+    for row in rows:
+        console.print(f"{row['dlq']} {row['entry']}: {row['wf']} -> {row.get('new_id') or row.get('skipped')}",
+                      highlight=False)
+    console.print(f"{sum('new_id' in r for r in rows)} replayed, {sum('skipped' in r for r in rows)} skipped",
+                  highlight=False)
+
+
+@dlq_app.command("drop")
+@handle_errors
+def dlq_drop(stage: str = StageArg, stage_opt: str = StageOpt,
+             every: bool = typer.Option(False, "--all", help="every stage's dead letters"),
+             entry: str = typer.Option(None, "--entry", help="one entry id (with a stage)"),
+             yes: bool = typer.Option(False, "--yes", help="do not ask"), as_json: bool = JsonOpt) -> None:
+    """Delete dead letters: one entry, one stage's, or (--all) every stage's. Asks first."""
+    from omniflow.ops.admin import dlq_count
+    from omniflow.ops.admin import dlq_drop as drop
+
+    name = _dlq_target(stage, stage_opt, every, entry)
+    found = _run(_with_client, lambda client: dlq_count(client.store, name, entry))
+    if found:
+        _confirm(f"Delete {found} dead letter(s) from {name or 'every stage'}?", yes)
+    n = _run(_with_client, lambda client: drop(client.store, name, entry)) if found else 0
+    print_result({"deleted": n}, f"deleted {n} dead letter(s)", as_json=as_json)
+
+
+def register(app: typer.Typer) -> None:
+    """Add these commands to the `omniflow` app."""
+    app.command("stats")(stats)
+    app.command("workers")(workers)
+    app.command("drain")(drain)
+    app.command("undrain")(undrain)
+    app.command("purge")(purge)
+    app.add_typer(dlq_app, name="dlq")

@@ -1,0 +1,155 @@
+"""Python client: submit, get, wait (blocks on the event log), stream events, abort.
+
+    async with AsyncClient() as client:
+        wf = await client.submit("hello", modalities=["text", "audio"])
+        doc = await client.wait(wf, timeout_s=60)
+
+`Client` is the same, synchronous (it runs its own event loop).
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from omniflow.storage import redisio
+from omniflow.config import Settings, get_settings
+from omniflow.errors import RedisRefused
+from omniflow.models import SubmitRequest, WorkflowInput
+from omniflow.pipeline import Pipeline, load_pipeline
+from omniflow.storage.redisio import connect, connect_sync
+from omniflow.storage.scripts import SubmitResult
+from omniflow.client.store import Store, check_same_body, s
+
+
+class AsyncClient:
+    def __init__(self, redis_url: str | None = None, *, settings: Settings | None = None,
+                 pipeline: Pipeline | None = None, tenant: str = "default") -> None:
+        self.settings = settings or get_settings()
+        self.redis_url = redis_url or self.settings.resolve_redis_url()
+        self.pipeline = pipeline or load_pipeline(self.settings.pipeline_path())
+        self.tenant = tenant
+        self.redis = connect(self.redis_url)
+        self.store = Store(self.redis, self.settings, self.pipeline)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def submit(self, text: str, *, modalities: Sequence[str] | None = None,
+                     stage_params: dict[str, dict[str, Any]] | None = None, request_id: str | None = None,
+                     deadline_s: float | None = None, webhook_url: str | None = None) -> str:
+        """Submit one request; returns the workflow id (the existing one for a repeated request_id)."""
+        req = SubmitRequest(input=WorkflowInput(text=text), output_modalities=list(modalities) if modalities else None,
+                            stage_params=stage_params or {}, request_id=request_id, deadline_s=deadline_s,
+                            webhook_url=webhook_url)
+        return (await self.store.submit(req, tenant=self.tenant)).id
+
+    async def get(self, wf_id: str) -> dict[str, Any]:
+        return await self.store.document(wf_id)
+
+    async def wait(self, wf_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+        return await self.store.wait(wf_id, timeout_s=timeout_s)
+
+    async def events(self, wf_id: str, *, after: str = "0-0",
+                     timeout_s: float | None = None) -> AsyncIterator[tuple[str, dict[str, str]]]:
+        async for item in self.store.follow(wf_id, after=after, timeout_s=timeout_s):
+            yield item
+
+    async def abort(self, wf_id: str, *, reason: str = "aborted by client") -> str:
+        return await self.store.abort(wf_id, reason=reason)
+
+    async def audio(self, wf_id: str, stage: str | None = None) -> tuple[int, np.ndarray]:
+        return await self.store.audio(wf_id, stage)
+
+    async def save_audio(self, wf_id: str, path: str | Path, *, stage: str | None = None) -> float:
+        """Write the audio output to `path` (format from the suffix: wav, flac, ogg); returns seconds."""
+        import soundfile as sf
+
+        rate, pcm = await self.audio(wf_id, stage)
+        sf.write(str(path), pcm, rate)
+        return pcm.size / rate if rate else 0.0
+
+    async def list(self, *, state: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+        return await self.store.list(state=state, limit=limit)
+
+
+class Client:
+    """Synchronous twin of `AsyncClient`. Submits go straight through a synchronous redis-py
+    connection (cheaper per call than driving an event loop); the rest runs `AsyncClient`."""
+
+    def __init__(self, redis_url: str | None = None, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._client: AsyncClient = self._run(_make(redis_url, kwargs))
+        self._sync = connect_sync(self._client.redis_url)
+
+    def _run(self, coro: Any) -> Any:
+        return self._loop.run_until_complete(coro)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self._loop.is_closed():
+            self._run(self._client.close())
+            self._loop.close()
+            self._sync.close()
+
+    def submit(self, text: str, *, modalities: Sequence[str] | None = None,
+               stage_params: dict[str, dict[str, Any]] | None = None, request_id: str | None = None,
+               deadline_s: float | None = None, webhook_url: str | None = None) -> str:
+        """Submit one request; returns the workflow id (the existing one for a repeated request_id)."""
+        req = SubmitRequest(input=WorkflowInput(text=text), output_modalities=list(modalities) if modalities else None,
+                            stage_params=stage_params or {}, request_id=request_id, deadline_s=deadline_s,
+                            webhook_url=webhook_url)
+        store = self._client.store
+        keys, args = store.submit_call(req, tenant=self._client.tenant)
+        try:
+            reply = redisio.script_sync(self._sync, "submit", keys, args)
+            if s(reply[0]) == SubmitResult.BUSY and not request_id and store.keys.cells > 1:
+                # that cell is full: one more try in another one (as Store.submit does)
+                keys, args = store.submit_call(req, tenant=self._client.tenant, wf_id=store.other_cell_id(args[1]))
+                reply = redisio.script_sync(self._sync, "submit", keys, args)
+        except RedisRefused as exc:
+            raise store.refused(exc) from exc
+        result = store.submitted(reply)
+        with redisio.boundary():
+            if result.existing:     # retired, or the same key with a different request (IdempotencyConflict)
+                if self._sync.exists(store.keys.tomb(result.id)):
+                    raise store.retired(result.id)
+                check_same_body(result.id, req, s(self._sync.hget(store.keys.wf(result.id), "body_hash")))
+            elif self._client.settings.wait_aof:
+                self._sync.execute_command("WAITAOF", 1, 0, 1000)
+        return result.id
+
+    def get(self, wf_id: str) -> dict[str, Any]:
+        return self._run(self._client.get(wf_id))  # type: ignore[no-any-return]
+
+    def wait(self, wf_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+        return self._run(self._client.wait(wf_id, timeout_s=timeout_s))  # type: ignore[no-any-return]
+
+    def abort(self, wf_id: str, **kwargs: Any) -> str:
+        return self._run(self._client.abort(wf_id, **kwargs))  # type: ignore[no-any-return]
+
+    def save_audio(self, wf_id: str, path: str | Path, **kwargs: Any) -> float:
+        return self._run(self._client.save_audio(wf_id, path, **kwargs))  # type: ignore[no-any-return]
+
+    def list(self, **kwargs: Any) -> list[dict[str, Any]]:
+        return self._run(self._client.list(**kwargs))  # type: ignore[no-any-return]
+
+
+async def _make(redis_url: str | None, kwargs: dict[str, Any]) -> AsyncClient:
+    return AsyncClient(redis_url, **kwargs)

@@ -1,0 +1,136 @@
+"""Continuous batching: one step loop per stage steps every joined session together.
+
+A `BatchedExecutor` (see `omniflow.workers.base`) says how to add a session to
+the batch (`join`: prefill), how to advance every joined session by one step
+(`step`), and how to drop one (`leave`). The `StepLoop` does the scheduling,
+the way vLLM's engine does: sessions join and leave *between* steps, at most
+`max_batch` at once (the rest wait for room in arrival order), and each step's
+outputs go out through each session's own `Session.emit` — so fencing, resume,
+abort and per-session ordering are exactly those of an unbatched executor.
+
+Everything here runs on one event loop: in a worker, the stage's compute
+thread (`omniflow.engine.compute`), where blocking in `join`/`step` is fine; in tests,
+the test's loop.
+
+    session A  ──join──┐ step step step ─────── done ─leave
+    session B          └──────join──┐ step step step step ── done ─leave
+                                    (B joined between two steps)
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from omniflow.engine.session import Session
+    from omniflow.workers.base import BatchedExecutor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step produced for one session (an all-empty output emits nothing)."""
+
+    text: str | None = None                  # a text delta (stored when the stage is a final text stage)
+    data: Any = None                         # a chunk for the downstream stages
+    checkpoint: str | None = None            # durable resume info, appended atomically with this step
+    done: bool = False                       # this was the session's last step
+    usage: Mapping[str, Any] | None = None   # with done: the session's usage
+
+    @property
+    def empty(self) -> bool:
+        return self.text is None and self.data is None and self.checkpoint is None
+
+
+@dataclass(eq=False, slots=True)
+class _Member:
+    session: Session
+    outputs: asyncio.Queue[StepOutput | BaseException] = field(default_factory=asyncio.Queue)
+    state: Any = None
+
+
+@dataclass
+class StepStats:
+    steps: int = 0
+    stepped_sessions: int = 0        # sum over steps of the batch size
+    max_batch_seen: int = 0
+
+    @property
+    def mean_batch(self) -> float:
+        return self.stepped_sessions / self.steps if self.steps else 0.0
+
+
+class StepLoop:
+    """The continuous-batching scheduler of one `BatchedExecutor` on one event loop."""
+
+    def __init__(self, executor: BatchedExecutor) -> None:
+        self.executor = executor
+        self.loop = asyncio.get_running_loop()
+        self._members: list[_Member] = []
+        self._room = asyncio.Condition()
+        self._stepper: asyncio.Task[None] | None = None
+        self.stats = StepStats()
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._members)
+
+    async def serve(self, session: Session) -> Mapping[str, Any] | None:
+        """Run one session through the batch until its last step; returns its usage."""
+        member = _Member(session)
+        async with self._room:
+            await self._room.wait_for(lambda: len(self._members) < self.executor.max_batch)
+            member.state = self.executor.join(session)     # prefill (blocking is fine on a compute thread)
+            self._members.append(member)
+        if self._stepper is None or self._stepper.done():
+            self._stepper = asyncio.create_task(self._run(), name=f"steps-{self.executor.stage}")
+        try:
+            while True:
+                out = await member.outputs.get()
+                if isinstance(out, BaseException):
+                    raise out
+                if not out.empty:
+                    await session.emit(text=out.text, data=out.data, checkpoint=out.checkpoint)
+                if out.done:
+                    return out.usage
+        finally:
+            await self._leave(member)
+
+    async def _leave(self, member: _Member) -> None:
+        if member in self._members:
+            self._members.remove(member)
+        try:
+            self.executor.leave(member.state)
+        finally:
+            async with self._room:
+                self._room.notify_all()
+
+    async def _run(self) -> None:
+        while self._members:
+            batch = list(self._members)
+            try:
+                outs = self.executor.step([m.state for m in batch])
+                if len(outs) != len(batch):
+                    raise RuntimeError(f"{type(self.executor).__name__}.step returned {len(outs)} outputs "
+                                       f"for {len(batch)} sessions")
+            except Exception as exc:  # noqa: BLE001 - a failed step fails the sessions in it, not the loop
+                logger.warning("stage %s: a step of %d session(s) failed: %r", self.executor.stage, len(batch), exc)
+                for m in batch:
+                    if m in self._members:
+                        self._members.remove(m)
+                    m.outputs.put_nowait(exc)
+                await asyncio.sleep(0)
+                continue
+            self.stats.steps += 1
+            self.stats.stepped_sessions += len(batch)
+            self.stats.max_batch_seen = max(self.stats.max_batch_seen, len(batch))
+            for m, out in zip(batch, outs):
+                m.outputs.put_nowait(out)
+                if out.done and m in self._members:
+                    self._members.remove(m)      # out of the next step; `leave` runs in its session
+            # Between two steps: sessions emit what they got, new ones join, aborted ones leave.
+            await asyncio.sleep(0)

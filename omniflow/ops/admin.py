@@ -1,0 +1,205 @@
+"""Operator actions behind the admin CLI and the API's admin routes (the dashboard); what they
+read about the fleet is in `omniflow.ops.fleet`.
+
+- `set_drain`: drain / undrain a worker (it reads the flag with its heartbeat).
+- `retry_workflow`, `purge_finished`, `purge_all`, and the dead-letter streams
+  (`dlq_entries`, `dlq_replay`, `dlq_drop`).
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from omniflow.storage import listing
+from omniflow.errors import InvalidRequest, WorkflowNotFound
+from omniflow.ops.fleet import entry_ms, list_workers
+from omniflow.storage.keys import DLQ_EVENTS
+from omniflow.models import TERMINAL_STATES, SubmitRequest, WorkflowInput, WorkflowState
+from omniflow.pipeline import Pipeline
+from omniflow.storage.redisio import translated
+from omniflow.client.store import Store, csv, decode_fields, now_ms, s
+from omniflow.storage.topology import is_cluster
+
+PURGE_BATCH = 500
+FINISHED_STATES = tuple(x.value for x in WorkflowState if x in TERMINAL_STATES)
+
+
+@translated
+async def set_drain(store: Store, worker_id: str, *, drain: bool) -> dict[str, Any]:
+    """Drain (or undrain) a live worker: it stops claiming within a heartbeat; what it holds runs to the end."""
+    score = await store.redis.zscore(store.keys.workers, worker_id)
+    if score is None or float(score) <= now_ms():
+        raise InvalidRequest(f"no live worker {worker_id!r} (see `omniflow workers`)")
+    info = store.keys.worker_info(worker_id)
+    if drain:
+        await store.redis.hset(info, "drain", str(now_ms()))
+    else:
+        await store.redis.hdel(info, "drain")
+    return next(w for w in await list_workers(store) if w["id"] == worker_id)
+
+
+@translated
+async def retry_workflow(store: Store, wf_id: str, *, tenant: str | None = None) -> str:
+    """Resubmit a failed/aborted workflow's input as a new workflow; returns the new id."""
+    rec = {s(k): s(v) for k, v in (await store.redis.hgetall(store.keys.wf(wf_id))).items()}
+    if not rec or (tenant is not None and rec.get("tenant") != tenant):
+        raise WorkflowNotFound(f"no workflow {wf_id} (it may have expired)")
+    if rec["state"] not in ("failed", "aborted"):
+        raise InvalidRequest(f"workflow {wf_id} is {rec['state']}; only failed or aborted ones are retried")
+    kinds = sorted({k.split("=", 1)[1] for k in csv(rec.get("kinds"))})
+    params = json.loads(rec.get("params") or "{}")
+    req = SubmitRequest(input=WorkflowInput.model_validate_json(rec["input"]), output_modalities=kinds,
+                        stage_params=params, webhook_url=rec.get("webhook") or None)
+    return (await store.submit(req, tenant=rec.get("tenant") or "default")).id
+
+
+def finished_states(state: str | None) -> tuple[str, ...]:
+    """The states `purge --older-than` may delete: the finished ones, or the one asked for."""
+    if state is None:
+        return FINISHED_STATES
+    if state not in FINISHED_STATES:
+        raise InvalidRequest(f"--state: {state!r} is not a finished state; one of {list(FINISHED_STATES)}")
+    return (state,)
+
+
+@translated
+async def count_finished(store: Store, states: tuple[str, ...], older_than_s: float) -> int:
+    """How many finished workflows in `states` were created more than `older_than_s` ago."""
+    cutoff = now_ms() - int(older_than_s * 1000)
+    pipe = store.redis.pipeline(transaction=False)
+    for cell in store.keys.all_cells:
+        for state in states:
+            pipe.zcount(store.keys.state_index(state, cell), "-inf", f"({cutoff}")
+    return sum(int(n) for n in await pipe.execute())
+
+
+@translated
+async def purge_finished(store: Store, states: tuple[str, ...], older_than_s: float) -> int:
+    """Delete finished workflows (records, logs, outputs, webhook records, idempotency keys, index
+    entries) created more than `older_than_s` ago; live workflows are never touched. Returns how many."""
+    redis, keys = store.redis, store.keys
+    cutoff = now_ms() - int(older_than_s * 1000)
+    deleted = 0
+    while True:
+        ids = await listing.finished_before(redis, keys, states, cutoff, count=PURGE_BATCH)
+        if not ids:
+            return deleted
+        pipe = redis.pipeline(transaction=False)
+        for wf_id in ids:
+            pipe.hmget(keys.wf(wf_id), ["state", "tenant", "request_id", "finals"])
+        records = await pipe.execute()
+        pipe = redis.pipeline(transaction=not is_cluster(redis))    # (a cluster deletes workflow by workflow)
+        for wf_id, (state, tenant, rid, finals) in zip(ids, records):
+            if s(state) and s(state) not in FINISHED_STATES:
+                continue            # the index said finished: never delete a live record on a stale entry
+            pipe.unlink(keys.wf(wf_id), keys.stages(wf_id), keys.log(wf_id), keys.done(wf_id),
+                        keys.webhook(wf_id), keys.webhook_attempts(wf_id),
+                        *(keys.out(wf_id, stage) for stage in csv(finals)))
+            if s(rid):
+                pipe.unlink(keys.idem(s(tenant), s(rid), keys.cell_of(wf_id)))
+            listing.unindex(pipe, keys, wf_id, s(tenant))
+            deleted += 1
+        await pipe.execute()
+
+
+@translated
+async def purge_all(store: Store) -> int:
+    """Delete every key under the prefix (the whole deployment's state). Returns how many."""
+    n = 0
+    async for key in store.redis.scan_iter(match=f"{store.keys.prefix}:*", count=1000):
+        n += await store.redis.unlink(key)
+    return n
+
+
+def dlq_names(pipeline: Pipeline, stage: str | None) -> list[str]:
+    """The dead-letter streams meant by `stage` (None: all of them); unknown names are refused."""
+    known = [*pipeline.order, DLQ_EVENTS]
+    if stage is None:
+        return known
+    if stage not in known:
+        raise InvalidRequest(f"unknown stage {stage!r}; dead-letter streams: {known}")
+    return [stage]
+
+
+@translated
+async def dlq_entries(store: Store, stage: str | None, limit: int) -> list[dict[str, Any]]:
+    """Dead letters, newest first per stream (of one stage, or of all, up to `limit` in total)."""
+    rows: list[dict[str, Any]] = []
+    for name in dlq_names(store.pipeline, stage):
+        for key in _dlq_keys(store, name):
+            for eid, fields in await store.redis.xrevrange(key, count=limit):
+                rows.append({"stream": key, "dlq": name, "entry": s(eid), "at": (entry_ms(eid) or 0) / 1000,
+                             **decode_fields(fields)})
+    return rows[:limit]
+
+
+def _dlq_keys(store: Store, name: str) -> list[str]:
+    """One dead-letter stream per cell."""
+    return [store.keys.dlq(name, cell) for cell in store.keys.all_cells]
+
+
+@translated
+async def dlq_replay(store: Store, stage: str | None, entry: str | None) -> list[dict[str, str]]:
+    """Resubmit the workflows of dead letters as new workflows and drop the replayed entries."""
+    out = []
+    for name, key in ((n, k) for n in dlq_names(store.pipeline, stage) for k in _dlq_keys(store, n)):
+        entries = await store.redis.xrange(key, entry, entry) if entry else await store.redis.xrange(key, count=1000)
+        for eid, fields in entries:
+            row = {"dlq": name, "entry": s(eid), "wf": s(fields.get(b"wf"))}
+            if not row["wf"]:
+                row["skipped"] = "malformed entry: nothing to replay"
+            else:
+                try:
+                    row["new_id"] = await retry_workflow(store, row["wf"])
+                except (WorkflowNotFound, InvalidRequest) as exc:
+                    row["skipped"] = str(exc)
+            if "new_id" in row:
+                await store.redis.xdel(key, eid)
+            out.append(row)
+    return out
+
+
+@translated
+async def dlq_count(store: Store, stage: str | None, entry: str | None) -> int:
+    """How many dead letters `dlq_drop` would delete."""
+    pipe = store.redis.pipeline(transaction=False)
+    for key in (k for name in dlq_names(store.pipeline, stage) for k in _dlq_keys(store, name)):
+        if entry:
+            pipe.xrange(key, entry, entry)
+        else:
+            pipe.xlen(key)
+    return sum(len(r) if isinstance(r, list) else int(r) for r in await pipe.execute())
+
+
+@translated
+async def dlq_drop(store: Store, stage: str | None, entry: str | None) -> int:
+    """Delete dead letters (one entry, one stage's, or all); returns how many."""
+    n = 0
+    for key in (k for name in dlq_names(store.pipeline, stage) for k in _dlq_keys(store, name)):
+        if entry:
+            n += await store.redis.xdel(key, entry)
+        else:
+            n += await store.redis.xlen(key)
+            await store.redis.unlink(key)
+    return n
+
+
+def parse_duration(text: str) -> float:
+    """'90', '90s', '10m', '2h', '7d' -> seconds (> 0)."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+    raw = text.strip().lower()
+    factor = units.get(raw[-1:], None)
+    number = raw[:-1] if factor else raw
+    try:
+        value = float(number) * (factor or 1)
+    except ValueError:
+        raise InvalidRequest(f"{text!r} is not a duration like 90s, 10m, 2h or 7d") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise InvalidRequest(f"{text!r}: a duration must be positive")
+    return value
+
+
+def since_ms(seconds: float | None) -> int | None:
+    """The creation-time bound of an age filter: now minus `seconds`."""
+    return None if seconds is None else int((time.time() - seconds) * 1000)

@@ -1,0 +1,281 @@
+"""What operators watch: the reads behind `omniflow stats`/`workers`, the API's admin routes
+(the dashboard) and `/metrics`.
+
+- `list_workers`: every registered worker (stages, host, heartbeat age, sessions, drain flag).
+- `collect_stats`: the pools snapshot (per stage: workers, sessions, queue lag/pending and the
+  age of the oldest entry, the last minute of work from the workers' windows, dead letters;
+  workflows per state and in flight against the admission limit).
+- `read_queues`: every cell's task streams, dead letters and sets in one round trip (the
+  snapshot's and the metrics' gauges); `counters`, `worker_counters`.
+- `created_since`, `workflow_states`, `stage_timings`: what the metrics' stage latencies are
+  observed from.
+
+Every function takes a `Store` and comes out with its errors translated (`omniflow.storage.redisio`).
+The operator's actions (drain, retry, purge, dead letters) are in `omniflow.ops.admin`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from omniflow.storage.keys import DLQ_EVENTS, TASK_GROUP
+from omniflow.storage.redisio import translated
+from omniflow.client.store import Store, csv, now_ms, s
+from omniflow.engine.window import WINDOW_S, merge, percentile
+
+#: text and audio log entries: a stage's first one is its time to first output
+OUTPUT_EVENTS = ("text", "audio")
+
+
+def entry_ms(entry_id: Any) -> int | None:
+    """The creation ms of a stream entry id ('1700000000000-3')."""
+    text = s(entry_id)
+    return int(text.split("-")[0]) if text and text[0].isdigit() else None
+
+
+def _age_s(ms: int | None, now: int) -> float | None:
+    return round(max(0, now - ms) / 1000, 3) if ms else None
+
+
+def _int(value: Any) -> int:
+    """A count from a pipeline reply (an error in place counts as 0: e.g. a stream not created yet)."""
+    return int(value) if isinstance(value, int) else 0
+
+
+# ---------------------------------------------------------------- workers
+def _worker_row(wid: str, expiry: float, info: dict[str, str], now: int) -> dict[str, Any]:
+    stages = csv(info.get("stage"))
+    active = [int(x) for x in csv(info.get("active"))]
+    capacity = [int(x) for x in csv(info.get("capacity"))]
+    seen = int(info.get("seen_ms") or 0)
+    return {
+        "id": wid, "stages": stages, "host": info.get("host") or None,
+        "pid": int(info["pid"]) if info.get("pid", "").isdigit() else None,
+        "alive": expiry > now, "lease_left_s": round(max(0.0, expiry - now) / 1000, 3),
+        "heartbeat_age_s": _age_s(seen, now), "draining": bool(info.get("drain")),
+        "sessions": dict(zip(stages, active)), "capacity": dict(zip(stages, capacity)),
+        "sessions_held": sum(active),
+        "window": json.loads(info["window"]) if info.get("window") else {},
+    }
+
+
+@translated
+async def list_workers(store: Store) -> list[dict[str, Any]]:
+    """Every registered worker (live or not yet reaped), by id: stages, host, heartbeat age, sessions."""
+    now = now_ms()
+    members = await store.redis.zrange(store.keys.workers, 0, -1, withscores=True)
+    pipe = store.redis.pipeline(transaction=False)
+    for wid, _ in members:
+        pipe.hgetall(store.keys.worker_info(s(wid)))
+    infos = await pipe.execute() if members else []
+    rows = [_worker_row(s(wid), float(score), {s(k): s(v) for k, v in info.items()}, now)
+            for (wid, score), info in zip(members, infos)]
+    return sorted(rows, key=lambda r: r["id"])
+
+
+@translated
+async def worker_counters(store: Store, fields: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """Counters of the live workers' heartbeat `stats` (the `fields` asked for), summed per stage served (a worker serving
+    several stages is counted under their comma list): field -> stage -> value."""
+    ids = [s(x) for x in await store.redis.zrangebyscore(store.keys.workers, f"({now_ms()}", "+inf")]
+    out: dict[str, dict[str, float]] = {field: {} for field in fields}
+    if not ids:
+        return out
+    pipe = store.redis.pipeline(transaction=False)
+    for worker_id in ids:
+        pipe.hmget(store.keys.worker_info(worker_id), "stage", "stats")
+    for stage, raw in await pipe.execute():
+        try:
+            stats = json.loads(raw) if raw else {}
+        except ValueError:
+            continue
+        for field in fields:
+            value = stats.get(field)
+            if isinstance(value, (int, float)):
+                out[field][s(stage)] = out[field].get(s(stage), 0.0) + float(value)
+    return out
+
+
+# ---------------------------------------------------------------- queues
+@dataclass(frozen=True)
+class StageQueue:
+    """One stage's task stream in one cell."""
+
+    length: int
+    group: dict[Any, Any]           # the `workers` group's XINFO GROUPS row ({} before the group exists)
+    oldest_pending_ms: int | None   # creation ms of the oldest task delivered and not yet acknowledged
+    dlq: int                        # its dead letters in that cell
+
+    @property
+    def lag(self) -> int | None:
+        """Tasks not yet delivered to any worker; None when Redis cannot tell (XINFO GROUPS lag)."""
+        raw = self.group.get("lag")
+        return None if raw is None else int(raw)
+
+    @property
+    def pending(self) -> int:
+        return int(self.group.get("pending") or 0)
+
+
+@dataclass(frozen=True)
+class Queues:
+    """The task streams of every stage (one `StageQueue` per cell) and the cells' sets, summed."""
+
+    stages: dict[str, list[StageQueue]]
+    dlq_events: int          # malformed events
+    in_flight: int
+    retries: int             # stage retries waiting for their backoff
+    events: int              # stage reports not yet applied
+    notify: int              # terminal workflows waiting for their webhook
+
+
+@translated
+async def read_queues(store: Store) -> Queues:
+    """Every cell's task streams, dead letters and sets, in one round trip."""
+    redis, keys, order = store.redis, store.keys, store.pipeline.order
+    pipe = redis.pipeline(transaction=False)
+    for cell in keys.all_cells:
+        for name in order:
+            pipe.xlen(keys.tasks(name, cell))
+            pipe.xinfo_groups(keys.tasks(name, cell))
+            pipe.xpending(keys.tasks(name, cell), TASK_GROUP)
+            pipe.xlen(keys.dlq(name, cell))
+        pipe.xlen(keys.dlq(DLQ_EVENTS, cell))
+        pipe.zcard(keys.inflight(cell))
+        pipe.zcard(keys.retries(cell))
+        pipe.xlen(keys.events(cell))
+        pipe.xlen(keys.notify(cell))
+    replies = await pipe.execute(raise_on_error=False)
+    width = 4 * len(order) + 5
+    per_cell = [replies[width * i: width * (i + 1)] for i in keys.all_cells]
+    stages: dict[str, list[StageQueue]] = {}
+    for i, name in enumerate(order):
+        stages[name] = []
+        for row in per_cell:
+            length, groups, pending, dlq = row[4 * i: 4 * i + 4]
+            group: dict[Any, Any] = next(
+                (g for g in (groups if isinstance(groups, list) else []) if s(g.get("name")) == TASK_GROUP), {})
+            oldest = entry_ms(pending.get("min")) if isinstance(pending, dict) and pending.get("min") else None
+            stages[name].append(StageQueue(length=_int(length), group=group, oldest_pending_ms=oldest, dlq=_int(dlq)))
+    dlq_events, in_flight, retries, events, notify = (sum(_int(row[4 * len(order) + j]) for row in per_cell)
+                                                      for j in range(5))
+    return Queues(stages=stages, dlq_events=dlq_events, in_flight=in_flight, retries=retries, events=events,
+                  notify=notify)
+
+
+@translated
+async def counters(store: Store) -> dict[str, int]:
+    """The deployment's counters (`<prefix>:stats`: webhook deliveries by outcome, ...)."""
+    raw = await store.redis.hgetall(store.keys.stats)
+    return {s(k): int(s(v)) for k, v in (raw or {}).items() if s(v).lstrip("-").isdigit()}
+
+
+# ---------------------------------------------------------------- the pools snapshot
+@translated
+async def collect_stats(store: Store) -> dict[str, Any]:
+    """The pools snapshot (`omniflow stats`, `GET /v1/admin/pools`, the dashboard)."""
+    redis, keys, order = store.redis, store.keys, store.pipeline.order
+    workers = await list_workers(store)
+    now = now_ms()
+    # every figure is over the cells: each has its own task streams, sets and dead letters
+    queues = await read_queues(store)
+    pipe = redis.pipeline(transaction=False)       # the oldest task nobody has read yet, per stage and cell
+    for name in order:
+        for cell, queue in zip(keys.all_cells, queues.stages[name]):
+            pipe.xrange(keys.tasks(name, cell), f"({s(queue.group.get('last-delivered-id')) or '0-0'}", "+",
+                        count=1)
+    firsts = await pipe.execute(raise_on_error=False)
+    stages: dict[str, Any] = {}
+    for i, name in enumerate(order):
+        rows = queues.stages[name]
+        mine = [w for w in workers if w["alive"] and name in w["stages"]]
+        window = merge(w["window"].get(name, {}) for w in mine)
+        oldest_queued = [entry_ms(f[0][0]) for f in firsts[i * keys.cells:(i + 1) * keys.cells]
+                         if isinstance(f, list) and f]
+        stages[name] = {
+            "queued": sum(r.length for r in rows),
+            "lag": sum(r.lag or 0 for r in rows),
+            "pending": sum(r.pending for r in rows),
+            "oldest_pending_age_s": _age_s(min((r.oldest_pending_ms for r in rows if r.oldest_pending_ms),
+                                               default=None), now),
+            "oldest_queued_age_s": _age_s(min((x for x in oldest_queued if x), default=None), now),
+            "live_workers": len(mine),
+            "draining_workers": sum(1 for w in mine if w["draining"]),
+            "active_sessions": sum(w["sessions"].get(name, 0) for w in mine),
+            "capacity": sum(w["capacity"].get(name, 0) for w in mine),
+            "dlq": sum(r.dlq for r in rows),
+            "last_minute": {
+                "done": window["done"], "failed": window["failed"], "retries": window["retries"],
+                "throughput_per_s": round(window["done"] / WINDOW_S, 3),
+                "p50_s": percentile(window["hist"], 50), "p99_s": percentile(window["hist"], 99),
+            },
+        }
+    return {
+        "at": now / 1000,
+        "in_flight": queues.in_flight,
+        "max_in_flight": store.settings.max_in_flight,
+        "cells": keys.cells,
+        "scheduled_retries": queues.retries,
+        "events_backlog": queues.events,
+        "dlq_events": queues.dlq_events,
+        "workflows": await store.state_counts(),
+        "stages": stages,
+        "workers": workers,
+    }
+
+
+# ---------------------------------------------------------------- stage latencies
+@translated
+async def created_since(store: Store, after_ms: dict[int, int], *, limit: int) -> list[tuple[int, str, int]]:
+    """(cell, id, creation ms) of up to `limit` workflows per cell created after `after_ms[cell]`
+    (exclusive; a cell not in it: from the first), oldest first, every cell in one round trip."""
+    pipe = store.redis.pipeline(transaction=False)
+    for cell in store.keys.all_cells:
+        low = f"({after_ms[cell]}" if cell in after_ms else "-inf"
+        pipe.zrangebyscore(store.keys.all_wf(cell), low, "+inf", start=0, num=limit, withscores=True)
+    return [(cell, s(member), int(score)) for cell, reply in zip(store.keys.all_cells, await pipe.execute())
+            for member, score in reply]
+
+
+@translated
+async def workflow_states(store: Store, ids: list[str]) -> list[str]:
+    """The state of each workflow ('' for one that is gone)."""
+    if not ids:
+        return []
+    pipe = store.redis.pipeline(transaction=False)
+    for wf_id in ids:
+        pipe.hget(store.keys.wf(wf_id), "state")
+    return [s(x) for x in await pipe.execute()]
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """What a finished workflow says about its stages' timing."""
+
+    stages: list[str]              # the stages it ran
+    fields: dict[str, str]         # its stage hash (`<s>:t_submit`, `<s>:t_start`, `<s>:t_end`, `<s>:attempt`, ...)
+    first_output_ms: dict[str, int]   # per stage, the time of its first text/audio log entry
+
+
+@translated
+async def stage_times(store: Store, ids: list[str], *, log_scan: int) -> list[StageTimes]:
+    """The stage timings of each workflow (first outputs looked for in the first `log_scan` log entries)."""
+    if not ids:
+        return []
+    pipe = store.redis.pipeline(transaction=False)
+    for wf_id in ids:
+        pipe.hget(store.keys.wf(wf_id), "stages")
+        pipe.hgetall(store.keys.stages(wf_id))
+        pipe.xrange(store.keys.log(wf_id), count=log_scan)
+    replies = await pipe.execute()
+    out = []
+    for i in range(len(ids)):
+        stages_csv, raw, log = replies[3 * i: 3 * i + 3]
+        first: dict[str, int] = {}
+        for eid, entry in log or []:
+            if s(entry.get(b"t")) in OUTPUT_EVENTS:
+                first.setdefault(s(entry.get(b"stage")), entry_ms(eid) or 0)
+        out.append(StageTimes(stages=csv(stages_csv), fields={s(k): s(v) for k, v in (raw or {}).items()},
+                              first_output_ms=first))
+    return out

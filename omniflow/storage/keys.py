@@ -1,0 +1,229 @@
+"""Every Redis key name omniflow uses, built in this one module.
+
+Workflows live in *cells* (`omniflow.storage.cells`): every key of a cell — a workflow's record, stage
+hash, log, edge logs and outputs, and the cell's task streams, event stream, in-flight and retry
+sets, tombstones, idempotency keys, dead letters, notifications and worker inboxes — starts with
+the cell's base `<prefix>:{<cell tag>}`, so a Redis Cluster keeps the whole cell in one slot and
+every Lua transition touches one slot. A workflow id carries its cell (`cells.cell_of`).
+
+Keys outside the cells (the worker registry, leader lease, stats, job runner and batches) are
+never touched by a script together with a cell key; the worker registry shares its own tag so
+`heartbeat.lua` stays in one slot too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from omniflow.storage.cells import DEFAULT_CLUSTER_CELLS, cell_for_key, cell_of, cell_tag
+from omniflow.models import WorkflowState
+from omniflow.storage.topology import is_cluster
+
+if TYPE_CHECKING:
+    from omniflow.config import Settings
+    from omniflow.pipeline import Pipeline
+
+DEFAULT_PREFIX = "of"
+TASK_GROUP = "workers"
+EVENT_GROUP = "reconciler"
+NOTIFY_GROUP = "webhooks"
+DLQ_EVENTS = "events"           # the dead-letter stream of malformed events (`Keys.dlq`; not a stage)
+
+
+def finalize_suffixes(pipeline: Pipeline) -> tuple[str, ...]:
+    """The keys of a workflow that `finalize` (_lib.lua) may touch, as suffixes of its base key
+    (`Keys.wf`): stages, log, done, the payload registry, the final stages' outputs and every edge
+    log. Computed once per pipeline; `Keys.finalize_keys` adds the cell's keys."""
+    return (":stages", ":log", ":done", ":blobs", *(f":out:{st}" for st in pipeline.finals),
+            *(f":edge:{e.src}:{e.dst}" for st in pipeline.order for e in pipeline.outputs[st]))
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    prefix: str = DEFAULT_PREFIX
+    cells: int = 1
+
+    @classmethod
+    def of(cls, settings: Settings, redis: Any = None) -> Keys:
+        """The keys of a deployment: its prefix and its number of cells (`OMNIFLOW_CELLS`; 0, the
+        default: one cell on a single server, `DEFAULT_CLUSTER_CELLS` on a cluster, which is what
+        `redis` (a client made by `redisio.connect`) is). Without a client, only the keys outside
+        the cells are right when the count is automatic."""
+        count = settings.cells or (DEFAULT_CLUSTER_CELLS if redis is not None and is_cluster(redis) else 1)
+        return cls(settings.prefix, count)
+
+    # --- cells ------------------------------------------------------------
+    def cell(self, cell: int) -> str:
+        """The base every key of `cell` starts with: `<prefix>:{<cell tag>}`."""
+        return f"{self.prefix}:{{{cell_tag(cell)}}}"
+
+    @property
+    def all_cells(self) -> range:
+        return range(self.cells)
+
+    @staticmethod
+    def cell_of(wf_id: str) -> int:
+        return cell_of(wf_id)
+
+    # --- one workflow (in the cell its id carries) --------------------------
+    def wf(self, wf_id: str) -> str:
+        return f"{self.cell(cell_of(wf_id))}:wf:{wf_id}"
+
+    def stages(self, wf_id: str) -> str:
+        return f"{self.wf(wf_id)}:stages"
+
+    def log(self, wf_id: str) -> str:
+        return f"{self.wf(wf_id)}:log"
+
+    def done(self, wf_id: str) -> str:
+        """One entry (`state`), written with the terminal log entry: what `wait` blocks on."""
+        return f"{self.wf(wf_id)}:done"
+
+    def edge(self, wf_id: str, src: str, dst: str) -> str:
+        return f"{self.wf(wf_id)}:edge:{src}:{dst}"
+
+    def out(self, wf_id: str, stage: str) -> str:
+        return f"{self.wf(wf_id)}:out:{stage}"
+
+    def blob(self, wf_id: str, src: str, dst: str, attempt: int, seq: int) -> str:
+        """A chunk payload too large for its edge entry (the entry holds a reference to it)."""
+        return f"{self.wf(wf_id)}:blob:{src}:{dst}:{attempt}:{seq}"
+
+    def blobs(self, wf_id: str) -> str:
+        """Set of a workflow's payload keys (`blob`): what its terminal releases."""
+        return f"{self.wf(wf_id)}:blobs"
+
+    def tomb(self, wf_id: str) -> str:
+        return f"{self.cell(cell_of(wf_id))}:tomb:{wf_id}"
+
+    def idem_cell(self, tenant: str, key: str) -> int:
+        """The cell of a request id: fixed by (tenant, key), so a repeated request meets its workflow."""
+        return cell_for_key(tenant, key, cells=self.cells)
+
+    def idem(self, tenant: str, key: str, cell: int | None = None) -> str:
+        """Idempotency key of (tenant, request id), in its cell (or in `cell`). The tenant is
+        length-prefixed: both parts may contain ':', and (`team`, `a:x`) must never meet (`team:a`, `x`)."""
+        where = self.idem_cell(tenant, key) if cell is None else cell
+        return f"{self.cell(where)}:idem:{len(tenant)}:{tenant}:{key}"
+
+    def finalize_keys(self, wf_id: str, suffixes: tuple[str, ...]) -> list[str]:
+        """Every key `finalize` (_lib.lua) may touch besides the workflow's base key and its cell's
+        in-flight set: the workflow's keys (`suffixes`, from `finalize_suffixes`), its tombstone,
+        its cell's notify stream and state indexes. Every script that may end a workflow declares them."""
+        wf, cell = self.wf(wf_id), cell_of(wf_id)
+        return [self.tomb(wf_id), self.notify(cell), *self.state_indexes(cell), *(wf + suffix for suffix in suffixes)]
+
+    # --- one cell -------------------------------------------------------------
+    def tasks(self, stage: str, cell: int) -> str:
+        """A stage's task stream in one cell (consumer group `workers`)."""
+        return f"{self.cell(cell)}:stage:{stage}:tasks"
+
+    def dlq(self, stage: str, cell: int) -> str:
+        """Dead letters of one cell: a stage's exhausted tasks (`events`, `notify`: malformed entries)."""
+        return f"{self.cell(cell)}:dlq:{stage}"
+
+    def events(self, cell: int) -> str:
+        """Stage reports of one cell (consumer group `reconciler`)."""
+        return f"{self.cell(cell)}:events"
+
+    def inflight(self, cell: int) -> str:
+        """zset of the cell's live workflow ids by deadline (admission and deadline sweep)."""
+        return f"{self.cell(cell)}:inflight"
+
+    def all_wf(self, cell: int) -> str:
+        """zset of every workflow id of the cell scored by creation time (listing, GC)."""
+        return f"{self.cell(cell)}:all"
+
+    def state_index(self, state: str, cell: int) -> str:
+        """zset of the cell's workflow ids in one state, scored by creation ms (kept by the Lua transitions)."""
+        return f"{self.cell(cell)}:idx:state:{state}"
+
+    def state_indexes(self, cell: int) -> list[str]:
+        """Every state index of the cell (what a transition that moves a workflow declares)."""
+        return [self.state_index(state.value, cell) for state in WorkflowState]
+
+    def tenant_index(self, tenant: str, cell: int) -> str:
+        """zset of one tenant's workflow ids in the cell, scored by creation ms (written by submit.lua)."""
+        return f"{self.cell(cell)}:idx:tenant:{tenant}"
+
+    def tenants(self, cell: int) -> str:
+        """set of the tenant names that have a tenant index in the cell (so the sweep can trim them)."""
+        return f"{self.cell(cell)}:idx:tenants"
+
+    def retries(self, cell: int) -> str:
+        """zset of the cell's scheduled retries, member ``<id>|<stage>|<attempt>``, score due ms."""
+        return f"{self.cell(cell)}:retries"
+
+    def notify(self, cell: int) -> str:
+        """Stream of the cell's terminal workflows that asked for a webhook."""
+        return f"{self.cell(cell)}:notify"
+
+    def inbox(self, worker_id: str, cell: int) -> str:
+        """A worker's input stream in one cell: chunks for its sessions of that cell, forwarded by
+        the producers' emits."""
+        return f"{self.cell(cell)}:inbox:{worker_id}"
+
+    def wake(self, owner_id: str, cell: int) -> str:
+        """Private stream a process blocks on beside its data streams of one cell, to be woken."""
+        return f"{self.cell(cell)}:wake:{owner_id}"
+
+    # --- outside the cells ----------------------------------------------------
+    @property
+    def workers(self) -> str:
+        """zset of live workers scored by lease expiry (ms)."""
+        return f"{self.prefix}:{{workers}}"
+
+    def worker_info(self, worker_id: str) -> str:
+        return f"{self.prefix}:{{workers}}:{worker_id}"
+
+    @property
+    def layout(self) -> str:
+        """How many cells this deployment has, recorded by its first process (`check_layout`)."""
+        return f"{self.prefix}:cells"
+
+    @property
+    def abort_channel(self) -> str:
+        return f"{self.prefix}:abort"
+
+    # --- job runner (webhooks, batches) ---------------------------------
+    @property
+    def jobs_queue(self) -> str:
+        return f"{self.prefix}:jobs"
+
+    def job_id(self, kind: str, *parts: str) -> str:
+        return ":".join((self.prefix, kind, *parts))
+
+    def webhook(self, wf_id: str) -> str:
+        return f"{self.prefix}:webhook:{{{wf_id}}}"
+
+    def webhook_attempts(self, wf_id: str) -> str:
+        """list of one workflow's webhook delivery attempts (JSON, oldest first)."""
+        return f"{self.webhook(wf_id)}:attempts"
+
+    @property
+    def webhook_secret(self) -> str:
+        return f"{self.prefix}:webhook-secret"
+
+    def batch(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{{{batch_id}}}"
+
+    def batch_input(self, batch_id: str) -> str:
+        return f"{self.batch(batch_id)}:input"
+
+    def batch_lines(self, batch_id: str) -> str:
+        return f"{self.batch(batch_id)}:lines"
+
+    def batch_done(self, batch_id: str) -> str:
+        return f"{self.batch(batch_id)}:done"
+
+    @property
+    def batches(self) -> str:
+        return f"{self.prefix}:batches"
+
+    @property
+    def leader(self) -> str:
+        return f"{self.prefix}:leader"
+
+    @property
+    def stats(self) -> str:
+        return f"{self.prefix}:stats"

@@ -1,0 +1,229 @@
+"""Finding one workflow among many: filtered, paged listing over the listing indexes.
+
+The indexes are zsets (member: workflow id, score: creation ms), kept exact by the Lua
+transitions, so a listing never scans the keyspace:
+
+    <cell>:all                 every workflow                      submit.lua
+    <cell>:idx:state:<state>   one per `WorkflowState`              submit, first claim, finalize
+    <cell>:idx:tenant:<tenant> one per tenant (+ <cell>:idx:tenants) submit.lua
+
+Each cell (`omniflow.storage.cells`) keeps its own indexes. With one cell (a single server) a query
+walks one index as described below; with several, it walks the indexes of every cell merged
+newest first (ranks are ranks in that merged order), and checks the other filters on the
+records from the client, in bounded steps likewise.
+
+A query walks ONE index newest first: the smallest of those its filters name. `since`
+bounds the walk (ZCOUNT gives the rank where older records start), so an age filter never
+reads past it. The filters no index serves (`stage`, a `request_id` substring, the second of
+state and tenant) are checked against the records on the server (`list_scan.lua`, a
+read-only script reading at most `SCAN_STEP` records per call); a query stops after
+`max_scan` records and says where to continue (`next_offset`), so it stays bounded however
+rare the match is. Offsets are ranks in the walked index.
+
+Every index is trimmed with `<p>:all` by the reconciler's sweep (`trim`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+
+from omniflow.storage import scripts
+from omniflow.storage.keys import Keys
+from omniflow.models import WorkflowState
+from omniflow.client.store import csv, s
+
+DEFAULT_MAX_SCAN = 100_000     # records one query may read to fill a page (then: next_offset)
+SCAN_STEP = 2_000              # records one list_scan.lua call reads (bounds how long it holds the server)
+FIELDS = ("state", "tenant", "created_ms", "finished_ms", "finals", "stages", "error", "error_stage", "request_id")
+STATES = tuple(x.value for x in WorkflowState)
+
+
+@dataclass(frozen=True)
+class ListFilter:
+    """What to list; every field left None matches everything."""
+
+    state: str | None = None
+    tenant: str | None = None
+    stage: str | None = None            # the stage is part of the workflow's plan
+    since_ms: int | None = None         # created at or after (epoch ms)
+    request_id: str | None = None       # substring of the request id
+
+
+@dataclass
+class ListPage:
+    rows: list[dict[str, Any]]
+    next_offset: int | None             # rank to continue from; None when the walk reached the end
+    total: int | None                   # how many match, when the index alone answers the filters
+    scanned: int                        # records read to build this page
+
+
+def summary(wf_id: str, values: list[Any]) -> dict[str, Any]:
+    """One listing row from the record fields `FIELDS`."""
+    state, tenant, created, finished, finals, stages, error, error_stage, rid = (s(v) for v in values)
+    return {"id": wf_id, "state": state, "tenant": tenant or None, "created_at": int(created or 0) / 1000,
+            "finished_at": int(finished) / 1000 if finished else None, "final_stages": csv(finals),
+            "stages": csv(stages), "error": error or None, "error_stage": error_stage or None,
+            "request_id": rid or None}
+
+
+def _candidates(keys: Keys, flt: ListFilter, cell: int) -> list[str]:
+    """The indexes of one cell that can serve `flt` (each alone answers one of its filters)."""
+    candidates = [keys.state_index(flt.state, cell)] if flt.state else []
+    if flt.tenant is not None:
+        candidates.append(keys.tenant_index(flt.tenant, cell))
+    return candidates or [keys.all_wf(cell)]
+
+
+async def _pick_index(redis: Redis, keys: Keys, flt: ListFilter) -> tuple[list[str], int, bool]:
+    """(the chosen index, one key per cell; its entries in range over the cells; whether the index
+    alone answers every filter)."""
+    per_cell = [_candidates(keys, flt, cell) for cell in keys.all_cells]
+    low = "-inf" if flt.since_ms is None else flt.since_ms
+    pipe = redis.pipeline(transaction=False)
+    for candidates in per_cell:
+        for key in candidates:
+            pipe.zcount(key, low, "+inf")
+    counts = [int(n) for n in await pipe.execute()]
+    width = len(per_cell[0])
+    totals = [sum(counts[i::width]) for i in range(width)]
+    best = min(range(width), key=totals.__getitem__)
+    exact = width == 1 and not flt.stage and not flt.request_id
+    return [candidates[best] for candidates in per_cell], totals[best], exact
+
+
+async def query(redis: Redis, keys: Keys, flt: ListFilter, *, offset: int = 0, limit: int = 50,
+                max_scan: int = DEFAULT_MAX_SCAN) -> ListPage:
+    """One page of workflows matching `flt`, newest first, starting at rank `offset` of the walked index."""
+    indexes, end, exact = await _pick_index(redis, keys, flt)
+    if len(indexes) > 1:
+        ids, pos, scanned = await _walk_cells(redis, keys, indexes, flt, offset, end, limit, max_scan, exact=exact)
+        return await _page(redis, keys, ids, pos, end, exact, scanned)
+    index = indexes[0]
+    if exact:
+        ids = [s(x) for x in await redis.zrevrange(index, offset, min(end, offset + limit) - 1)] \
+            if offset < end else []
+        pos, scanned = offset + len(ids), len(ids)
+    else:
+        ids, pos, scanned = await _scan(redis, keys, index, flt, offset, end, limit, max_scan)
+    return await _page(redis, keys, ids, pos, end, exact, scanned)
+
+
+async def _page(redis: Redis, keys: Keys, ids: list[str], pos: int, end: int, exact: bool, scanned: int) -> ListPage:
+    rows: list[dict[str, Any]] = []
+    if ids:
+        pipe = redis.pipeline(transaction=False)
+        for wf_id in ids:
+            pipe.hmget(keys.wf(wf_id), list(FIELDS))
+        rows = [row for row in (summary(wf_id, values) for wf_id, values in zip(ids, await pipe.execute()))
+                if row["state"]]      # a record that expired since it was indexed
+    return ListPage(rows=rows, next_offset=pos if pos < end else None, total=end if exact else None,
+                    scanned=scanned)
+
+
+async def _merged(redis: Redis, indexes: list[str], low: Any, start: int, count: int) -> list[str]:
+    """The ids at merged ranks start..start+count-1, newest first, of one index over every cell."""
+    pipe = redis.pipeline(transaction=False)
+    for key in indexes:
+        pipe.zrevrangebyscore(key, "+inf", low, start=0, num=start + count, withscores=True)
+    merged = sorted(((score, s(member)) for reply in await pipe.execute() for member, score in reply), reverse=True)
+    return [wf_id for _, wf_id in merged[start:start + count]]
+
+
+def _matches(flt: ListFilter, values: list[Any]) -> bool:
+    """The filters `list_scan.lua` checks on the server, on one record's (state, tenant, stages, request_id)."""
+    state, tenant, stages, rid = (s(v) for v in values)
+    return bool(state) and (not flt.state or state == flt.state) and (flt.tenant is None or tenant == flt.tenant) \
+        and (not flt.stage or flt.stage in csv(stages)) and (not flt.request_id or flt.request_id in rid)
+
+
+async def _walk_cells(redis: Redis, keys: Keys, indexes: list[str], flt: ListFilter, pos: int, end: int, limit: int,
+                      max_scan: int, *, exact: bool) -> tuple[list[str], int, int]:
+    """`_scan` over the merged indexes of several cells, the records checked here (bounded steps)."""
+    low = "-inf" if flt.since_ms is None else flt.since_ms
+    ids: list[str] = []
+    scanned = 0
+    while len(ids) < limit and pos < end and scanned < max_scan:
+        chunk = await _merged(redis, indexes, low, pos, (limit - len(ids)) if exact else min(SCAN_STEP, max_scan - scanned))
+        if not chunk:
+            break
+        if exact:
+            ids += chunk
+            pos += len(chunk)
+            scanned += len(chunk)
+            continue
+        pipe = redis.pipeline(transaction=False)
+        for wf_id in chunk:
+            pipe.hmget(keys.wf(wf_id), ["state", "tenant", "stages", "request_id"])
+        for i, (wf_id, values) in enumerate(zip(chunk, await pipe.execute())):
+            if _matches(flt, values):
+                ids.append(wf_id)
+                if len(ids) >= limit:
+                    chunk = chunk[:i + 1]
+                    break
+        pos += len(chunk)
+        scanned += len(chunk)
+    return ids, pos, scanned
+
+
+async def _scan(redis: Redis, keys: Keys, index: str, flt: ListFilter, pos: int, end: int, limit: int,
+                max_scan: int) -> tuple[list[str], int, int]:
+    """Matching ids from rank `pos` on, checked server-side by `list_scan.lua` in bounded steps."""
+    ids: list[str] = []
+    scanned = 0
+    while len(ids) < limit and pos < end and scanned < max_scan:
+        step = min(SCAN_STEP, max_scan - scanned)
+        reply = await scripts.call(redis, "list_scan", [index], [
+            keys.cell(0), pos, end, step, limit - len(ids), flt.state or "",
+            "1" if flt.tenant is not None else "0", flt.tenant or "", flt.stage or "", flt.request_id or ""])
+        pos, read = int(reply[0]), int(reply[1])
+        scanned += read
+        ids.extend(s(x) for x in reply[2:])
+        if read == 0:
+            break
+    return ids, pos, scanned
+
+
+async def state_counts(redis: Redis, keys: Keys) -> dict[str, int]:
+    """Workflows per state (ZCARD of each state index of each cell: O(1) each)."""
+    pipe = redis.pipeline(transaction=False)
+    for cell in keys.all_cells:
+        for state in STATES:
+            pipe.zcard(keys.state_index(state, cell))
+    counts = [int(n) for n in await pipe.execute()]
+    return {state: sum(counts[i::len(STATES)]) for i, state in enumerate(STATES)}
+
+
+async def finished_before(redis: Redis, keys: Keys, states: tuple[str, ...], cutoff_ms: int, *,
+                          count: int = 500) -> list[str]:
+    """Up to `count` ids of workflows in `states` created before `cutoff_ms`, oldest first."""
+    pipe = redis.pipeline(transaction=False)
+    for cell in keys.all_cells:
+        for state in states:
+            pipe.zrangebyscore(keys.state_index(state, cell), "-inf", f"({cutoff_ms}", start=0, num=count,
+                               withscores=True)
+    found = sorted((score, s(x)) for reply in await pipe.execute() for x, score in reply)
+    return [wf_id for _, wf_id in found[:count]]
+
+
+async def trim(redis: Redis, keys: Keys, cutoff_ms: int) -> None:
+    """Drop index entries created before `cutoff_ms` (their records have expired by then)."""
+    pipe = redis.pipeline(transaction=False)
+    for cell in keys.all_cells:
+        pipe.smembers(keys.tenants(cell))
+    tenants = [[s(t) for t in members] for members in await pipe.execute()]
+    pipe = redis.pipeline(transaction=False)
+    for cell in keys.all_cells:
+        for key in (keys.all_wf(cell), *keys.state_indexes(cell), *(keys.tenant_index(t, cell) for t in tenants[cell])):
+            pipe.zremrangebyscore(key, "-inf", f"({cutoff_ms}")
+    await pipe.execute()
+
+
+def unindex(pipe: Any, keys: Keys, wf_id: str, tenant: str) -> None:
+    """Queue the removal of one workflow from every index of its cell on `pipe` (purge)."""
+    cell = keys.cell_of(wf_id)
+    pipe.zrem(keys.all_wf(cell), wf_id)
+    for key in keys.state_indexes(cell):
+        pipe.zrem(key, wf_id)
+    pipe.zrem(keys.tenant_index(tenant, cell), wf_id)
