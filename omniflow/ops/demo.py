@@ -22,7 +22,7 @@ from pathlib import Path
 
 DEMO_HOME = Path(".omniflow/demo")
 MODELS_DIR = Path(".omniflow/models")
-PIPELINE = Path(__file__).resolve().parents[1] / "deploy" / "pipelines" / "omni-cpu.yaml"
+PIPELINE = Path(__file__).resolve().parents[2] / "deploy" / "pipelines" / "omni-cpu.yaml"
 QUESTION = "Why is the sky blue?"
 OUT = Path("demo.wav")
 READY_TIMEOUT_S = 600.0
