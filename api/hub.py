@@ -16,7 +16,8 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 
 from omniflow.storage.mux import Entry, StreamMux
-from omniflow.client.store import LOG_ENTRY_LIMIT, Store, decode_fields, s
+from omniflow.client.store import LOG_ENTRY_LIMIT, Store
+from omniflow.storage.schema import decode_fields, s
 from omniflow.storage.topology import read_groups
 
 Event = tuple[str, dict[str, str]]

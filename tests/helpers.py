@@ -12,7 +12,8 @@ from typing import Any
 import yaml
 
 from omniflow.models import SubmitRequest, WorkflowInput
-from omniflow.client.store import Store, s
+from omniflow.client.store import Store
+from omniflow.storage.schema import s
 from omniflow.workers.toy import reply_words
 
 

@@ -7,7 +7,7 @@ from helpers import eventually, request
 
 from omniflow.storage import listing
 from omniflow.storage.listing import ListFilter
-from omniflow.client.store import s
+from omniflow.storage.schema import s
 
 
 async def _index(eng, state: str) -> set[str]:

@@ -9,7 +9,8 @@ from omniflow.storage import scripts
 from omniflow.storage.keys import TASK_GROUP
 from omniflow.pipeline import build_pipeline
 from omniflow.engine.reconciler import Reconciler
-from omniflow.client.store import Store, connect, now_ms, s
+from omniflow.client.store import Store, connect
+from omniflow.storage.schema import now_ms, s
 from omniflow.engine.worker import ensure_group
 
 from conftest import toy_spec

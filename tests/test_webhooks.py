@@ -12,7 +12,7 @@ from omniflow.config import Settings
 from omniflow.jobs.egress import EgressPolicy, EgressRefused, check_url, forbidden_reason
 from omniflow.errors import InvalidRequest
 from omniflow.storage.keys import NOTIFY_GROUP, Keys
-from omniflow.client.store import s
+from omniflow.storage.schema import s
 from omniflow.jobs.webhooks import backoff_s, webhook_id
 
 from conftest import toy_spec

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 
-from omniflow.engine import worker as worker_module
+from omniflow.engine.worker import intake as intake_module
 from omniflow.storage.keys import TASK_GROUP
 
 from conftest import toy_spec
@@ -111,8 +111,8 @@ async def test_a_stage_that_cannot_resume_restarts_with_its_downstream(engine_fa
 async def test_a_task_delivered_but_never_received_is_claimed_again(engine_factory, monkeypatch) -> None:
     """The reply of an XREADGROUP lost with its connection (a failover, a killed client) leaves the
     task pending for a live worker that never heard of it: the worker finds it and claims it."""
-    monkeypatch.setattr(worker_module, "ORPHAN_AUDIT_S", 0.3)
-    monkeypatch.setattr(worker_module, "ORPHAN_IDLE_MS", 200)
+    monkeypatch.setattr(intake_module, "ORPHAN_AUDIT_S", 0.3)
+    monkeypatch.setattr(intake_module, "ORPHAN_IDLE_MS", 200)
     async with engine_factory(workers=False) as eng:
         for stage in ("talker", "code2wav"):
             await eng.add_worker(stage)

@@ -23,7 +23,8 @@ from omniflow.models import SubmitRequest, WorkflowInput
 from omniflow.pipeline import Pipeline, load_pipeline
 from omniflow.storage.redisio import connect, connect_sync
 from omniflow.storage.scripts import SubmitResult
-from omniflow.client.store import Store, check_same_body, s
+from omniflow.client.store import Store, check_same_body
+from omniflow.storage.schema import s
 
 
 class AsyncClient:

@@ -37,34 +37,16 @@ from omniflow.storage.keys import Keys, finalize_suffixes
 from omniflow.models import TERMINAL_STATES, SubmitRequest, Submitted, WorkflowState
 from omniflow.pipeline import Pipeline, Plan
 from omniflow.storage.redisio import connect, translated
+from omniflow.storage.schema import csv, decode_fields, now_ms, s
 
 if TYPE_CHECKING:
     from omniflow.storage.listing import ListFilter, ListPage
 
-__all__ = ["LOG_ENTRY_LIMIT", "Store", "abort_call", "connect", "csv", "decode_fields", "new_id", "now_ms", "s"]
+__all__ = ["LOG_ENTRY_LIMIT", "Store", "abort_call", "connect", "new_id"]
 
 LOG_ENTRY_LIMIT = 10_000
 #: a submit refused for memory is over capacity, like one over `max_in_flight`
 SUBMIT_OOM_RETRY_AFTER_S = 1.0
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-def s(value: Any) -> str:
-    """bytes -> str (replies are bytes)."""
-    if value is None:
-        return ""
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def csv(value: Any) -> list[str]:
-    return [x for x in s(value).split(",") if x]
-
-
-def decode_fields(fields: dict[bytes, bytes]) -> dict[str, str]:
-    return {s(k): s(v) for k, v in fields.items() if k not in (b"pcm", b"d")}
 
 
 def new_id(cell: int = 0) -> str:

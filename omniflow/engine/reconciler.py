@@ -40,7 +40,8 @@ from omniflow.pipeline import Pipeline
 from omniflow.storage.redisio import connect, ensure_group
 from omniflow.runtime import Backoff, check_eviction_policy, check_layout, forever, when_redis_answers
 from omniflow.storage.scripts import evalsha_args
-from omniflow.client.store import abort_call, csv, now_ms, s
+from omniflow.client.store import abort_call
+from omniflow.storage.schema import csv, now_ms, s
 from omniflow.storage.topology import is_cluster, read_groups
 
 logger = logging.getLogger(__name__)

@@ -41,7 +41,8 @@ from omniflow.storage.keys import Keys
 from omniflow.jobs.queue import RUN_BATCH_CHUNK
 from omniflow.models import TERMINAL_STATES, SubmitRequest, WorkflowState
 from omniflow.pipeline import Pipeline
-from omniflow.client.store import Store, now_ms, s
+from omniflow.client.store import Store
+from omniflow.storage.schema import now_ms, s
 
 logger = logging.getLogger(__name__)
 

@@ -43,7 +43,8 @@ from omniflow.jobs.queue import DELIVER_WEBHOOK
 from omniflow.storage.topology import is_cluster, read_groups
 from omniflow.storage.keys import NOTIFY_GROUP, Keys
 from omniflow.storage.scripts import evalsha_args
-from omniflow.client.store import Store, s
+from omniflow.client.store import Store
+from omniflow.storage.schema import s
 
 logger = logging.getLogger(__name__)
 

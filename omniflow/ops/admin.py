@@ -18,7 +18,8 @@ from omniflow.storage.keys import DLQ_EVENTS
 from omniflow.models import TERMINAL_STATES, SubmitRequest, WorkflowInput, WorkflowState
 from omniflow.pipeline import Pipeline
 from omniflow.storage.redisio import translated
-from omniflow.client.store import Store, csv, decode_fields, now_ms, s
+from omniflow.client.store import Store
+from omniflow.storage.schema import csv, decode_fields, now_ms, s
 from omniflow.storage.topology import is_cluster
 
 PURGE_BATCH = 500

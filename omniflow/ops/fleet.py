@@ -21,7 +21,8 @@ from typing import Any
 
 from omniflow.storage.keys import DLQ_EVENTS, TASK_GROUP
 from omniflow.storage.redisio import translated
-from omniflow.client.store import Store, csv, now_ms, s
+from omniflow.client.store import Store
+from omniflow.storage.schema import csv, now_ms, s
 from omniflow.engine.window import WINDOW_S, merge, percentile
 
 #: text and audio log entries: a stage's first one is its time to first output

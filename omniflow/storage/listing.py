@@ -32,7 +32,7 @@ from redis.asyncio import Redis
 from omniflow.storage import scripts
 from omniflow.storage.keys import Keys
 from omniflow.models import WorkflowState
-from omniflow.client.store import csv, s
+from omniflow.storage.schema import csv, s
 
 DEFAULT_MAX_SCAN = 100_000     # records one query may read to fill a page (then: next_offset)
 SCAN_STEP = 2_000              # records one list_scan.lua call reads (bounds how long it holds the server)

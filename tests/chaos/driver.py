@@ -35,7 +35,8 @@ from omniflow.errors import OmniflowError, RedisUnavailable
 from omniflow.storage.keys import EVENT_GROUP, TASK_GROUP, Keys
 from omniflow.models import SubmitRequest, WorkflowInput
 from omniflow.pipeline import load_pipeline
-from omniflow.client.store import Store, connect, s
+from omniflow.client.store import Store, connect
+from omniflow.storage.schema import s
 from omniflow.workers.toy import codes_for, hidden_state, reply_words, tone
 from tests.chaos.hosts import Host
 

@@ -15,7 +15,8 @@ import pytest
 from redis import Redis
 
 from omniflow.ops.embedded import EmbeddedServer
-from omniflow.client.store import connect, s
+from omniflow.client.store import connect
+from omniflow.storage.schema import s
 from tests.chaos.driver import ChaosConfig, ChaosRun, Cluster
 from tests.chaos.hosts import IP, Host, NetLab
 from tests.chaos.test_chaos import _assert_clean, _report

@@ -19,7 +19,7 @@ from dataplane_fixtures import expected_digest, pipeline
 from omniflow.config import DataPlaneMode
 from omniflow.dataplane import DataPlane, Ref, TransportKind
 from omniflow.dataplane.shm import DEFAULT_SHM_DIR, ShmTransport, shm_available
-from omniflow.client.store import s
+from omniflow.storage.schema import s
 
 pytestmark = pytest.mark.skipif(not shm_available(DEFAULT_SHM_DIR), reason="no /dev/shm on this host")
 
@@ -122,7 +122,7 @@ async def test_backpressure_holds_a_fast_producer_to_the_bound(engine_factory) -
         bp = worker_of(eng, "src").backpressure
         assert bp.waits > 0 and bp.wait_s > 0
         assert 0 < bp.peak_chunks <= 4
-        await worker_of(eng, "src")._heartbeat_once()
+        await worker_of(eng, "src").liveness.heartbeat_once()
         info = await eng.redis.hget(eng.store.keys.worker_info(worker_of(eng, "src").id), "stats")
         assert b'"backpressure_waits": ' in info
 

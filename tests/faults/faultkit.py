@@ -36,7 +36,8 @@ from omniflow.errors import AdmissionRefused, OmniflowError
 from omniflow.storage.keys import EVENT_GROUP, NOTIFY_GROUP, TASK_GROUP, Keys
 from omniflow.models import SubmitRequest, WorkflowInput
 from omniflow.storage.redisio import REDIS_ERRORS, connect
-from omniflow.client.store import Store, s
+from omniflow.client.store import Store
+from omniflow.storage.schema import s
 from tests.chaos.driver import STAGES, TERMINAL, ChaosConfig, Cluster, expected_output, prompt_for
 
 FAULTS = ("oom", "readonly", "busy", "pause", "kill-clients", "script-flush", "poison")

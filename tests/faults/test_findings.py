@@ -17,7 +17,7 @@ from omniflow.storage import redisio, scripts
 from omniflow.errors import RedisUnavailable, ScriptError
 from omniflow.storage.keys import EVENT_GROUP, TASK_GROUP
 from omniflow.engine.reconciler import Reconciler, backoff_ms
-from omniflow.client.store import now_ms, s
+from omniflow.storage.schema import now_ms, s
 
 from conftest import toy_spec
 from helpers import eventually, expected_text, log_entries, request, run_to_end, text_steps

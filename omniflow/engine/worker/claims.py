@@ -1,0 +1,170 @@
+"""Claiming the tasks a worker took: one `claim.lua` call per batch, then a `Session` for each task
+kept (its record decoded, its catch-up of inputs, its resume state), started by the `SessionRunner`."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from omniflow.engine.session import Session
+from omniflow.engine.worker.chunks import MAX_DETAIL_CHARS, chunk_fields, fields_dict
+from omniflow.engine.worker.context import WorkerContext
+from omniflow.engine.worker.pool import StagePool
+from omniflow.engine.worker.sessions import SessionRunner
+from omniflow.errors import RedisUnavailable, ScriptError
+from omniflow.models import WorkflowState
+from omniflow.runtime import Backoff
+from omniflow.storage.keys import TASK_GROUP
+from omniflow.storage.schema import csv, now_ms, s
+from omniflow.storage.scripts import evalsha_args
+
+logger = logging.getLogger(__name__)
+
+PLAN_CACHE_MAX = 1024
+Claim = tuple[str, str, int]            # (task entry id, workflow id, attempt)
+
+
+class Claims:
+    """Turns delivered tasks into running sessions."""
+
+    def __init__(self, ctx: WorkerContext, runner: SessionRunner) -> None:
+        self.ctx = ctx
+        self.runner = runner
+        self._plans: dict[tuple[str, bytes, bytes], tuple[tuple[str, ...], ...]] = {}
+        self._params: dict[bytes, dict[str, Any]] = {}
+
+    async def claim(self, pool: StagePool, cell: int, claims: list[Claim]) -> None:
+        """Claim a batch of tasks with one `claim.lua` call, then start a session for each one kept."""
+        ctx = self.ctx
+        stage, upstream = pool.stage, pool.upstream
+        queues: list[asyncio.Queue[Any]] = []
+        for _entry_id, wf_id, attempt in claims:
+            # register before claiming: chunks forwarded to our inbox after the claim find their queue
+            queue: asyncio.Queue[Any] = asyncio.Queue()
+            ctx.inputs[(wf_id, stage, attempt)] = queue
+            queues.append(queue)
+        replies: list[Any] | None = None
+        try:
+            replies = await self._claim_call(pool, cell, claims)
+        finally:
+            pool.claiming -= len(claims)
+            ctx.slot_free.set()
+            if replies is None:
+                for _entry_id, wf_id, attempt in claims:
+                    ctx.inputs.pop((wf_id, stage, attempt), None)
+        if replies is None:         # the worker is stopping: the reconciler re-queues what we hold
+            return
+        loop = asyncio.get_running_loop()
+        for (entry_id, wf_id, attempt), queue, reply in zip(claims, queues, replies, strict=True):
+            if isinstance(reply, Exception) or s(reply[0]) != "ok":
+                if isinstance(reply, Exception):    # this task alone cannot be claimed: poison
+                    ctx.dead_letter(stage, cell, pool.tasks_keys[cell], TASK_GROUP, entry_id,
+                                    {b"wf": wf_id.encode(), b"s": stage.encode(), b"a": str(attempt).encode()},
+                                    f"claim failed: {reply}")
+                ctx.stats["dropped"] += 1
+                ctx.inputs.pop((wf_id, stage, attempt), None)
+                ctx.held.discard(entry_id)
+                continue
+            try:
+                _, raw_input, raw_params, raw_stages, raw_finals, seq = reply[:6]
+                checkpoint = s(reply[7]) if len(reply) > 7 else ""
+                catchup = [(s(src), chunk) for src, entries in reply[6] for entry in entries
+                           for chunk in chunk_fields(fields_dict(entry[1]))] if upstream else []
+                required, finals, downstream = self._plan_of(stage, raw_stages, raw_finals)
+                session = Session(
+                    wf_id=wf_id, stage=stage, attempt=attempt,
+                    input=json.loads(raw_input), params=self._params_of(raw_params, stage),
+                    finals=finals, downstream=downstream,
+                    resume_seq=int(seq or 0), _batcher=ctx.batcher_for(wf_id), _keys=ctx.keys,
+                    upstream=upstream, required=required, _queue=queue, _catchup=catchup,
+                    _input_timeout_s=pool.spec.retry.input_timeout_s, waiting_input=bool(upstream),
+                    checkpoint=checkpoint, _home=loop if pool.compute is not None else None,
+                    _plane=ctx.plane, _domain_of=self.runner.domain_of, _chunk_dsts=pool.chunk_dsts,
+                    _bp=ctx.backpressure,
+                )
+            except Exception as exc:  # noqa: BLE001 - a record that does not decode fails its workflow, not us
+                ctx.inputs.pop((wf_id, stage, attempt), None)
+                why = f"workflow record is malformed: {type(exc).__name__}: {exc}"[:MAX_DETAIL_CHARS]
+                ctx.spawn(f"{wf_id}|{stage}|{attempt}", self._fail_unstartable(pool, cell, entry_id, wf_id, attempt, why),
+                          entry_id=entry_id)
+                continue
+            ctx.stats["claimed"] += 1
+            if attempt > 1:
+                ctx.window.retried(stage)
+            ctx.spawn(f"{wf_id}|{stage}|{attempt}", self.runner.run(pool, cell, entry_id, session), session, pool,
+                      entry_id=entry_id)
+
+    async def _claim_call(self, pool: StagePool, cell: int, claims: list[Claim]) -> list[Any] | None:
+        """The `claim.lua` replies of a batch, one per task (an exception for a task that alone cannot
+        be claimed); None when the worker stopped first. A claim sent again is harmless (same replica:
+        'ok' again), so transient errors are retried; a batch the script fails on is split, to find
+        the task that causes it."""
+        ctx = self.ctx
+        args = [ctx.settings.prefix, TASK_GROUP, ctx.id, now_ms(), ",".join(pool.upstream), pool.stage,
+                *(x for claim in claims for x in claim)]
+        keys = [pool.tasks_keys[cell], ctx.keys.state_index(WorkflowState.PENDING.value, cell),
+                ctx.keys.state_index(WorkflowState.RUNNING.value, cell)]
+        for _entry_id, wf_id, _attempt in claims:
+            wf = ctx.keys.wf(wf_id)
+            keys += [wf, f"{wf}:stages", f"{wf}:log", *(f"{wf}:edge:{src}:{pool.stage}" for src in pool.upstream)]
+        backoff = Backoff()
+        while True:
+            try:
+                replies = await ctx.batcher.script("claim", keys, args)
+                if not isinstance(replies, list) or len(replies) != len(claims):
+                    raise ScriptError(f"unexpected claim reply {replies!r:.200}")
+                return replies
+            except RedisUnavailable as exc:        # lost, refused (OOM, READONLY, LOADING...)
+                if ctx.stopping:
+                    return None
+                await backoff.wait(logger, f"worker {ctx.id}: claim failed", exc)
+            except ScriptError as exc:
+                if len(claims) == 1:
+                    return [exc]
+                logger.warning("worker %s: a claim of %d tasks failed (%s); claiming them one by one",
+                               ctx.id, len(claims), exc)
+                out: list[Any] = []
+                for claim in claims:
+                    one = await self._claim_call(pool, cell, [claim])
+                    if one is None:
+                        return None
+                    out += one
+                return out
+
+    async def _fail_unstartable(self, pool: StagePool, cell: int, entry_id: str, wf_id: str, attempt: int,
+                                why: str) -> None:
+        """Close a claimed session that cannot start (its record does not decode) as a failure that
+        is not retried: its workflow fails with the reason, its task is acknowledged."""
+        ctx = self.ctx
+        logger.warning("session %s/%s cannot start: %s", wf_id, pool.stage, why)
+        wf = ctx.keys.wf(wf_id)
+        call = evalsha_args("finish", [wf, pool.tasks_keys[cell], ctx.keys.events(cell), f"{wf}:stages", f"{wf}:log"],
+                            [TASK_GROUP, entry_id, pool.stage, attempt, "failed", why, "0", now_ms(), 0, ""])
+        await ctx.write_until_done(call, f"failing session {wf_id}/{pool.stage}")
+
+    def _plan_of(self, stage: str, raw_stages: bytes, raw_finals: bytes) -> tuple[tuple[str, ...], ...]:
+        """(required stages, finals, this stage's downstream) of a workflow, from its record's csv
+        fields; the same few combinations recur for every workflow, so they are decoded once."""
+        key = (stage, raw_stages, raw_finals)
+        plan = self._plans.get(key)
+        if plan is None:
+            required = tuple(csv(raw_stages))
+            plan = (required, tuple(csv(raw_finals)), tuple(self.ctx.pipeline.downstream(stage, required)))
+            if len(self._plans) < PLAN_CACHE_MAX:
+                self._plans[key] = plan
+        return plan
+
+    def _params_of(self, raw_params: bytes, stage: str) -> dict[str, Any]:
+        """A stage's params from the record's JSON, parsed once per distinct JSON. Each session gets
+        its own dict; params with nested values are parsed afresh, so no session can change another's."""
+        parsed = self._params.get(raw_params)
+        if parsed is None:
+            parsed = json.loads(raw_params)
+            flat = all(isinstance(p, dict) and not any(isinstance(v, (dict, list)) for v in p.values())
+                       for p in parsed.values())
+            if not flat:
+                return parsed.get(stage, {})  # type: ignore[no-any-return]
+            if len(self._params) < PLAN_CACHE_MAX:
+                self._params[raw_params] = parsed
+        return dict(parsed.get(stage, {}))

@@ -1,0 +1,128 @@
+"""What the parts of a worker share: its identity and settings, its connections, its stage pools,
+the sessions it holds, its counters. One object, built by `Worker` and handed to each part
+(intake, claims, sessions, liveness, inbox, abort fan-out), so no part reaches into another."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from redis.asyncio import Redis
+
+from omniflow.config import Settings
+from omniflow.dataplane import DataPlane
+from omniflow.dataplane.backpressure import WaitStats
+from omniflow.engine.session import Session
+from omniflow.engine.window import StageWindow
+from omniflow.engine.worker.pool import StagePool
+from omniflow.errors import RedisError, RedisUnavailable
+from omniflow.pipeline import Pipeline
+from omniflow.runtime import Backoff
+from omniflow.storage import redisio
+from omniflow.storage.batcher import Batcher
+from omniflow.storage.keys import Keys
+
+logger = logging.getLogger(__name__)
+
+#: the counters a worker publishes with its heartbeat (`omniflow workers`, `/metrics`)
+STAT_NAMES = ("claimed", "dropped", "done", "failed", "fenced", "dead_letters", "backpressure_waits",
+              "payloads_released", "segments_swept", "regenerated")
+
+
+class WorkerContext:
+    """The shared state of one worker process (see the module docstring)."""
+
+    def __init__(self, *, settings: Settings, pipeline: Pipeline, worker_id: str, label: str,
+                 pools: dict[str, StagePool], redis_url: str) -> None:
+        self.settings = settings
+        self.pipeline = pipeline
+        self.id = worker_id
+        self.label = label                      # the stages served, comma-separated (heartbeat, logs)
+        self.pools = pools
+        self.redis_url = redis_url
+        # the layout (how many cells) is known once connected (`Worker._setup_redis`)
+        self.keys = Keys(settings.prefix, settings.cells or 1)
+        # connections, made by `Worker._setup_redis`
+        self.redis: Redis
+        self.intake_redis: Redis
+        self.inbox_redis: Redis
+        self.batchers: list[Batcher] = []
+        self.batcher: Batcher
+        self.plane: DataPlane
+        self.inbox_keys: dict[int, str] = {}
+        # the sessions held: "<wf>|<stage>|<attempt>" -> (its session, or None for a helper task; its task)
+        self.sessions: dict[str, tuple[Session | None, asyncio.Task[None]]] = {}
+        self.held: set[str] = set()     # task entry ids this worker is working on (claim, session, dead letter)
+        # (wf, stage, attempt) -> the input queue of that session
+        self.inputs: dict[tuple[str, str, int], asyncio.Queue[Any]] = {}
+        self.slot_free = asyncio.Event()        # a session slot came free (intake waits on it)
+        self.undrained = asyncio.Event()        # cleared while an operator drains this worker
+        self.undrained.set()
+        self.stopping = False
+        self.background: set[asyncio.Task[Any]] = set()
+        self.stats: dict[str, float] = {name: 0 for name in STAT_NAMES}
+        self.stats["backpressure_wait_s"] = 0.0
+        self.backpressure = WaitStats()
+        self.window = StageWindow(pools)
+
+    @property
+    def draining(self) -> bool:
+        return not self.undrained.is_set()
+
+    def batcher_for(self, wf_id: str) -> Batcher:
+        """The write connection of one workflow: its writes keep their order on it."""
+        return self.batchers[hash(wf_id) % len(self.batchers)]
+
+    # ------------------------------------------------------------ the sessions held
+    def spawn(self, key: str, coro: Coroutine[Any, Any, None], session: Session | None = None,
+              pool: StagePool | None = None, *, entry_id: str | None = None) -> None:
+        """Run `coro` as the task of `key`, holding a slot of `pool` and the task entry `entry_id`."""
+        task = asyncio.create_task(coro, name=key)
+        self.sessions[key] = (session, task)
+        if pool is not None:
+            pool.active += 1
+        if entry_id is not None:
+            self.held.add(entry_id)
+        task.add_done_callback(lambda _t: self._release(key, pool, entry_id))
+
+    def _release(self, key: str, pool: StagePool | None, entry_id: str | None = None) -> None:
+        self.sessions.pop(key, None)
+        if entry_id is not None:
+            self.held.discard(entry_id)
+        if pool is not None:
+            pool.active -= 1
+        self.slot_free.set()
+
+    def track(self, task: asyncio.Task[Any]) -> None:
+        """Keep a reference to a background task until it is done."""
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    # ------------------------------------------------------------ writes that must land
+    def dead_letter(self, dlq_name: str, cell: int, stream: str, group: str, entry_id: str,
+                    fields: dict[bytes, bytes] | None, reason: str) -> None:
+        """Move a poison entry of `stream` (of `cell`) to that cell's dead-letter stream `dlq:<dlq_name>`
+        with the reason (in the background, retried until Redis takes it: the entry stays where it is
+        until then)."""
+        self.stats["dead_letters"] += 1
+        logger.warning("worker %s: dead-lettering entry %s of %s: %s", self.id, entry_id, stream, reason)
+        call = redisio.dead_letter_call(self.keys.dlq(dlq_name, cell), stream, group, entry_id, fields, reason,
+                                        max_len=self.settings.dlq_max_len)
+        self.spawn(f"dlq:{stream}:{entry_id}", self.write_until_done(call, f"dead-letter {entry_id}"),
+                   entry_id=entry_id)
+
+    async def write_until_done(self, call: tuple[Any, ...], what: str) -> None:
+        """Send one command until Redis takes it (or refuses it for good, or the worker stops)."""
+        backoff = Backoff()
+        while True:
+            try:
+                await self.batcher.call(*call)
+                return
+            except RedisUnavailable as exc:
+                if self.stopping:
+                    return
+                await backoff.wait(logger, f"worker {self.id}: {what}", exc)
+            except RedisError as exc:
+                logger.error("worker %s: %s failed: %s", self.id, what, exc)
+                return

@@ -1,0 +1,184 @@
+"""A worker's intake: the blocking XREADGROUP over its stages' task streams (only as many tasks as
+free session slots), validation of what it delivers, hand-back while draining, and the audit that
+adopts tasks delivered to this worker but never received."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from omniflow.engine.worker.claims import Claims
+from omniflow.engine.worker.context import WorkerContext
+from omniflow.engine.worker.pool import StagePool
+from omniflow.errors import MalformedEntry, RedisError
+from omniflow.runtime import Backoff
+from omniflow.storage import redisio
+from omniflow.storage.entries import task as task_entry
+from omniflow.storage.keys import TASK_GROUP
+from omniflow.storage.redisio import REDIS_ERRORS, ensure_group
+from omniflow.storage.schema import s
+from omniflow.storage.topology import is_cluster
+
+logger = logging.getLogger(__name__)
+
+INTAKE_RECHECK_MS = 20      # a multi-stage worker with a full stage re-reads this often to add it back
+# Tasks delivered to this worker that it never heard of (the reply of its read was lost with the
+# connection: a failover, a killed client) are looked for this often, once pending this long.
+ORPHAN_AUDIT_S = 5.0
+ORPHAN_IDLE_MS = 3_000
+ORPHAN_BATCH = 256
+
+Delivered = list[tuple[str, dict[bytes, bytes]]]
+
+
+class Intake:
+    """Takes tasks off the stages' streams and hands them to `Claims`."""
+
+    def __init__(self, ctx: WorkerContext, claims: Claims, *, loops: int) -> None:
+        self.ctx = ctx
+        self.claims = claims
+        self.loops = loops              # intake loops running (one per read group)
+        self.starved = 0                # intake loops waiting for a free session slot
+        self.by_stream: dict[str, tuple[StagePool, int]] = {
+            key: (pool, cell) for pool in ctx.pools.values() for cell, key in pool.tasks_keys.items()}
+
+    async def run(self, cells: tuple[int, ...]) -> None:
+        """One blocking XREADGROUP over the task streams of `cells` for every stage with a free slot.
+        On a single server one loop reads every cell; on a cluster one loop per cell (one slot per
+        read). Each read reserves the slots it may fill (COUNT applies per stream), so the loops
+        together never take more tasks than the stages have room for."""
+        ctx = self.ctx
+        backoff = Backoff()
+        while True:
+            if ctx.draining:
+                await ctx.undrained.wait()
+                continue
+            ready = [pool for pool in ctx.pools.values() if pool.free > 0]
+            if not ready:
+                self.starved += 1
+                try:
+                    ctx.slot_free.clear()
+                    await ctx.slot_free.wait()
+                finally:
+                    self.starved -= 1
+                continue
+            share = len(cells) * self.loops
+            count = max(1, min(ctx.settings.read_batch, *(pool.free // share for pool in ready)))
+            # A stage left out because it was full is not in the blocking read (nor are the slots
+            # other loops wait for): come back soon to add it when its slots free up (a blocking read
+            # cannot be interrupted without losing what it may already have delivered).
+            block = ctx.settings.block_ms if len(ready) == len(ctx.pools) and not self.starved else \
+                min(ctx.settings.block_ms, INTAKE_RECHECK_MS)
+            reserved = count * len(cells)
+            for pool in ready:
+                pool.claiming += reserved
+            try:
+                with redisio.boundary():
+                    reply = await ctx.intake_redis.xreadgroup(
+                        TASK_GROUP, ctx.id, {pool.tasks_keys[cell]: ">" for pool in ready for cell in cells},
+                        count=count, block=block)
+                backoff.reset()
+            except RedisError as exc:
+                if redisio.is_nogroup(exc):        # the stream was deleted (or the server lost it)
+                    try:
+                        for pool in ready:
+                            for cell in cells:
+                                await ensure_group(ctx.redis, pool.tasks_keys[cell], TASK_GROUP)
+                        continue
+                    except RedisError as again:
+                        exc = again
+                await backoff.wait(logger, f"worker {ctx.id}: intake read failed", exc)
+                continue
+            finally:
+                for pool in ready:
+                    pool.claiming -= reserved
+                ctx.slot_free.set()
+            for stream, entries in reply or []:
+                pool, cell = self.by_stream[s(stream)]
+                self.accept(pool, cell, [(s(entry_id), fields) for entry_id, fields in entries])
+
+    def accept(self, pool: StagePool, cell: int, entries: Delivered) -> None:
+        """Validate delivered tasks (malformed ones go to the dead-letter stream) and claim the rest in one call."""
+        ctx = self.ctx
+        if ctx.draining:       # read by a blocking read that began before the drain: give them back
+            ctx.track(asyncio.create_task(self._hand_back(pool, cell, entries)))
+            return
+        claims: list[tuple[str, str, int]] = []
+        for entry_id, fields in entries:
+            try:
+                entry = task_entry(fields, stage=pool.stage)
+            except MalformedEntry as exc:
+                ctx.dead_letter(pool.stage, cell, pool.tasks_keys[cell], TASK_GROUP, entry_id, fields,
+                                f"malformed task entry: {exc}")
+                continue
+            wf_id, stage, attempt = entry.wf_id, entry.stage, entry.attempt
+            if attempt > 1:
+                # An older attempt of this session still running here was declared lost (our lease lapsed,
+                # or we lost Redis): it is fenced anyway; stop it so it cannot hold this stage's inputs.
+                # (The sessions held are scanned, not the attempts: an attempt number is only bounded.)
+                prefix = f"{wf_id}|{stage}|"
+                for key, (_stale, held) in list(ctx.sessions.items()):
+                    if key.startswith(prefix) and int(key.rsplit("|", 1)[1]) < attempt:
+                        held.cancel()
+            claims.append((entry_id, wf_id, attempt))
+            ctx.held.add(entry_id)
+        if claims:
+            pool.claiming += len(claims)
+            ctx.track(asyncio.create_task(self.claims.claim(pool, cell, claims)))
+
+    async def _hand_back(self, pool: StagePool, cell: int, entries: Delivered) -> None:
+        """Re-queue unclaimed tasks as they were (same attempt: still valid for any other worker)."""
+        ctx = self.ctx
+        stream = pool.tasks_keys[cell]
+        pipe = ctx.redis.pipeline(transaction=not is_cluster(ctx.redis))    # one stream: one slot
+        for entry_id, fields in entries:
+            pipe.xadd(stream, fields)
+            pipe.xack(stream, TASK_GROUP, entry_id)
+            pipe.xdel(stream, entry_id)
+        try:
+            await pipe.execute()
+            logger.info("worker %s (draining): handed back %d task(s) of %s", ctx.id, len(entries), pool.stage)
+        except REDIS_ERRORS as exc:      # still pending here: re-queued when this worker stops
+            logger.warning("worker %s: could not hand back %d task(s): %s", ctx.id, len(entries), exc)
+
+    async def orphans(self) -> None:
+        """Claim again the tasks delivered to this worker that it never heard of.
+
+        A task read by XREADGROUP is pending for this worker from the moment the server delivers it;
+        if the reply is lost with the connection (a failover, a killed client, a restart after the
+        delivery was replicated), nobody works on it and nobody re-queues it: the worker is alive
+        and renews its lease. So every `ORPHAN_AUDIT_S` the worker lists its own pending tasks idle
+        for `ORPHAN_IDLE_MS` that it does not hold, takes them back (XCLAIM) and claims them as if
+        just read."""
+        while True:
+            await asyncio.sleep(ORPHAN_AUDIT_S)
+            for pool in self.ctx.pools.values():
+                for cell, stream in pool.tasks_keys.items():
+                    try:
+                        await self.adopt_orphans(pool, cell, stream)
+                    except RedisError as exc:
+                        logger.warning("worker %s: looking for orphaned tasks of %s failed: %s", self.ctx.id,
+                                       stream, exc)
+
+    async def adopt_orphans(self, pool: StagePool, cell: int, stream: str) -> int:
+        ctx = self.ctx
+        with redisio.boundary():
+            rows = await ctx.redis.xpending_range(stream, TASK_GROUP, min="-", max="+", count=ORPHAN_BATCH,
+                                                  consumername=ctx.id, idle=ORPHAN_IDLE_MS)
+        ids = [s(row["message_id"]) for row in rows if s(row["message_id"]) not in ctx.held]
+        if not ids:
+            return 0
+        with redisio.boundary():
+            entries = await ctx.redis.xclaim(stream, TASK_GROUP, ctx.id, ORPHAN_IDLE_MS, ids)
+        found = [(s(eid), fields) for eid, fields in entries if fields and s(eid) not in ctx.held]
+        # deleted while pending (its session ended elsewhere): un-pend it (Redis 7 and Valkey drop such
+        # entries from the pending list in XCLAIM itself; older servers return them without fields)
+        gone = [s(eid) for eid, fields in entries if not fields]
+        if gone:
+            with redisio.boundary():
+                await ctx.redis.xack(stream, TASK_GROUP, *gone)
+        if found:
+            logger.warning("worker %s: %d task(s) of %s were delivered to it but never received; claiming them",
+                           ctx.id, len(found), pool.stage)
+            ctx.stats["orphans"] = ctx.stats.get("orphans", 0) + len(found)
+            self.accept(pool, cell, found)
+        return len(found)

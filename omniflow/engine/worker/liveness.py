@@ -1,0 +1,91 @@
+"""A worker's liveness: the heartbeat that renews its lease (and reads an operator's drain), the
+readiness it reports, and the watchdog that ends sessions waiting too long for input."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+
+from omniflow.engine.worker.context import WorkerContext
+from omniflow.errors import RedisError
+from omniflow.storage import redisio
+from omniflow.storage.schema import now_ms
+
+logger = logging.getLogger(__name__)
+
+WORKER_INFO_TTL_S = 86_400
+
+
+class Liveness:
+    """Heartbeat, drain state, readiness and the input-wait watchdog of one worker."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self.started = asyncio.Event()
+        self.heartbeat_ok_at = 0.0      # monotonic time of the last heartbeat Redis accepted
+
+    async def heartbeat_once(self) -> None:
+        """Renew the lease (`heartbeat.lua`: allowed while Redis is out of memory)."""
+        ctx = self.ctx
+        expiry = now_ms() + int(ctx.settings.lease_timeout_s * 1000)
+        ctx.stats["backpressure_waits"] = ctx.backpressure.waits
+        ctx.stats["backpressure_wait_s"] = round(ctx.backpressure.wait_s, 3)
+        info = {
+            # per stage served, in the same order: "thinker,talker" / "8,4" / "3,1"
+            "stage": ctx.label, "host": ctx.settings.host_id, "shm": ctx.plane.domain, "pid": os.getpid(),
+            "capacity": ",".join(str(p.max_sessions) for p in ctx.pools.values()),
+            "active": ",".join(str(p.active) for p in ctx.pools.values()), "seen_ms": now_ms(),
+            "stats": json.dumps(ctx.stats), "window": json.dumps(ctx.window.snapshot()),
+        }
+        drain = await redisio.script(ctx.redis, "heartbeat", [ctx.keys.workers, ctx.keys.worker_info(ctx.id)],
+                                     [ctx.id, expiry, WORKER_INFO_TTL_S, *(x for kv in info.items() for x in kv)])
+        self.heartbeat_ok_at = time.monotonic()
+        if drain and ctx.undrained.is_set():
+            logger.info("worker %s: draining (claims nothing new; %d session(s) held)", ctx.id, len(ctx.sessions))
+            ctx.undrained.clear()
+        elif not drain and not ctx.undrained.is_set():
+            logger.info("worker %s: drain lifted", ctx.id)
+            ctx.undrained.set()
+
+    def ready(self) -> tuple[bool, str]:
+        """For `/readyz`: started, not stopping, and the lease renewed within its timeout."""
+        if not self.started.is_set():
+            return False, "starting"
+        if self.ctx.stopping:
+            return False, "stopping"
+        age_s = time.monotonic() - self.heartbeat_ok_at
+        if age_s > self.ctx.settings.lease_timeout_s:
+            return False, f"no heartbeat accepted for {age_s:.1f}s"
+        return True, ""
+
+    async def heartbeat(self) -> None:
+        """Renew the lease every `heartbeat_interval_s` (four times as often after a failure)."""
+        failing = False
+        while True:
+            # after a failure, try again soon: the lease lapses after lease_timeout_s
+            await asyncio.sleep(self.ctx.settings.heartbeat_interval_s / (4 if failing else 1))
+            try:
+                await self.heartbeat_once()
+                if failing:
+                    logger.info("worker %s: heartbeat renewed again", self.ctx.id)
+                failing = False
+            except RedisError as exc:
+                if not failing:
+                    logger.warning("worker %s heartbeat failed: %s", self.ctx.id, exc)
+                failing = True
+
+    async def watchdog(self) -> None:
+        """Input-wait timeouts, checked once a second for all sessions (cheaper than a timer per read)."""
+        pools = self.ctx.pools
+        period = min(1.0, *(p.spec.retry.input_timeout_s / 2 for p in pools.values()))
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for session, _task in list(self.ctx.sessions.values()):
+                if session is not None and session.waiting_since and \
+                        now - session.waiting_since > pools[session.stage].spec.retry.input_timeout_s:
+                    session.input_timed_out = True
+                    if session._waiter is not None:      # the wait itself (on this loop, whoever awaits it)
+                        session._waiter.cancel()
