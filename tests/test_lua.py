@@ -96,9 +96,9 @@ async def test_emit_is_idempotent_on_seq_and_fenced_by_attempt(store) -> None:
     # the session is re-queued (its worker was declared dead): attempt 2 owns the stage now
     rec = Reconciler(settings=store.settings, pipeline=store.pipeline, redis_url="unused")
     rec.redis = store.redis
-    assert await rec._sweep_dead_workers() == 0       # no dead worker registered yet
+    assert await rec.sweeps.dead_workers() == 0       # no dead worker registered yet
     await store.redis.zadd(store.keys.workers, {"w1": 1})
-    assert await rec._sweep_dead_workers() == 1
+    assert await rec.sweeps.dead_workers() == 1
     assert await emit(store, sub.id, "thinker", 1, 3, "stale") == "fenced"
     assert await store.text(sub.id, "thinker") == "ab"
     _, res = await claim_next(store, "thinker", "w2")

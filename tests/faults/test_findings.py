@@ -263,7 +263,7 @@ async def test_finding10_dead_letters_are_capped_and_dead_consumers_are_reaped(e
             await eng.redis.xreadgroup(EVENT_GROUP, name, {events: ">"}, count=1)
         rec = eng.reconcilers[0]
         await asyncio.sleep(0.05)
-        assert await rec._sweep_consumers(idle_ms=0) >= 2
+        assert await rec.sweeps.consumers(idle_ms=0) >= 2
         names = {s(c["name"]) for c in await eng.redis.xinfo_consumers(events, EVENT_GROUP)}
         assert not names & {"rec-dead-1", "rec-dead-2"}
     # a reconciler that stops leaves the group
