@@ -31,6 +31,16 @@ class StageStatus(str, Enum):
     ABORTED = "aborted"
 
 
+class SessionState(str, Enum):
+    """A session's lifecycle on its worker (`omniflow.engine.session`)."""
+
+    WAITING_INPUT = "waiting_input"     # claimed, no input yet
+    RUNNING = "running"                 # producing
+    CLOSED = "closed"                   # `close` called: its finish is written or on the way; emits refused
+    FENCED = "fenced"                   # a write was refused: a newer attempt owns the stage, or the workflow ended
+    ABORTED = "aborted"                 # the workflow was aborted; its task is cancelled
+
+
 class WorkflowInput(BaseModel):
     model_config = ConfigDict(extra="allow")
 

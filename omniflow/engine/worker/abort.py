@@ -50,7 +50,7 @@ class AbortFanout:
         for key, (session, task) in list(ctx.sessions.items()):
             if key.startswith(f"{wf_id}|"):
                 if session is not None:
-                    session.aborted = True
+                    session.abort()
                 task.cancel()
                 n += 1
         return n

@@ -13,7 +13,7 @@ from omniflow.engine.worker.context import WorkerContext
 from omniflow.engine.worker.pool import StagePool
 from omniflow.engine.worker.sessions import SessionRunner
 from omniflow.errors import RedisUnavailable, ScriptError
-from omniflow.models import WorkflowState
+from omniflow.models import SessionState, WorkflowState
 from omniflow.runtime import Backoff
 from omniflow.storage.keys import TASK_GROUP
 from omniflow.storage.schema import csv, now_ms, s
@@ -78,7 +78,8 @@ class Claims:
                     finals=finals, downstream=downstream,
                     resume_seq=int(seq or 0), _batcher=ctx.batcher_for(wf_id), _keys=ctx.keys,
                     upstream=upstream, required=required, _queue=queue, _catchup=catchup,
-                    _input_timeout_s=pool.spec.retry.input_timeout_s, waiting_input=bool(upstream),
+                    _input_timeout_s=pool.spec.retry.input_timeout_s,
+                    state=SessionState.WAITING_INPUT if upstream else SessionState.RUNNING,
                     checkpoint=checkpoint, _home=loop if pool.compute is not None else None,
                     _plane=ctx.plane, _domain_of=self.runner.domain_of, _chunk_dsts=pool.chunk_dsts,
                     _bp=ctx.backpressure,

@@ -131,7 +131,7 @@ class SessionRunner:
                      str(lost)[:MAX_DETAIL_CHARS]]
         reply = s(await ctx.batcher_for(session.wf_id).script("restart", keys, args))
         if reply == "fenced" or (lost is not None and reply == "ok"):
-            session.fenced = True
+            session.fence()
         if lost is None:
             session.resume_seq = 0
         return reply

@@ -1,61 +1,26 @@
-"""One stage's work on one workflow, as an executor sees it.
-
-An executor reads `inputs()` (first the catch-up the claim returned, then the
-chunks forwarded to the worker's inbox; de-duplicated on `(stage, seq)`, ending
-at every upstream's end-of-stream) and calls `emit()` for each output step.
-Emits are queued on the worker's group-commit batcher as one lazily built
-`emit.lua` call: steps emitted while the previous write is on the wire join the
-next call, and the session's finish (`close()`) rides on its last one. `emit()`
-returns without waiting for the round trip unless too many writes are in flight;
-the first failed or refused write is sticky (no step is ever written past a hole).
-
-Resume: a retried session starts with `resume_seq` = how many steps earlier
-attempts already wrote. Steps up to it are suppressed without touching Redis,
-so a deterministic executor that starts over produces no duplicate; an
-autoregressive one calls `fast_forward()` and continues from the text it gets
-back (prefill prompt + emitted tokens), or from `checkpoint`: what earlier
-attempts checkpointed with their steps (`emit(checkpoint=...)`, written in the
-same atomic step, so it always matches `resume_seq`).
-
-Payloads (`omniflow.dataplane`): a chunk's payload travels inline in its edge entry when small,
-else in a shared-memory segment (when the consuming session's replica is on this host) or a Redis
-key (`emit.lua` stores it with the entry), the entry holding a reference. The consumer resolves
-references as it reads and releases them when its session is done. A producer may have at most
-`dataplane_edge_max_chunks` / `_bytes` unread on one chunk edge: past it, `emit` waits (without
-blocking the loop) until the consumer's read position (`<dst>:rd:<src>` in the stages hash,
-reported every quarter of the bound) moves on.
-
-Threads: an executor may run on its stage's compute thread (`omniflow.engine.compute`).
-The session belongs to the worker's event loop (`_home`); called from another
-loop, `emit` encodes the step on the caller's thread and hands it over without
-waiting, and `inputs`/`flush` run their Redis-facing part on the worker's loop.
-"""
+"""A session's outputs: `emit` (one step, encoded on the caller's thread, queued on the worker's
+group-commit batcher as one lazily built `emit.lua` call), `close` (the finish rides on the last
+write), `flush`, and the data-plane side of a step (payload transport, backpressure)."""
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
 import msgpack
 import numpy as np
 
 from omniflow.dataplane import codec
 from omniflow.dataplane.backpressure import EdgeWindow, WaitStats, wait_for_room
-from omniflow.dataplane.base import InputLost, PayloadMissing, Ref, TransportKind, WrongHost
+from omniflow.dataplane.base import TransportKind
 from omniflow.dataplane.codec import payload_nbytes
+from omniflow.engine.session.core import ACTIVE, SessionCore
 from omniflow.errors import Fenced, NonRetryableError, RedisUnavailable
+from omniflow.models import SessionState, StageStatus
 from omniflow.storage.scripts import EmitResult, evalsha_args
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from omniflow.storage.batcher import Batcher
-    from omniflow.dataplane.plane import DataPlane
-    from omniflow.storage.keys import Keys
 
 logger = logging.getLogger(__name__)
 
@@ -63,214 +28,10 @@ MAX_EMITS_IN_FLIGHT = 64
 DOMAIN_RECHECK_S = 0.5      # how often a producer asks again where a not-yet-claimed consumer runs
 DOMAIN_REFRESH_S = 5.0      # ... and where a claimed one runs (a retry may have moved it to another host)
 
-T = TypeVar("T")
 
+class SessionOutputs(SessionCore):
+    """What a session writes."""
 
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """One input chunk from an upstream stage."""
-
-    src: str
-    seq: int
-    attempt: int
-    data: Any
-
-
-@dataclass
-class Session:
-    wf_id: str
-    stage: str
-    attempt: int
-    input: dict[str, Any]
-    params: dict[str, Any]
-    finals: tuple[str, ...]
-    downstream: tuple[str, ...]
-    resume_seq: int
-    _batcher: Batcher
-    _keys: Keys
-    upstream: tuple[str, ...] = ()
-    required: tuple[str, ...] = ()        # every stage this workflow runs
-    _queue: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
-    _catchup: list[tuple[str, dict[bytes, bytes]]] = field(default_factory=list)
-    _catchup_pos: int = 0
-    _input_timeout_s: float = 120.0
-    seq: int = 0
-    waiting_input: bool = False
-    fenced: bool = False
-    aborted: bool = False
-    _inflight: set[asyncio.Future[Any]] = field(default_factory=set)
-    waiting_since: float = 0.0          # monotonic time this session started waiting for input (0: not waiting)
-    input_timed_out: bool = False
-    _steps: list[list[Any]] = field(default_factory=list)
-    _status: str = ""
-    _finish: tuple[list[str], bytes] | None = None
-    _emit_keys: list[str] | None = None
-    _open: asyncio.Future[Any] | None = None      # the queued write that is not built yet (takes more steps)
-    _last_in: dict[str, int] = field(default_factory=dict)
-    _write_error: BaseException | None = None
-    checkpoint: str = ""                # what earlier attempts checkpointed (resume), see emit(checkpoint=)
-    _home: asyncio.AbstractEventLoop | None = None   # the worker's loop (None: always called from it)
-    _waiter: asyncio.Task[Any] | None = None         # the task waiting for input (the watchdog interrupts it)
-    _closed: bool = False
-    # data plane (None: every payload inline, no backpressure)
-    _plane: DataPlane | None = None
-    _domain_of: Callable[[str, str], Coroutine[Any, Any, str]] | None = None   # (wf, dst) -> its replica's shm domain
-    _chunk_dsts: frozenset[str] = frozenset()        # downstream stages fed by `chunk` edges (bounded)
-    _bp: WaitStats | None = None
-    held: list[Ref] = field(default_factory=list)   # payload references read: released when done
-    _domains: dict[str, tuple[str, float]] = field(default_factory=dict)   # dst -> (domain, looked up at)
-    _windows: dict[str, EdgeWindow] = field(default_factory=dict)
-    _unreported: dict[str, tuple[int, int]] = field(default_factory=dict)  # src -> chunks, bytes read unreported
-
-    @property
-    def text(self) -> str:
-        return str(self.input.get("text", ""))
-
-    @property
-    def is_final(self) -> bool:
-        return self.stage in self.finals
-
-    # ------------------------------------------------------------ threads
-    def _remote(self) -> bool:
-        """True when called from a loop other than the worker's (the stage's compute thread)."""
-        return self._home is not None and asyncio.get_running_loop() is not self._home
-
-    async def _on_home(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run `coro` on the worker's loop and await it from wherever we are."""
-        if not self._remote():
-            return await coro
-        assert self._home is not None
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._home))
-
-    # ------------------------------------------------------------ inputs
-    async def inputs(self) -> AsyncIterator[Chunk]:
-        """Chunks from every upstream edge, in order, until all have ended.
-
-        First what the edge logs held when the session was claimed (the catch-up the claim
-        returned), then what the producers forward to this worker's inbox.
-        """
-        open_srcs = set(self.upstream)
-        while open_srcs:
-            # what is already here is taken without a coroutine (the common case under load)
-            ready = None if self._remote() else self._next_ready()
-            src, fields = ready if ready is not None else await self._on_home(self._next_raw(open_srcs))
-            if fields.get(b"eos"):
-                open_srcs.discard(src)
-                continue
-            seq = self._seq_of(src, fields)
-            if seq <= self._last_in.get(src, 0):
-                continue   # replayed or duplicated: consumers are idempotent on (stage, seq)
-            chunk = self._decode_inline(src, seq, fields) or await self._decode(src, seq, fields)
-            self._last_in[src] = chunk.seq
-            self._note_read(src, chunk.seq, fields)
-            yield chunk
-
-    def _next_ready(self) -> tuple[str, dict[bytes, bytes]] | None:
-        """The next raw chunk if one is here already (catch-up first, then the inbox queue), else
-        None; runs on the worker's loop."""
-        if self._catchup_pos < len(self._catchup):
-            src, fields = self._catchup[self._catchup_pos]
-            self._catchup_pos += 1
-        elif not self._queue.empty():
-            src, fields = self._queue.get_nowait()
-        else:
-            return None
-        return self._took(src, fields)
-
-    def _took(self, src: str, fields: dict[bytes, bytes]) -> tuple[str, dict[bytes, bytes]]:
-        if self.waiting_input and not fields.get(b"eos"):
-            self.waiting_input, self._status = False, "running"
-            self._schedule()
-        return src, fields
-
-    async def _next_raw(self, open_srcs: set[str]) -> tuple[str, dict[bytes, bytes]]:
-        """The next raw chunk, waiting for it if none is here yet; runs on the worker's loop."""
-        ready = self._next_ready()
-        if ready is not None:
-            return ready
-        # the worker's watchdog cancels this wait if it outlasts the input timeout
-        self.waiting_since = time.monotonic()
-        self._waiter = asyncio.current_task()
-        try:
-            src, fields = await self._queue.get()
-        except asyncio.CancelledError:
-            if self.input_timed_out:
-                raise NonRetryableError(
-                    f"stage {self.stage}: no input from {sorted(open_srcs)} within {self._input_timeout_s:g}s"
-                ) from None
-            raise
-        finally:
-            self.waiting_since = 0.0
-            self._waiter = None
-        return self._took(src, fields)
-
-    def _seq_of(self, src: str, fields: dict[bytes, bytes]) -> int:
-        try:
-            return int(fields[b"seq"])
-        except (KeyError, ValueError, TypeError) as exc:
-            raise NonRetryableError(f"stage {self.stage}: malformed chunk from {src}: {exc!r}") from exc
-
-    def _decode_inline(self, src: str, seq: int, fields: dict[bytes, bytes]) -> Chunk | None:
-        """The chunk, when its payload is inline (no reference to resolve); else None."""
-        inline = fields.get(b"d")
-        a = fields.get(b"a")
-        if inline is None or a is None:
-            return None
-        try:
-            return Chunk(src=src, seq=seq, attempt=int(a), data=codec.loads(inline))
-        except (ValueError, TypeError) as exc:
-            raise NonRetryableError(f"stage {self.stage}: malformed chunk from {src}: {exc!r}") from exc
-
-    async def _decode(self, src: str, seq: int, fields: dict[bytes, bytes]) -> Chunk:
-        """The chunk with its payload: inline (`d`), or resolved from its reference (`r`); a reference
-        that cannot be honoured fails the session with a `DataPlaneError` saying why (`InputLost` for
-        a payload that is gone or on another host: the worker has its producer run again)."""
-        try:
-            attempt = int(fields[b"a"])
-            inline = fields.get(b"d")
-            if inline is not None or self._plane is None or b"r" not in fields:
-                return Chunk(src=src, seq=seq, attempt=attempt, data=codec.loads(fields[b"d"]))
-            ref = Ref.unpack(fields[b"r"])
-        except (KeyError, ValueError, TypeError) as exc:
-            raise NonRetryableError(f"stage {self.stage}: malformed chunk from {src}: {exc!r}") from exc
-        plane = self._plane
-        try:
-            if ref.kind is TransportKind.SHM and plane.shm is not None:
-                data = plane.shm.get_sync(ref, wf_id=self.wf_id)       # a mapping: cheap on any thread
-            else:
-                data = await self._on_home(plane.get(ref, wf_id=self.wf_id))
-        except (PayloadMissing, WrongHost) as exc:
-            raise InputLost(f"stage {self.stage}: chunk {seq} from {src} cannot be read here: {exc}",
-                            src=src, seq=seq) from exc
-        self.held.append(ref)
-        return Chunk(src=src, seq=seq, attempt=attempt, data=data)
-
-    def _note_read(self, src: str, seq: int, fields: dict[bytes, bytes]) -> None:
-        """Report how far this session has read `src`'s edge, every quarter of its producer's bound."""
-        if self._plane is None:
-            return
-        s = self._plane.settings
-        if s.dataplane_edge_max_chunks <= 0 and s.dataplane_edge_max_bytes <= 0:
-            return
-        raw = fields.get(b"d") or fields.get(b"r") or b""
-        nbytes = len(raw) if b"d" in fields else (self.held[-1].nbytes if self.held else len(raw))
-        chunks, size = self._unreported.get(src, (0, 0))
-        chunks, size = chunks + 1, size + nbytes
-        if (s.dataplane_edge_max_chunks > 0 and chunks >= max(1, s.dataplane_edge_max_chunks // 4)) or \
-                (s.dataplane_edge_max_bytes > 0 and size >= max(1, s.dataplane_edge_max_bytes // 4)):
-            self._send_home("HSET", self._keys.stages(self.wf_id), f"{self.stage}:rd:{src}", seq)
-            chunks, size = 0, 0
-        self._unreported[src] = (chunks, size)
-
-    def _send_home(self, *command: Any) -> None:
-        """Queue a write on the worker's batcher without waiting for it (from any thread)."""
-        if self._remote():
-            assert self._home is not None
-            self._home.call_soon_threadsafe(self._batcher.send, *command)
-        else:
-            self._batcher.send(*command)
-
-    # ------------------------------------------------------------ outputs
     def fast_forward(self) -> int:
         """Skip the steps earlier attempts already wrote; returns how many."""
         self.seq = max(self.seq, self.resume_seq)
@@ -288,7 +49,7 @@ class Session:
         """
         if self._write_error is not None:
             raise self._write_error
-        if self.fenced or self._closed:
+        if self.state not in ACTIVE:
             raise Fenced(f"stage {self.stage} attempt {self.attempt} of {self.wf_id} no longer owns the session")
         self.seq += 1
         if self.seq <= self.resume_seq:
@@ -410,10 +171,10 @@ class Session:
 
     def _push(self, step: list[Any]) -> None:
         """Queue one built step for the next `emit.lua` call (on the worker's loop)."""
-        if self._closed:      # a compute thread emitting after its session was closed (abort, timeout)
+        if self.state not in ACTIVE:   # a compute thread emitting after its session was closed (abort, timeout)
             return
-        if self.waiting_input:
-            self.waiting_input, self._status = False, "running"
+        if self.state is SessionState.WAITING_INPUT:
+            self.state, self._status = SessionState.RUNNING, StageStatus.RUNNING.value
         self._steps.append(step)
         self._schedule()
 
@@ -457,7 +218,8 @@ class Session:
         Returns 'ok', 'fenced' or 'gap'; raises the error of the call itself (translated), after
         which calling `close` again is safe (the finish is fenced by status and by step count).
         """
-        self._closed = True
+        if self.state in ACTIVE:
+            self.state = SessionState.CLOSED
         fin = [group, entry_id, outcome, detail, "1" if retryable else "0", self.seq, ",".join(self.downstream)]
         self._finish = ([tasks_key, events_key], msgpack.packb(fin, use_bin_type=False))
         if self._open is not None:
@@ -488,7 +250,7 @@ class Session:
         result = fut.result()
         code = result.decode() if isinstance(result, bytes) else result
         if code == EmitResult.FENCED:
-            self.fenced = True
+            self.fence()
         elif code == "gap":     # emit.lua refused steps after a lost write: end this attempt, retry resumes
             self._write_error = self._write_error or RedisUnavailable(
                 f"stage {self.stage} attempt {self.attempt} of {self.wf_id}: an earlier write was lost")
@@ -509,6 +271,5 @@ class Session:
         """Raise the first lost write of this attempt, or `Fenced` if a write was refused."""
         if self._write_error is not None:
             raise self._write_error
-        if self.fenced:
+        if self.state is SessionState.FENCED:
             raise Fenced(f"stage {self.stage} attempt {self.attempt} of {self.wf_id} was fenced off")
-

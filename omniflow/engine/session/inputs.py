@@ -1,0 +1,147 @@
+"""A session's input stream: first the catch-up the claim returned, then the chunks forwarded to
+the worker's inbox; de-duplicated on `(stage, seq)`, ending at every upstream's end-of-stream;
+payload references resolved through the data plane, the read position reported for backpressure."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from omniflow.dataplane import codec
+from omniflow.dataplane.base import InputLost, PayloadMissing, Ref, TransportKind, WrongHost
+from omniflow.engine.session.core import Chunk
+from omniflow.engine.session.outputs import SessionOutputs
+from omniflow.errors import NonRetryableError
+from omniflow.models import SessionState, StageStatus
+
+
+class SessionInputs(SessionOutputs):
+    """What a session reads (and, below it, what it writes)."""
+
+    async def inputs(self) -> AsyncIterator[Chunk]:
+        """Chunks from every upstream edge, in order, until all have ended.
+
+        First what the edge logs held when the session was claimed (the catch-up the claim
+        returned), then what the producers forward to this worker's inbox.
+        """
+        open_srcs = set(self.upstream)
+        while open_srcs:
+            # what is already here is taken without a coroutine (the common case under load)
+            ready = None if self._remote() else self._next_ready()
+            src, fields = ready if ready is not None else await self._on_home(self._next_raw(open_srcs))
+            if fields.get(b"eos"):
+                open_srcs.discard(src)
+                continue
+            seq = self._seq_of(src, fields)
+            if seq <= self._last_in.get(src, 0):
+                continue   # replayed or duplicated: consumers are idempotent on (stage, seq)
+            chunk = self._decode_inline(src, seq, fields) or await self._decode(src, seq, fields)
+            self._last_in[src] = chunk.seq
+            self._note_read(src, chunk.seq, fields)
+            yield chunk
+
+    def _next_ready(self) -> tuple[str, dict[bytes, bytes]] | None:
+        """The next raw chunk if one is here already (catch-up first, then the inbox queue), else
+        None; runs on the worker's loop."""
+        if self._catchup_pos < len(self._catchup):
+            src, fields = self._catchup[self._catchup_pos]
+            self._catchup_pos += 1
+        elif not self._queue.empty():
+            src, fields = self._queue.get_nowait()
+        else:
+            return None
+        return self._took(src, fields)
+
+    def _took(self, src: str, fields: dict[bytes, bytes]) -> tuple[str, dict[bytes, bytes]]:
+        if self.state is SessionState.WAITING_INPUT and not fields.get(b"eos"):
+            self.state, self._status = SessionState.RUNNING, StageStatus.RUNNING.value
+            self._schedule()
+        return src, fields
+
+    async def _next_raw(self, open_srcs: set[str]) -> tuple[str, dict[bytes, bytes]]:
+        """The next raw chunk, waiting for it if none is here yet; runs on the worker's loop."""
+        ready = self._next_ready()
+        if ready is not None:
+            return ready
+        # the worker's watchdog cancels this wait if it outlasts the input timeout
+        self.waiting_since = time.monotonic()
+        self._waiter = asyncio.current_task()
+        try:
+            src, fields = await self._queue.get()
+        except asyncio.CancelledError:
+            if self.input_timed_out:
+                raise NonRetryableError(
+                    f"stage {self.stage}: no input from {sorted(open_srcs)} within {self._input_timeout_s:g}s"
+                ) from None
+            raise
+        finally:
+            self.waiting_since = 0.0
+            self._waiter = None
+        return self._took(src, fields)
+
+    def _seq_of(self, src: str, fields: dict[bytes, bytes]) -> int:
+        try:
+            return int(fields[b"seq"])
+        except (KeyError, ValueError, TypeError) as exc:
+            raise NonRetryableError(f"stage {self.stage}: malformed chunk from {src}: {exc!r}") from exc
+
+    def _decode_inline(self, src: str, seq: int, fields: dict[bytes, bytes]) -> Chunk | None:
+        """The chunk, when its payload is inline (no reference to resolve); else None."""
+        inline = fields.get(b"d")
+        a = fields.get(b"a")
+        if inline is None or a is None:
+            return None
+        try:
+            return Chunk(src=src, seq=seq, attempt=int(a), data=codec.loads(inline))
+        except (ValueError, TypeError) as exc:
+            raise NonRetryableError(f"stage {self.stage}: malformed chunk from {src}: {exc!r}") from exc
+
+    async def _decode(self, src: str, seq: int, fields: dict[bytes, bytes]) -> Chunk:
+        """The chunk with its payload: inline (`d`), or resolved from its reference (`r`); a reference
+        that cannot be honoured fails the session with a `DataPlaneError` saying why (`InputLost` for
+        a payload that is gone or on another host: the worker has its producer run again)."""
+        try:
+            attempt = int(fields[b"a"])
+            inline = fields.get(b"d")
+            if inline is not None or self._plane is None or b"r" not in fields:
+                return Chunk(src=src, seq=seq, attempt=attempt, data=codec.loads(fields[b"d"]))
+            ref = Ref.unpack(fields[b"r"])
+        except (KeyError, ValueError, TypeError) as exc:
+            raise NonRetryableError(f"stage {self.stage}: malformed chunk from {src}: {exc!r}") from exc
+        plane = self._plane
+        try:
+            if ref.kind is TransportKind.SHM and plane.shm is not None:
+                data = plane.shm.get_sync(ref, wf_id=self.wf_id)       # a mapping: cheap on any thread
+            else:
+                data = await self._on_home(plane.get(ref, wf_id=self.wf_id))
+        except (PayloadMissing, WrongHost) as exc:
+            raise InputLost(f"stage {self.stage}: chunk {seq} from {src} cannot be read here: {exc}",
+                            src=src, seq=seq) from exc
+        self.held.append(ref)
+        return Chunk(src=src, seq=seq, attempt=attempt, data=data)
+
+    def _note_read(self, src: str, seq: int, fields: dict[bytes, bytes]) -> None:
+        """Report how far this session has read `src`'s edge, every quarter of its producer's bound."""
+        if self._plane is None:
+            return
+        s = self._plane.settings
+        if s.dataplane_edge_max_chunks <= 0 and s.dataplane_edge_max_bytes <= 0:
+            return
+        raw = fields.get(b"d") or fields.get(b"r") or b""
+        nbytes = len(raw) if b"d" in fields else (self.held[-1].nbytes if self.held else len(raw))
+        chunks, size = self._unreported.get(src, (0, 0))
+        chunks, size = chunks + 1, size + nbytes
+        if (s.dataplane_edge_max_chunks > 0 and chunks >= max(1, s.dataplane_edge_max_chunks // 4)) or \
+                (s.dataplane_edge_max_bytes > 0 and size >= max(1, s.dataplane_edge_max_bytes // 4)):
+            self._send_home("HSET", self._keys.stages(self.wf_id), f"{self.stage}:rd:{src}", seq)
+            chunks, size = 0, 0
+        self._unreported[src] = (chunks, size)
+
+    def _send_home(self, *command: Any) -> None:
+        """Queue a write on the worker's batcher without waiting for it (from any thread)."""
+        if self._remote():
+            assert self._home is not None
+            self._home.call_soon_threadsafe(self._batcher.send, *command)
+        else:
+            self._batcher.send(*command)

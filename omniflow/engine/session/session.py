@@ -1,0 +1,63 @@
+"""The `Session` dataclass: a session's fields with their defaults, over its parts."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from omniflow.engine.session.inputs import SessionInputs
+from omniflow.models import SessionState
+
+if TYPE_CHECKING:
+    from omniflow.dataplane.backpressure import EdgeWindow, WaitStats
+    from omniflow.dataplane.base import Ref
+    from omniflow.dataplane.plane import DataPlane
+    from omniflow.storage.batcher import Batcher
+    from omniflow.storage.keys import Keys
+
+
+@dataclass
+class Session(SessionInputs):
+    """One stage's work on one workflow (see the package docstring)."""
+
+    wf_id: str
+    stage: str
+    attempt: int
+    input: dict[str, Any]
+    params: dict[str, Any]
+    finals: tuple[str, ...]
+    downstream: tuple[str, ...]
+    resume_seq: int
+    _batcher: Batcher
+    _keys: Keys
+    upstream: tuple[str, ...] = ()
+    required: tuple[str, ...] = ()        # every stage this workflow runs
+    _queue: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
+    _catchup: list[tuple[str, dict[bytes, bytes]]] = field(default_factory=list)
+    _catchup_pos: int = 0
+    _input_timeout_s: float = 120.0
+    seq: int = 0
+    state: SessionState = SessionState.RUNNING      # WAITING_INPUT when it has upstream stages
+    _inflight: set[asyncio.Future[Any]] = field(default_factory=set)
+    waiting_since: float = 0.0          # monotonic time this session started waiting for input (0: not waiting)
+    input_timed_out: bool = False
+    _steps: list[list[Any]] = field(default_factory=list)
+    _status: str = ""
+    _finish: tuple[list[str], bytes] | None = None
+    _emit_keys: list[str] | None = None
+    _open: asyncio.Future[Any] | None = None      # the queued write that is not built yet (takes more steps)
+    _last_in: dict[str, int] = field(default_factory=dict)
+    _write_error: BaseException | None = None
+    checkpoint: str = ""                # what earlier attempts checkpointed (resume), see emit(checkpoint=)
+    _home: asyncio.AbstractEventLoop | None = None   # the worker's loop (None: always called from it)
+    _waiter: asyncio.Task[Any] | None = None         # the task waiting for input (the watchdog interrupts it)
+    # data plane (None: every payload inline, no backpressure)
+    _plane: DataPlane | None = None
+    _domain_of: Callable[[str, str], Coroutine[Any, Any, str]] | None = None   # (wf, dst) -> its replica's shm domain
+    _chunk_dsts: frozenset[str] = frozenset()        # downstream stages fed by `chunk` edges (bounded)
+    _bp: WaitStats | None = None
+    held: list[Ref] = field(default_factory=list)   # payload references read: released when done
+    _domains: dict[str, tuple[str, float]] = field(default_factory=dict)   # dst -> (domain, looked up at)
+    _windows: dict[str, EdgeWindow] = field(default_factory=dict)
+    _unreported: dict[str, tuple[int, int]] = field(default_factory=dict)  # src -> chunks, bytes read unreported
