@@ -22,21 +22,13 @@ from redis.asyncio import Redis
 from omniflow.storage import cells, redisio, scripts
 from omniflow.storage.batcher import Batcher
 from omniflow.config import Settings
-from omniflow.errors import (
-    AdmissionRefused,
-    ConfigError,
-    IdempotencyConflict,
-    InvalidRequest,
-    NotReady,
-    RedisRefused,
-    ScriptError,
-    WorkflowNotFound,
-    WorkflowRetired,
-)
+from omniflow.errors import (AdmissionRefused, ConfigError, IdempotencyConflict, InvalidRequest, NotReady, RedisRefused,
+                             ScriptError, WorkflowNotFound, WorkflowRetired)
 from omniflow.storage.keys import Keys, finalize_suffixes
 from omniflow.models import TERMINAL_STATES, SubmitRequest, Submitted, WorkflowState
 from omniflow.pipeline import Pipeline, Plan
 from omniflow.storage.redisio import connect, translated
+from omniflow.client.documents import text_stages, workflow_document
 from omniflow.storage.schema import csv, decode_fields, now_ms, s
 
 if TYPE_CHECKING:
@@ -289,56 +281,13 @@ class Store:
         if tenant is not None and rec.get("tenant") != tenant:
             raise WorkflowNotFound(f"no workflow {wf_id}")
         st = {s(k): s(v) for k, v in stages_raw.items()}
-        kinds = dict(x.split("=", 1) for x in csv(rec.get("kinds")))
+        wanted = text_stages(rec)
         texts = {}
-        text_stages = [name for name, kind in kinds.items() if kind == "text"]
-        if text_stages:
-            vals = await self.redis.mget([self.keys.out(wf_id, name) for name in text_stages])
-            texts = {name: s(v) for name, v in zip(text_stages, vals)}
-        stages: dict[str, Any] = {}
-        for name in csv(rec.get("stages")):
-            attempt = int(st.get(f"{name}:attempt") or 0)
-            entry: dict[str, Any] = {
-                "status": st.get(name, "pending"),
-                "attempt": attempt,
-                "replica": st.get(f"{name}:replica") or None,
-                "submitted": attempt > 0,
-            }
-            for field, label in (("t_submit", "submitted_at"), ("t_start", "started_at"), ("t_end", "finished_at")):
-                entry[label] = int(st[f"{name}:{field}"]) / 1000 if st.get(f"{name}:{field}") else None
-            entry["usage"] = json.loads(st[f"{name}:usage"]) if st.get(f"{name}:usage") else None
-            entry["error"] = st.get(f"{name}:error") or None
-            stages[name] = entry
-        outputs: dict[str, Any] = {}
-        for name, kind in kinds.items():
-            partial = stages.get(name, {}).get("status") != "done"
-            if kind == "text":
-                outputs[name] = {"type": "text", "text": texts.get(name, ""), "partial": partial}
-            else:
-                sr = int(st.get(f"{name}:sr") or 0)
-                samples = int(st.get(f"{name}:samples") or 0)
-                outputs[name] = {
-                    "type": "audio", "sample_rate": sr or None,
-                    "duration_s": round(samples / sr, 4) if sr else 0.0,
-                    "chunks": int(st.get(f"{name}:seq") or 0), "partial": partial,
-                }
-        return {
-            "id": rec.get("id", wf_id),
-            "request_id": rec.get("request_id") or None,
-            "state": rec.get("state"),
-            "tenant": rec.get("tenant"),
-            "pipeline": rec.get("pipeline"),
-            "final_stages": csv(rec.get("finals")),
-            "required_stages": csv(rec.get("stages")),
-            "created_at": int(rec.get("created_ms") or 0) / 1000,
-            "finished_at": int(rec["finished_ms"]) / 1000 if rec.get("finished_ms") else None,
-            "deadline_at": int(rec.get("deadline_ms") or 0) / 1000,
-            "stages": stages,
-            "outputs": outputs,
-            "error": rec.get("error") or None,
-            "error_stage": rec.get("error_stage") or None,
-            "webhook": await self._webhook_view(wf_id, rec.get("webhook") or ""),
-        }
+        if wanted:
+            vals = await self.redis.mget([self.keys.out(wf_id, name) for name in wanted])
+            texts = {name: s(v) for name, v in zip(wanted, vals)}
+        webhook = await self._webhook_view(wf_id, rec.get("webhook") or "")
+        return workflow_document(wf_id, rec, st, texts, webhook)
 
     async def _webhook_view(self, wf_id: str, url: str) -> dict[str, Any] | None:
         """The webhook part of the document: its URL, the delivery outcome so far and every attempt."""
