@@ -7,9 +7,8 @@
         usage = await run_executor(Upper(stage="upper", params={}), session)
         assert session.text_out == "HI!" and usage == {"tokens": 1}
 
-`FakeSession` has the members of `omniflow.engine.session.Session` an executor uses
-(`input`, `text`, `params`, `attempt`, `resume_seq`, `checkpoint`,
-`fast_forward()`, `inputs()`, `emit()`, `flush()`, `is_final`, `downstream`).
+`FakeSession` implements the executor contract's `Session` Protocol
+(`omniflow.executor.Session`; mypy checks it below).
 Payloads go through the same msgpack codec as in production, so a tensor that
 would not survive Redis does not survive here either; steps up to `resume_seq`
 are suppressed exactly like in production, so resume logic can be tested by
@@ -20,16 +19,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from omniflow.dataplane import codec
 from omniflow.errors import Fenced, NonRetryableError
-from omniflow.engine.session import Chunk
-
-if TYPE_CHECKING:
-    from omniflow.workers.base import Executor
+from omniflow.executor import Chunk, Executor, Session
 
 
 @dataclass
@@ -174,7 +170,12 @@ class FakeSession:
         return FakeSession(**fields)
 
 
-async def run_executor(executor: Executor, session: Any, *, setup: bool = False) -> Mapping[str, Any] | None:
+# mypy checks here that the fake is what the executor contract promises (and
+# tests/test_executor_contract.py checks it at run time, member by member).
+_CONTRACT: type[Session] = FakeSession
+
+
+async def run_executor(executor: Executor, session: Session, *, setup: bool = False) -> Mapping[str, Any] | None:
     """Run one session through an executor (plain or batched) on this loop; optionally `setup()` first."""
     if setup:
         await executor.setup()
@@ -182,6 +183,6 @@ async def run_executor(executor: Executor, session: Any, *, setup: bool = False)
     return usage
 
 
-async def run_many(executor: Executor, sessions: Iterable[Any]) -> list[Mapping[str, Any] | None]:
+async def run_many(executor: Executor, sessions: Iterable[Session]) -> list[Mapping[str, Any] | None]:
     """Run sessions concurrently through one executor (a `BatchedExecutor` batches them)."""
     return list(await asyncio.gather(*(executor.run(s) for s in sessions)))

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from omniflow.errors import NonRetryableError, StageError
-from omniflow.workers.base import Executor, Session
+from omniflow.executor import Executor, Session
 
 FILLER = (
     "omniflow keeps every request in Redis so a crashed worker never loses it and "

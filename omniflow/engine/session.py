@@ -48,6 +48,8 @@ from omniflow.dataplane.backpressure import EdgeWindow, WaitStats, wait_for_room
 from omniflow.dataplane.base import InputLost, PayloadMissing, Ref, TransportKind, WrongHost
 from omniflow.dataplane.codec import payload_nbytes
 from omniflow.errors import Fenced, NonRetryableError, RedisUnavailable
+from omniflow.executor import Chunk
+from omniflow.executor import Session as ExecutorSession
 from omniflow.storage.scripts import EmitResult, evalsha_args
 
 if TYPE_CHECKING:
@@ -66,18 +68,11 @@ DOMAIN_REFRESH_S = 5.0      # ... and where a claimed one runs (a retry may have
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """One input chunk from an upstream stage."""
-
-    src: str
-    seq: int
-    attempt: int
-    data: Any
-
-
 @dataclass
 class Session:
+    """The engine's session: implements the executor contract's `Session` Protocol
+    (`omniflow.executor.base`) with Redis behind it; everything else here is the worker's."""
+
     wf_id: str
     stage: str
     attempt: int
@@ -512,3 +507,7 @@ class Session:
         if self.fenced:
             raise Fenced(f"stage {self.stage} attempt {self.attempt} of {self.wf_id} was fenced off")
 
+
+# mypy checks here that this class is what the executor contract promises (and
+# tests/test_executor_contract.py checks it at run time, member by member).
+_CONTRACT: type[ExecutorSession] = Session

@@ -68,7 +68,7 @@ from omniflow.engine.session import Session
 from omniflow.client.store import csv, now_ms, s
 from omniflow.storage.topology import is_cluster, pubsub_client, read_groups
 from omniflow.engine.window import StageWindow
-from omniflow.workers.base import Executor
+from omniflow.executor import Executor
 
 logger = logging.getLogger(__name__)
 
