@@ -8,11 +8,14 @@
         assert session.text_out == "HI!" and usage == {"tokens": 1}
 
 `FakeSession` implements the executor contract's `Session` Protocol
-(`omniflow.executor.Session`; mypy checks it below).
-Payloads go through the same msgpack codec as in production, so a tensor that
-would not survive Redis does not survive here either; steps up to `resume_seq`
-are suppressed exactly like in production, so resume logic can be tested by
-giving the session what an earlier attempt left (`resume_seq`, `checkpoint`).
+(`omniflow.executor.Session`: mypy checks it below, `tests/test_executor_contract.py`
+compares its members with the Protocol's and the engine's session). It behaves as the
+engine's session does where an executor can see it: payloads go through the same
+msgpack codec as in production, so a tensor that would not survive Redis does not
+survive here either; `inputs()` drops a chunk it has already yielded (`(src, seq)`);
+steps up to `resume_seq` are suppressed exactly like in production, so resume logic
+can be tested by giving the session what an earlier attempt left (`resume_seq`,
+`checkpoint`); `emit` and `flush` raise `Fenced` once the session is fenced off.
 """
 from __future__ import annotations
 
@@ -84,8 +87,12 @@ class FakeSession:
         return self.seq
 
     async def inputs(self) -> AsyncIterator[Chunk]:
-        """The given chunks (round-tripped through the codec), then whatever is `feed()`-ed while live."""
+        """The given chunks (round-tripped through the codec), then whatever is `feed()`-ed while live.
+
+        As in production, a chunk whose `seq` is not past the last one yielded from its source
+        (a replayed or duplicated entry) is skipped."""
         counters: dict[str, int] = {}
+        last: dict[str, int] = {}
         for item in self.chunks:
             chunk: Chunk | None
             if isinstance(item, Chunk):
@@ -94,12 +101,16 @@ class FakeSession:
                 src, data = item
                 counters[src] = counters.get(src, 0) + 1
                 chunk = Chunk(src=src, seq=counters[src], attempt=1, data=data)
-            yield Chunk(chunk.src, chunk.seq, chunk.attempt, codec.loads(codec.dumps(chunk.data)))
+            if chunk.seq > last.get(chunk.src, 0):
+                last[chunk.src] = chunk.seq
+                yield Chunk(chunk.src, chunk.seq, chunk.attempt, codec.loads(codec.dumps(chunk.data)))
         if not self.live:
             return
         feed = self._queue()
         while (chunk := await feed.get()) is not None:
-            yield Chunk(chunk.src, chunk.seq, chunk.attempt, codec.loads(codec.dumps(chunk.data)))
+            if chunk.seq > last.get(chunk.src, 0):
+                last[chunk.src] = chunk.seq
+                yield Chunk(chunk.src, chunk.seq, chunk.attempt, codec.loads(codec.dumps(chunk.data)))
 
     def feed(self, chunk: Chunk | None) -> None:
         """Deliver one more live chunk (None: every upstream ended)."""
@@ -136,7 +147,8 @@ class FakeSession:
         self.emitted.append(step)
 
     async def flush(self) -> None:
-        """Nothing is in flight in a fake session."""
+        """Nothing is in flight in a fake session; raises `Fenced` once it is fenced off, as production does."""
+        self.raise_if_broken()
 
     def raise_if_broken(self) -> None:
         if self.fenced:
