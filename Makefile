@@ -45,8 +45,16 @@ test: $(MODELS) $(CHROMIUM) lint
 		apt-get install -y -qq iproute2 >/dev/null 2>&1; } || echo "no iproute2: multi-host test without namespaces"
 	$(PY) -m pytest -q -p no:cacheprovider
 
+# mypy sees api/ and workers/ where they are installed (omniflow.api, omniflow.workers) through this view of
+# three symlinks: pyproject.toml's [tool.mypy] says why
+MYPY_VIEW := build/mypy/omniflow
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check omniflow api workers tests bench
+	@mkdir -p $(MYPY_VIEW)
+	@ln -sfn ../../../omniflow/__init__.py $(MYPY_VIEW)/__init__.py
+	@ln -sfn ../../../api $(MYPY_VIEW)/api
+	@ln -sfn ../../../workers $(MYPY_VIEW)/workers
 	$(VENV)/bin/mypy
 
 test-fast: $(STAMP)

@@ -162,8 +162,8 @@ async def render(state: ApiState) -> bytes:
     ]
     for field, name, doc in DATAPLANE_COUNTERS:
         counter = CounterMetricFamily(name, doc, labels=["stage"])
-        for stage, value in dataplane[field].items():
-            counter.add_metric([stage], value)
+        for stage, total in dataplane[field].items():
+            counter.add_metric([stage], total)
         families.append(counter)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(families))

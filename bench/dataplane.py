@@ -54,7 +54,7 @@ import msgpack
 import numpy as np
 
 from bench.common import OUT_DIR, BenchError, bench_env, log, percentile, start_server
-from omniflow.workers.base import Executor, Session
+from omniflow.executor import Executor, Session
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
 # through the engine: the policy's choice (4 KiB inline, 1 MiB shared memory), and 1 MiB forced through a

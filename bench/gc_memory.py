@@ -22,7 +22,7 @@ from omniflow.config import Settings  # noqa: E402
 from omniflow.ops.embedded import EmbeddedServer  # noqa: E402
 from omniflow.models import SubmitRequest, WorkflowInput  # noqa: E402
 from omniflow.pipeline import build_pipeline  # noqa: E402
-from omniflow.client.store import Store
+from omniflow.client.store import Store  # noqa: E402
 
 N = 2000
 

@@ -30,7 +30,7 @@ from bench.common import (
     timeout_for,
 )
 from omniflow.storage.keys import Keys
-from omniflow.workers.base import Executor, Session
+from omniflow.executor import Executor, Session
 
 MAX_SESSIONS = 512
 

@@ -104,7 +104,7 @@ class ChainSession:
         self.loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
     async def inputs(self) -> AsyncIterator[Any]:
-        from omniflow.engine.session import Chunk
+        from omniflow.executor import Chunk
 
         seq = 0
         while (data := await self._queue.get()) is not None:

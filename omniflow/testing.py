@@ -7,29 +7,28 @@
         usage = await run_executor(Upper(stage="upper", params={}), session)
         assert session.text_out == "HI!" and usage == {"tokens": 1}
 
-`FakeSession` has the members of `omniflow.engine.session.Session` an executor uses
-(`input`, `text`, `params`, `attempt`, `resume_seq`, `checkpoint`,
-`fast_forward()`, `inputs()`, `emit()`, `flush()`, `is_final`, `downstream`).
-Payloads go through the same msgpack codec as in production, so a tensor that
-would not survive Redis does not survive here either; steps up to `resume_seq`
-are suppressed exactly like in production, so resume logic can be tested by
-giving the session what an earlier attempt left (`resume_seq`, `checkpoint`).
+`FakeSession` implements the executor contract's `Session` Protocol
+(`omniflow.executor.Session`: mypy checks it below, `tests/test_executor_contract.py`
+compares its members with the Protocol's and the engine's session). It behaves as the
+engine's session does where an executor can see it: payloads go through the same
+msgpack codec as in production, so a tensor that would not survive Redis does not
+survive here either; `inputs()` drops a chunk it has already yielded (`(src, seq)`);
+steps up to `resume_seq` are suppressed exactly like in production, so resume logic
+can be tested by giving the session what an earlier attempt left (`resume_seq`,
+`checkpoint`); `emit` and `flush` raise `Fenced` once the session is fenced off.
 """
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from omniflow.dataplane import codec
 from omniflow.errors import Fenced, NonRetryableError
-from omniflow.engine.session import Chunk
-
-if TYPE_CHECKING:
-    from omniflow.workers.base import Executor
+from omniflow.executor import Chunk, Executor, Session
 
 
 @dataclass
@@ -88,8 +87,12 @@ class FakeSession:
         return self.seq
 
     async def inputs(self) -> AsyncIterator[Chunk]:
-        """The given chunks (round-tripped through the codec), then whatever is `feed()`-ed while live."""
+        """The given chunks (round-tripped through the codec), then whatever is `feed()`-ed while live.
+
+        As in production, a chunk whose `seq` is not past the last one yielded from its source
+        (a replayed or duplicated entry) is skipped."""
         counters: dict[str, int] = {}
+        last: dict[str, int] = {}
         for item in self.chunks:
             chunk: Chunk | None
             if isinstance(item, Chunk):
@@ -98,12 +101,16 @@ class FakeSession:
                 src, data = item
                 counters[src] = counters.get(src, 0) + 1
                 chunk = Chunk(src=src, seq=counters[src], attempt=1, data=data)
-            yield Chunk(chunk.src, chunk.seq, chunk.attempt, codec.loads(codec.dumps(chunk.data)))
+            if chunk.seq > last.get(chunk.src, 0):
+                last[chunk.src] = chunk.seq
+                yield Chunk(chunk.src, chunk.seq, chunk.attempt, codec.loads(codec.dumps(chunk.data)))
         if not self.live:
             return
         feed = self._queue()
         while (chunk := await feed.get()) is not None:
-            yield Chunk(chunk.src, chunk.seq, chunk.attempt, codec.loads(codec.dumps(chunk.data)))
+            if chunk.seq > last.get(chunk.src, 0):
+                last[chunk.src] = chunk.seq
+                yield Chunk(chunk.src, chunk.seq, chunk.attempt, codec.loads(codec.dumps(chunk.data)))
 
     def feed(self, chunk: Chunk | None) -> None:
         """Deliver one more live chunk (None: every upstream ended)."""
@@ -140,7 +147,8 @@ class FakeSession:
         self.emitted.append(step)
 
     async def flush(self) -> None:
-        """Nothing is in flight in a fake session."""
+        """Nothing is in flight in a fake session; raises `Fenced` once it is fenced off, as production does."""
+        self.raise_if_broken()
 
     def raise_if_broken(self) -> None:
         if self.fenced:
@@ -174,7 +182,12 @@ class FakeSession:
         return FakeSession(**fields)
 
 
-async def run_executor(executor: Executor, session: Any, *, setup: bool = False) -> Mapping[str, Any] | None:
+# mypy checks here that the fake is what the executor contract promises (and
+# tests/test_executor_contract.py checks it at run time, member by member).
+_CONTRACT: type[Session] = FakeSession
+
+
+async def run_executor(executor: Executor, session: Session, *, setup: bool = False) -> Mapping[str, Any] | None:
     """Run one session through an executor (plain or batched) on this loop; optionally `setup()` first."""
     if setup:
         await executor.setup()
@@ -182,6 +195,6 @@ async def run_executor(executor: Executor, session: Any, *, setup: bool = False)
     return usage
 
 
-async def run_many(executor: Executor, sessions: Iterable[Any]) -> list[Mapping[str, Any] | None]:
+async def run_many(executor: Executor, sessions: Iterable[Session]) -> list[Mapping[str, Any] | None]:
     """Run sessions concurrently through one executor (a `BatchedExecutor` batches them)."""
     return list(await asyncio.gather(*(executor.run(s) for s in sessions)))

@@ -1,11 +1,11 @@
-"""Continuous batching (`omniflow.engine.stepping`) and the fake session, without Redis."""
+"""Continuous batching (`omniflow.executor.stepping`) and the fake session, without Redis."""
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
 import pytest
-from omniflow.workers.base import BatchedExecutor, StepOutput
+from omniflow.executor import BatchedExecutor, StepOutput
 from workers_fixtures import CountingLM
 
 from omniflow.errors import Fenced

@@ -7,7 +7,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from omniflow.workers.base import BatchedExecutor, Session, StepOutput
+from omniflow.executor import BatchedExecutor, Session, StepOutput
 from omniflow.workers.toy import ToyTalker, ToyThinker, hidden_state
 
 

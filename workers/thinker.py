@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from omniflow.errors import NonRetryableError
-from omniflow.workers.base import BatchedExecutor, Session, StepOutput
+from omniflow.executor import BatchedExecutor, Session, StepOutput
 from omniflow.workers.llm import DEFAULT_SYSTEM_PROMPT, CausalLM, LMSequence, Sampling
 
 logger = logging.getLogger(__name__)

@@ -17,9 +17,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from omniflow.errors import NonRetryableError, StageError
-from omniflow.workers.base import Executor, Session
+from omniflow.executor import Executor, Session
 
 FILLER = (
     "omniflow keeps every request in Redis so a crashed worker never loses it and "
@@ -34,22 +35,25 @@ def reply_words(prompt: str, max_words: int) -> list[str]:
     return words[:max_words] if max_words > 0 else words
 
 
-def hidden_state(word: str, index: int) -> np.ndarray:
+def hidden_state(word: str, index: int) -> NDArray[np.float32]:
     seed = int.from_bytes(hashlib.blake2b(f"{index}:{word}".encode(), digest_size=4).digest(), "little")
     return np.random.default_rng(seed).standard_normal(HIDDEN_DIM).astype(np.float32)
 
 
-def codes_for(hidden: np.ndarray, n_codes: int = 4) -> np.ndarray:
+def codes_for(hidden: NDArray[np.float32], n_codes: int = 4) -> NDArray[np.int32]:
     return (np.abs(hidden[:n_codes]) * 1000).astype(np.int32) % 1024
 
 
-def tone(codes: np.ndarray, sample_rate: int, seconds: float = 0.08) -> np.ndarray:
+def tone(codes: NDArray[Any], sample_rate: int, seconds: float = 0.08) -> NDArray[np.int16]:
     """A short chord whose pitches come from the codes: audible, deterministic."""
     n = int(sample_rate * seconds)
     t = np.arange(n, dtype=np.float64) / sample_rate
     freqs = 220.0 + (np.asarray(codes[:3], dtype=np.float64) % 64) * 12.0
-    wave = sum(np.sin(2 * np.pi * f * t) for f in freqs) / max(len(freqs), 1)
-    envelope = np.minimum(1.0, np.minimum(t, t[::-1]) * 200)
+    wave = np.zeros_like(t)
+    for f in freqs:                 # summed in order, as sum() did: the same samples
+        wave = wave + np.sin(2 * np.pi * f * t)
+    wave = wave / max(len(freqs), 1)
+    envelope: NDArray[np.float64] = np.minimum(1.0, np.minimum(t, t[::-1]) * 200)
     return (wave * envelope * 0.4 * 32767).astype(np.int16)
 
 

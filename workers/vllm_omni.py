@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from omniflow.errors import ConfigError, NonRetryableError
-from omniflow.workers.base import Executor, Session
+from omniflow.executor import Executor, Session
 from omniflow.workers.thinker import checkpoint_piece, checkpointed_ids
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from omniflow.errors import NonRetryableError
-from omniflow.workers.base import Executor, Session
+from omniflow.executor import Executor, Session
 from omniflow.workers.g2p import Phonemizer, load_phonemizer, phonemize
 from omniflow.workers.piper import (
     DEFAULT_CHUNK_FRAMES,

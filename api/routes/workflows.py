@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response
@@ -45,7 +45,7 @@ _NOT_FOUND = {404: {"model": E, "description": "no such workflow for this tenant
               422: {"model": E, "description": "bad parameters"}, **_AUTH}
 
 
-def json_errors(responses: dict[int, dict[str, Any]]) -> dict[int | str, dict[str, Any]]:
+def json_errors(responses: Mapping[int | str, Mapping[str, Any]]) -> dict[int | str, dict[str, Any]]:
     """Error responses of a route whose success is not JSON (SSE, audio): errors are still JSON."""
     ref = {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
     return {code: {"description": r["description"], "content": {"application/json": ref}}
@@ -169,7 +169,7 @@ async def workflow_timeline(wf_id: WorkflowId, state: StateDep, principal: Princ
 async def workflow_events(wf_id: WorkflowId, state: StateDep, principal: PrincipalDep,
                           last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
                           after: Annotated[str | None, Query(description="resume after this event id")] = None,
-                          ) -> EventStreamResponse:
+                          ) -> Response:
     cursor = after or last_event_id or "0-0"
     if not is_stream_id(cursor):
         raise ApiError(422, "invalid_request", f"Last-Event-ID/after: {cursor!r} is not an event id like 1700000000000-0")

@@ -20,7 +20,7 @@ that need one reply use `call` / `script`, which raise instead.
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ParamSpec, TypeVar
 
@@ -133,7 +133,7 @@ def boundary() -> Iterator[None]:
         raise translate(exc) from exc
 
 
-def translated(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
+def translated(fn: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
     """Decorator: an async function whose redis-py errors come out translated."""
 
     @functools.wraps(fn)

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from omniflow.workers.base import Executor, Session
+from omniflow.executor import Executor, Session
 
 
 def block(i: int, nbytes: int) -> np.ndarray:

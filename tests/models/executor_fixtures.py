@@ -5,7 +5,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from omniflow.errors import NonRetryableError
-from omniflow.workers.base import Executor, Session, StepOutput
+from omniflow.executor import Executor, Session, StepOutput
 from omniflow.workers.thinker import HFThinker, ThinkerState
 
 

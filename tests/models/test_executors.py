@@ -98,6 +98,37 @@ async def test_bad_requests_fail_with_one_clear_error(hf_thinker: HFThinker) -> 
         await run_executor(hf_thinker, session(top_p=2))
 
 
+@pytest.fixture(scope="module")
+async def greedy_lm(tiny_lm_dir: Path) -> Any:
+    """The continuous-batching example of docs/executors.md, as written there."""
+    from docs_examples import docs_example
+
+    executor = docs_example("executors.md", "GreedyLM")["GreedyLM"](stage="thinker", params={"model": str(tiny_lm_dir)})
+    await executor.setup()
+    return executor
+
+
+async def test_the_docs_batched_example_batches_and_resumes(greedy_lm: Any) -> None:
+    def lm_session(text: str) -> FakeSession:
+        return FakeSession(input={"text": text}, stage="thinker", params={"max_tokens": 12})
+
+    prompts = ["Why is the sky blue?", "A cat", PROMPT]
+    alone = [lm_session(p) for p in prompts]
+    for s in alone:
+        await run_executor(greedy_lm, s)
+    together = [lm_session(p) for p in prompts]
+    await run_many(greedy_lm, together)
+    assert [s.text_out for s in together] == [s.text_out for s in alone]
+    assert greedy_lm.step_loop.stats.max_batch_seen > 1
+    full = alone[2]
+    assert len(full.emitted) > 5
+    crashed = lm_session(PROMPT)
+    crashed.emitted, crashed.seq = full.emitted[:5], 5       # what the lost attempt wrote
+    retry = crashed.retried()
+    await run_executor(greedy_lm, retry)
+    assert retry.resume_seq == 5 and crashed.text_out + retry.text_out == full.text_out
+
+
 def tiny_spec(model_dir: Path, **thinker_params: Any) -> dict[str, Any]:
     return {"name": "tiny-omni", "stages": {
         "thinker": {"executor": "models.executor_fixtures:FailingThinker", "final_output": "text",

@@ -1,4 +1,5 @@
-"""One stage's work on one workflow, as an executor sees it (`Session`).
+"""One stage's work on one workflow: the engine's implementation of the executor contract's
+`Session` Protocol (`omniflow.executor.base`, the members an executor may use), with Redis behind it.
 
 An executor reads `inputs()` (first the catch-up the claim returned, then the
 chunks forwarded to the worker's inbox; de-duplicated on `(stage, seq)`, ending
@@ -39,7 +40,7 @@ close, flush), `inputs` (the input stream), `session` (the `Session` dataclass).
 """
 from __future__ import annotations
 
-from omniflow.engine.session.core import Chunk
+from omniflow.executor import Chunk
 from omniflow.engine.session.session import Session
 from omniflow.models import SessionState
 

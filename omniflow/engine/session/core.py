@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from omniflow.models import SessionState
@@ -19,16 +18,6 @@ T = TypeVar("T")
 
 #: the states in which a session still writes (emits, status changes)
 ACTIVE = frozenset({SessionState.WAITING_INPUT, SessionState.RUNNING})
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """One input chunk from an upstream stage."""
-
-    src: str
-    seq: int
-    attempt: int
-    data: Any
 
 
 class SessionCore:

@@ -10,7 +10,7 @@ from typing import Any
 
 from omniflow.dataplane import codec
 from omniflow.dataplane.base import InputLost, PayloadMissing, Ref, TransportKind, WrongHost
-from omniflow.engine.session.core import Chunk
+from omniflow.executor import Chunk
 from omniflow.engine.session.outputs import SessionOutputs
 from omniflow.errors import NonRetryableError
 from omniflow.models import SessionState, StageStatus

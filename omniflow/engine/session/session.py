@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from omniflow.engine.session.inputs import SessionInputs
+from omniflow.executor import Session as ExecutorSession
 from omniflow.models import SessionState
 
 if TYPE_CHECKING:
@@ -19,7 +20,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class Session(SessionInputs):
-    """One stage's work on one workflow (see the package docstring)."""
+    """The engine's session: implements the executor contract's `Session` Protocol
+    (`omniflow.executor.base`) with Redis behind it; everything else here is the worker's."""
 
     wf_id: str
     stage: str
@@ -61,3 +63,8 @@ class Session(SessionInputs):
     _domains: dict[str, tuple[str, float]] = field(default_factory=dict)   # dst -> (domain, looked up at)
     _windows: dict[str, EdgeWindow] = field(default_factory=dict)
     _unreported: dict[str, tuple[int, int]] = field(default_factory=dict)  # src -> chunks, bytes read unreported
+
+
+# mypy checks here that this class is what the executor contract promises (and
+# tests/test_executor_contract.py checks it at run time, member by member).
+_CONTRACT: type[ExecutorSession] = Session

@@ -11,7 +11,7 @@ from omniflow.engine.compute import ComputeThread
 from omniflow.errors import PipelineError
 from omniflow.pipeline import EdgeMode, Pipeline, import_executor
 from omniflow.storage.keys import Keys
-from omniflow.workers.base import Executor
+from omniflow.executor import Executor
 
 T = TypeVar("T")
 

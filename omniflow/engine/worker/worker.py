@@ -31,7 +31,7 @@ from omniflow.storage.batcher import Batcher
 from omniflow.storage.keys import TASK_GROUP, Keys
 from omniflow.storage.redisio import REDIS_ERRORS, connect, ensure_group
 from omniflow.storage.topology import read_groups
-from omniflow.workers.base import Executor
+from omniflow.executor import Executor
 
 logger = logging.getLogger(__name__)
 

@@ -1,12 +1,15 @@
 """Continuous batching: one step loop per stage steps every joined session together.
 
-A `BatchedExecutor` (see `omniflow.workers.base`) says how to add a session to
+A `BatchedExecutor` (`omniflow.executor.batched`) says how to add a session to
 the batch (`join`: prefill), how to advance every joined session by one step
 (`step`), and how to drop one (`leave`). The `StepLoop` does the scheduling,
 the way vLLM's engine does: sessions join and leave *between* steps, at most
 `max_batch` at once (the rest wait for room in arrival order), and each step's
 outputs go out through each session's own `Session.emit` — so fencing, resume,
 abort and per-session ordering are exactly those of an unbatched executor.
+
+The loop knows its executor only as a `Steppable` (the members it calls), so this
+module does not depend on `BatchedExecutor`, which depends on it.
 
 Everything here runs on one event loop: in a worker, the stage's compute
 thread (`omniflow.engine.compute`), where blocking in `join`/`step` is fine; in tests,
@@ -22,28 +25,27 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from omniflow.engine.session import Session
-    from omniflow.workers.base import BatchedExecutor
+from omniflow.executor.base import Session, StepOutput
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class StepOutput:
-    """What one step produced for one session (an all-empty output emits nothing)."""
-
-    text: str | None = None                  # a text delta (stored when the stage is a final text stage)
-    data: Any = None                         # a chunk for the downstream stages
-    checkpoint: str | None = None            # durable resume info, appended atomically with this step
-    done: bool = False                       # this was the session's last step
-    usage: Mapping[str, Any] | None = None   # with done: the session's usage
+class Steppable(Protocol):
+    """What the step loop calls of its executor (a `BatchedExecutor` is one)."""
 
     @property
-    def empty(self) -> bool:
-        return self.text is None and self.data is None and self.checkpoint is None
+    def stage(self) -> str: ...
+
+    @property
+    def max_batch(self) -> int: ...
+
+    def join(self, session: Session) -> Any: ...
+
+    def step(self, states: list[Any]) -> list[StepOutput]: ...
+
+    def leave(self, state: Any) -> None: ...
 
 
 @dataclass(eq=False, slots=True)
@@ -65,9 +67,9 @@ class StepStats:
 
 
 class StepLoop:
-    """The continuous-batching scheduler of one `BatchedExecutor` on one event loop."""
+    """The continuous-batching scheduler of one batched executor on one event loop."""
 
-    def __init__(self, executor: BatchedExecutor) -> None:
+    def __init__(self, executor: Steppable) -> None:
         self.executor = executor
         self.loop = asyncio.get_running_loop()
         self._members: list[_Member] = []
