@@ -34,7 +34,8 @@ def expected_text(prompt: str, max_words: int = 8) -> str:
 async def eventually(check: Callable[[], Any], *, timeout_s: float = 10.0, interval_s: float = 0.02,
                      what: str = "") -> Any:
     """Poll `check` (sync, or returning an awaitable) until it gives a truthy value, which is returned;
-    past `timeout_s` an AssertionError names `what` was waited for (test-side only: the engine never polls).
+    past `timeout_s`, an AssertionError that says what was waited for (`what`). Test-side only: the
+    engine never polls.
 
     The async twin of `wait_until`: the test's event loop keeps running between polls."""
     deadline = time.monotonic() + timeout_s
