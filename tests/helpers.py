@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,19 +32,26 @@ def expected_text(prompt: str, max_words: int = 8) -> str:
     return " ".join(reply_words(prompt, max_words))
 
 
-async def eventually(check: Callable[[], Awaitable[Any]], *, timeout_s: float = 10.0, interval_s: float = 0.02) -> Any:
-    """Poll `check` until it returns a truthy value (test-side only; the engine never polls)."""
+async def eventually(check: Callable[[], Any], *, timeout_s: float = 10.0, interval_s: float = 0.02,
+                     what: str = "") -> Any:
+    """Poll `check` (sync, or returning an awaitable) until it gives a truthy value, which is returned;
+    past `timeout_s`, an AssertionError that says what was waited for (`what`). Test-side only: the
+    engine never polls.
+
+    The async twin of `wait_until`: the test's event loop keeps running between polls."""
     deadline = time.monotonic() + timeout_s
     while True:
-        value = await check()
+        value = check()
+        if inspect.isawaitable(value):
+            value = await value
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s}s (last value {value!r})")
+            raise AssertionError(f"{what or 'condition'} not met within {timeout_s}s (last value {value!r})")
         await asyncio.sleep(interval_s)
 
 
-def wait_until(check: Callable[[], Any], *, timeout_s: float = 40.0, interval_s: float = 0.2) -> Any:
+def wait_until(check: Callable[[], Any], *, timeout_s: float = 40.0, interval_s: float = 0.2, what: str = "") -> Any:
     """`eventually` for synchronous checks (processes, the CLI): poll until `check` is truthy."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -51,7 +59,7 @@ def wait_until(check: Callable[[], Any], *, timeout_s: float = 40.0, interval_s:
         if value:
             return value
         time.sleep(interval_s)
-    raise AssertionError("condition not met in time")
+    raise AssertionError(f"{what or 'condition'} not met within {timeout_s}s")
 
 
 async def log_entries(store: Store, wf_id: str) -> list[dict[str, str]]:

@@ -15,7 +15,7 @@ from omniflow.jobs.queue import create_job_pool
 from omniflow.pipeline import build_pipeline
 
 from conftest import toy_spec
-from helpers import cli_env, run_cli
+from helpers import cli_env, eventually, run_cli
 from jobs_support import FAST, jobs_runner
 
 FAIL = {"thinker": {"fail_at_step": 1, "fail_retryable": False}}
@@ -105,8 +105,11 @@ async def test_batch_resumes_in_a_new_runner_after_a_stop(engine_factory, tmp_pa
                        *({"text": f"resume {i}", "output_modalities": ["text"]} for i in range(4)))
     async with engine_factory(spec, **FAST, jobs_grace_s=0.0) as eng:
         created = await submit_file(eng, path)
-        async with jobs_runner(eng):
-            await asyncio.sleep(0.2)                  # submitted, still running: then the runner stops
+        async def submitted() -> bool:
+            return (await batch_status(eng.store, created["id"], lines=False))["submitted"] >= 1
+
+        async with jobs_runner(eng):                  # once lines are submitted (still running), it stops
+            await eventually(submitted, timeout_s=15, what="a first line of the batch submitted")
         mid = await batch_status(eng.store, created["id"])
         assert mid["state"] == "running" and mid["submitted"] >= 1
         async with jobs_runner(eng):

@@ -2,7 +2,6 @@
 workers; every `--json` output is validated against the API's response models."""
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from helpers import eventually, omniflow, request
 from jobs_support import FAST, jobs_runner
 
 from omniflow.api.schemas import Pools, WorkerView, WorkflowSummary
+from omniflow.client.store import now_ms
 
 FAIL_FAST = toy_spec(thinker={"fail_at_step": 1, "fail_retryable": False})
 
@@ -116,7 +116,9 @@ async def test_purge_older_than_deletes_finished_workflows_only(engine_factory, 
         done = await eng.store.submit(request("finished", request_id="purge-me"))
         await eng.store.abort(done.id)
         live = await eng.store.submit(request("still live"))
-        await asyncio.sleep(1.1)
+        listed_ms = await eng.redis.zscore(eng.store.keys.state_index("aborted", 0), done.id)     # what purge compares
+        await eventually(lambda: now_ms() - listed_ms > 1000, timeout_s=10, interval_s=0.05,
+                         what="the finished workflow older than 1 s")
         code, _, err = await omniflow("purge", "--older-than", "1s", env=env)       # no terminal, no --yes
         assert code == 2 and "Delete 1 completed/failed/aborted workflow(s)" in err and "--yes" in err
         assert await eng.store.state(done.id) is not None

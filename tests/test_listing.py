@@ -1,13 +1,11 @@
 """The listing indexes, kept by the Lua transitions, and filtered paging over them (real Valkey)."""
 from __future__ import annotations
 
-import asyncio
-
 from helpers import eventually, request
 
 from omniflow.storage import listing
 from omniflow.storage.listing import ListFilter
-from omniflow.storage.schema import s
+from omniflow.storage.schema import now_ms, s
 
 
 async def _index(eng, state: str) -> set[str]:
@@ -52,7 +50,9 @@ async def test_filters_and_paging(engine_factory) -> None:
             sub = await store.submit(request(f"p {i}", ["text"] if i % 3 else None, request_id=f"order-{i:03d}"),
                                      tenant="acme" if i % 2 else "globex")
             ids.append(sub.id)
-            await asyncio.sleep(0.002)          # distinct creation ms: a stable newest-first order
+            # distinct creation ms (a stable newest-first order): the next one is created once the clock has moved on
+            created_ms = int(s(await store.redis.hget(store.keys.wf(sub.id), "created_ms")))
+            await eventually(lambda: now_ms() > created_ms, interval_s=0.001, what="the clock past a creation ms")
         for wf_id in ids[:4]:
             await store.abort(wf_id)
         newest_first = ids[::-1]

@@ -21,7 +21,7 @@ from omniflow.storage.batcher import Batcher
 from omniflow.errors import AdmissionRefused, ConfigError, RedisRefused, RedisUnavailable, ScriptError
 from omniflow.client.store import Store
 
-from helpers import request
+from helpers import eventually, request
 
 
 @pytest.mark.parametrize(("raised", "cls", "refusal"), [
@@ -77,7 +77,8 @@ async def test_a_refused_write_waits_in_the_group_commit_and_a_refused_submit_is
             held = batcher.send("XADD", key, "*", "f", "v")
             with pytest.raises(AdmissionRefused, match="out of memory"):
                 await store.submit(request("no room"))                # refused at once, never held
-            await asyncio.sleep(0.3)
+            # the held write was sent again and refused again (twice): it outlived refusals, still waiting
+            await eventually(lambda: batcher.refusals >= 3, timeout_s=10, what="two resends of the held write refused")
             assert not held.done()                                    # still waiting, not failed
         finally:
             await eng.redis.config_set("maxmemory", 0)

@@ -3,6 +3,7 @@ thread (never on the worker's loop), continuous batching, checkpoints for resume
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -97,11 +98,14 @@ async def test_compute_thread_runs_coroutines_off_the_calling_loop() -> None:
 
         assert await compute.run(where()) is False
 
+        running = threading.Event()
+
         async def forever() -> None:
-            await asyncio.sleep(3600)
+            running.set()
+            await asyncio.sleep(3600)       # the coroutine to cancel: it never ends by itself
 
         task = asyncio.ensure_future(compute.run(forever()))
-        await asyncio.sleep(0.05)
+        await eventually(running.is_set, what="the coroutine running on the compute thread")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

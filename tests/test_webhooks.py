@@ -1,11 +1,12 @@
 """Webhooks end to end: real engine, real arq jobs, a real HTTP receiver on 127.0.0.1."""
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import json
+from typing import Any
 
 import pytest
+from arq.jobs import Job, JobResult, JobStatus
 from standardwebhooks import Webhook
 
 from omniflow.config import Settings
@@ -13,6 +14,8 @@ from omniflow.jobs.egress import EgressPolicy, EgressRefused, check_url, forbidd
 from omniflow.errors import InvalidRequest
 from omniflow.storage.keys import NOTIFY_GROUP, Keys
 from omniflow.storage.schema import s
+from omniflow.jobs.queue import job_deserializer
+from omniflow.jobs.runner import JobsRunner
 from omniflow.jobs.webhooks import backoff_s, webhook_id
 
 from conftest import toy_spec
@@ -35,6 +38,23 @@ async def settled(eng, wf_id: str, outcome: str) -> dict[str, str]:
         rec = await delivery(eng, wf_id)
         return rec if rec.get("outcome") == outcome else None
     return await eventually(check, timeout_s=15)
+
+
+async def finished_job(runner: JobsRunner, job_id: str) -> Any:
+    """The result of arq job `job_id` once arq has finished it (it will not run again)."""
+    assert runner.worker is not None
+    job = Job(job_id, runner.worker.pool, _queue_name=runner.worker.queue_name, _deserializer=job_deserializer)
+
+    async def result() -> JobResult | None:
+        return await job.result_info() if await job.status() is JobStatus.complete else None
+    return (await eventually(result, timeout_s=15, what=f"arq job {job_id} finished")).result
+
+
+async def idle_longer_than(eng, consumer: str, idle_ms: int) -> bool:
+    """Every notify entry `consumer` holds has been idle for more than `idle_ms` (XAUTOCLAIM may take it)."""
+    keys = eng.store.keys
+    held = await eng.redis.xpending_range(keys.notify(0), NOTIFY_GROUP, min="-", max="+", count=100, consumername=consumer)
+    return bool(held) and all(e["time_since_delivered"] > idle_ms for e in held)
 
 
 def verified(rec: Receiver, index: int = 0) -> dict:
@@ -128,7 +148,8 @@ async def test_webhook_to_a_private_address_is_refused_at_submit(engine_factory)
 async def test_webhook_to_a_name_that_resolves_private_at_delivery_is_refused_and_recorded(engine_factory,
                                                                                            caplog) -> None:
     with http_receiver() as rec:
-        async with engine_factory(workers=False, **{**FAST, "webhook_allow_hosts": ""}) as eng, jobs_runner(eng):
+        async with engine_factory(workers=False, **{**FAST, "webhook_allow_hosts": ""}) as eng, \
+                jobs_runner(eng) as runner:
             sub = await eng.store.submit(request("ssrf", ["text"], webhook_url="http://hooks.example.com/x"))
             # the name pointed somewhere public at submit and points inside by delivery time (rebinding)
             await eng.redis.hset(eng.store.keys.wf(sub.id), "webhook", rec.url())
@@ -137,7 +158,9 @@ async def test_webhook_to_a_name_that_resolves_private_at_delivery_is_refused_an
             assert "loopback" in got["error"] and "OMNIFLOW_WEBHOOK_ALLOW_HOSTS" in got["error"]
             assert any("refused" in r.getMessage() and sub.id in r.getMessage() for r in caplog.records)
             assert await stats(eng) == {"webhook:refused": 1}
-            await asyncio.sleep(0.2)
+            # arq has finished the delivery job for good (its result is stored, nothing is re-queued):
+            # no later attempt can still POST after the check below
+            assert await finished_job(runner, eng.store.keys.job_id("webhook", sub.id, "completed")) == "refused"
             assert rec.hits == []
             hook = (await eng.store.document(sub.id))["webhook"]
             assert hook["outcome"] == "refused" and [a["outcome"] for a in hook["attempts"]] == ["refused"]
@@ -164,7 +187,8 @@ async def test_notify_entries_of_a_dead_dispatcher_are_reclaimed(engine_factory)
             await eng.redis.xgroup_create(keys.notify(0), NOTIFY_GROUP, id="0", mkstream=True)
             taken = await eng.redis.xreadgroup(NOTIFY_GROUP, "crashed", {keys.notify(0): ">"}, count=10)
             assert len(taken[0][1]) == 1                  # read by a dispatcher that then died
-            await asyncio.sleep(0.2)
+            await eventually(lambda: idle_longer_than(eng, "crashed", eng.settings.event_claim_idle_ms),
+                             what="the dead dispatcher's entry idle past event_claim_idle_ms")
             async with jobs_runner(eng):
                 await settled(eng, sub.id, "delivered")
             assert len(rec.hits) == 1

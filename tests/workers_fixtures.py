@@ -34,7 +34,7 @@ class BlockingThinker(ToyThinker):
 
     async def run(self, session: Session) -> Mapping[str, Any]:
         type(self).blocked.set()
-        time.sleep(float(self._param(session, "block_s", 3.0)))
+        time.sleep(float(self._param(session, "block_s", 3.0)))     # the long forward pass (simulated)
         type(self).blocked.clear()
         try:
             await asyncio.sleep(0)      # the first point where a cancellation can land

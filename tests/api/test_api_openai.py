@@ -1,7 +1,6 @@
 """The OpenAI-compatible API, driven by the official `openai` client."""
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 
@@ -14,6 +13,7 @@ from openai import AsyncOpenAI
 
 from apiserver import KEYS, api_factory, auth_settings  # noqa: F401 - fixture
 from conftest import toy_spec
+from helpers import eventually
 
 MODEL = "omni-toy"
 
@@ -97,12 +97,12 @@ async def test_openai_non_stream_disconnect_aborts_workflow(api_factory):
             with pytest.raises(httpx.ReadTimeout):
                 await http.post("/v1/chat/completions", timeout=0.5,
                                 json={"model": MODEL, "messages": [{"role": "user", "content": "hang up"}]})
-        for _ in range(100):
+        async def aborted() -> dict | None:
             rows = await engine.store.list()
-            if rows and rows[0]["state"] == "aborted":
-                break
-            await asyncio.sleep(0.05)
-        assert rows[0]["state"] == "aborted" and "disconnected" in rows[0]["error"]
+            return rows[0] if rows and rows[0]["state"] == "aborted" else None
+
+        row = await eventually(aborted, timeout_s=5, interval_s=0.05, what="the workflow aborted by the disconnect")
+        assert "disconnected" in row["error"]
 
 
 async def test_openai_errors_are_openai_shaped(api_factory):

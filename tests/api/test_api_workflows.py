@@ -1,7 +1,6 @@
 """The workflows resource over HTTP."""
 from __future__ import annotations
 
-import asyncio
 import io
 import time
 
@@ -135,7 +134,6 @@ async def test_abort_of_unknown_workflow_is_404(api_factory):
     async with api_factory() as (_engine, server), server.client() as http:
         r = await http.post("/v1/workflows/does-not-exist/abort")
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
-        await asyncio.sleep(0)
 
 
 async def test_request_id_reused_with_a_different_body_is_409_idempotency_conflict(api_factory):

@@ -338,7 +338,7 @@ class ChaosRun:
         for i in range(self.cfg.workflows):
             delay = t0 + i * interval - time.monotonic()
             if delay > 0:
-                await asyncio.sleep(delay)
+                await asyncio.sleep(delay)      # the load's pace (submit_rate), not a synchronisation
             req = SubmitRequest(input=WorkflowInput(text=prompt_for(i)))
             try:
                 sub = await asyncio.wait_for(store.submit(req), 5.0)
@@ -347,6 +347,14 @@ class ChaosRun:
                 continue
             self.accepted[sub.id] = i
         self._submitting = False
+
+    async def accepted_at_least(self, n: int, timeout_s: float = 120.0) -> None:
+        """Until `n` workflows were accepted (a fault that must hit a loaded cluster waits for this)."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.accepted) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(self.accepted)} of the {n} workflows accepted within {timeout_s}s")
+            await asyncio.sleep(0.05)
 
     # ------------------------------------------------------------ faults
     async def _sleep_until_worker_started(self, proc: Proc, timeout_s: float = 15.0) -> None:
@@ -384,7 +392,7 @@ class ChaosRun:
         n, kills = 0, 0
         background: list[asyncio.Task[None]] = []
         while self._submitting or extra or kills < self.cfg.min_worker_kills:
-            await asyncio.sleep(self.cfg.kill_every_s * self.rng.uniform(0.75, 1.25))
+            await asyncio.sleep(self.cfg.kill_every_s * self.rng.uniform(0.75, 1.25))     # the faults' pace
             n += 1
             if extra and (n % 3 == 0 or not self._submitting):
                 what = extra.pop(0)
@@ -421,6 +429,7 @@ class ChaosRun:
         victim = self.rng.choice(self.cluster.live("worker:"))
         fault = self._fault("stop-worker", victim)
         victim.popen.send_signal(signal.SIGSTOP)
+        # the fault itself: frozen for longer than its lease (a stopped process cannot renew it)
         await asyncio.sleep(self.cfg.lease_timeout_s * 2 + 1.0)
         victim.popen.send_signal(signal.SIGCONT)
         fault.until_ms = int(time.time() * 1000)
@@ -428,7 +437,7 @@ class ChaosRun:
     async def chaos_redis(self, at_s: float, down_s: float = 1.0) -> None:
         """SIGKILL Redis once mid-run and restart it from its AOF (same port, same dir)."""
         assert self.server is not None
-        await asyncio.sleep(at_s)
+        await asyncio.sleep(at_s)           # the fault schedule: when Redis dies, and how long it stays down
         self._fault("kill-redis", None)
         self.server.kill()
         await asyncio.sleep(down_s)
@@ -494,7 +503,28 @@ class ChaosRun:
         reaped = time.monotonic() + self.cfg.lease_timeout_s + self.cfg.sweep_interval_s * 8
         while time.monotonic() < reaped and await self._stale_leases(redis):
             await asyncio.sleep(0.25)
-        await asyncio.sleep(self.cfg.sweep_interval_s * 4)
+        # and the last sweeps: seen run, not assumed from the time that passed
+        if not await self._leader_sweeps(redis, 4):
+            self.report.problems.append("no reconciler sweep ran after quiescence")
+
+    async def _leader_sweeps(self, redis: Redis, n: int, timeout_s: float = 30.0) -> bool:
+        """Until the reconcilers' leader renewed its lease `n` times (it does at the start of every
+        sweep pass, so `n - 1` whole passes ran after this call); False past `timeout_s`. A renewal
+        is the lease's PTTL going up; one missed between two reads only makes this wait longer."""
+        deadline = time.monotonic() + timeout_s
+        seen, last = 0, None
+        while seen < n:
+            if time.monotonic() > deadline:
+                return False
+            try:
+                ttl = await redis.pttl(self.keys.leader)
+            except Exception:  # noqa: BLE001 - Redis may still be restarting
+                ttl = None
+            if ttl is not None and last is not None and ttl > last:
+                seen += 1
+            last = ttl if ttl is not None else last
+            await asyncio.sleep(min(0.02, self.cfg.sweep_interval_s / 5))
+        return True
 
     async def _stale_leases(self, redis: Redis) -> list[str]:
         """Leases of worker processes that are no longer running."""

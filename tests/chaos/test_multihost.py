@@ -17,7 +17,7 @@ from redis import Redis
 from omniflow.ops.embedded import EmbeddedServer
 from omniflow.client.store import connect
 from omniflow.storage.schema import s
-from tests.chaos.driver import ChaosConfig, ChaosRun, Cluster
+from tests.chaos.driver import TERMINAL, ChaosConfig, ChaosRun, Cluster
 from tests.chaos.hosts import IP, Host, NetLab
 from tests.chaos.test_chaos import _assert_clean, _report
 
@@ -67,8 +67,7 @@ async def test_two_hosts_share_pools_and_survive_a_host_death(lab: NetLab | None
         killed: list[int] = []
 
         async def kill_host_a() -> None:
-            while len(run.accepted) < cfg.workflows // 2:
-                await asyncio.sleep(0.1)
+            await run.accepted_at_least(cfg.workflows // 2)
             if lab:     # host a's processes really live in its namespace and reach Redis over the veth
                 pids = set(subprocess.run([IP, "netns", "pids", lab.namespaces[0].name], capture_output=True,
                                           text=True, check=True).stdout.split())
@@ -182,8 +181,7 @@ async def test_sigterm_rolling_restart_loses_nothing(lab: NetLab | None, tmp_pat
         run = ChaosRun(cluster, server.url, scenario="sigterm")
 
         async def rolling_restart() -> None:
-            while len(run.accepted) < cfg.workflows // 4:
-                await asyncio.sleep(0.1)
+            await run.accepted_at_least(cfg.workflows // 4)
             for proc in [p for p in cluster.procs if p.host is hosts[0]]:
                 ids = await _worker_ids(server.url, run, proc.popen.pid)
                 proc.popen.terminate()
@@ -230,19 +228,22 @@ async def _pending_owned(url: str, run: ChaosRun, consumers: list[str]) -> dict[
 
 
 async def _sample_transports(url: str, run: ChaosRun, seen: dict[tuple[str, str, str], set[str]], *,
-                             until: Any) -> None:
+                             until: Any, timeout_s: float = 60.0) -> None:
     """While the run goes on, the transport of every chunk reference found in the edge logs
     (they are deleted at each workflow's terminal), by (workflow, producer stage, consumer stage);
-    until `until()` is true and a few seconds more."""
+    until `until()` is true and every accepted workflow has ended (no edge log is left to see), or
+    `timeout_s` after `until()` (the run's checks then report what hung)."""
     from omniflow.dataplane.base import Ref
     from omniflow.engine.worker import decode_chunks
 
     redis = connect(url)
     stop_at = None
     try:
-        while stop_at is None or asyncio.get_running_loop().time() < stop_at:
-            if stop_at is None and until():        # every workflow submitted: the last ones run ~2 s more
-                stop_at = asyncio.get_running_loop().time() + 3.0
+        while True:
+            if stop_at is None and until():
+                stop_at = asyncio.get_running_loop().time() + timeout_s
+            last = stop_at is not None and (await _all_ended(redis, run)
+                                            or asyncio.get_running_loop().time() > stop_at)
             async for raw in redis.scan_iter(match=f"{run.keys.prefix}:*:wf:*:edge:*", count=1000):
                 key = s(raw)
                 wf, _, edge = key.split(":wf:", 1)[1].partition(":edge:")
@@ -251,6 +252,16 @@ async def _sample_transports(url: str, run: ChaosRun, seen: dict[tuple[str, str,
                     for chunk in decode_chunks(fields[b"m"]):
                         if b"r" in chunk:
                             seen.setdefault((wf, src, dst), set()).add(Ref.unpack(chunk[b"r"]).kind.value)
-            await asyncio.sleep(0.1)
+            if last:
+                return
+            await asyncio.sleep(0.1)        # the sampling period
     finally:
         await redis.aclose()
+
+
+async def _all_ended(redis: Any, run: ChaosRun) -> bool:
+    ids = list(run.accepted)
+    pipe = redis.pipeline(transaction=False)
+    for wf_id in ids:
+        pipe.hget(run.keys.wf(wf_id), "state")
+    return all(s(state) in TERMINAL for state in await pipe.execute())

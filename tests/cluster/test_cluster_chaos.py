@@ -42,8 +42,7 @@ async def test_chaos_primary_killed_and_replica_promoted(cluster_factory: Callab
         run = ChaosRun(procs, valkeys.url, scenario="cluster-failover")
 
         async def kill_a_primary() -> None:
-            while len(run.accepted) < cfg.workflows // 3:
-                await asyncio.sleep(0.1)
+            await run.accepted_at_least(cfg.workflows // 3)
             run._fault("kill-redis", None)
             killed, _promoted = await asyncio.to_thread(valkeys.kill_primary, 0)
             killed_ports.append(killed.port)
@@ -73,15 +72,13 @@ async def test_chaos_sentinel_failover_under_load(sentinel_factory: Callable[...
         run = ChaosRun(procs, group.url, scenario="sentinel-failover")
 
         async def kill_the_primary() -> None:
-            while len(run.accepted) < cfg.workflows // 3:
-                await asyncio.sleep(0.1)
+            await run.accepted_at_least(cfg.workflows // 3)
             before = len(run.accepted)
             fault = run._fault("kill-redis", None)
             await asyncio.to_thread(group.kill_primary)
             fault.until_ms = int(time.time() * 1000)
             # recovered: the first workflow accepted after the kill (the client's submits follow the sentinel)
-            while len(run.accepted) == before:
-                await asyncio.sleep(0.05)
+            await run.accepted_at_least(before + 1)
             recovered_s.append(time.time() - fault.t_ms / 1000)
 
         rep = await run.run(kill_the_primary())

@@ -29,7 +29,7 @@ class BigProducer(Executor):
         for i in range(1, n + 1):
             await session.emit(data={"i": i, "h": block(i, nbytes)})
             if delay:
-                await asyncio.sleep(delay)
+                await asyncio.sleep(delay)      # the producer's pace (simulated)
         return {"chunks": n}
 
 
@@ -49,7 +49,7 @@ class DigestConsumer(Executor):
             digest.update(h.tobytes())
             n += 1
             if delay:
-                await asyncio.sleep(delay)
+                await asyncio.sleep(delay)      # the consumer's pace (simulated)
         await session.emit(text=f"{n}:{digest.hexdigest()[:16]}")
         return {"chunks": n}
 

@@ -38,7 +38,7 @@ async def test_a_fast_producer_is_held_to_the_bound_by_a_slow_consumer() -> None
     async def consumer() -> None:
         nonlocal read
         while read < 40:
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0.001)      # the slow consumer's pace (simulated)
             read += 1
 
     async def position() -> int:

@@ -38,6 +38,7 @@ from omniflow.models import SubmitRequest, WorkflowInput
 from omniflow.storage.redisio import REDIS_ERRORS, connect
 from omniflow.client.store import Store
 from omniflow.storage.schema import s
+from helpers import eventually
 from tests.chaos.driver import STAGES, TERMINAL, ChaosConfig, Cluster, expected_output, prompt_for
 
 FAULTS = ("oom", "readonly", "busy", "pause", "kill-clients", "script-flush", "poison")
@@ -118,7 +119,7 @@ class FaultRun:
         while self._load:
             delay = t0 + i * interval - time.monotonic()
             if delay > 0:
-                await asyncio.sleep(delay)
+                await asyncio.sleep(delay)      # the load's pace (submit_rate), not a synchronisation
             req = SubmitRequest(input=WorkflowInput(text=prompt_for(i)))
             t = now_ms()
             try:
@@ -133,6 +134,7 @@ class FaultRun:
     async def inject(self, admin: Redis, fault: str) -> Window:
         window = Window(fault, now_ms())
         hold_ms = int(self.hold_s * 1000)
+        # each `sleep(self.hold_s)` below is how long the fault lasts (part of the fault, not a wait)
         if fault == "oom":
             await admin.config_set("maxmemory", 1)
             await asyncio.sleep(self.hold_s)
@@ -172,9 +174,10 @@ class FaultRun:
         try:
             await admin.config_set("repl-diskless-sync-delay", 0)
             await spare.replicaof("127.0.0.1", self.server.port)
-            await _until(lambda: _link_up(spare), 30)
+            await eventually(lambda: _link_up(spare), timeout_s=30, interval_s=0.05, what="the spare's replication link")
             await admin.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
-            await _until(lambda: _caught_up(admin, spare), 10)
+            await eventually(lambda: _caught_up(admin, spare), timeout_s=10, interval_s=0.05,
+                             what="the spare caught up")
             await spare.replicaof("NO", "ONE")
             await admin.replicaof("127.0.0.1", self.spare.port)
             started = now_ms()
@@ -210,7 +213,8 @@ class FaultRun:
             st = await admin.hmget(sk, "talker", "talker:replica", "talker:attempt")
             return st if s(st[0]) in ("waiting_input", "running") and st[1] else None
 
-        status, replica, attempt = await _until(talker_bound, 30)
+        status, replica, attempt = await eventually(talker_bound, timeout_s=30, interval_s=0.05,
+                                                   what="the poisoned workflow's talker bound")
         packed = msgpack.packb([["seq", 1, "a", 1]], use_bin_type=False)       # no payload: malformed
         await admin.xadd(k.edge(sub.id, "thinker", "talker"), {"m": packed})
         await admin.xadd(k.inbox(s(replica), 0), {"wf": sub.id, "ds": "talker", "da": s(attempt), "src": "thinker",
@@ -224,6 +228,7 @@ class FaultRun:
         store = Store(client, self.cluster.settings, self.cluster.pipeline)
         load = asyncio.create_task(self.submit_steadily(store))
         try:
+            # the schedule: gap_s of steady load before the first fault and between two faults
             await asyncio.sleep(self.gap_s)
             baseline = await self._key_shapes(admin)
             for fault in faults:
@@ -402,16 +407,6 @@ def _shape(key: str) -> str:
         if part in ("inbox", "wake") or (part == "{workers}" and i == len(parts) - 2):
             return ":".join([*parts[:i + 1], "*"])
     return key
-
-
-async def _until(check: Any, timeout_s: float) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = await check()
-        if value:
-            return value
-        await asyncio.sleep(0.05)
-    raise TimeoutError(f"fault injection: condition not met within {timeout_s}s")
 
 
 async def _link_up(replica: Redis) -> bool:

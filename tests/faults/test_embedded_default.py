@@ -84,22 +84,25 @@ async def test_daemons_wait_for_redis_with_one_line_and_serve_when_it_comes(tmp_
 
     readers = [asyncio.create_task(collect(role, p)) for role, p in procs.items()]
 
-    async def all_said_so() -> bool:
-        return all(any("is not answering" in line for line in lines) for lines in logs.values())
+    def all_said(words: str) -> bool:
+        return all(any(words in line for line in lines) for lines in logs.values())
 
     server = None
     try:
-        await helpers.eventually(all_said_so, timeout_s=60, interval_s=0.2)
-        await asyncio.sleep(1)
-        assert all(p.returncode is None for p in procs.values())          # nobody died of it
+        await helpers.eventually(lambda: all_said("is not answering"), timeout_s=60, interval_s=0.2,
+                                 what="every daemon saying Redis is not answering")
+        assert all(p.returncode is None for p in procs.values())
         server = EmbeddedServer(data_dir=tmp_path / "late-valkey", port=port, appendonly=False).start()
+        # nobody died of it: each daemon was still waiting when Redis came, and says it answers again
+        await helpers.eventually(lambda: all_said("answers again"), timeout_s=30, interval_s=0.2,
+                                 what="every daemon saying Redis answers again")
         from omniflow.storage.redisio import connect
 
         redis = connect(server.url)
         try:
             async def worker_registered() -> bool:
                 return bool(await redis.zcard(Keys("waiting").workers))
-            await helpers.eventually(worker_registered, timeout_s=30)
+            await helpers.eventually(worker_registered, timeout_s=30, what="the worker's heartbeat")
         finally:
             await redis.aclose()
     finally:

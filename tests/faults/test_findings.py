@@ -3,7 +3,6 @@ Valkey, plus issue 10's "executor errors are not Redis losses". Each test is nam
 finding and fails on the code the finding was made against."""
 from __future__ import annotations
 
-import asyncio
 import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -173,11 +172,20 @@ async def test_finding5_out_of_memory_stops_no_worker_and_keeps_its_lease(engine
         worker = eng.workers["thinker"][0]
         task = eng._tasks[1][1]
         async with out_of_memory(eng.redis):
-            await asyncio.sleep(eng.settings.lease_timeout_s * 2)
+            # a lease ending 3 lease timeouts from now comes from a heartbeat sent 2 lease timeouts into
+            # the outage: by then the lease the worker had when Redis started refusing has long lapsed
+            renewed_at_ms = now_ms() + 3 * int(eng.settings.lease_timeout_s * 1000)
+            await eventually(lambda: _lease_ends_after(eng, worker.id, renewed_at_ms),
+                             timeout_s=eng.settings.lease_timeout_s * 2 + 10,
+                             what="a heartbeat two lease timeouts into the out-of-memory window")
             assert not task.done()
             assert await eng.redis.zscore(eng.store.keys.workers, worker.id) > now_ms()   # heartbeat allowed
         assert not task.done()
         assert (await run_to_end(eng.store, request("after the storm")))["state"] == "completed"
+
+
+async def _lease_ends_after(eng, worker_id: str, at_ms: int) -> bool:
+    return (await eng.redis.zscore(eng.store.keys.workers, worker_id) or 0) >= at_ms
 
 
 # ---------------------------------------------------------------- finding 6
@@ -262,7 +270,8 @@ async def test_finding10_dead_letters_are_capped_and_dead_consumers_are_reaped(e
         for name in ("rec-dead-1", "rec-dead-2"):
             await eng.redis.xreadgroup(EVENT_GROUP, name, {events: ">"}, count=1)
         rec = eng.reconcilers[0]
-        await asyncio.sleep(0.05)
+        await eventually(lambda: _idle(eng.redis, events, {"rec-dead-1", "rec-dead-2"}),
+                         what="the dead consumers idle for more than 0 ms")
         assert await rec.sweeps.consumers(idle_ms=0) >= 2
         names = {s(c["name"]) for c in await eng.redis.xinfo_consumers(events, EVENT_GROUP)}
         assert not names & {"rec-dead-1", "rec-dead-2"}
@@ -301,6 +310,12 @@ async def test_an_executor_oserror_is_a_stage_failure_not_a_redis_loss(engine_fa
 
 async def _xlen_is(redis: Redis, key: str, n: int) -> bool:
     return await redis.xlen(key) == n
+
+
+async def _idle(redis: Redis, stream: str, names: set[str]) -> bool:
+    """Every consumer in `names` is in the event group and has not read for at least 1 ms."""
+    idle = {s(c["name"]): int(c["idle"]) for c in await redis.xinfo_consumers(stream, EVENT_GROUP)}
+    return all(idle.get(name, 0) > 0 for name in names)
 
 
 async def _consumers(url: str, stream: str) -> list[dict[str, Any]]:

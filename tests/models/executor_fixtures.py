@@ -51,5 +51,5 @@ class SlowThinker(HFThinker):
     def step(self, states: list[ThinkerState]) -> list[StepOutput]:
         import time
 
-        time.sleep(float(self.params.get("step_delay_s", 0.0)))
+        time.sleep(float(self.params.get("step_delay_s", 0.0)))      # the slower device (simulated)
         return super().step(states)
