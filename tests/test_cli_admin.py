@@ -15,7 +15,7 @@ from helpers import eventually, omniflow, request
 from jobs_support import FAST, jobs_runner
 
 from omniflow.api.schemas import Pools, WorkerView, WorkflowSummary
-from omniflow.client.store import now_ms
+from omniflow.storage.schema import now_ms
 
 FAIL_FAST = toy_spec(thinker={"fail_at_step": 1, "fail_retryable": False})
 
