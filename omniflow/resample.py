@@ -98,7 +98,7 @@ class StreamResampler:
         start, self._j = self._j, max(self._j, end)
         if self._j == start:
             y = np.zeros(0)
-        elif self._phases <= MAX_TABLE_PHASES:
+        elif self._phases <= MAX_TABLE_PHASES and self._j - start >= 4 * self._phases:
             y = self._strided(start, self._j)
         else:
             y = self._gathered(start, self._j)
@@ -124,11 +124,13 @@ class StreamResampler:
         return y
 
     def _gathered(self, start: int, end: int) -> npt.NDArray[np.float64]:
-        """An unusual rate pair (more phases than the table holds): each output's phase rounded down."""
+        """Few outputs (a small chunk), or an unusual rate pair with more phases than the table holds
+        (each output's phase rounded down): every output's taps and weights gathered row by row."""
         windows = sliding_window_view(self._buf, 2 * self._half)
         pos = np.arange(start, end, dtype=np.int64) * self._step
         first = pos // self._phases - self._half + 1 - self._base
-        rows = self._table[pos % self._phases * MAX_TABLE_PHASES // self._phases]
+        phase = pos % self._phases
+        rows = self._table[phase if self._phases <= MAX_TABLE_PHASES else phase * MAX_TABLE_PHASES // self._phases]
         y: npt.NDArray[np.float64] = np.einsum("ij,ij->i", windows[first], rows)
         return y
 

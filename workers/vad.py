@@ -41,6 +41,7 @@ SAMPLE_RATE = 16000
 WINDOW = 512                     # samples per Silero window at 16 kHz (32 ms)
 CONTEXT = 64                     # samples of the previous window Silero v6 sees before each one
 SILERO_ASSET = "silero_vad_v6.onnx"
+BATCH = 8                        # windows per model call at the least (256 ms: the cut decisions lag by that)
 
 
 class SileroVAD:
@@ -74,12 +75,14 @@ class SpeechProbability:
         self._context = np.zeros(CONTEXT, dtype=np.float32)
 
     def push(self, samples: np.ndarray) -> np.ndarray:
-        """Probabilities (float32) of the windows that `samples` completes."""
+        """Probabilities (float32) of the windows that `samples` completes, once there are `BATCH`
+        of them (one model call per window of a 20 ms chunk would cost more than the model)."""
         pending = np.concatenate([self._tail, np.asarray(samples, dtype=np.float32)])
         n = pending.size // WINDOW
-        self._tail = pending[n * WINDOW:]
-        if n == 0:
+        if n < BATCH:
+            self._tail = pending
             return np.zeros(0, dtype=np.float32)
+        self._tail = pending[n * WINDOW:]
         windows = pending[:n * WINDOW].reshape(n, WINDOW)
         context = np.concatenate([self._context[None, :], windows[:-1, -CONTEXT:]])
         self._context = windows[-1, -CONTEXT:].copy()

@@ -16,8 +16,7 @@ from omniflow.errors import NonRetryableError
 from omniflow.testing import FakeSession, run_executor
 
 QUESTION = "What is the capital of France? Tell me in one sentence, please."
-TWO_SENTENCES = ("The quick brown fox jumps over the lazy dog. "
-                 "Nothing is lost when a worker dies.")
+TWO_SENTENCES = ("The quick brown fox jumps over the lazy dog.", "Nothing is lost when a worker dies.")
 UPLOAD_PIECE = 32768            # samples: a 64 KiB upload piece
 
 
@@ -46,7 +45,9 @@ async def question(speaker: Any) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 async def two_sentences(speaker: Any) -> np.ndarray:
-    return await speaker.speak(TWO_SENTENCES)
+    """The two sentences with the pause a speaker takes between them (0.5 s)."""
+    first, second = [await speaker.speak(s) for s in TWO_SENTENCES]
+    return np.concatenate([first, np.zeros(speaker.sample_rate // 2, dtype=np.int16), second])
 
 
 async def test_whisper_hears_what_the_piper_voice_says(whisper: Any, speaker: Any, question: np.ndarray) -> None:
@@ -68,7 +69,7 @@ async def test_a_stream_in_20ms_chunks_gives_the_text_of_one_chunk_and_is_heard_
     whole = asr_session(audio_chunks(two_sentences, rate, two_sentences.size), **cut_early)
     usage = await run_executor(whisper, whole)
     assert usage is not None and usage["utterances"] >= 2
-    assert recall(TWO_SENTENCES, whole.text_out) >= 0.8, whole.text_out
+    assert recall(" ".join(TWO_SENTENCES), whole.text_out) >= 0.8, whole.text_out
 
     live = asr_session(live=True, **cut_early)
     running = asyncio.ensure_future(run_executor(whisper, live))
@@ -102,7 +103,7 @@ async def test_silence_is_not_sent_to_whisper(whisper: Any) -> None:
 
 async def test_silero_probabilities_do_not_depend_on_the_chunking(speaker: Any, question: np.ndarray) -> None:
     from omniflow.resample import resample
-    from omniflow.workers.vad import SileroVAD
+    from omniflow.workers.vad import BATCH, SileroVAD
 
     samples = resample(question.astype(np.float32) / 32768, speaker.sample_rate, 16000)
     vad = SileroVAD()
@@ -113,7 +114,8 @@ async def test_silero_probabilities_do_not_depend_on_the_chunking(speaker: Any, 
         i += size
         if i >= samples.size:
             break
-    assert np.array_equal(np.concatenate(parts), whole)
+    streamed = np.concatenate(parts)                 # (up to BATCH - 1 windows still wait for more)
+    assert whole.size - BATCH < streamed.size <= whole.size and np.array_equal(streamed, whole[:streamed.size])
     assert whole.size == samples.size // 512 and whole.max() > 0.9 and whole.min() < 0.1
 
 
