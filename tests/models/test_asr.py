@@ -15,6 +15,8 @@ from omniflow.engine.session import Chunk
 from omniflow.errors import NonRetryableError
 from omniflow.testing import FakeSession, run_executor
 
+pytest.importorskip("faster_whisper", reason="the models extra is not installed: run `make models`")
+
 QUESTION = "What is the capital of France? Tell me in one sentence, please."
 TWO_SENTENCES = ("The quick brown fox jumps over the lazy dog.", "Nothing is lost when a worker dies.")
 UPLOAD_PIECE = 32768            # samples: a 64 KiB upload piece
@@ -50,6 +52,18 @@ async def two_sentences(speaker: Any) -> np.ndarray:
     return np.concatenate([first, np.zeros(speaker.sample_rate // 2, dtype=np.int16), second])
 
 
+CUT_EARLY = {"min_utterance_s": 2.0}         # a cut at the pause after the first sentence
+
+
+@pytest.fixture(scope="module")
+async def two_sentences_heard(whisper: Any, speaker: Any, two_sentences: np.ndarray) -> FakeSession:
+    """The two sentences recognised from one chunk (shared: Whisper runs are the slow part)."""
+    session = asr_session(audio_chunks(two_sentences, speaker.sample_rate, two_sentences.size), **CUT_EARLY)
+    usage = await run_executor(whisper, session)
+    assert usage is not None and usage["utterances"] >= 2
+    return session
+
+
 async def test_whisper_hears_what_the_piper_voice_says(whisper: Any, speaker: Any, question: np.ndarray) -> None:
     session = asr_session(audio_chunks(question, speaker.sample_rate, UPLOAD_PIECE))
     usage = await run_executor(whisper, session)
@@ -64,14 +78,11 @@ async def test_whisper_hears_what_the_piper_voice_says(whisper: Any, speaker: An
 
 
 async def test_a_stream_in_20ms_chunks_gives_the_text_of_one_chunk_and_is_heard_before_it_ends(
-        whisper: Any, speaker: Any, two_sentences: np.ndarray) -> None:
-    rate, cut_early = speaker.sample_rate, {"min_utterance_s": 2.0}      # a cut at the first sentence's end
-    whole = asr_session(audio_chunks(two_sentences, rate, two_sentences.size), **cut_early)
-    usage = await run_executor(whisper, whole)
-    assert usage is not None and usage["utterances"] >= 2
+        whisper: Any, speaker: Any, two_sentences: np.ndarray, two_sentences_heard: FakeSession) -> None:
+    rate, whole = speaker.sample_rate, two_sentences_heard
     assert recall(" ".join(TWO_SENTENCES), whole.text_out) >= 0.8, whole.text_out
 
-    live = asr_session(live=True, **cut_early)
+    live = asr_session(live=True, **CUT_EARLY)
     running = asyncio.ensure_future(run_executor(whisper, live))
     pieces = audio_chunks(two_sentences, rate, rate // 50)
     held_back = len(pieces) // 4          # the last quarter arrives only once text has come out
@@ -90,6 +101,17 @@ async def test_a_stream_in_20ms_chunks_gives_the_text_of_one_chunk_and_is_heard_
     await asyncio.wait_for(running, timeout=60)
     assert live.text_out == whole.text_out
     assert early and whole.text_out.startswith(early) and len(early) < len(whole.text_out)
+
+
+async def test_a_retry_emits_only_what_the_lost_attempt_had_not_written(whisper: Any,
+                                                                        two_sentences_heard: FakeSession) -> None:
+    whole = two_sentences_heard
+    assert len(whole.emitted) >= 2
+    crashed = asr_session(whole.chunks, **CUT_EARLY)
+    crashed.emitted, crashed.seq = whole.emitted[:1], 1             # the attempt died after its first segment
+    retry = crashed.retried()
+    await run_executor(whisper, retry)
+    assert crashed.text_out + retry.text_out == whole.text_out and retry.text_out
 
 
 async def test_silence_is_not_sent_to_whisper(whisper: Any) -> None:
