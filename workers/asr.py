@@ -196,7 +196,7 @@ class WhisperASR(Executor):
         async for chunk in session.inputs():
             samples = audio.push(chunk)
             pcm.append(samples)
-            if cutter is None or speech is None:
+            if cutter is None or speech is None:      # vad off: all of it at the end
                 continue
             for start, end in cutter.feed(speech.push(samples)):
                 await self._recognise(session, pcm.take(start, end), start, out, options, prompt)
@@ -208,7 +208,7 @@ class WhisperASR(Executor):
         return {"audio_seconds": round(audio.seconds, 3), "utterances": out.utterances, "segments": out.segments,
                 "words": len(out.text.split()), "language": out.language, "compute_s": round(out.compute_s, 3),
                 "rtf": round(out.compute_s / audio.seconds, 4) if audio.seconds else 0.0,
-                "timeline": out.timeline[:MAX_TIMELINE]}
+                "timeline": out.timeline}
 
     async def close(self) -> None:
         self.model = None
@@ -252,7 +252,8 @@ class WhisperASR(Executor):
             end_s = round(min(offset + samples.size, offset + SAMPLE_RATE * segment.end) / SAMPLE_RATE, 3)
             out.text += delta
             out.segments += 1
-            out.timeline.append({"start": start_s, "end": end_s, "text": text})
+            if len(out.timeline) < MAX_TIMELINE:
+                out.timeline.append({"start": start_s, "end": end_s, "text": text})
             await session.emit(text=delta, data={"text": delta, "start_s": start_s, "end_s": end_s})
 
     def _segments(self, samples: np.ndarray, out: Transcript, options: Mapping[str, Any], context: str) -> Iterator[Any]:
