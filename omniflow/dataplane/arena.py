@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from omniflow.dataplane import codec
-from omniflow.dataplane.base import PayloadMissing, SizeMismatch, UndecodablePayload
+from omniflow.dataplane.base import PayloadMissing, PayloadTruncated, SizeMismatch, UndecodablePayload
 
 DEFAULT_ARENA_BYTES = 64 << 20
 DEFAULT_ARENA_SLOTS = 1024
@@ -226,16 +226,18 @@ class Arena:
 
     # ------------------------------------------------------------ life
     def linked(self) -> bool:
-        """False once the file was unlinked under us (a sweep that took this worker for dead); asked
-        of the file at most every `LINK_CHECK_S`."""
+        """False once the file was unlinked under us (a sweep that took this worker for dead) or cut
+        short (a copy into pages past its end would be a SIGBUS); asked of the file at most every
+        `LINK_CHECK_S`."""
         now = time.monotonic()
         if now - self._checked < LINK_CHECK_S:
             return True
         self._checked = now
         try:
-            return os.fstat(self.fd).st_nlink > 0
+            st = os.fstat(self.fd)
         except OSError:
             return False
+        return st.st_nlink > 0 and st.st_size >= self.size
 
     def close(self, *, unlink: bool) -> None:
         """Unmap (no thread may write into it any more) and close; unlink the file if asked."""
@@ -264,10 +266,12 @@ class Mapped:
             size = os.fstat(fd).st_size
             head = os.pread(fd, HEADER.size, 0)
             if len(head) < HEADER.size:
-                raise UndecodablePayload(f"arena {name} is not an omniflow arena (too short)")
+                raise PayloadTruncated(f"arena {name} is {size} bytes: cut short of its header")
             magic, version, slots, _res, data_at, declared, _frees = HEADER.unpack(head)
             if magic != ARENA_MAGIC or version != ARENA_VERSION:
                 raise UndecodablePayload(f"arena {name} is not an omniflow arena (magic {magic!r}, v{version})")
+            if size < declared:
+                raise PayloadTruncated(f"arena {name} is {size} bytes: cut short of the {declared} it was made with")
             if declared != size or not TABLE_AT + slots * SLOT.itemsize <= data_at <= size:
                 raise UndecodablePayload(f"arena {name}: header does not match the file ({declared} vs {size} bytes)")
             # private: views are writable and a write stays in this process (see `hand_back`)
@@ -294,6 +298,10 @@ class Mapped:
             raise SizeMismatch(f"arena {self.name} slot {slot} holds {size} bytes, the reference says {nbytes}")
         if offset % PAGE or not self.data_at <= offset <= self.size - nbytes:
             raise UndecodablePayload(f"arena {self.name} slot {slot}: offset {offset} is outside its data")
+        # cut short since we mapped it: reading past the file's end would be a SIGBUS, not an error
+        size_now = os.fstat(self.fd).st_size
+        if size_now < offset + nbytes:
+            raise PayloadTruncated(f"arena {self.name} slot {slot}: the arena was cut short to {size_now} bytes")
         return int(offset)
 
     def holder(self, offset: int, nbytes: int) -> Any:

@@ -120,9 +120,11 @@ class ShmTransport(Transport):
         """Our arenas, then a new one while the pool has room for it."""
         with self._arenas_lock:
             gone = [a for a in self.arenas if not a.linked()]
-            for arena in gone:           # unlinked under us (a sweep took us for dead): never write there again
-                logger.warning("arena %s was removed under its live producer; starting another", arena.name)
+            for arena in gone:           # unlinked or cut short under us: never write there again
+                logger.warning("arena %s was removed or cut short under its live producer; starting another",
+                               arena.name)
                 self.arenas.remove(arena)     # unmapped once no thread writes into it any more (not closed here)
+                self._unlink(arena.name)      # cut short: what it held is lost (its consumers regenerate it)
             current = list(self.arenas)
         yield from current
         with self._arenas_lock:
@@ -358,8 +360,9 @@ class ShmTransport(Transport):
     def inventory(self) -> list[Found]:
         """Every payload of this prefix on the host with its header: what `sweep` decides on. Slots of
         our own arenas come from our bookkeeping; other arenas are read from their files."""
-        found = [Found(seg, segment.read_header(path), segment.is_free(path))
-                 for seg in self.segments() for path in [os.path.join(self.directory, seg.name)]]
+        found = [Found(seg, info, segment.is_free(path), short=segment.is_short(path, info))
+                 for seg in self.segments() for path in [os.path.join(self.directory, seg.name)]
+                 for info in [segment.read_header(path)]]
         own = {a.name: a for a in self.arenas}
         for af in self.arena_files():
             arena = own.get(af.name)
