@@ -114,22 +114,30 @@ class Arena:
         self._frees_seen = 0
         self._checked = time.monotonic()
         self.lock = threading.Lock()
+        # why the last `reserve` could not allocate pages (None: it could). A string: an exception kept
+        # here would hold its traceback, whose frames hold this arena (a cycle: unmapped only by the GC)
+        self.starved: str | None = None
+        self.retired = False                     # its producer took it out of use: `reserve` refuses
 
     def _grow(self, end: int) -> bool:
         """Allocate and map the pages up to `end` (once: the lowest space is used first, so an arena
-        only ever grows to what its producer had in flight). A full /dev/shm fails here (ENOSPC),
-        never as a SIGBUS in the middle of a copy."""
+        only ever grows to what its producer had in flight). A full /dev/shm fails here (ENOSPC; then
+        `starved` says why), never as a SIGBUS in the middle of a copy."""
         if end <= self._ready:
             return True
-        grow = _round_up(max(end, self._ready + GROW_STEP), PAGE)
-        grow = min(grow, self.size)
-        try:
-            os.posix_fallocate(self.fd, self._ready, grow - self._ready)
-        except OSError:
+        step = min(_round_up(max(end, self._ready + GROW_STEP), PAGE), self.size)
+        for grow in dict.fromkeys((step, min(_round_up(end, PAGE), self.size))):   # a step; else what is needed
+            try:
+                os.posix_fallocate(self.fd, self._ready, grow - self._ready)
+                break
+            except OSError as exc:
+                self.starved = str(exc)
+        else:
             return False
         with contextlib.suppress(OSError, ValueError):     # older kernels: the copy faults them in instead
             self.mm.madvise(MADV_POPULATE_WRITE, self._ready, grow - self._ready)
         self._ready = grow
+        self.starved = None
         return True
 
     # ------------------------------------------------------------ space
@@ -173,9 +181,11 @@ class Arena:
         return int(done.size)
 
     def reserve(self, nbytes: int, wf_id: str, expiry_ms: int) -> tuple[int, int, int] | None:
-        """(slot, offset, generation) for a payload of `nbytes`, or None when it does not fit now."""
+        """(slot, offset, generation) for a payload of `nbytes`, or None when it does not fit now (in
+        the arena, or, `starved` set, in the shared-memory directory: no room for its pages)."""
+        self.starved = None
         capacity = _round_up(max(nbytes, 1), PAGE)
-        if capacity > self.size:
+        if capacity > self.size or self.retired:
             return None
         self.reclaim()
         off = self._take(capacity) if self._slots else None

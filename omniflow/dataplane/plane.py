@@ -22,7 +22,7 @@ from redis.asyncio import Redis
 
 from omniflow.config import ChecksumMode, DataPlaneMode, Settings
 from omniflow.dataplane import codec
-from omniflow.dataplane.base import PutContext, Ref, TransportKind, UndecodablePayload, WrongHost
+from omniflow.dataplane.base import PutContext, Ref, SharedMemoryRefused, TransportKind, UndecodablePayload, WrongHost
 from omniflow.dataplane.inline import InlineTransport
 from omniflow.dataplane.policy import choose_transport
 from omniflow.dataplane.rediskey import Command, RedisTransport
@@ -79,20 +79,43 @@ class DataPlane:
     def prepare(self, payload: Any, ctx: PutContext, *, consumer_domain: str | None = None,
                 kind: TransportKind | None = None) -> tuple[Ref, list[Command]]:
         """Put `payload` without a round trip of its own: a segment is written now; a Redis payload
-        comes back as commands to send before the entry that references it (same connection)."""
+        comes back as commands to send before the entry that references it (same connection). A payload
+        shared memory cannot take (a full /dev/shm) goes to a Redis key instead."""
         kind = kind or self.choose(payload, consumer_domain=consumer_domain)
-        if kind is TransportKind.SHM and self.shm is not None:
-            return self.shm.put_sync(payload, ctx), []
         if kind is TransportKind.INLINE:
             return InlineTransport.encode(payload), []
+        if kind is TransportKind.SHM and (ref := self._put_shm(payload, ctx)) is not None:
+            return ref, []
         return self.rediskey.put_commands(payload, ctx)
+
+    def put_op(self, payload: Any, ctx: PutContext, kind: TransportKind) -> tuple[Ref, list[Any]]:
+        """A producing session's payload by reference (`kind` shared memory or Redis): the reference,
+        and the `emit.lua` op that stores it with the entry (none when it went to shared memory, written
+        now). A payload shared memory cannot take (a full /dev/shm) goes to a Redis key instead."""
+        if kind is TransportKind.SHM and (ref := self._put_shm(payload, ctx)) is not None:
+            return ref, []
+        return self.rediskey.put_op(payload, ctx)
+
+    def _put_shm(self, payload: Any, ctx: PutContext) -> Ref | None:
+        """The payload in this host's shared memory; None when it cannot take it (nothing is left of it
+        there, and the caller puts it in a Redis key: the consumer reads those from any host)."""
+        if self.shm is None:
+            return None
+        try:
+            return self.shm.put_sync(payload, ctx)
+        except SharedMemoryRefused:
+            return None
 
     async def put(self, payload: Any, ctx: PutContext, *, consumer_domain: str | None = None,
                   kind: TransportKind | None = None) -> Ref:
-        """Store `payload` through the transport `choose` picks (or `kind`); returns its reference."""
+        """Store `payload` through the transport `choose` picks (or `kind`); returns its reference (a
+        Redis key's when shared memory was asked for and could not take it)."""
         kind = kind or self.choose(payload, consumer_domain=consumer_domain)
         if kind is TransportKind.SHM and self.shm is not None:
-            return await self.shm.put(payload, ctx)
+            try:
+                return await self.shm.put(payload, ctx)
+            except SharedMemoryRefused:
+                kind = TransportKind.REDIS
         if kind is TransportKind.INLINE:
             return await self.inline.put(payload, ctx)
         return await self.rediskey.put(payload, ctx)

@@ -21,6 +21,7 @@ A reference names the host's shared-memory domain (`shm_domain`): a consumer els
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import threading
@@ -33,8 +34,8 @@ from typing import Any
 from omniflow.dataplane import arena as arenas
 from omniflow.dataplane import codec, segment
 from omniflow.dataplane.base import (
-    ForeignReference, PayloadMissing, PutContext, Ref, Transport, TransportKind, UndecodablePayload,
-    WrongHost,
+    ForeignReference, PayloadMissing, PutContext, Ref, SharedMemoryRefused, Transport, TransportKind,
+    UndecodablePayload, WrongHost,
 )
 from omniflow.dataplane.ownership import (
     DEFAULT_SHM_DIR, NAMESPACE, ArenaFile, Found, Segment, SweepReason, arena_name, name_part, parse_arena, parse_name,
@@ -51,6 +52,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 THREAD_MIN_BYTES = 4 << 20       # payloads this large are written off the event loop by `put`
+REFUSAL_LOG_S = 60.0             # a full /dev/shm is logged at most this often (with how many it refused)
 DEFAULT_POOL_BYTES = 256 << 20   # what one producer's arenas may hold in all (dataplane_shm_pool_bytes)
 
 
@@ -82,28 +84,60 @@ class ShmTransport(Transport):
         self._known: dict[str, ArenaFile] = {}       # arena names we mapped (so: checked)
         self._lock = threading.RLock()      # view finalizers may run inside a locked section (GC)
         self._pagemap = arenas.open_pagemap()
+        self.refused = 0                             # payloads (or arenas) shared memory could not take
+        self._refusals_logged = 0
+        self._refusal_logged = -REFUSAL_LOG_S
+        self._refusal_lock = threading.Lock()       # (taken inside `_arenas_lock`, never the other way)
 
     # ------------------------------------------------------------ put
     def put_sync(self, payload: Any, ctx: PutContext) -> Ref:
-        """`put` without the event loop (for a compute thread)."""
+        """`put` without the event loop (for a compute thread). A payload this host's shared memory
+        cannot take (the directory is full, or the write fails) raises `SharedMemoryRefused`, and
+        leaves no file of it behind: the data plane then puts it in a Redis key."""
         expiry_ms = int((time.time() + ctx.ttl_s) * 1000)
         frame = codec.encode_frame(payload, owner=[ctx.wf_id, ctx.src, ctx.dst, ctx.attempt, ctx.seq, ctx.worker_id],
                                    expiry_ms=expiry_ms, full_checksum=self.full_checksum)
         ref = self._put_in_arena(frame, ctx.wf_id, expiry_ms)
         if ref is not None:
             return ref
+        try:
+            return self._put_in_segment(frame, ctx)
+        except SharedMemoryRefused as exc:
+            self._refused(str(exc))
+            raise
+
+    def _put_in_segment(self, frame: codec.Frame, ctx: PutContext) -> Ref:
         name = segment_name(ctx)
-        segment.write(os.path.join(self.directory, name), frame)
+        need = CONTROL_BYTES + frame.nbytes
+        room = _room(self.directory)
+        if room is not None and room < need:      # would fail part-way through the copy: do not start it
+            raise SharedMemoryRefused(f"{self.directory} is full: {room} bytes free, a {need}-byte segment "
+                                      f"does not fit", errno=errno.ENOSPC)
+        try:
+            segment.write(os.path.join(self.directory, name), frame)     # nothing left of it if it fails
+        except OSError as exc:
+            raise SharedMemoryRefused(f"cannot write a {need}-byte segment in {self.directory}: {exc}",
+                                      errno=exc.errno) from exc
         return Ref(TransportKind.SHM, name, frame.nbytes, frame.checksum, self.domain)
 
     def _put_in_arena(self, frame: codec.Frame, wf_id: str, expiry_ms: int) -> Ref | None:
+        """The payload in a slot of one of our arenas; None when none can take it (a segment of its own
+        then). An arena that finds no room in the directory for its pages ends the search (no new arena
+        is made in a full directory), and goes if it holds nothing: a full /dev/shm keeps no empty arena."""
         if self.arena_bytes <= 0 or frame.nbytes > self.arena_bytes // 2:
             return None                  # none, or too large to share one: a segment of its own
         for arena in self._arenas_for(frame.nbytes):
             with arena.lock:
                 spot = arena.reserve(frame.nbytes, wf_id, expiry_ms)
+                starved = arena.starved
+                if spot is None and starved is not None and not arena.held:
+                    arena.retired = True
             if spot is None:
-                continue
+                if starved is None:
+                    continue             # full of payloads: the next arena
+                if arena.retired:
+                    self._retire(arena)
+                return None
             slot, offset, gen = spot
             try:
                 arena.write(offset, frame)
@@ -115,6 +149,25 @@ class ShmTransport(Transport):
                 arena.publish(slot, gen, offset, frame.nbytes, expiry_ms)
             return Ref(TransportKind.SHM, arena.name, frame.nbytes, frame.checksum, self.domain, slot=slot, gen=gen)
         return None
+
+    def _retire(self, arena: arenas.Arena) -> None:
+        """Take an arena that holds nothing out of use and unlink it (unmapped once no thread uses it)."""
+        with self._arenas_lock:
+            if arena in self.arenas:
+                self.arenas.remove(arena)
+        self._unlink(arena.name)
+
+    def _refused(self, why: str, *, payload: bool = True) -> None:
+        """Count a payload shared memory could not take (`payload`), and say why at most every
+        `REFUSAL_LOG_S` (a full /dev/shm refuses every payload until room comes back)."""
+        with self._refusal_lock:
+            self.refused += int(payload)
+            now = time.monotonic()
+            if now - self._refusal_logged < REFUSAL_LOG_S:
+                return
+            self._refusal_logged, count, self._refusals_logged = now, self.refused - self._refusals_logged, self.refused
+        logger.warning("shared memory: %s (%d payload(s) refused since the last report went through Redis keys "
+                       "instead)", why, count)
 
     def _arenas_for(self, nbytes: int) -> Iterator[arenas.Arena]:
         """Our arenas, then a new one while the pool has room for it."""
@@ -143,7 +196,8 @@ class ShmTransport(Transport):
             except FileExistsError:
                 continue                 # left by an earlier process of the same id: not ours to reuse
             except OSError as exc:       # /dev/shm full or too small: segments of their own (or Redis) then
-                logger.warning("cannot create a %d-byte arena in %s: %s", self.arena_bytes, self.directory, exc)
+                self._refused(f"cannot create a {self.arena_bytes}-byte arena in {self.directory}: {exc}",
+                              payload=False)
                 return None
             self.arenas.append(arena)
             return arena
@@ -419,6 +473,15 @@ class ShmTransport(Transport):
                 logger.info("swept arena %s of dead worker %s", name, worker)
         self._forget_maps()
         return freed
+
+
+def _room(directory: Path) -> int | None:
+    """Bytes free in the shared-memory directory's filesystem (None: cannot tell)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _slot_key(ref: Ref) -> str:
