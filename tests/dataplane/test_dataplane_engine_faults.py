@@ -7,14 +7,16 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import eventually, log_entries, request, run_to_end
 
 from dataplane_fixtures import expected_digest, pipeline
+from dataplane_killpoints import ENV as KILLPOINT
 from dataplane_tmpfs import fill, small_tmpfs
-from dataplane_workers import at_least, files, reading, segments, worker_of
-from omniflow.dataplane import DataPlane
+from dataplane_workers import at_least, files, kill, reading, segments, spawn_worker, worker_of
+from omniflow.dataplane import DataPlane, segment
 from omniflow.dataplane.shm import DEFAULT_SHM_DIR, parse_name, shm_available
 
 pytestmark = pytest.mark.skipif(not shm_available(DEFAULT_SHM_DIR), reason="no /dev/shm on this host")
@@ -71,4 +73,102 @@ async def test_a_segment_cut_short_has_its_producer_run_again(engine_factory) ->
         assert len(restarts) == 1 and restarts[0]["stage"] == "src" and restarts[0]["by"] == "dst"
         assert any(f.get("t") == "retry" and "cut short" in f.get("reason", "") for f in log), log
         await DataPlane(eng.redis, eng.settings).sweep()           # attempt 1's unread segments: ended
+        assert not segments(prefix)
+
+
+# --------------------------------------------------------------------------- SIGKILL mid-transfer
+
+
+def killable(spec: dict[str, Any], stage: str, executor: str) -> dict[str, Any]:
+    spec["stages"][stage]["executor"] = f"dataplane_killpoints:{executor}"
+    return spec
+
+
+async def _exists(path: Path) -> bool:
+    return path.exists()
+
+
+async def _claimed(eng: Any, wf_id: str, stage: str) -> bool:
+    """The session is bound to a replica (a producer asking where its consumer runs finds it)."""
+    return bool(await eng.redis.hget(eng.store.keys.stages(wf_id), f"{stage}:replica"))
+
+
+async def _live(eng: Any, n: int) -> bool:
+    return len(await DataPlane(eng.redis, eng.settings).live_workers()) == n
+
+
+def _pool(where: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """Settings (engine, worker process) for payloads in arena slots or in segments of their own."""
+    return ({"dataplane_shm_pool_bytes": 0}, {"OMNIFLOW_DATAPLANE_SHM_POOL_BYTES": "0"}) if where == "segment" \
+        else ({}, {})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["arena", "segment"])
+async def test_a_producer_killed_in_the_middle_of_a_shared_memory_write(engine_factory, tmp_path: Path,
+                                                                        where: str) -> None:
+    """SIGKILLed half-way through copying chunk 4 into its arena slot / its segment: the half-copied
+    payload was never referenced (a reference is written once its payload is), the retry resumes after
+    the last chunk stored, and nothing of the dead producer outlives the workflow."""
+    spec = killable(pipeline(chunks=8, nbytes=256 * KIB, producer_delay_s=0.05), "src", "StallingProducer")
+    settings, env = _pool(where)
+    mark = tmp_path / "stopped"
+    async with engine_factory(spec, workers=False, **settings) as eng:
+        prefix = eng.settings.prefix
+        await eng.add_worker("dst")
+        sub = await eng.store.submit(request("x"))
+        await eventually(lambda: _claimed(eng, sub.id, "dst"), timeout_s=30)     # so every chunk goes to shm
+        proc = spawn_worker(eng, tmp_path, "src", spec, **{KILLPOINT: f"{where}:4:{mark}"}, **env)
+        try:
+            await eventually(lambda: _exists(mark), timeout_s=30)
+            dead = files(prefix)                                  # the producer's, all of them
+            assert dead
+        finally:
+            kill(proc)
+        half = [n for n in dead if (seg := parse_name(n)) and seg.seq == 4]
+        if where == "segment":                  # the half-written segment: shorter than its own header says
+            path = str(DEFAULT_SHM_DIR / half[0])
+            assert segment.is_short(path, segment.read_header(path))
+        await eventually(lambda: _live(eng, 1), timeout_s=30)      # its lease lapsed: dead to every sweep
+        kept = segments(prefix)
+        await DataPlane(eng.redis, eng.settings).sweep()           # the workflow lives: its payloads stay...
+        assert segments(prefix) == [n for n in kept if n not in half]     # ... but not a half-written one
+        await eng.add_worker("src")                                # the session resumes here
+        doc = await eng.store.wait(sub.id, timeout_s=60)
+        assert doc["state"] == "completed", doc["error"]
+        assert doc["outputs"]["dst"]["text"] == expected_digest(8, 256 * KIB)     # each chunk once, in order
+        assert doc["stages"]["src"]["attempt"] == 2 and doc["stages"]["dst"]["attempt"] == 1
+        await DataPlane(eng.redis, eng.settings).sweep()
+        assert not segments(prefix)
+        assert not set(dead) & set(files(prefix))                 # nothing of the dead producer is left
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["arena", "segment"])
+async def test_a_consumer_killed_in_the_middle_of_a_shared_memory_read(engine_factory, tmp_path: Path,
+                                                                       where: str) -> None:
+    """SIGKILLed with chunk 4 mapped and half read (its views alive, nothing handed back): the retry
+    reads every chunk again from the same shared memory and hands it all back."""
+    spec = killable(pipeline(chunks=8, nbytes=256 * KIB), "dst", "StallingConsumer")
+    settings, env = _pool(where)
+    mark = tmp_path / "stopped"
+    async with engine_factory(spec, workers=False, **settings) as eng:
+        prefix = eng.settings.prefix
+        proc = spawn_worker(eng, tmp_path, "dst", spec, **{KILLPOINT: f"read:4:{mark}"}, **env)
+        try:
+            sub = await eng.store.submit(request("x"))
+            await eventually(lambda: _claimed(eng, sub.id, "dst"), timeout_s=30)  # so every chunk goes to shm
+            await eng.add_worker("src")
+            await eventually(lambda: _exists(mark), timeout_s=30)
+            assert len(segments(prefix)) >= 4                      # what it was reading, in shared memory
+        finally:
+            kill(proc)
+        await eng.add_worker("dst")
+        doc = await eng.store.wait(sub.id, timeout_s=60)
+        assert doc["state"] == "completed", doc["error"]
+        assert doc["outputs"]["dst"]["text"] == expected_digest(8, 256 * KIB)
+        assert doc["stages"]["dst"]["attempt"] == 2 and doc["stages"]["src"]["attempt"] == 1
+        assert worker_of(eng, "dst").stats["payloads_released"] == 8
+        assert not segments(prefix)                                # all handed back by the retry
+        await DataPlane(eng.redis, eng.settings).sweep()
         assert not segments(prefix)
