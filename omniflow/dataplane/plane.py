@@ -10,9 +10,14 @@
 
 A consumer's replica advertises its shared-memory domain (`plane.domain`); a producer that sees
 the same domain may hand it segments, anything else goes through Redis.
+
+A clean stop (`aclose`) frees what no one will read again and keeps the payloads of live workflows
+in shared memory, for the next processes on this host (docs/architecture.md, "Clean stop").
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -28,9 +33,12 @@ from omniflow.dataplane.policy import choose_transport
 from omniflow.dataplane.rediskey import Command, RedisTransport
 from omniflow.dataplane.shm import shm_domain, ShmTransport, SweepReason, name_part, shm_available
 from omniflow.storage.keys import Keys
-from omniflow.storage.redisio import translated
+from omniflow.storage.redisio import REDIS_ERRORS, translated
+
+logger = logging.getLogger(__name__)
 
 LIVE_STATES = frozenset({b"pending", b"running"})
+STOP_SWEEP_TIMEOUT_S = 5.0      # a clean stop waits at most this long for its last sweep (Redis away: skipped)
 INLINE_FIELD = "d"
 REF_FIELD = "r"
 
@@ -143,9 +151,25 @@ class DataPlane:
         return await self.get(ref, wf_id=wf_id), ref
 
     def close(self) -> None:
-        """At shutdown: unmap recycled segments and unlink those no consumer needs any more."""
+        """At shutdown: unmap our arenas and unlink those nothing in use is left in."""
         if self.shm is not None:
             self.shm.close()
+
+    async def aclose(self) -> dict[SweepReason, int]:
+        """A clean stop: free this process's payloads no one will read again (of workflows that ended or
+        expired since the last sweep, half-written ones), then `close`. The payloads of live workflows
+        stay in shared memory for the next processes on this host: a consumer's retry there reads them,
+        one elsewhere has its producer run again; a sweep on this host frees them once their workflow
+        ends or expires. Without Redis (or past `STOP_SWEEP_TIMEOUT_S`): `close` only."""
+        freed = {reason: 0 for reason in SweepReason}
+        if self.shm is not None and self.worker_id:
+            try:
+                freed = await asyncio.wait_for(self.sweep(worker=self.worker_id), STOP_SWEEP_TIMEOUT_S)
+            except REDIS_ERRORS as exc:         # (TimeoutError is an OSError: one of them)
+                logger.warning("data plane of %s: no last sweep at its stop (%s); the next one on this host "
+                               "frees what ended", self.worker_id, exc)
+        self.close()
+        return freed
 
     # ------------------------------------------------------------ ownership
     async def release(self, refs: Sequence[Ref]) -> int:

@@ -5,6 +5,7 @@ nothing of it left in shared memory."""
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from dataplane_killpoints import ENV as KILLPOINT
 from dataplane_tmpfs import fill, small_tmpfs
 from dataplane_workers import at_least, files, kill, reading, segments, spawn_worker, worker_of
 from omniflow.dataplane import DataPlane, segment
-from omniflow.dataplane.shm import DEFAULT_SHM_DIR, parse_name, shm_available
+from omniflow.dataplane.shm import DEFAULT_SHM_DIR, ShmTransport, parse_name, shm_available
 
 pytestmark = pytest.mark.skipif(not shm_available(DEFAULT_SHM_DIR), reason="no /dev/shm on this host")
 
@@ -172,3 +173,52 @@ async def test_a_consumer_killed_in_the_middle_of_a_shared_memory_read(engine_fa
         assert not segments(prefix)                                # all handed back by the retry
         await DataPlane(eng.redis, eng.settings).sweep()
         assert not segments(prefix)
+
+
+# --------------------------------------------------------------------------- a clean stop of a whole host
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("back", ["on-this-host", "elsewhere"])
+async def test_every_process_of_a_host_stopping_cleanly_mid_workflow(engine_factory, tmp_path: Path,
+                                                                      back: str) -> None:
+    """What a clean stop of a whole host does with its shared memory (docs/architecture.md, "Clean
+    stop"): a live workflow's payloads stay in it. When the host's processes come back, the consumer's
+    retry reads them (nothing runs again); when the work goes elsewhere, the producer runs again there.
+    Either way the workflow completes exactly, and the kept payloads go with the first sweep on this
+    host after it ended."""
+    spec = pipeline(chunks=8, nbytes=256 * KIB, consumer_delay_s=0.3)
+    async with engine_factory(spec, workers=False) as eng:        # (its reconciler: another host's)
+        prefix = eng.settings.prefix
+        grace = {"OMNIFLOW_SHUTDOWN_GRACE_S": "0.2"}
+        host = [spawn_worker(eng, tmp_path, "dst", spec, **grace)]
+        sub = await eng.store.submit(request("x"))
+        await eventually(lambda: _claimed(eng, sub.id, "dst"), timeout_s=30)    # so every chunk goes to shm
+        host.append(spawn_worker(eng, tmp_path, "src", spec, **grace))
+        try:
+            await eventually(lambda: at_least(eng, sub.id, "src:seq", 8), timeout_s=30)    # all written
+            await eventually(lambda: reading(eng, sub.id), timeout_s=30)                    # part-way read
+        finally:
+            for proc in host:
+                proc.send_signal(signal.SIGTERM)
+            codes = [proc.wait(timeout=60) for proc in host]
+        assert codes == [0, 0]
+        stopped = files(prefix)
+        kept = [f for f in ShmTransport(prefix).inventory() if f.slot >= 0 or not f.arena]
+        assert len(kept) == 8 and {f.wf_id for f in kept} == {sub.id}      # every chunk, of the live workflow
+        elsewhere = {"host_id": "other-host"} if back == "elsewhere" else {}
+        for stage in ("src", "dst"):
+            await eng.add_worker(stage, settings=eng.settings.model_copy(update=elsewhere))
+        doc = await eng.store.wait(sub.id, timeout_s=60)
+        assert doc["state"] == "completed", doc["error"]
+        assert doc["outputs"]["dst"]["text"] == expected_digest(8, 256 * KIB)     # each chunk once, in order
+        restarts = [f for f in await log_entries(eng.store, sub.id) if f.get("t") == "restart"]
+        if back == "on-this-host":     # the retry read what the stopped producer left: it did not run again
+            assert doc["stages"]["src"]["attempt"] == 1 and doc["stages"]["dst"]["attempt"] == 2 and not restarts
+            assert worker_of(eng, "dst").stats["payloads_released"] == 8 and not segments(prefix)
+        else:                          # another host cannot map them: the producer ran again there
+            assert doc["stages"]["src"]["attempt"] == 2 and len(restarts) == 1
+            assert set(stopped) & set(files(prefix))                 # left here, until this host's sweep
+        await DataPlane(eng.redis, eng.settings).sweep()             # this host's next process
+        assert not segments(prefix)
+        assert not set(stopped) & set(files(prefix))                 # nothing of the stopped processes
