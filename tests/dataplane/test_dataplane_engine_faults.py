@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import eventually, log_entries, request, run_to_end
+from helpers import eventually, log_entries, request
 
 from dataplane_fixtures import expected_digest, pipeline
 from dataplane_killpoints import ENV as KILLPOINT
@@ -33,12 +33,28 @@ def full_shm() -> Iterator[Path]:
         yield where
 
 
+async def _consumer_first(eng: Any) -> Any:
+    """Submit with the consumer's worker up and its session claimed before the producer's worker starts:
+    the producer knows at its first chunk that its consumer shares this host (so: shared memory)."""
+    await eng.add_worker("dst")
+    sub = await eng.store.submit(request("x"))
+    await eventually(lambda: _claimed(eng, sub.id, "dst"), timeout_s=30)
+    await eng.add_worker("src")
+    return sub
+
+
+async def _claimed(eng: Any, wf_id: str, stage: str) -> bool:
+    """The session is bound to a replica (a producer asking where its consumer runs finds it)."""
+    return bool(await eng.redis.hget(eng.store.keys.stages(wf_id), f"{stage}:replica"))
+
+
 async def test_a_full_shared_memory_directory_does_not_fail_the_stage(engine_factory, full_shm: Path) -> None:
     """Every large chunk used to raise ENOSPC out of the producer's emit: the stage burnt its attempts
     on an "executor bug" and the workflow failed. Now the chunks go through Redis keys."""
-    async with engine_factory(pipeline(chunks=6, nbytes=256 * KIB), dataplane_shm_dir=full_shm) as eng:
+    async with engine_factory(pipeline(chunks=6, nbytes=256 * KIB), workers=False, dataplane_shm_dir=full_shm) as eng:
         prefix = eng.settings.prefix
-        doc = await run_to_end(eng.store, request("x"), timeout_s=30)
+        sub = await _consumer_first(eng)
+        doc = await eng.store.wait(sub.id, timeout_s=30)
         assert doc["state"] == "completed", doc["error"]
         assert doc["outputs"]["dst"]["text"] == expected_digest(6, 256 * KIB)
         assert doc["stages"]["src"]["attempt"] == 1                  # no attempt burnt
@@ -57,9 +73,9 @@ async def test_a_segment_cut_short_has_its_producer_run_again(engine_factory) ->
     """A truncated segment used to fail the workflow for good (`SizeMismatch`, not retryable); now it
     is regenerated, as a missing one is: the producer runs again, the consumer reads the new chunks."""
     spec = pipeline(chunks=6, nbytes=256 * KIB, consumer_delay_s=0.3)
-    async with engine_factory(spec, dataplane_shm_pool_bytes=0) as eng:          # segments of their own
+    async with engine_factory(spec, workers=False, dataplane_shm_pool_bytes=0) as eng:   # segments of their own
         prefix = eng.settings.prefix
-        sub = await eng.store.submit(request("x"))
+        sub = await _consumer_first(eng)
         await eventually(lambda: at_least(eng, sub.id, "src:seq", 6), timeout_s=30)
         await eventually(lambda: reading(eng, sub.id), timeout_s=30)      # at its first chunk, 0.3 s each
         last = await eventually(lambda: _segment_of(prefix, 6), timeout_s=5)
@@ -87,11 +103,6 @@ def killable(spec: dict[str, Any], stage: str, executor: str) -> dict[str, Any]:
 
 async def _exists(path: Path) -> bool:
     return path.exists()
-
-
-async def _claimed(eng: Any, wf_id: str, stage: str) -> bool:
-    """The session is bound to a replica (a producer asking where its consumer runs finds it)."""
-    return bool(await eng.redis.hget(eng.store.keys.stages(wf_id), f"{stage}:replica"))
 
 
 async def _live(eng: Any, n: int) -> bool:
