@@ -162,13 +162,14 @@ class DataPlane:
         one elsewhere has its producer run again; a sweep on this host frees them once their workflow
         ends or expires. Without Redis (or past `STOP_SWEEP_TIMEOUT_S`): `close` only."""
         freed = {reason: 0 for reason in SweepReason}
-        if self.shm is not None and self.worker_id:
-            try:
+        try:
+            if self.shm is not None and self.worker_id:
                 freed = await asyncio.wait_for(self.sweep(worker=self.worker_id), STOP_SWEEP_TIMEOUT_S)
-            except REDIS_ERRORS as exc:         # (TimeoutError is an OSError: one of them)
-                logger.warning("data plane of %s: no last sweep at its stop (%s); the next one on this host "
-                               "frees what ended", self.worker_id, exc)
-        self.close()
+        except REDIS_ERRORS as exc:             # (TimeoutError is an OSError: one of them)
+            logger.warning("data plane of %s: no last sweep at its stop (%s); the next one on this host frees "
+                           "what ended", self.worker_id, exc)
+        finally:
+            self.close()                        # also when cancelled
         return freed
 
     # ------------------------------------------------------------ ownership
