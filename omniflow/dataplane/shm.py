@@ -2,7 +2,7 @@
 
 For large payloads whose consumer runs on the producer's host. A producer copies each payload
 frame into a free slot of one of its arenas (`omniflow.dataplane.arena`: files it keeps mapped for
-its life) — the one copy of this path; the consumer maps the arena once and gets numpy arrays
+its life: `omniflow.dataplane.pool`) — the one copy of this path; the consumer maps the arena once and gets numpy arrays
 (read-only) and torch tensors (writable; a write never reaches the producer's memory) that are views
 of it: no copy. A payload too large for an arena, or one that finds every arena full, gets a
 segment of its own instead (`omniflow.dataplane.segment`).
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import os
 import threading
@@ -38,9 +39,10 @@ from omniflow.dataplane.base import (
     UndecodablePayload, WrongHost,
 )
 from omniflow.dataplane.ownership import (
-    DEFAULT_SHM_DIR, NAMESPACE, ArenaFile, Found, Segment, SweepReason, arena_name, name_part, parse_arena, parse_name,
+    DEFAULT_SHM_DIR, NAMESPACE, ArenaFile, Found, Segment, SweepReason, name_part, parse_arena, parse_name,
     segment_name, shm_available, shm_domain, sweep_verdict,
 )
+from omniflow.dataplane.pool import ArenaPool
 from omniflow.dataplane.segment import CONTROL, CONTROL_BYTES, STATE_FREE, STATE_IN_USE
 
 __all__ = [
@@ -69,13 +71,10 @@ class ShmTransport(Transport):
         self.full_checksum = full_checksum
         self.domain = domain or shm_domain(self.directory)
         self.worker_id = worker_id
-        self.pool_bytes = pool_bytes                  # what this producer's arenas may hold in all
-        self.arena_bytes = min(arena_bytes, pool_bytes)
         self._mine = f"{NAMESPACE}-{name_part(prefix)}-"
         # producer side: our arenas
-        self.arenas: list[arenas.Arena] = []
-        self._arena_index = 0
-        self._arenas_lock = threading.Lock()
+        self.pool = ArenaPool(self.directory, prefix, worker_id, pool_bytes=pool_bytes, arena_bytes=arena_bytes,
+                              on_refusal=functools.partial(self._refused, payload=False))
         # consumer side: arenas we map, how many live views each payload we read has, which we released
         self._maps: dict[str, arenas.Mapped] = {}
         self._mapped: dict[str, int] = {}
@@ -87,7 +86,7 @@ class ShmTransport(Transport):
         self.refused = 0                             # payloads (or arenas) shared memory could not take
         self._refusals_logged = 0
         self._refusal_logged = -REFUSAL_LOG_S
-        self._refusal_lock = threading.Lock()       # (taken inside `_arenas_lock`, never the other way)
+        self._refusal_lock = threading.Lock()       # (taken inside the pool's lock, never the other way)
 
     # ------------------------------------------------------------ put
     def put_sync(self, payload: Any, ctx: PutContext) -> Ref:
@@ -97,9 +96,10 @@ class ShmTransport(Transport):
         expiry_ms = int((time.time() + ctx.ttl_s) * 1000)
         frame = codec.encode_frame(payload, owner=[ctx.wf_id, ctx.src, ctx.dst, ctx.attempt, ctx.seq, ctx.worker_id],
                                    expiry_ms=expiry_ms, full_checksum=self.full_checksum)
-        ref = self._put_in_arena(frame, ctx.wf_id, expiry_ms)
-        if ref is not None:
-            return ref
+        slot = self.pool.put(frame, ctx.wf_id, expiry_ms)
+        if slot is not None:
+            name, index, gen = slot
+            return Ref(TransportKind.SHM, name, frame.nbytes, frame.checksum, self.domain, slot=index, gen=gen)
         try:
             return self._put_in_segment(frame, ctx)
         except SharedMemoryRefused as exc:
@@ -120,43 +120,6 @@ class ShmTransport(Transport):
                                       errno=exc.errno) from exc
         return Ref(TransportKind.SHM, name, frame.nbytes, frame.checksum, self.domain)
 
-    def _put_in_arena(self, frame: codec.Frame, wf_id: str, expiry_ms: int) -> Ref | None:
-        """The payload in a slot of one of our arenas; None when none can take it (a segment of its own
-        then). An arena that finds no room in the directory for its pages ends the search (no new arena
-        is made in a full directory), and goes if it holds nothing: a full /dev/shm keeps no empty arena."""
-        if self.arena_bytes <= 0 or frame.nbytes > self.arena_bytes // 2:
-            return None                  # none, or too large to share one: a segment of its own
-        for arena in self._arenas_for(frame.nbytes):
-            with arena.lock:
-                spot = arena.reserve(frame.nbytes, wf_id, expiry_ms)
-                starved = arena.starved
-                if spot is None and starved is not None and not arena.held:
-                    arena.retired = True
-            if spot is None:
-                if starved is None:
-                    continue             # full of payloads: the next arena
-                if arena.retired:
-                    self._retire(arena)
-                return None
-            slot, offset, gen = spot
-            try:
-                arena.write(offset, frame)
-            except BaseException:
-                with arena.lock:
-                    arena.forget(slot)
-                raise
-            with arena.lock:
-                arena.publish(slot, gen, offset, frame.nbytes, expiry_ms)
-            return Ref(TransportKind.SHM, arena.name, frame.nbytes, frame.checksum, self.domain, slot=slot, gen=gen)
-        return None
-
-    def _retire(self, arena: arenas.Arena) -> None:
-        """Take an arena that holds nothing out of use and unlink it (unmapped once no thread uses it)."""
-        with self._arenas_lock:
-            if arena in self.arenas:
-                self.arenas.remove(arena)
-        self._unlink(arena.name)
-
     def _refused(self, why: str, *, payload: bool = True) -> None:
         """Count a payload shared memory could not take (`payload`), and say why at most every
         `REFUSAL_LOG_S` (a full /dev/shm refuses every payload until room comes back)."""
@@ -168,39 +131,6 @@ class ShmTransport(Transport):
             self._refusal_logged, count, self._refusals_logged = now, self.refused - self._refusals_logged, self.refused
         logger.warning("shared memory: %s (%d payload(s) refused since the last report went through Redis keys "
                        "instead)", why, count)
-
-    def _arenas_for(self, nbytes: int) -> Iterator[arenas.Arena]:
-        """Our arenas, then a new one while the pool has room for it."""
-        with self._arenas_lock:
-            gone = [a for a in self.arenas if not a.linked()]
-            for arena in gone:           # unlinked or cut short under us: never write there again
-                logger.warning("arena %s was removed or cut short under its live producer; starting another",
-                               arena.name)
-                self.arenas.remove(arena)     # unmapped once no thread writes into it any more (not closed here)
-                self._unlink(arena.name)      # cut short: what it held is lost (its consumers regenerate it)
-            current = list(self.arenas)
-        yield from current
-        with self._arenas_lock:
-            if sum(a.size for a in self.arenas) + self.arena_bytes > self.pool_bytes:
-                return
-            new = self._new_arena()
-        if new is not None:
-            yield new
-
-    def _new_arena(self) -> arenas.Arena | None:
-        while True:
-            self._arena_index += 1
-            name = arena_name(self.prefix, self.worker_id, self._arena_index)
-            try:
-                arena = arenas.Arena(os.path.join(self.directory, name), name, self.arena_bytes)
-            except FileExistsError:
-                continue                 # left by an earlier process of the same id: not ours to reuse
-            except OSError as exc:       # /dev/shm full or too small: segments of their own (or Redis) then
-                self._refused(f"cannot create a {self.arena_bytes}-byte arena in {self.directory}: {exc}",
-                              payload=False)
-                return None
-            self.arenas.append(arena)
-            return arena
 
     async def put(self, payload: Any, ctx: PutContext) -> Ref:
         if codec.payload_nbytes(payload, THREAD_MIN_BYTES) >= THREAD_MIN_BYTES:
@@ -375,7 +305,7 @@ class ShmTransport(Transport):
         producers free theirs when they hear of the abort, or at their sweep)."""
         part = name_part(wf_id)
         freed = sum(self._unlink(seg.name) for seg in self.segments() if seg.wf_id == part)
-        for arena in list(self.arenas):
+        for arena in list(self.pool.arenas):
             with arena.lock:
                 freed += arena.take_back([s for s, held in arena.held.items() if held.wf_id == wf_id])
         return freed
@@ -390,16 +320,7 @@ class ShmTransport(Transport):
     def close(self) -> int:
         """At shutdown: unmap our arenas; unlink those nothing in use is left in (the others stay for
         their consumers, and go with the sweep once their workflows end). Returns how many went."""
-        with self._arenas_lock:
-            mine, self.arenas = self.arenas, []
-        gone = 0
-        for arena in mine:
-            with arena.lock:
-                arena.reclaim(force=True)
-                empty = not arena.held
-                arena.close(unlink=empty)
-            gone += int(empty)
-        return gone
+        return self.pool.close()
 
     def _forget_maps(self, *, everything: bool = False) -> None:
         """Drop our mappings of arenas that were unlinked (or all): pages of a removed file stay
@@ -417,7 +338,7 @@ class ShmTransport(Transport):
         found = [Found(seg, info, segment.is_free(path), short=segment.is_short(path, info))
                  for seg in self.segments() for path in [os.path.join(self.directory, seg.name)]
                  for info in [segment.read_header(path)]]
-        own = {a.name: a for a in self.arenas}
+        own = {a.name: a for a in self.pool.arenas}
         for af in self.arena_files():
             arena = own.get(af.name)
             slots: list[tuple[int, codec.FrameInfo | None]]
@@ -453,7 +374,7 @@ class ShmTransport(Transport):
             elif reason is not None and self._unlink(item.segment.name):
                 freed[reason] += 1
                 logger.info("swept segment %s (%s)", item.segment.name, reason.value)
-        own = {a.name: a for a in self.arenas}
+        own = {a.name: a for a in self.pool.arenas}
         for name, items in by_arena.items():
             arena = own.get(name)
             if arena is not None:

@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from helpers import eventually, request
+
 from omniflow.client.store import s
 from omniflow.dataplane.shm import DEFAULT_SHM_DIR, ShmTransport
 
@@ -65,10 +67,23 @@ async def at_least(eng: Any, wf_id: str, field: str, n: int) -> bool:
     return await stage_seq(eng, wf_id, field) >= n
 
 
-async def live_workers(eng: Any, n: int) -> bool:
-    return bool(await eng.redis.zcard(eng.store.keys.workers) >= n)
-
-
 async def reading(eng: Any, wf_id: str, stage: str = "dst") -> bool:
     """The consumer has its first chunk (its session went from waiting_input to running)."""
     return s(await eng.redis.hget(eng.store.keys.stages(wf_id), stage) or b"") == "running"
+
+
+async def claimed(eng: Any, wf_id: str, stage: str = "dst") -> bool:
+    """The session is bound to a replica: a producer asking where its consumer runs finds it."""
+    return bool(await eng.redis.hget(eng.store.keys.stages(wf_id), f"{stage}:replica"))
+
+
+async def consumer_first(eng: Any) -> Any:
+    """Submit with the consumer's worker up and its session claimed before the producer's worker
+    starts (both in the test process): a producer whose consumer is not claimed yet sends its chunks
+    through Redis keys (where it runs is unknown; asked again after 0.5 s), so a test that needs
+    them in shared memory from the first chunk on starts them in this order."""
+    await eng.add_worker("dst")
+    sub = await eng.store.submit(request("x"))
+    await eventually(lambda: claimed(eng, sub.id), timeout_s=30)
+    await eng.add_worker("src")
+    return sub

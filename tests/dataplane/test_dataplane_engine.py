@@ -12,7 +12,7 @@ from helpers import eventually, omniflow, request, run_to_end
 
 from dataplane_fixtures import expected_digest, pipeline
 from dataplane_workers import (
-    at_least, blob_keys, files, kill, live_workers, reading, segments, spawn_worker, worker_env, worker_of,
+    at_least, blob_keys, claimed, consumer_first, files, kill, reading, segments, spawn_worker, worker_env, worker_of,
 )
 from omniflow.config import DataPlaneMode
 from omniflow.dataplane import DataPlane, Ref, TransportKind
@@ -24,8 +24,9 @@ KIB = 1 << 10
 
 
 async def test_large_payloads_travel_through_shared_memory_and_are_released(engine_factory) -> None:
-    async with engine_factory(pipeline(chunks=6, nbytes=256 * KIB)) as eng:
-        doc = await run_to_end(eng.store, request("x"), timeout_s=30)
+    async with engine_factory(pipeline(chunks=6, nbytes=256 * KIB), workers=False) as eng:
+        sub = await consumer_first(eng)       # else the first chunks may go before it is known to be here
+        doc = await eng.store.wait(sub.id, timeout_s=30)
         assert doc["state"] == "completed", doc["error"]
         assert doc["outputs"]["dst"]["text"] == expected_digest(6, 256 * KIB)
         consumer = worker_of(eng, "dst")
@@ -125,9 +126,10 @@ async def test_a_producer_killed_mid_stream_resumes_elsewhere_and_leaves_no_segm
     spec = pipeline(chunks=12, nbytes=256 * KIB, producer_delay_s=0.1)
     async with engine_factory(spec, workers=False) as eng:
         await eng.add_worker("dst")
+        sub = await eng.store.submit(request("x"))
+        await eventually(lambda: claimed(eng, sub.id), timeout_s=30)     # so its chunks go to shared memory
         proc = spawn_worker(eng, tmp_path, "src", spec)
         try:
-            sub = await eng.store.submit(request("x"))
             await eventually(lambda: at_least(eng, sub.id, "src:seq", 4), timeout_s=30)
             assert segments(eng.settings.prefix)                 # the producer's chunks, by reference
         finally:
@@ -174,12 +176,13 @@ async def _reader_on_this_host_killed(eng: Any, tmp_path: Path, spec: dict[str, 
     """The producer (a worker here) streams its chunks into this host's shared memory for a consumer
     process on this host, SIGKILLed part-way through reading them; its retry can only land on a
     worker of another host (added here, returned with the workflow id)."""
-    await eng.add_worker("src")
     proc = spawn_worker(eng, tmp_path, "dst", spec)
     try:
-        # the consumer is up before the submit: the producer learns its host at once (shared memory)
-        await eventually(lambda: live_workers(eng, 2), timeout_s=30)
+        # the consumer's session is claimed before the producer starts: the producer learns its host at
+        # once (shared memory from the first chunk on)
         sub = await eng.store.submit(request("x"))
+        await eventually(lambda: claimed(eng, sub.id), timeout_s=30)
+        await eng.add_worker("src")
         chunks = spec["stages"]["src"]["params"]["chunks"]
         await eventually(lambda: at_least(eng, sub.id, "src:seq", chunks), timeout_s=30)
         await eventually(lambda: reading(eng, sub.id), timeout_s=30)

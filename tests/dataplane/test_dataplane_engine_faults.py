@@ -16,7 +16,7 @@ from helpers import eventually, log_entries, request
 from dataplane_fixtures import expected_digest, pipeline
 from dataplane_killpoints import ENV as KILLPOINT
 from dataplane_tmpfs import fill, small_tmpfs
-from dataplane_workers import at_least, files, kill, reading, segments, spawn_worker, worker_of
+from dataplane_workers import at_least, claimed, consumer_first, files, kill, reading, segments, spawn_worker, worker_of
 from omniflow.dataplane import DataPlane, segment
 from omniflow.dataplane.shm import DEFAULT_SHM_DIR, ShmTransport, parse_name, shm_available
 
@@ -33,27 +33,12 @@ def full_shm() -> Iterator[Path]:
         yield where
 
 
-async def _consumer_first(eng: Any) -> Any:
-    """Submit with the consumer's worker up and its session claimed before the producer's worker starts:
-    the producer knows at its first chunk that its consumer shares this host (so: shared memory)."""
-    await eng.add_worker("dst")
-    sub = await eng.store.submit(request("x"))
-    await eventually(lambda: _claimed(eng, sub.id, "dst"), timeout_s=30)
-    await eng.add_worker("src")
-    return sub
-
-
-async def _claimed(eng: Any, wf_id: str, stage: str) -> bool:
-    """The session is bound to a replica (a producer asking where its consumer runs finds it)."""
-    return bool(await eng.redis.hget(eng.store.keys.stages(wf_id), f"{stage}:replica"))
-
-
 async def test_a_full_shared_memory_directory_does_not_fail_the_stage(engine_factory, full_shm: Path) -> None:
     """Every large chunk used to raise ENOSPC out of the producer's emit: the stage burnt its attempts
     on an "executor bug" and the workflow failed. Now the chunks go through Redis keys."""
     async with engine_factory(pipeline(chunks=6, nbytes=256 * KIB), workers=False, dataplane_shm_dir=full_shm) as eng:
         prefix = eng.settings.prefix
-        sub = await _consumer_first(eng)
+        sub = await consumer_first(eng)
         doc = await eng.store.wait(sub.id, timeout_s=30)
         assert doc["state"] == "completed", doc["error"]
         assert doc["outputs"]["dst"]["text"] == expected_digest(6, 256 * KIB)
@@ -75,7 +60,7 @@ async def test_a_segment_cut_short_has_its_producer_run_again(engine_factory) ->
     spec = pipeline(chunks=6, nbytes=256 * KIB, consumer_delay_s=0.3)
     async with engine_factory(spec, workers=False, dataplane_shm_pool_bytes=0) as eng:   # segments of their own
         prefix = eng.settings.prefix
-        sub = await _consumer_first(eng)
+        sub = await consumer_first(eng)
         await eventually(lambda: at_least(eng, sub.id, "src:seq", 6), timeout_s=30)
         await eventually(lambda: reading(eng, sub.id), timeout_s=30)      # at its first chunk, 0.3 s each
         last = await eventually(lambda: _segment_of(prefix, 6), timeout_s=5)
@@ -129,7 +114,7 @@ async def test_a_producer_killed_in_the_middle_of_a_shared_memory_write(engine_f
         prefix = eng.settings.prefix
         await eng.add_worker("dst")
         sub = await eng.store.submit(request("x"))
-        await eventually(lambda: _claimed(eng, sub.id, "dst"), timeout_s=30)     # so every chunk goes to shm
+        await eventually(lambda: claimed(eng, sub.id), timeout_s=30)     # so every chunk goes to shm
         proc = spawn_worker(eng, tmp_path, "src", spec, **{KILLPOINT: f"{where}:4:{mark}"}, **env)
         try:
             await eventually(lambda: _exists(mark), timeout_s=30)
@@ -169,7 +154,7 @@ async def test_a_consumer_killed_in_the_middle_of_a_shared_memory_read(engine_fa
         proc = spawn_worker(eng, tmp_path, "dst", spec, **{KILLPOINT: f"read:4:{mark}"}, **env)
         try:
             sub = await eng.store.submit(request("x"))
-            await eventually(lambda: _claimed(eng, sub.id, "dst"), timeout_s=30)  # so every chunk goes to shm
+            await eventually(lambda: claimed(eng, sub.id), timeout_s=30)  # so every chunk goes to shm
             await eng.add_worker("src")
             await eventually(lambda: _exists(mark), timeout_s=30)
             assert len(segments(prefix)) >= 4                      # what it was reading, in shared memory
@@ -204,7 +189,7 @@ async def test_every_process_of_a_host_stopping_cleanly_mid_workflow(engine_fact
         grace = {"OMNIFLOW_SHUTDOWN_GRACE_S": "0.2"}
         host = [spawn_worker(eng, tmp_path, "dst", spec, **grace)]
         sub = await eng.store.submit(request("x"))
-        await eventually(lambda: _claimed(eng, sub.id, "dst"), timeout_s=30)    # so every chunk goes to shm
+        await eventually(lambda: claimed(eng, sub.id), timeout_s=30)    # so every chunk goes to shm
         host.append(spawn_worker(eng, tmp_path, "src", spec, **grace))
         try:
             await eventually(lambda: at_least(eng, sub.id, "src:seq", 8), timeout_s=30)    # all written

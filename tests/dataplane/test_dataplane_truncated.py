@@ -65,13 +65,13 @@ async def test_an_arena_cut_short_is_a_missing_payload(plane: DataPlane, plane_o
     del del_first                                      # never touch a view of the cut pages
     ref2 = await plane.put(payload(value=2.0), context(plane, 2), kind=TransportKind.SHM)
     assert plane.shm is not None
-    data_at = plane.shm.arenas[0].table.nbytes + arenas.TABLE_AT
+    data_at = plane.shm.pool.arenas[0].table.nbytes + arenas.TABLE_AT
     os.truncate(DEFAULT_SHM_DIR / ref.location, arenas._round_up(data_at, arenas.PAGE))
     for consumer in (before, plane_of("code2wav-host-1-abc")):
         with pytest.raises(PayloadTruncated, match="cut short"):
             await consumer.get(ref2, wf_id="wf1")
     # its producer stops writing there (a copy past the end would be a SIGBUS) and starts another
-    plane.shm.arenas[0]._checked = -arenas.LINK_CHECK_S
+    plane.shm.pool.arenas[0]._checked = -arenas.LINK_CHECK_S
     ref3 = await plane.put(payload(value=3.0), context(plane, 3), kind=TransportKind.SHM)
     assert ref3.location != ref.location and not (DEFAULT_SHM_DIR / ref.location).exists()
     assert float((await before.get(ref3, wf_id="wf1"))["h"][0]) == 3.0
