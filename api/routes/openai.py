@@ -187,7 +187,7 @@ async def _stream(state: ApiState, body: ChatRequest, wf_id: str, modalities: li
         finished = True
         if doc["state"] != WorkflowState.COMPLETED.value:
             err = _failure(doc)
-            yield sse_event(json.dumps(error_body(err.code, err.message)))
+            yield sse_event(json.dumps(error_body(err.code, err.message, status=err.status)))
             yield sse_event("[DONE]")
             return
         final: dict[str, Any] = {}
