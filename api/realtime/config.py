@@ -42,7 +42,7 @@ class _Format(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["audio/pcm"] = "audio/pcm"
-    rate: Literal[24000] = PCM_RATE
+    rate: Literal[24000] = 24000
 
 
 class _VoiceRef(BaseModel):

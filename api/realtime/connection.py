@@ -22,7 +22,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,8 +119,8 @@ class Connection:
         self.ws, self.api, self.session, self.owner, self.resume = ws, api, session, owner, resume
         self.caps: Capabilities = session.caps
         by_kind = api.pipeline.modalities()
-        self.text_stage = (by_kind.get("text") or [None])[0]
-        self.audio_stage = (by_kind.get("audio") or [None])[0]
+        self.text_stage: str | None = by_kind["text"][0] if by_kind.get("text") else None
+        self.audio_stage: str | None = by_kind["audio"][0] if by_kind.get("audio") else None
         self._send_lock = asyncio.Lock()
         self._save_lock = asyncio.Lock()
         self._follower: asyncio.Task[None] | None = None
@@ -149,7 +149,7 @@ class Connection:
                 self._follower.cancel()
                 await asyncio.gather(self._follower, return_exceptions=True)
 
-    async def _on_message(self, message: dict[str, Any]) -> None:
+    async def _on_message(self, message: Mapping[str, Any]) -> None:
         text = message.get("text")
         try:
             if text is None:

@@ -344,7 +344,7 @@ class RealtimeSession:
             raise ProtocolError("response_cancel_not_active", f"response_id: {event.response_id!r} is not the "
                                 f"response in progress ({response.id})", param="response_id")
         response.cancelling = True
-        return [Save(), CancelTurn(response)]
+        return [CancelTurn(response), Save()]          # the abort first: it is what barge-in waits for
 
     # ------------------------------------------------------------ the turn's side
     def turn_submitted(self, response_id: str, wf_id: str) -> list[Effect]:

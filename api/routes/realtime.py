@@ -50,7 +50,7 @@ def _token(ws: WebSocket) -> str | None:
     if scheme.lower() == "bearer" and token.strip():
         return token.strip()
     for proto in ws.scope.get("subprotocols", []):
-        if proto.startswith(KEY_SUBPROTOCOL):
+        if isinstance(proto, str) and proto.startswith(KEY_SUBPROTOCOL):
             return proto[len(KEY_SUBPROTOCOL):]
     return None
 
