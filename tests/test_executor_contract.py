@@ -20,6 +20,7 @@ import omniflow.executor
 import omniflow.workers.base
 from omniflow.dataplane import codec
 from omniflow.engine.session import Session as EngineSession
+from omniflow.models import SessionState
 from omniflow.errors import Fenced
 from omniflow.executor import Chunk, Session
 from omniflow.testing import FakeSession
@@ -141,7 +142,7 @@ async def test_inputs_drop_replayed_live_chunks_in_the_fake_session() -> None:
     assert [c.data for c in await _read(fake)] == ["a", "b"]
 
 
-@pytest.mark.parametrize("make", [lambda: engine_session(fenced=True), lambda: FakeSession(fenced=True)],
+@pytest.mark.parametrize("make", [lambda: engine_session(state=SessionState.FENCED), lambda: FakeSession(fenced=True)],
                          ids=["engine-session", "fake-session"])
 async def test_a_fenced_session_refuses_emit_and_flush(make: Any) -> None:
     session = make()

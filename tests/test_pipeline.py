@@ -25,6 +25,18 @@ def test_shipped_pipeline_loads() -> None:
     assert pipe.entry == "thinker"
 
 
+def test_the_cpu_speech_pipelines_load_and_declare_the_voice_stages_as_omni_cpu_does() -> None:
+    from pathlib import Path
+
+    folder = Path(DEFAULT_PIPELINE).parent
+    asr, tts, omni = (load_pipeline(folder / f"{name}.yaml") for name in ("asr-cpu", "tts-cpu", "omni-cpu"))
+    assert (asr.name, asr.order, asr.finals, asr.stages["asr"].final_output) == ("asr-cpu", ("asr",), ("asr",), "text")
+    assert asr.stages["asr"].executor == "omniflow.workers.asr:WhisperASR"
+    assert (tts.name, tts.order, tts.finals) == ("tts-cpu", ("talker", "code2wav"), ("code2wav",))
+    for stage in ("talker", "code2wav"):      # identical declarations: one worker pool once both are served
+        assert tts.stages[stage] == omni.stages[stage]
+
+
 def test_edge_to_unknown_stage_is_refused_with_field_name() -> None:
     spec = spec_with_edges([{"from": "thinker", "to": "talker"}, {"from": "talker", "to": "vocoder"}])
     with pytest.raises(PipelineError, match=r"edges\[1\]\.to: unknown stage 'vocoder'"):

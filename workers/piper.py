@@ -161,8 +161,9 @@ class PiperVoice:
     def sample_rate(self) -> int:
         return self.config.sample_rate
 
-    def latents(self, ids: list[int], *, seed: int | tuple[int, ...] = 0) -> np.ndarray:
-        """Phoneme ids -> latent frames `[192, frames]` float32; the same ids and seed give the same frames."""
+    def latents(self, ids: list[int], *, seed: int | tuple[int, ...] = 0, speed: float = 1.0) -> np.ndarray:
+        """Phoneme ids -> latent frames `[192, frames]` float32; the same ids and seed give the same frames.
+        `speed` > 1 speaks faster (the voice's length scale divided by it)."""
         cfg = self.config
         rng_seed = list(seed) if isinstance(seed, tuple) else [seed]
         dp = np.random.default_rng([*rng_seed, 0]).standard_normal((len(ids), 2), dtype=np.float32).T[None]
@@ -172,7 +173,7 @@ class PiperVoice:
             z_noise = np.random.default_rng([*rng_seed, 1]).standard_normal((frames, self.channels),
                                                                             dtype=np.float32).T[None]
             feeds = {"input": np.array([ids], dtype=np.int64), "input_lengths": np.array([len(ids)], dtype=np.int64),
-                     "scales": np.array([cfg.noise_scale, cfg.length_scale, cfg.noise_w], dtype=np.float32),
+                     "scales": np.array([cfg.noise_scale, cfg.length_scale / speed, cfg.noise_w], dtype=np.float32),
                      "noise_dp": np.ascontiguousarray(dp), "noise_z": np.ascontiguousarray(z_noise)}
             try:
                 z = self._talker.run([LATENT_TENSOR], feeds)[0]

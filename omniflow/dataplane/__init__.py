@@ -9,13 +9,13 @@ references on the consumer side and owns release and sweep. `codec` is the paylo
 from __future__ import annotations
 
 from omniflow.dataplane.base import (
-    BadReference, ChecksumMismatch, DataPlaneError, ForeignReference, InputLost, PayloadMissing, PutContext, Ref,
-    SizeMismatch, Transport, TransportKind, UndecodablePayload, WrongHost,
+    BadReference, ChecksumMismatch, DataPlaneError, ForeignReference, InputLost, PayloadMissing, PayloadTruncated,
+    PutContext, Ref, SharedMemoryRefused, SizeMismatch, Transport, TransportKind, UndecodablePayload, WrongHost,
 )
 from omniflow.dataplane.plane import DataPlane, ref_field
 
 __all__ = [
     "BadReference", "ChecksumMismatch", "DataPlane", "DataPlaneError", "ForeignReference", "InputLost",
-    "PayloadMissing", "PutContext", "Ref", "SizeMismatch", "Transport", "TransportKind", "UndecodablePayload", "WrongHost",
-    "ref_field",
+    "PayloadMissing", "PayloadTruncated", "PutContext", "Ref", "SharedMemoryRefused", "SizeMismatch", "Transport",
+    "TransportKind", "UndecodablePayload", "WrongHost", "ref_field",
 ]

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from omniflow.dataplane import codec
-from omniflow.dataplane.base import PayloadMissing, SizeMismatch, UndecodablePayload
+from omniflow.dataplane.base import PayloadMissing, PayloadTruncated, SizeMismatch, UndecodablePayload
 
 DEFAULT_ARENA_BYTES = 64 << 20
 DEFAULT_ARENA_SLOTS = 1024
@@ -114,22 +114,30 @@ class Arena:
         self._frees_seen = 0
         self._checked = time.monotonic()
         self.lock = threading.Lock()
+        # why the last `reserve` could not allocate pages (None: it could). A string: an exception kept
+        # here would hold its traceback, whose frames hold this arena (a cycle: unmapped only by the GC)
+        self.starved: str | None = None
+        self.retired = False                     # its producer took it out of use: `reserve` refuses
 
     def _grow(self, end: int) -> bool:
         """Allocate and map the pages up to `end` (once: the lowest space is used first, so an arena
-        only ever grows to what its producer had in flight). A full /dev/shm fails here (ENOSPC),
-        never as a SIGBUS in the middle of a copy."""
+        only ever grows to what its producer had in flight). A full /dev/shm fails here (ENOSPC; then
+        `starved` says why), never as a SIGBUS in the middle of a copy."""
         if end <= self._ready:
             return True
-        grow = _round_up(max(end, self._ready + GROW_STEP), PAGE)
-        grow = min(grow, self.size)
-        try:
-            os.posix_fallocate(self.fd, self._ready, grow - self._ready)
-        except OSError:
+        step = min(_round_up(max(end, self._ready + GROW_STEP), PAGE), self.size)
+        for grow in dict.fromkeys((step, min(_round_up(end, PAGE), self.size))):   # a step; else what is needed
+            try:
+                os.posix_fallocate(self.fd, self._ready, grow - self._ready)
+                break
+            except OSError as exc:
+                self.starved = str(exc)
+        else:
             return False
         with contextlib.suppress(OSError, ValueError):     # older kernels: the copy faults them in instead
             self.mm.madvise(MADV_POPULATE_WRITE, self._ready, grow - self._ready)
         self._ready = grow
+        self.starved = None
         return True
 
     # ------------------------------------------------------------ space
@@ -173,9 +181,11 @@ class Arena:
         return int(done.size)
 
     def reserve(self, nbytes: int, wf_id: str, expiry_ms: int) -> tuple[int, int, int] | None:
-        """(slot, offset, generation) for a payload of `nbytes`, or None when it does not fit now."""
+        """(slot, offset, generation) for a payload of `nbytes`, or None when it does not fit now (in
+        the arena, or, `starved` set, in the shared-memory directory: no room for its pages)."""
+        self.starved = None
         capacity = _round_up(max(nbytes, 1), PAGE)
-        if capacity > self.size:
+        if capacity > self.size or self.retired:
             return None
         self.reclaim()
         off = self._take(capacity) if self._slots else None
@@ -226,16 +236,18 @@ class Arena:
 
     # ------------------------------------------------------------ life
     def linked(self) -> bool:
-        """False once the file was unlinked under us (a sweep that took this worker for dead); asked
-        of the file at most every `LINK_CHECK_S`."""
+        """False once the file was unlinked under us (a sweep that took this worker for dead) or cut
+        short (a copy into pages past its end would be a SIGBUS); asked of the file at most every
+        `LINK_CHECK_S`."""
         now = time.monotonic()
         if now - self._checked < LINK_CHECK_S:
             return True
         self._checked = now
         try:
-            return os.fstat(self.fd).st_nlink > 0
+            st = os.fstat(self.fd)
         except OSError:
             return False
+        return st.st_nlink > 0 and st.st_size >= self.size
 
     def close(self, *, unlink: bool) -> None:
         """Unmap (no thread may write into it any more) and close; unlink the file if asked."""
@@ -264,10 +276,12 @@ class Mapped:
             size = os.fstat(fd).st_size
             head = os.pread(fd, HEADER.size, 0)
             if len(head) < HEADER.size:
-                raise UndecodablePayload(f"arena {name} is not an omniflow arena (too short)")
+                raise PayloadTruncated(f"arena {name} is {size} bytes: cut short of its header")
             magic, version, slots, _res, data_at, declared, _frees = HEADER.unpack(head)
             if magic != ARENA_MAGIC or version != ARENA_VERSION:
                 raise UndecodablePayload(f"arena {name} is not an omniflow arena (magic {magic!r}, v{version})")
+            if size < declared:
+                raise PayloadTruncated(f"arena {name} is {size} bytes: cut short of the {declared} it was made with")
             if declared != size or not TABLE_AT + slots * SLOT.itemsize <= data_at <= size:
                 raise UndecodablePayload(f"arena {name}: header does not match the file ({declared} vs {size} bytes)")
             # private: views are writable and a write stays in this process (see `hand_back`)
@@ -294,6 +308,10 @@ class Mapped:
             raise SizeMismatch(f"arena {self.name} slot {slot} holds {size} bytes, the reference says {nbytes}")
         if offset % PAGE or not self.data_at <= offset <= self.size - nbytes:
             raise UndecodablePayload(f"arena {self.name} slot {slot}: offset {offset} is outside its data")
+        # cut short since we mapped it: reading past the file's end would be a SIGBUS, not an error
+        size_now = os.fstat(self.fd).st_size
+        if size_now < offset + nbytes:
+            raise PayloadTruncated(f"arena {self.name} slot {slot}: the arena was cut short to {size_now} bytes")
         return int(offset)
 
     def holder(self, offset: int, nbytes: int) -> Any:

@@ -10,9 +10,13 @@ Errors (all `StageError`s: they fail the consuming session, which is retried per
 
     DataPlaneError             a chunk's payload cannot be delivered
     ├── PayloadMissing         the key or segment is gone (released, expired, swept); retryable
+    │   └── PayloadTruncated   the segment or arena is shorter than the payload it held: cut short,
+    │                          its bytes are lost as if it were gone; retryable
     ├── WrongHost              the segment is in another host's shared memory; retryable
     ├── InputLost              either of the two above, met by a consuming session: its producer
     │                          stage is run again (`restart.lua`, regenerate) instead
+    ├── SharedMemoryRefused    this host's shared memory cannot take a payload now (full: ENOSPC, or
+    │                          the write failed); the data plane puts it in a Redis key instead
     └── BadReference           the reference or what it points at is not ours or not sound
         ├── ForeignReference   outside our namespace (path, prefix, workflow)
         ├── SizeMismatch       the segment or key is not the size the reference says
@@ -38,6 +42,22 @@ class DataPlaneError(StageError):
 
 class PayloadMissing(DataPlaneError):
     """The key or segment a reference names is gone (released, expired or swept)."""
+
+
+class PayloadTruncated(PayloadMissing):
+    """The segment or arena holding a payload is shorter than that payload (truncated under its
+    reference: what was cut off is lost, as when the file is gone; its producer can write it again).
+    Told apart from a reference that lies about the size by the frame header still in the file."""
+
+
+class SharedMemoryRefused(DataPlaneError):
+    """This host's shared memory cannot take a payload now: the directory is full (ENOSPC, no room
+    for an arena's pages or a segment) or the write failed. Nothing of it is left behind; the data
+    plane (`DataPlane.prepare`, `put`, `put_op`) puts the payload in a Redis key instead."""
+
+    def __init__(self, message: str, *, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
 
 
 class WrongHost(DataPlaneError):

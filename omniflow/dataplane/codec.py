@@ -243,6 +243,11 @@ class FrameInfo:
     expiry_ms: int
     owner: list[Any]
 
+    @property
+    def nbytes(self) -> int:
+        """The size of the whole frame, as its header says."""
+        return _align(PRELUDE.size + self.header_len) + self.data_len
+
 
 def read_prelude(raw: bytes) -> tuple[int, int, int, int, int]:
     """(flags, header length, data length, expiry ms, data CRC) of a frame's first bytes."""

@@ -123,6 +123,7 @@ class Found:
     free: bool = False           # a segment handed back by its consumer (written by older versions)
     slot: int = -1
     arena: bool = False
+    short: bool = False          # a segment shorter than the frame its header describes (half-written)
 
     @property
     def wf_id(self) -> str:
@@ -140,8 +141,9 @@ def sweep_verdict(found: Found, *, now_ms: int, live_wfs: set[str] | None,
         return SweepReason.EXPIRED
     if live_wfs is not None and found.wf_id not in live_wfs and not (found.arena and found.info is None):
         return SweepReason.ENDED
-    # half-written, or handed back, by a producer that is gone: nobody will finish or reuse it
-    if (found.info is None or found.free) and live_workers is not None and \
+    # half-written, or handed back, by a producer that is gone: nobody will finish or reuse it (and no
+    # reference to a half-written one exists: a reference is written once its payload is)
+    if (found.info is None or found.free or found.short) and live_workers is not None and \
             found.segment.worker not in {name_part(w) for w in live_workers}:
         return SweepReason.ORPHAN
     return None

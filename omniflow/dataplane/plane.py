@@ -10,9 +10,14 @@
 
 A consumer's replica advertises its shared-memory domain (`plane.domain`); a producer that sees
 the same domain may hand it segments, anything else goes through Redis.
+
+A clean stop (`aclose`) frees what no one will read again and keeps the payloads of live workflows
+in shared memory, for the next processes on this host (docs/architecture.md, "Clean stop").
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -22,15 +27,18 @@ from redis.asyncio import Redis
 
 from omniflow.config import ChecksumMode, DataPlaneMode, Settings
 from omniflow.dataplane import codec
-from omniflow.dataplane.base import PutContext, Ref, TransportKind, UndecodablePayload, WrongHost
+from omniflow.dataplane.base import PutContext, Ref, SharedMemoryRefused, TransportKind, UndecodablePayload, WrongHost
 from omniflow.dataplane.inline import InlineTransport
 from omniflow.dataplane.policy import choose_transport
 from omniflow.dataplane.rediskey import Command, RedisTransport
 from omniflow.dataplane.shm import shm_domain, ShmTransport, SweepReason, name_part, shm_available
 from omniflow.storage.keys import Keys
-from omniflow.storage.redisio import translated
+from omniflow.storage.redisio import REDIS_ERRORS, translated
+
+logger = logging.getLogger(__name__)
 
 LIVE_STATES = frozenset({b"pending", b"running"})
+STOP_SWEEP_TIMEOUT_S = 5.0      # a clean stop waits at most this long for its last sweep (Redis away: skipped)
 INLINE_FIELD = "d"
 REF_FIELD = "r"
 
@@ -79,20 +87,43 @@ class DataPlane:
     def prepare(self, payload: Any, ctx: PutContext, *, consumer_domain: str | None = None,
                 kind: TransportKind | None = None) -> tuple[Ref, list[Command]]:
         """Put `payload` without a round trip of its own: a segment is written now; a Redis payload
-        comes back as commands to send before the entry that references it (same connection)."""
+        comes back as commands to send before the entry that references it (same connection). A payload
+        shared memory cannot take (a full /dev/shm) goes to a Redis key instead."""
         kind = kind or self.choose(payload, consumer_domain=consumer_domain)
-        if kind is TransportKind.SHM and self.shm is not None:
-            return self.shm.put_sync(payload, ctx), []
         if kind is TransportKind.INLINE:
             return InlineTransport.encode(payload), []
+        if kind is TransportKind.SHM and (ref := self._put_shm(payload, ctx)) is not None:
+            return ref, []
         return self.rediskey.put_commands(payload, ctx)
+
+    def put_op(self, payload: Any, ctx: PutContext, kind: TransportKind) -> tuple[Ref, list[Any]]:
+        """A producing session's payload by reference (`kind` shared memory or Redis): the reference,
+        and the `emit.lua` op that stores it with the entry (none when it went to shared memory, written
+        now). A payload shared memory cannot take (a full /dev/shm) goes to a Redis key instead."""
+        if kind is TransportKind.SHM and (ref := self._put_shm(payload, ctx)) is not None:
+            return ref, []
+        return self.rediskey.put_op(payload, ctx)
+
+    def _put_shm(self, payload: Any, ctx: PutContext) -> Ref | None:
+        """The payload in this host's shared memory; None when it cannot take it (nothing is left of it
+        there, and the caller puts it in a Redis key: the consumer reads those from any host)."""
+        if self.shm is None:
+            return None
+        try:
+            return self.shm.put_sync(payload, ctx)
+        except SharedMemoryRefused:
+            return None
 
     async def put(self, payload: Any, ctx: PutContext, *, consumer_domain: str | None = None,
                   kind: TransportKind | None = None) -> Ref:
-        """Store `payload` through the transport `choose` picks (or `kind`); returns its reference."""
+        """Store `payload` through the transport `choose` picks (or `kind`); returns its reference (a
+        Redis key's when shared memory was asked for and could not take it)."""
         kind = kind or self.choose(payload, consumer_domain=consumer_domain)
         if kind is TransportKind.SHM and self.shm is not None:
-            return await self.shm.put(payload, ctx)
+            try:
+                return await self.shm.put(payload, ctx)
+            except SharedMemoryRefused:
+                kind = TransportKind.REDIS
         if kind is TransportKind.INLINE:
             return await self.inline.put(payload, ctx)
         return await self.rediskey.put(payload, ctx)
@@ -120,9 +151,26 @@ class DataPlane:
         return await self.get(ref, wf_id=wf_id), ref
 
     def close(self) -> None:
-        """At shutdown: unmap recycled segments and unlink those no consumer needs any more."""
+        """At shutdown: unmap our arenas and unlink those nothing in use is left in."""
         if self.shm is not None:
             self.shm.close()
+
+    async def aclose(self) -> dict[SweepReason, int]:
+        """A clean stop: free this process's payloads no one will read again (of workflows that ended or
+        expired since the last sweep, half-written ones), then `close`. The payloads of live workflows
+        stay in shared memory for the next processes on this host: a consumer's retry there reads them,
+        one elsewhere has its producer run again; a sweep on this host frees them once their workflow
+        ends or expires. Without Redis (or past `STOP_SWEEP_TIMEOUT_S`): `close` only."""
+        freed = {reason: 0 for reason in SweepReason}
+        try:
+            if self.shm is not None and self.worker_id:
+                freed = await asyncio.wait_for(self.sweep(worker=self.worker_id), STOP_SWEEP_TIMEOUT_S)
+        except REDIS_ERRORS as exc:             # (TimeoutError is an OSError: one of them)
+            logger.warning("data plane of %s: no last sweep at its stop (%s); the next one on this host frees "
+                           "what ended", self.worker_id, exc)
+        finally:
+            self.close()                        # also when cancelled
+        return freed
 
     # ------------------------------------------------------------ ownership
     async def release(self, refs: Sequence[Ref]) -> int:

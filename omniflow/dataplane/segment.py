@@ -5,17 +5,24 @@ writes the frame with one `writev` (the copy into new pages the kernel allocates
 the file copy-on-write (tensor views are writable, a write stays private) and the file is unlinked
 when the consumer is done. A segment starts with a control block the frame's checksum does not
 cover: magic, a state word, and a flag that was 1 when producers recycled segments (arenas do now).
+
+A segment shorter than its payload was cut short (truncated under its reference, or replaced while
+being read): `PayloadTruncated`, retryable like a missing one (its producer can write it again). Only
+a frame header that is all there, matches the reference's checksum and gives another size than the
+reference proves the reference wrong (`SizeMismatch`). A write that fails (a full /dev/shm: ENOSPC)
+leaves no file behind.
 """
 from __future__ import annotations
 
 import mmap
 import os
 import struct
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
 from omniflow.dataplane import codec
-from omniflow.dataplane.base import PayloadMissing, SizeMismatch, UndecodablePayload
+from omniflow.dataplane.base import PayloadMissing, PayloadTruncated, SizeMismatch, UndecodablePayload
 
 CONTROL = struct.Struct("<4sII")
 CONTROL_BYTES = 64
@@ -63,6 +70,10 @@ def read(path: str, name: str, nbytes: int, checksum: int) -> tuple[Any, mmap.mm
     try:
         size = os.fstat(fd).st_size
         if size < CONTROL_BYTES + nbytes:
+            own = _own_nbytes(fd, checksum)
+            if own is None or own == nbytes:
+                raise PayloadTruncated(f"segment {name} is {size} bytes: cut short of the {nbytes}-byte payload "
+                                       f"it held")
             raise SizeMismatch(f"segment {name} is {size} bytes, too small for the {nbytes}-byte payload the "
                                f"reference says")
         # copy-on-write: tensor views are writable; a write stays private to this process
@@ -76,6 +87,32 @@ def read(path: str, name: str, nbytes: int, checksum: int) -> tuple[Any, mmap.mm
     return payload, mm
 
 
+def _head(fd: int) -> bytes | None:
+    """The prelude and header of the frame in the segment open at `fd`; None when the file ends
+    before them (or holds no frame)."""
+    prelude = os.pread(fd, codec.PRELUDE.size, CONTROL_BYTES)
+    try:
+        header_len = codec.read_prelude(prelude)[1]
+    except UndecodablePayload:
+        return None
+    header = os.pread(fd, header_len, CONTROL_BYTES + codec.PRELUDE.size)
+    return prelude + header if len(header) == header_len else None
+
+
+def _own_nbytes(fd: int, checksum: int) -> int | None:
+    """The size of the segment's frame by its own header when that header is all there and is the one
+    `checksum` names (-1 when it is another); None when the file ends before the header does."""
+    head = _head(fd)
+    if head is None:
+        return None
+    if zlib.crc32(head) != checksum:
+        return -1
+    try:
+        return codec.frame_info(head).nbytes
+    except UndecodablePayload:
+        return -1
+
+
 def read_header(path: str) -> codec.FrameInfo | None:
     """A segment's owner and expiry from its header; None if it has none readable (half-written)."""
     try:
@@ -83,13 +120,23 @@ def read_header(path: str) -> codec.FrameInfo | None:
     except FileNotFoundError:
         return None
     try:
-        prelude = os.pread(fd, codec.PRELUDE.size, CONTROL_BYTES)
-        header_len = codec.read_prelude(prelude)[1]
-        return codec.frame_info(prelude + os.pread(fd, header_len, CONTROL_BYTES + codec.PRELUDE.size))
+        head = _head(fd)
+        return codec.frame_info(head) if head is not None else None
     except UndecodablePayload:
         return None
     finally:
         os.close(fd)
+
+
+def is_short(path: str, info: codec.FrameInfo | None) -> bool:
+    """True when the segment is shorter than the frame its header describes: half-written (its
+    producer died in the write, or is still in it) or cut short."""
+    if info is None:
+        return False
+    try:
+        return os.stat(path).st_size < CONTROL_BYTES + info.nbytes
+    except FileNotFoundError:
+        return False
 
 
 def is_free(path: str) -> bool:

@@ -2,7 +2,7 @@
 
 For large payloads whose consumer runs on the producer's host. A producer copies each payload
 frame into a free slot of one of its arenas (`omniflow.dataplane.arena`: files it keeps mapped for
-its life) — the one copy of this path; the consumer maps the arena once and gets numpy arrays
+its life: `omniflow.dataplane.pool`) — the one copy of this path; the consumer maps the arena once and gets numpy arrays
 (read-only) and torch tensors (writable; a write never reaches the producer's memory) that are views
 of it: no copy. A payload too large for an arena, or one that finds every arena full, gets a
 segment of its own instead (`omniflow.dataplane.segment`).
@@ -21,6 +21,8 @@ A reference names the host's shared-memory domain (`shm_domain`): a consumer els
 from __future__ import annotations
 
 import asyncio
+import errno
+import functools
 import logging
 import os
 import threading
@@ -33,13 +35,14 @@ from typing import Any
 from omniflow.dataplane import arena as arenas
 from omniflow.dataplane import codec, segment
 from omniflow.dataplane.base import (
-    ForeignReference, PayloadMissing, PutContext, Ref, Transport, TransportKind, UndecodablePayload,
-    WrongHost,
+    ForeignReference, PayloadMissing, PutContext, Ref, SharedMemoryRefused, Transport, TransportKind,
+    UndecodablePayload, WrongHost,
 )
 from omniflow.dataplane.ownership import (
-    DEFAULT_SHM_DIR, NAMESPACE, ArenaFile, Found, Segment, SweepReason, arena_name, name_part, parse_arena, parse_name,
+    DEFAULT_SHM_DIR, NAMESPACE, ArenaFile, Found, Segment, SweepReason, name_part, parse_arena, parse_name,
     segment_name, shm_available, shm_domain, sweep_verdict,
 )
+from omniflow.dataplane.pool import ArenaPool
 from omniflow.dataplane.segment import CONTROL, CONTROL_BYTES, STATE_FREE, STATE_IN_USE
 
 __all__ = [
@@ -51,6 +54,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 THREAD_MIN_BYTES = 4 << 20       # payloads this large are written off the event loop by `put`
+REFUSAL_LOG_S = 60.0             # a full /dev/shm is logged at most this often (with how many it refused)
 DEFAULT_POOL_BYTES = 256 << 20   # what one producer's arenas may hold in all (dataplane_shm_pool_bytes)
 
 
@@ -67,13 +71,10 @@ class ShmTransport(Transport):
         self.full_checksum = full_checksum
         self.domain = domain or shm_domain(self.directory)
         self.worker_id = worker_id
-        self.pool_bytes = pool_bytes                  # what this producer's arenas may hold in all
-        self.arena_bytes = min(arena_bytes, pool_bytes)
         self._mine = f"{NAMESPACE}-{name_part(prefix)}-"
         # producer side: our arenas
-        self.arenas: list[arenas.Arena] = []
-        self._arena_index = 0
-        self._arenas_lock = threading.Lock()
+        self.pool = ArenaPool(self.directory, prefix, worker_id, pool_bytes=pool_bytes, arena_bytes=arena_bytes,
+                              on_refusal=functools.partial(self._refused, payload=False))
         # consumer side: arenas we map, how many live views each payload we read has, which we released
         self._maps: dict[str, arenas.Mapped] = {}
         self._mapped: dict[str, int] = {}
@@ -82,69 +83,54 @@ class ShmTransport(Transport):
         self._known: dict[str, ArenaFile] = {}       # arena names we mapped (so: checked)
         self._lock = threading.RLock()      # view finalizers may run inside a locked section (GC)
         self._pagemap = arenas.open_pagemap()
+        self.refused = 0                             # payloads (or arenas) shared memory could not take
+        self._refusals_logged = 0
+        self._refusal_logged = -REFUSAL_LOG_S
+        self._refusal_lock = threading.Lock()       # (taken inside the pool's lock, never the other way)
 
     # ------------------------------------------------------------ put
     def put_sync(self, payload: Any, ctx: PutContext) -> Ref:
-        """`put` without the event loop (for a compute thread)."""
+        """`put` without the event loop (for a compute thread). A payload this host's shared memory
+        cannot take (the directory is full, or the write fails) raises `SharedMemoryRefused`, and
+        leaves no file of it behind: the data plane then puts it in a Redis key."""
         expiry_ms = int((time.time() + ctx.ttl_s) * 1000)
         frame = codec.encode_frame(payload, owner=[ctx.wf_id, ctx.src, ctx.dst, ctx.attempt, ctx.seq, ctx.worker_id],
                                    expiry_ms=expiry_ms, full_checksum=self.full_checksum)
-        ref = self._put_in_arena(frame, ctx.wf_id, expiry_ms)
-        if ref is not None:
-            return ref
+        slot = self.pool.put(frame, ctx.wf_id, expiry_ms)
+        if slot is not None:
+            name, index, gen = slot
+            return Ref(TransportKind.SHM, name, frame.nbytes, frame.checksum, self.domain, slot=index, gen=gen)
+        try:
+            return self._put_in_segment(frame, ctx)
+        except SharedMemoryRefused as exc:
+            self._refused(str(exc))
+            raise
+
+    def _put_in_segment(self, frame: codec.Frame, ctx: PutContext) -> Ref:
         name = segment_name(ctx)
-        segment.write(os.path.join(self.directory, name), frame)
+        need = CONTROL_BYTES + frame.nbytes
+        room = _room(self.directory)
+        if room is not None and room < need:      # would fail part-way through the copy: do not start it
+            raise SharedMemoryRefused(f"{self.directory} is full: {room} bytes free, a {need}-byte segment "
+                                      f"does not fit", errno=errno.ENOSPC)
+        try:
+            segment.write(os.path.join(self.directory, name), frame)     # nothing left of it if it fails
+        except OSError as exc:
+            raise SharedMemoryRefused(f"cannot write a {need}-byte segment in {self.directory}: {exc}",
+                                      errno=exc.errno) from exc
         return Ref(TransportKind.SHM, name, frame.nbytes, frame.checksum, self.domain)
 
-    def _put_in_arena(self, frame: codec.Frame, wf_id: str, expiry_ms: int) -> Ref | None:
-        if self.arena_bytes <= 0 or frame.nbytes > self.arena_bytes // 2:
-            return None                  # none, or too large to share one: a segment of its own
-        for arena in self._arenas_for(frame.nbytes):
-            with arena.lock:
-                spot = arena.reserve(frame.nbytes, wf_id, expiry_ms)
-            if spot is None:
-                continue
-            slot, offset, gen = spot
-            try:
-                arena.write(offset, frame)
-            except BaseException:
-                with arena.lock:
-                    arena.forget(slot)
-                raise
-            with arena.lock:
-                arena.publish(slot, gen, offset, frame.nbytes, expiry_ms)
-            return Ref(TransportKind.SHM, arena.name, frame.nbytes, frame.checksum, self.domain, slot=slot, gen=gen)
-        return None
-
-    def _arenas_for(self, nbytes: int) -> Iterator[arenas.Arena]:
-        """Our arenas, then a new one while the pool has room for it."""
-        with self._arenas_lock:
-            gone = [a for a in self.arenas if not a.linked()]
-            for arena in gone:           # unlinked under us (a sweep took us for dead): never write there again
-                logger.warning("arena %s was removed under its live producer; starting another", arena.name)
-                self.arenas.remove(arena)     # unmapped once no thread writes into it any more (not closed here)
-            current = list(self.arenas)
-        yield from current
-        with self._arenas_lock:
-            if sum(a.size for a in self.arenas) + self.arena_bytes > self.pool_bytes:
+    def _refused(self, why: str, *, payload: bool = True) -> None:
+        """Count a payload shared memory could not take (`payload`), and say why at most every
+        `REFUSAL_LOG_S` (a full /dev/shm refuses every payload until room comes back)."""
+        with self._refusal_lock:
+            self.refused += int(payload)
+            now = time.monotonic()
+            if now - self._refusal_logged < REFUSAL_LOG_S:
                 return
-            new = self._new_arena()
-        if new is not None:
-            yield new
-
-    def _new_arena(self) -> arenas.Arena | None:
-        while True:
-            self._arena_index += 1
-            name = arena_name(self.prefix, self.worker_id, self._arena_index)
-            try:
-                arena = arenas.Arena(os.path.join(self.directory, name), name, self.arena_bytes)
-            except FileExistsError:
-                continue                 # left by an earlier process of the same id: not ours to reuse
-            except OSError as exc:       # /dev/shm full or too small: segments of their own (or Redis) then
-                logger.warning("cannot create a %d-byte arena in %s: %s", self.arena_bytes, self.directory, exc)
-                return None
-            self.arenas.append(arena)
-            return arena
+            self._refusal_logged, count, self._refusals_logged = now, self.refused - self._refusals_logged, self.refused
+        logger.warning("shared memory: %s (%d payload(s) refused since the last report went through Redis keys "
+                       "instead)", why, count)
 
     async def put(self, payload: Any, ctx: PutContext) -> Ref:
         if codec.payload_nbytes(payload, THREAD_MIN_BYTES) >= THREAD_MIN_BYTES:
@@ -319,7 +305,7 @@ class ShmTransport(Transport):
         producers free theirs when they hear of the abort, or at their sweep)."""
         part = name_part(wf_id)
         freed = sum(self._unlink(seg.name) for seg in self.segments() if seg.wf_id == part)
-        for arena in list(self.arenas):
+        for arena in list(self.pool.arenas):
             with arena.lock:
                 freed += arena.take_back([s for s, held in arena.held.items() if held.wf_id == wf_id])
         return freed
@@ -334,16 +320,7 @@ class ShmTransport(Transport):
     def close(self) -> int:
         """At shutdown: unmap our arenas; unlink those nothing in use is left in (the others stay for
         their consumers, and go with the sweep once their workflows end). Returns how many went."""
-        with self._arenas_lock:
-            mine, self.arenas = self.arenas, []
-        gone = 0
-        for arena in mine:
-            with arena.lock:
-                arena.reclaim(force=True)
-                empty = not arena.held
-                arena.close(unlink=empty)
-            gone += int(empty)
-        return gone
+        return self.pool.close()
 
     def _forget_maps(self, *, everything: bool = False) -> None:
         """Drop our mappings of arenas that were unlinked (or all): pages of a removed file stay
@@ -358,9 +335,10 @@ class ShmTransport(Transport):
     def inventory(self) -> list[Found]:
         """Every payload of this prefix on the host with its header: what `sweep` decides on. Slots of
         our own arenas come from our bookkeeping; other arenas are read from their files."""
-        found = [Found(seg, segment.read_header(path), segment.is_free(path))
-                 for seg in self.segments() for path in [os.path.join(self.directory, seg.name)]]
-        own = {a.name: a for a in self.arenas}
+        found = [Found(seg, info, segment.is_free(path), short=segment.is_short(path, info))
+                 for seg in self.segments() for path in [os.path.join(self.directory, seg.name)]
+                 for info in [segment.read_header(path)]]
+        own = {a.name: a for a in self.pool.arenas}
         for af in self.arena_files():
             arena = own.get(af.name)
             slots: list[tuple[int, codec.FrameInfo | None]]
@@ -396,7 +374,7 @@ class ShmTransport(Transport):
             elif reason is not None and self._unlink(item.segment.name):
                 freed[reason] += 1
                 logger.info("swept segment %s (%s)", item.segment.name, reason.value)
-        own = {a.name: a for a in self.arenas}
+        own = {a.name: a for a in self.pool.arenas}
         for name, items in by_arena.items():
             arena = own.get(name)
             if arena is not None:
@@ -416,6 +394,15 @@ class ShmTransport(Transport):
                 logger.info("swept arena %s of dead worker %s", name, worker)
         self._forget_maps()
         return freed
+
+
+def _room(directory: Path) -> int | None:
+    """Bytes free in the shared-memory directory's filesystem (None: cannot tell)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _slot_key(ref: Ref) -> str:

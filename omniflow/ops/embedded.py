@@ -6,6 +6,12 @@ asked otherwise. It never outlives its parent unnoticed: on Linux the kernel
 sends it SIGTERM when the process that started it dies (PR_SET_PDEATHSIG), and
 its pid file in the data directory lets the next start find and stop one that
 was left behind anyway (`stop_orphan`).
+
+A server with a large AOF answers `-LOADING` while it reads it back, for as long
+as that takes (minutes for gigabytes). `start` waits for it as long as it loads:
+its timeout bounds only how long the server may take to answer at all, and a
+callback hears the loading's progress (`INFO persistence`: `loading_loaded_perc`,
+`loading_eta_seconds`).
 """
 from __future__ import annotations
 
@@ -23,12 +29,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from redis import Redis
+from redis.exceptions import BusyLoadingError
+from redis.exceptions import RedisError as RedisPyError
+
 from omniflow.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_START_TIMEOUT_S = 10.0
 DEFAULT_STOP_TIMEOUT_S = 10.0
+LOADING_REPORT_S = 1.0           # how often a loading server's progress is reported
 PID_FILE = "valkey.pid"
 PR_SET_PDEATHSIG = 1
 
@@ -105,6 +116,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+@dataclass(frozen=True, slots=True)
+class Loading:
+    """How far a server is in loading its data set (its `INFO persistence` while it answers -LOADING)."""
+
+    loaded_perc: float
+    eta_s: int
+    loaded_bytes: int
+    total_bytes: int
+    elapsed_s: float             # since the server was started
+
+
 @dataclass
 class EmbeddedServer:
     """A Redis-protocol server running as a child process."""
@@ -139,7 +161,15 @@ class EmbeddedServer:
         ]
         return args + self.extra_args
 
-    def start(self, *, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> EmbeddedServer:
+    def start(self, *, timeout_s: float = DEFAULT_START_TIMEOUT_S, on_loading: Callable[[Loading], None] | None = None,
+              cancelled: Callable[[], bool] | None = None) -> EmbeddedServer:
+        """Start the server and return once it serves.
+
+        `timeout_s` bounds how long it may go without answering. A server loading its data (a large
+        AOF) answers -LOADING, and is waited for as long as it loads, however long that is (each answer
+        starts the timeout again), `on_loading` hearing its progress about every `LOADING_REPORT_S`.
+        When `cancelled` says so (a Ctrl-C meanwhile), the server is stopped and this returns at once
+        with `process` None. A server that exits, or is silent for `timeout_s`, is a `ConfigError`."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if not self.port:
             self.port = free_port(self.host)
@@ -148,17 +178,34 @@ class EmbeddedServer:
             self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             preexec_fn=_die_with_parent() if self.die_with_parent else None,
         )
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
+        loading = False
+        reported = float("-inf")
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 log = (self.data_dir / "server.log")
                 tail = log.read_text()[-800:] if log.exists() else ""
                 raise ConfigError(f"embedded Valkey exited at start (code {self.process.returncode}): {tail}")
-            if _ping(self.host, self.port):
+            if cancelled is not None and cancelled():
+                self.stop()
+                return self
+            state = _probe(self.host, self.port)
+            if state is True:
                 logger.info("embedded Valkey on %s (data in %s)", self.url, self.data_dir)
                 return self
-            time.sleep(0.02)
+            if isinstance(state, dict):          # answering, and loading its data: as long as that takes
+                loading = True
+                now = time.monotonic()
+                deadline = now + timeout_s
+                if on_loading is not None and now - reported >= LOADING_REPORT_S:
+                    reported = now
+                    on_loading(_loading(state, now - started))
+            time.sleep(0.1 if loading else 0.02)
         self.stop()
+        if loading:
+            raise ConfigError(f"embedded Valkey stopped answering on port {self.port} for {timeout_s}s while it "
+                              f"loaded its data")
         raise ConfigError(f"embedded Valkey did not answer on port {self.port} within {timeout_s}s")
 
     def stop(self, *, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
@@ -189,6 +236,34 @@ def _ping(host: str, port: int) -> bool:
             return sock.recv(16).startswith(b"+PONG")
     except OSError:
         return False
+
+
+def _probe(host: str, port: int) -> bool | dict[str, object]:
+    """True when the server serves; its `INFO persistence` while it loads its data (it answers
+    -LOADING to everything else then); False when it does not answer (yet)."""
+    if _ping(host, port):
+        return True
+    try:
+        with Redis(host=host, port=port, socket_timeout=1, socket_connect_timeout=0.2) as client:
+            try:
+                client.ping()
+                return True
+            except BusyLoadingError:
+                info: dict[str, object] = client.info("persistence")
+                return info if info.get("loading") else False
+    except RedisPyError:
+        return False
+
+
+def _loading(info: dict[str, object], elapsed_s: float) -> Loading:
+    def number(name: str) -> float:
+        try:
+            return float(str(info.get(name, 0)))
+        except ValueError:
+            return 0.0
+    return Loading(loaded_perc=number("loading_loaded_perc"), eta_s=int(number("loading_eta_seconds")),
+                   loaded_bytes=int(number("loading_loaded_bytes")), total_bytes=int(number("loading_total_bytes")),
+                   elapsed_s=elapsed_s)
 
 
 def redis_server_binaries() -> dict[str, str]:

@@ -198,7 +198,9 @@ class EmbeddedCluster:
                 if e["primary"] == primary.node_id and by_id[e["id"]].alive]
 
     def wait_healthy(self, *, timeout_s: float = DEFAULT_FORM_TIMEOUT_S) -> None:
-        """Every live node says `cluster_state:ok`, covers all slots, and every live replica is in sync."""
+        """Every live node says `cluster_state:ok`, covers all slots, every live replica is in sync,
+        and every live node's `CLUSTER NODES` agrees on every live node's role (`_agreed`): a node
+        learns of a change by gossip, so the node a question goes to may lag the one that changed."""
         def healthy() -> bool:
             for node in self.nodes:
                 if not node.alive:
@@ -210,8 +212,24 @@ class EmbeddedCluster:
                     return False
                 if info.get("role") == "slave" and info.get("master_link_status") != "up":
                     return False
-            return len(self.primary_nodes()) == self.primaries
+            return self._agreed() and len(self.primary_nodes()) == self.primaries
         wait_for(healthy, timeout_s=timeout_s, what="the cluster to be healthy")
+
+    def _agreed(self) -> bool:
+        """Every live node's view shows every live node as that node sees itself: primary or replica,
+        of the same primary, not failing. (A restarted old primary says it is a replica before the
+        promoted one's view lists it as its replica.)"""
+        live = [n for n in self.nodes if n.alive]
+        views = {n.node_id: {e["id"]: e for e in n.nodes()} for n in live}
+        for node in live:
+            own = views[node.node_id][node.node_id]
+            role = "master" in own["flags"]
+            for view in views.values():
+                seen = view.get(node.node_id)
+                if seen is None or ("master" in seen["flags"]) != role or seen["primary"] != own["primary"] \
+                        or seen["flags"] & {"fail", "fail?", "handshake", "noaddr"}:
+                    return False
+        return True
 
     # ------------------------------------------------------------ faults
     def kill_primary(self, index: int = 0, *, takeover: bool = False,
@@ -259,7 +277,8 @@ class EmbeddedCluster:
         return None
 
     def restart(self, node: ClusterNode, *, timeout_s: float = DEFAULT_FORM_TIMEOUT_S) -> None:
-        """Start a killed node again on its port and data; it rejoins as a replica of its successor."""
+        """Start a killed node again on its port and data; it rejoins as a replica of its successor.
+        Returns once every live node's view shows it so (`wait_healthy`)."""
         if node.alive:
             return
         node.server.start()

@@ -9,6 +9,9 @@ them all:
   kernel when its holder dies) refuses a second one, naming the first;
 - a child that dies is restarted with backoff (its sessions were re-queued by
   the reconciler); the embedded Valkey too, from its AOF, on the same port;
+- a Valkey reading a large AOF back (at the start, or restarted) is waited for as
+  long as it loads, its progress printed (`loading N% after T s, about E s
+  left`); Ctrl-C meanwhile stops it cleanly;
 - a child that cannot start (it exits with a configuration error, or keeps
   exiting right after its start) stops `up` with the reason, and "is up" is
   printed only once the API answers;
@@ -35,7 +38,7 @@ from pathlib import Path
 from typing import IO
 
 from omniflow.config import Settings
-from omniflow.ops.embedded import EmbeddedServer, _die_with_parent, stop_orphan
+from omniflow.ops.embedded import EmbeddedServer, Loading, _die_with_parent, stop_orphan
 from omniflow.errors import ConfigError
 from omniflow.pipeline import Pipeline
 
@@ -136,15 +139,31 @@ class Supervisor:
         return self.settings.home / "redis.url"
 
     def start_redis(self) -> str:
+        """The Redis URL: `OMNIFLOW_REDIS_URL`, else the embedded Valkey's, started here ('' when a
+        Ctrl-C came while it loaded its data)."""
         if self.settings.redis_url:
             return self.settings.redis_url
         data_dir = (self.settings.home / "valkey").resolve()
         stop_orphan(data_dir)
-        self.server = EmbeddedServer(data_dir=data_dir, appendonly=True, appendfsync=self.fsync)
-        self.server.start()
+        self.server = EmbeddedServer(data_dir=data_dir, appendonly=True, appendfsync=self.fsync,
+                                     extra_args=list(self.settings.embedded_valkey_args))
+        if not self._start_server():
+            return ""
         self.settings.home.mkdir(parents=True, exist_ok=True)
         self.url_file().write_text(self.server.url + "\n")
         return self.server.url
+
+    def _start_server(self) -> bool:
+        """Start the embedded Valkey and wait while it loads its AOF, showing how far it is; False when
+        stopped meanwhile."""
+        assert self.server is not None
+        progress = _LoadProgress()
+        self.server.start(timeout_s=self.settings.embedded_start_timeout_s, on_loading=progress,
+                          cancelled=lambda: self._stop)
+        if self.server.process is None:
+            return False
+        progress.done()
+        return True
 
     def plan_children(self) -> list[Child]:
         exe = [sys.executable, "-m", "omniflow.cli"]
@@ -169,6 +188,8 @@ class Supervisor:
         self._lock.acquire()
         try:
             url = self.start_redis()
+            if self._stop:
+                return 0
             self._lock.note(f"pid {os.getpid()}, Redis {url}")
             env = {**os.environ, "OMNIFLOW_REDIS_URL": url,
                    "OMNIFLOW_PIPELINE": str(self.pipeline_path.resolve()), "OMNIFLOW_PREFIX": self.settings.prefix}
@@ -212,7 +233,8 @@ class Supervisor:
             logger.warning("embedded Valkey exited (code %s); restarting it from its AOF on port %d",
                            code, self.server.port)
             try:
-                self.server.start()
+                if not self._start_server():
+                    return
             except ConfigError as exc:
                 raise ConfigError(f"the embedded Valkey exited (code {code}) and cannot start again: {exc}") from exc
             logger.warning("embedded Valkey is back on %s", self.server.url)
@@ -253,6 +275,23 @@ class Supervisor:
             self.server.stop()
             self.url_file().unlink(missing_ok=True)
         print("omniflow stopped.", flush=True)
+
+
+class _LoadProgress:
+    """Prints how far the embedded Valkey is in loading its data (on stderr, once a `LOADING_REPORT_S`)."""
+
+    def __init__(self) -> None:
+        self.last: Loading | None = None
+
+    def __call__(self, state: Loading) -> None:
+        self.last = state
+        print(f"embedded Valkey is loading its data: {state.loaded_perc:.0f}% after {state.elapsed_s:.1f}s, about "
+              f"{state.eta_s}s left ({state.loaded_bytes >> 20} of {state.total_bytes >> 20} MiB)",
+              file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if self.last is not None:
+            print("embedded Valkey has loaded its data", file=sys.stderr, flush=True)
 
 
 def _answers(host: str, port: int) -> bool:

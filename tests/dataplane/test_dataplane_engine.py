@@ -3,49 +3,30 @@ references, and worker processes SIGKILLed mid-stream."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import yaml
 from helpers import eventually, omniflow, request, run_to_end
 
 from dataplane_fixtures import expected_digest, pipeline
+from dataplane_workers import (
+    at_least, blob_keys, claimed, consumer_first, files, kill, reading, segments, spawn_worker, worker_env, worker_of,
+)
 from omniflow.config import DataPlaneMode
 from omniflow.dataplane import DataPlane, Ref, TransportKind
-from omniflow.dataplane.shm import DEFAULT_SHM_DIR, ShmTransport, shm_available
-from omniflow.storage.schema import s
+from omniflow.dataplane.shm import DEFAULT_SHM_DIR, shm_available
 
 pytestmark = pytest.mark.skipif(not shm_available(DEFAULT_SHM_DIR), reason="no /dev/shm on this host")
 
 KIB = 1 << 10
 
 
-def segments(prefix: str) -> list[str]:
-    """Payloads of this prefix held in shared memory: segments, and arena slots in use."""
-    return ShmTransport(prefix).payloads()
-
-
-def files(prefix: str) -> list[str]:
-    return sorted(n for n in os.listdir(DEFAULT_SHM_DIR) if n.startswith(f"of-{prefix}-"))
-
-
-async def blob_keys(eng: Any) -> list[bytes]:
-    return [k async for k in eng.redis.scan_iter(match=f"{eng.settings.prefix}:*:wf:*:blob*", count=1000)]
-
-
-def worker_of(eng: Any, stage: str) -> Any:
-    return eng.workers[stage][0]
-
-
 async def test_large_payloads_travel_through_shared_memory_and_are_released(engine_factory) -> None:
-    async with engine_factory(pipeline(chunks=6, nbytes=256 * KIB)) as eng:
-        doc = await run_to_end(eng.store, request("x"), timeout_s=30)
+    async with engine_factory(pipeline(chunks=6, nbytes=256 * KIB), workers=False) as eng:
+        sub = await consumer_first(eng)       # else the first chunks may go before it is known to be here
+        doc = await eng.store.wait(sub.id, timeout_s=30)
         assert doc["state"] == "completed", doc["error"]
         assert doc["outputs"]["dst"]["text"] == expected_digest(6, 256 * KIB)
         consumer = worker_of(eng, "dst")
@@ -139,45 +120,17 @@ async def test_without_a_bound_the_same_producer_runs_ahead(engine_factory) -> N
 # --------------------------------------------------------------------------- worker processes, SIGKILL
 
 
-def worker_env(eng: Any, tmp_path: Path, spec: dict[str, Any]) -> dict[str, str]:
-    """The environment of an `omniflow` subprocess on the test engine (its server, prefix, pipeline)."""
-    path = tmp_path / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNIFLOW_")}
-    here = str(Path(__file__).resolve().parent)
-    env.update({"OMNIFLOW_REDIS_URL": eng.url, "OMNIFLOW_PREFIX": eng.settings.prefix,
-                "OMNIFLOW_PIPELINE": str(path), "OMNIFLOW_HOME": str(tmp_path / "home"),
-                "OMNIFLOW_LEASE_TIMEOUT_S": str(eng.settings.lease_timeout_s),
-                "OMNIFLOW_HEARTBEAT_INTERVAL_S": str(eng.settings.heartbeat_interval_s),
-                "PYTHONPATH": os.pathsep.join([here, env.get("PYTHONPATH", "")])})
-    return env
-
-
-def spawn_worker(eng: Any, tmp_path: Path, stage: str, spec: dict[str, Any]) -> subprocess.Popen[bytes]:
-    env = worker_env(eng, tmp_path, spec)
-    return subprocess.Popen([sys.executable, "-m", "omniflow.cli", "worker", "--stage", stage], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-async def stage_seq(eng: Any, wf_id: str, field: str) -> int:
-    return int(await eng.redis.hget(eng.store.keys.stages(wf_id), field) or 0)
-
-
-def kill(proc: subprocess.Popen[bytes]) -> None:
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-
-
 @pytest.mark.slow
 async def test_a_producer_killed_mid_stream_resumes_elsewhere_and_leaves_no_segment(engine_factory,
                                                                                   tmp_path: Path) -> None:
     spec = pipeline(chunks=12, nbytes=256 * KIB, producer_delay_s=0.1)
     async with engine_factory(spec, workers=False) as eng:
         await eng.add_worker("dst")
+        sub = await eng.store.submit(request("x"))
+        await eventually(lambda: claimed(eng, sub.id), timeout_s=30)     # so its chunks go to shared memory
         proc = spawn_worker(eng, tmp_path, "src", spec)
         try:
-            sub = await eng.store.submit(request("x"))
-            await eventually(lambda: _at_least(eng, sub.id, "src:seq", 4), timeout_s=30)
+            await eventually(lambda: at_least(eng, sub.id, "src:seq", 4), timeout_s=30)
             assert segments(eng.settings.prefix)                 # the producer's chunks, by reference
         finally:
             kill(proc)
@@ -197,10 +150,6 @@ async def test_a_producer_killed_mid_stream_resumes_elsewhere_and_leaves_no_segm
         assert not segments(eng.settings.prefix)
 
 
-async def _at_least(eng: Any, wf_id: str, field: str, n: int) -> bool:
-    return await stage_seq(eng, wf_id, field) >= n
-
-
 @pytest.mark.slow
 async def test_a_consumer_killed_mid_read_resumes_from_the_edge_log(engine_factory, tmp_path: Path) -> None:
     spec = pipeline(chunks=10, nbytes=256 * KIB, consumer_delay_s=0.3)
@@ -210,8 +159,8 @@ async def test_a_consumer_killed_mid_read_resumes_from_the_edge_log(engine_facto
         try:
             sub = await eng.store.submit(request("x"))
             # the producer has written everything; the consumer is part-way through it
-            await eventually(lambda: _at_least(eng, sub.id, "src:seq", 10), timeout_s=30)
-            await eventually(lambda: _reading(eng, sub.id), timeout_s=30)
+            await eventually(lambda: at_least(eng, sub.id, "src:seq", 10), timeout_s=30)
+            await eventually(lambda: reading(eng, sub.id), timeout_s=30)
         finally:
             kill(proc)
         await eng.add_worker("dst")
@@ -227,15 +176,16 @@ async def _reader_on_this_host_killed(eng: Any, tmp_path: Path, spec: dict[str, 
     """The producer (a worker here) streams its chunks into this host's shared memory for a consumer
     process on this host, SIGKILLed part-way through reading them; its retry can only land on a
     worker of another host (added here, returned with the workflow id)."""
-    await eng.add_worker("src")
     proc = spawn_worker(eng, tmp_path, "dst", spec)
     try:
-        # the consumer is up before the submit: the producer learns its host at once (shared memory)
-        await eventually(lambda: _live_workers(eng, 2), timeout_s=30)
+        # the consumer's session is claimed before the producer starts: the producer learns its host at
+        # once (shared memory from the first chunk on)
         sub = await eng.store.submit(request("x"))
+        await eventually(lambda: claimed(eng, sub.id), timeout_s=30)
+        await eng.add_worker("src")
         chunks = spec["stages"]["src"]["params"]["chunks"]
-        await eventually(lambda: _at_least(eng, sub.id, "src:seq", chunks), timeout_s=30)
-        await eventually(lambda: _reading(eng, sub.id), timeout_s=30)
+        await eventually(lambda: at_least(eng, sub.id, "src:seq", chunks), timeout_s=30)
+        await eventually(lambda: reading(eng, sub.id), timeout_s=30)
         assert segments(eng.settings.prefix)            # the chunks, in this host's shared memory
     finally:
         kill(proc)
@@ -282,15 +232,6 @@ async def test_a_producer_out_of_attempts_is_not_run_again(engine_factory, tmp_p
         assert doc["stages"]["src"]["attempt"] == 1 and other.stats["regenerated"] == 0
         await worker_of(eng, "src").plane.sweep()
         assert not segments(eng.settings.prefix)
-
-
-async def _live_workers(eng: Any, n: int) -> bool:
-    return bool(await eng.redis.zcard(eng.store.keys.workers) >= n)
-
-
-async def _reading(eng: Any, wf_id: str) -> bool:
-    """The consumer has its first chunk (its session went from waiting_input to running)."""
-    return s(await eng.redis.hget(eng.store.keys.stages(wf_id), "dst") or b"") == "running"
 
 
 async def test_workers_and_reconcilers_sweep_their_host(engine_factory) -> None:

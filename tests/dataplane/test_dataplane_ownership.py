@@ -64,10 +64,11 @@ async def test_release_workflow_frees_its_keys_and_segments_only(plane: DataPlan
     assert not ours(plane)
 
 
-def found(worker: str = "w1", wf: str = "wf1", expiry_ms: int | None = 10_000, free: bool = False) -> Found:
+def found(worker: str = "w1", wf: str = "wf1", expiry_ms: int | None = 10_000, free: bool = False,
+          short: bool = False) -> Found:
     seg = Segment(f"of-p-{worker}-{wf}-a.b-1.1", "p", worker, wf, "a", "b", 1, 1)
     info = None if expiry_ms is None else FrameInfo(10, 10, expiry_ms, [wf, "a", "b", 1, 1, worker])
-    return Found(seg, info, free)
+    return Found(seg, info, free, short=short)
 
 
 @pytest.mark.parametrize(("item", "live_wfs", "live_workers", "expected"), [
@@ -80,6 +81,8 @@ def found(worker: str = "w1", wf: str = "wf1", expiry_ms: int | None = 10_000, f
     (found(), None, None, None),                                         # nothing known: keep
     (found(free=True), {"wf1"}, {"w1"}, None),                           # its producer will recycle it
     (found(free=True), {"wf1"}, set(), SweepReason.ORPHAN),              # ... but it is gone
+    (found(short=True), {"wf1"}, set(), SweepReason.ORPHAN),     # its header there, its data half-written
+    (found(short=True), {"wf1"}, {"w1"}, None),                          # ... being written right now
 ])
 def test_sweep_verdict(item: Found, live_wfs: set[str] | None, live_workers: set[str] | None,
                        expected: SweepReason | None) -> None:
@@ -201,3 +204,30 @@ async def test_a_producer_whose_arena_was_removed_under_it_starts_another(plane:
     second = await plane.put(np.ones(1000) * 2, plane.context("wfa", "thinker", "talker", 1, 2), kind=TransportKind.SHM)
     assert second.location != first.location and os.path.exists(DEFAULT_SHM_DIR / second.location)
     assert float((await plane.get(second, wf_id="wfa"))[0]) == 2.0
+
+
+async def test_a_clean_stop_frees_what_ended_and_keeps_a_live_workflow_for_this_host(
+        plane_of: Callable[..., DataPlane]) -> None:
+    """`aclose`, a worker's clean stop: its payloads of workflows that ended go now (not at a sweep up to
+    30 s later, or never: it is the last process here); a live workflow's stay, in the arena file, for
+    the next processes on this host, until a sweep there sees the workflow end."""
+    stopping = plane_of("w-stopping")
+    await set_state(stopping, "wflive", "running")
+    await set_state(stopping, "wfdone", "completed")
+    live = await stopping.put(np.ones(50_000), stopping.context("wflive", "thinker", "talker", 1, 1),
+                              kind=TransportKind.SHM)
+    done = await stopping.put(np.ones(50_000), stopping.context("wfdone", "thinker", "talker", 1, 1),
+                              kind=TransportKind.SHM)
+    assert live.slot >= 0 and done.location == live.location
+    assert (await stopping.aclose())[SweepReason.ENDED] == 1
+    nxt = plane_of("w-next")                              # this host's next process
+    assert ours(nxt) == {pid(live)} and files(nxt) == [live.location]
+    assert float((await nxt.get(live, wf_id="wflive"))[0]) == 1.0        # a consumer's retry reads it
+    await set_state(nxt, "wflive", "completed")
+    await nxt.sweep()
+    assert not ours(nxt) and not files(nxt)
+    # a producer whose payloads all ended leaves nothing at its stop
+    gone = plane_of("w-gone")
+    await gone.put(np.ones(50_000), gone.context("wfdone", "thinker", "talker", 1, 2), kind=TransportKind.SHM)
+    await gone.aclose()
+    assert not files(gone)

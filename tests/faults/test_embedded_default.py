@@ -4,7 +4,9 @@ start. Everything runs as a user runs it: real subprocesses."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,7 +19,7 @@ import pytest
 import helpers
 from helpers import omniflow, wait_until
 from omniflow.storage.keys import Keys
-from omniflow.ops.embedded import PID_FILE, EmbeddedServer, free_port
+from omniflow.ops.embedded import PID_FILE, EmbeddedServer, Loading, free_port
 
 
 def bare_env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -226,3 +228,77 @@ def test_up_stops_with_the_reason_when_its_api_cannot_start(up_home, tmp_path) -
         out, err = up.communicate(timeout=120)
     assert up.returncode == 2
     assert "is up" not in out and "already taken" in err.splitlines()[-1]
+
+
+# ---------------------------------------------------------------- a large AOF to load
+LOADED_KEYS = 20_000
+# ~150 µs a key (Valkey's own debug knob, applied as it loads each key): about 3 s for LOADED_KEYS, three
+# times the start timeout the tests below set; events served every KiB loaded, so INFO answers meanwhile
+SLOW_LOAD = ["--key-load-delay", "150", "--loading-process-events-interval-bytes", "1024"]
+START_TIMEOUT_S = 1.0
+
+
+def write_aof(data_dir: Path, keys: int = LOADED_KEYS) -> None:
+    """`keys` keys in the AOF of `data_dir` (through a server of its own, rewritten to its RDB base)."""
+    from redis import Redis
+
+    server = EmbeddedServer(data_dir=data_dir, appendonly=True).start()
+    try:
+        with Redis(port=server.port) as client:
+            for i in range(0, keys, 1000):
+                client.mset({f"k{j}": j for j in range(i, min(keys, i + 1000))})
+            client.bgrewriteaof()
+            wait_until(lambda: not any(client.info("persistence")[f] for f in
+                                       ("aof_rewrite_in_progress", "aof_rewrite_scheduled")), interval_s=0.05)
+    finally:
+        server.stop()
+
+
+def test_a_valkey_loading_its_aof_longer_than_the_start_timeout_is_waited_for(tmp_path: Path) -> None:
+    """It answers -LOADING for longer than `timeout_s` (it used to be stopped there, and `up` exit): it is
+    waited for while it loads, its progress reported, and then serves every key."""
+    from redis import Redis
+
+    write_aof(tmp_path / "v")
+    seen: list[Loading] = []
+    server = EmbeddedServer(data_dir=tmp_path / "v", appendonly=True, extra_args=SLOW_LOAD)
+    try:
+        server.start(timeout_s=START_TIMEOUT_S, on_loading=seen.append)
+        with Redis(port=server.port) as client:
+            assert client.dbsize() == LOADED_KEYS
+    finally:
+        server.stop()
+    assert max(s.elapsed_s for s in seen) > START_TIMEOUT_S            # still loading past the timeout
+    percents = [s.loaded_perc for s in seen]
+    assert percents == sorted(percents) and 0 <= percents[0] < 100 and percents[-1] > percents[0]
+    assert all(s.total_bytes > 0 for s in seen)
+    # a Ctrl-C while it loads: stopped at once, nothing left running
+    pids: list[int] = []
+    stopped = EmbeddedServer(data_dir=tmp_path / "v", appendonly=True, extra_args=SLOW_LOAD)
+    stopped.start(timeout_s=START_TIMEOUT_S, on_loading=lambda _: pids.append(stopped.process.pid),  # type: ignore[union-attr]
+                  cancelled=lambda: bool(pids))
+    assert stopped.process is None and pids and not alive(pids[0])
+
+
+@pytest.mark.slow
+def test_up_waits_for_its_valkey_to_load_a_large_aof_and_shows_how_far_it_is(up_home, tmp_path) -> None:
+    home, env = up_home
+    write_aof(home / "valkey")
+    env = {**env, "OMNIFLOW_EMBEDDED_START_TIMEOUT_S": str(START_TIMEOUT_S),
+           "OMNIFLOW_EMBEDDED_VALKEY_ARGS": json.dumps(SLOW_LOAD)}
+    up = start_up(env, "--no-api", cwd=tmp_path)
+    try:
+        wait_until(lambda: cli(env, "stats").returncode == 0, timeout_s=60)
+        assert up.poll() is None
+        from redis import Redis
+
+        with Redis.from_url((home / "redis.url").read_text().strip()) as client:
+            assert client.dbsize() >= LOADED_KEYS                           # everything it had is back
+    finally:
+        up.send_signal(signal.SIGINT)
+        out, err = up.communicate(timeout=60)
+    assert up.returncode == 0, err
+    progress = re.findall(r"is loading its data: (\d+)% after ([\d.]+)s, about (\d+)s left", err)
+    assert progress, err
+    assert max(float(after) for _, after, _ in progress) > START_TIMEOUT_S        # past the timeout, still up
+    assert "has loaded its data" in err and "omniflow is up" in out

@@ -69,3 +69,43 @@ def real_voice() -> Iterator[Any]:
     from omniflow.workers.piper import PiperVoice
 
     yield PiperVoice.load()
+
+
+class Speaker:
+    """The TTS pipeline's two executors in process: text -> int16 speech at the voice's rate."""
+
+    def __init__(self, talker: Any, code2wav: Any) -> None:
+        self.talker, self.code2wav = talker, code2wav
+        self.sample_rate: int = code2wav.voice.sample_rate
+
+    async def speak(self, text: str) -> Any:
+        from omniflow.testing import FakeSession, run_executor
+
+        said = FakeSession(input={"text": text}, stage="talker", finals=("code2wav",), downstream=("code2wav",))
+        await run_executor(self.talker, said)
+        heard = FakeSession(stage="code2wav", chunks=[("talker", z) for z in said.data_to("code2wav")])
+        await run_executor(self.code2wav, heard)
+        return heard.audio_out
+
+
+@pytest.fixture(scope="session")
+async def speaker() -> Speaker:
+    """The Piper Talker and Code2Wav as tts-cpu.yaml declares them, loaded once per test session."""
+    from omniflow.workers.voice import PiperCode2Wav, PiperTalker
+
+    talker, code2wav = PiperTalker(stage="talker", params={}), PiperCode2Wav(stage="code2wav", params={})
+    await talker.setup()
+    await code2wav.setup()
+    return Speaker(talker, code2wav)
+
+
+@pytest.fixture(scope="session")
+async def whisper() -> Any:
+    """The real Whisper base (the packaged wheels, joined into the model cache), loaded once per test session."""
+    pytest.importorskip("faster_whisper", reason="the models extra is not installed: run `make models`")
+    from omniflow.workers.asr import WhisperASR
+
+    asr = WhisperASR(stage="asr", params={"language": "en"})
+    await asr.setup()
+    yield asr
+    await asr.close()

@@ -55,3 +55,29 @@ async def test_the_cpu_omni_pipeline_speaks_its_answer(engine_factory) -> None:
     heard = set(words(recognised(audio, rate)))
     recall = sum(w in heard for w in said) / len(said)
     assert recall >= 0.5, (recall, text, heard)     # measured ~0.8: the spoken words are the printed answer
+
+
+TTS_PIPELINE = PIPELINE.with_name("tts-cpu.yaml")
+SAID = "Durable workflows keep every request. Nothing is lost when a worker dies."
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_the_tts_pipeline_says_its_input_text_and_whisper_hears_it(engine_factory, whisper: Any) -> None:
+    """tts-cpu through omniflow (Talker with no upstream, Code2Wav streaming), then the words checked by
+    the real Whisper base in process."""
+    from omniflow.testing import FakeSession, run_executor
+
+    spec: dict[str, Any] = yaml.safe_load(TTS_PIPELINE.read_text())
+    async with engine_factory(spec, lease_timeout_s=5.0) as eng:
+        sub = await eng.store.submit(SubmitRequest(input=WorkflowInput(text=SAID)))
+        doc = await eng.store.wait(sub.id, timeout_s=120)
+        assert doc["state"] == "completed", doc
+        rate, audio = await eng.store.audio(sub.id)
+    assert rate == 22050 and doc["stages"]["talker"]["status"] == "done"
+    assert 0.15 * len(words(SAID)) < audio.size / rate < 1.0 * len(words(SAID))
+    session = FakeSession(stage="asr", chunks=[("@input", {"pcm": audio[i:i + 32768], "sample_rate": rate})
+                                               for i in range(0, audio.size, 32768)])
+    await run_executor(whisper, session)
+    heard = set(words(session.text_out))
+    assert sum(w in heard for w in words(SAID)) / len(words(SAID)) >= 0.8, session.text_out

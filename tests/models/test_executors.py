@@ -129,6 +129,32 @@ async def test_the_docs_batched_example_batches_and_resumes(greedy_lm: Any) -> N
     assert retry.resume_seq == 5 and crashed.text_out + retry.text_out == full.text_out
 
 
+def heard_session(*pieces: str, input_text: str = "", **params: Any) -> FakeSession:
+    """A Thinker session fed by an ASR stage: its chunks carry what was heard."""
+    return FakeSession(input={"text": input_text}, stage="thinker", finals=("thinker",), downstream=("talker",),
+                       upstream=("asr",), chunks=[("asr", {"text": p, "start_s": 0.0}) for p in pieces],
+                       params={"max_tokens": 40, "temperature": 1.0, "seed": 1, **params})
+
+
+async def test_with_an_upstream_the_prompt_is_the_text_it_sent(hf_thinker: HFThinker) -> None:
+    from omniflow.errors import NonRetryableError
+
+    prompts = ["Why is the sky blue?", PROMPT]
+    typed = [session(p) for p in prompts]
+    typed_usage = [await run_executor(hf_thinker, s) for s in typed]
+    heard = [heard_session("Why is", " the sky blue?", input_text="ignored: the upstream speaks"),
+             heard_session("Tell me about durable queues", " and workers, please.")]
+    heard_usage = await run_many(hf_thinker, heard)    # batched together, each with its own prompt
+    assert [s.text_out for s in heard] == [s.text_out for s in typed]
+    assert [u["prompt_tokens"] for u in heard_usage] == [u["prompt_tokens"] for u in typed_usage]
+    assert typed_usage[0]["prompt_tokens"] != typed_usage[1]["prompt_tokens"]
+    with pytest.raises(NonRetryableError, match=r"empty prompt \(nothing came from asr\)"):
+        await run_executor(hf_thinker, heard_session())
+    with pytest.raises(NonRetryableError, match="chunk 1 from asr has no text"):
+        await run_executor(hf_thinker, FakeSession(stage="thinker", upstream=("asr",), chunks=[("asr", {"pcm": b""})]))
+    assert not hf_thinker._heard                       # nothing kept once the sessions are done
+
+
 def tiny_spec(model_dir: Path, **thinker_params: Any) -> dict[str, Any]:
     return {"name": "tiny-omni", "stages": {
         "thinker": {"executor": "models.executor_fixtures:FailingThinker", "final_output": "text",
@@ -173,13 +199,8 @@ CLAUSES = ["Hello! Durable queues keep every request,", " so a crash loses nothi
 
 
 @pytest.fixture(scope="module")
-async def voice_stages() -> tuple[Any, Any]:
-    from omniflow.workers.voice import PiperCode2Wav, PiperTalker
-
-    talker, code2wav = PiperTalker(stage="talker", params={}), PiperCode2Wav(stage="code2wav", params={})
-    await talker.setup()
-    await code2wav.setup()
-    return talker, code2wav
+async def voice_stages(speaker: Any) -> tuple[Any, Any]:
+    return speaker.talker, speaker.code2wav
 
 
 async def test_talker_and_code2wav_speak_each_clause_and_resume_without_repeats(voice_stages: Any) -> None:
@@ -215,6 +236,53 @@ async def test_talker_refuses_a_chunk_without_text(voice_stages: Any) -> None:
 
     with pytest.raises(NonRetryableError, match="no clause text"):
         await run_executor(voice_stages[0], _voice_session("talker", [{"hidden": [1.0]}]))
+
+
+async def test_without_an_upstream_the_talker_speaks_the_input_text(voice_stages: Any) -> None:
+    from omniflow.errors import NonRetryableError
+    from omniflow.workers.voice import clauses
+
+    talker = voice_stages[0]
+    text = "Hello! Durable queues keep every request, so a crash loses nothing.\nReally, truly: nothing."
+    alone = FakeSession(input={"text": text}, stage="talker", finals=("code2wav",), downstream=("code2wav",))
+    usage = await run_executor(talker, alone)
+    said = alone.data_to("code2wav")
+    assert [d["text"] for d in said] == clauses(text) and usage["clauses"] == len(said) >= 2
+    fed = _voice_session("talker", [{"text": c} for c in clauses(text)])     # the same clauses from a Thinker
+    await run_executor(talker, fed)
+    for a, b in zip(said, fed.data_to("code2wav"), strict=True):
+        np.testing.assert_array_equal(a["z"], b["z"])
+    with pytest.raises(NonRetryableError, match="no text to speak"):
+        await run_executor(talker, FakeSession(input={"text": " "}, stage="talker", downstream=("code2wav",)))
+
+
+async def test_the_talker_speaks_faster_at_a_higher_speed(voice_stages: Any) -> None:
+    from omniflow.errors import NonRetryableError
+
+    talker = voice_stages[0]
+
+    async def frames(speed: Any) -> int:
+        s = FakeSession(input={"text": "Durable queues keep every request."}, stage="talker",
+                        downstream=("code2wav",), params={"speed": speed})
+        usage = await run_executor(talker, s)
+        return int(usage["latent_frames"])
+
+    normal, fast = await frames(1.0), await frames(2.0)
+    assert 0.45 < fast / normal < 0.7            # durations are whole frames, rounded up: not exactly half
+    for bad in (0, 5, "quick"):
+        with pytest.raises(NonRetryableError, match="speed must be a number in 0.25..4"):
+            await frames(bad)
+
+
+def test_text_is_cut_into_clauses_where_a_reader_pauses() -> None:
+    from omniflow.workers.voice import clauses
+
+    assert clauses("Hello! How are you today? I am fine: thanks.") == ["Hello! How are you today?", "I am fine: thanks."]
+    assert clauses("It costs 3.50 today.\n\nNew paragraph here, friend.") == ["It costs 3.50 today.",
+                                                                            "New paragraph here, friend."]
+    long = ", ".join(["one two three four"] * 8) + "."
+    assert clauses(long) == ["one two three four,"] * 7 + ["one two three four."]
+    assert clauses("Hi.") == ["Hi."] and clauses("  ") == []
 
 
 # ------------------------------------------------------------------ the GPU executors on a CPU

@@ -133,12 +133,8 @@ class SessionOutputs(SessionCore):
         kind = plane.choose(payload, consumer_domain=self._domains.get(dst, ("", 0.0))[0] or None, nbytes=nbytes)
         if kind is TransportKind.INLINE:
             return ["seq", seq, "a", self.attempt, "d", codec.dumps(payload)]
-        ctx = plane.context(self.wf_id, self.stage, dst, self.attempt, seq)
-        if kind is TransportKind.SHM and plane.shm is not None:
-            ref = plane.shm.put_sync(payload, ctx)
-        else:
-            ref, op = plane.rediskey.put_op(payload, ctx)
-            step += op
+        ref, op = plane.put_op(payload, plane.context(self.wf_id, self.stage, dst, self.attempt, seq), kind)
+        step += op           # a Redis key's payload (also shared memory's when it is full), stored with the entry
         return ["seq", seq, "a", self.attempt, "r", ref.pack()]
 
     def _build_step(self, seq: int, text: str | None, audio: np.ndarray | None, sample_rate: int | None,

