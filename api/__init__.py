@@ -2,7 +2,7 @@
 
     app.py        create_app / serve: lifespan (Redis, stream hub), middleware, routers
     deps.py       shared dependencies: principal (auth + tenant), store, hub, submit rate limit
-    errors.py     omniflow errors -> JSON `{"error": {"code", "message"}}` with HTTP statuses
+    errors.py     omniflow errors -> JSON `{"error": {"message", "type", "code", "param"}}` (OpenAI's shape)
     schemas.py    response models (the OpenAPI document is built from them)
     hub.py        fan-out of workflow event logs to many waiters over one blocking XREAD
     limits.py     body-size middleware and the per-tenant submit token bucket
