@@ -8,6 +8,10 @@
     limits.py     body-size middleware and the per-tenant submit token bucket
     audio.py      PCM <-> wav/flac/ogg/opus/mp3 files with soundfile (uploads decoded, limits)
     audio_stream.py  the same formats encoded as a response streams
+    speech.py     a workflow's audio encoded as it is produced (`/v1/audio/speech`)
+    knobs.py      OpenAI fields that tune a stage (speed, instructions, ...), honoured where declared
     metrics.py    Prometheus collector read from Redis at scrape time
-    routes/       one APIRouter per resource: workflows, openai, health
+    realtime/     the OpenAI Realtime protocol: events, session config, state machine, turns, transport
+    routes/       one APIRouter per resource: workflows, openai (chat, models), audio (speech, voices),
+                  realtime (the WebSocket), admin, health, ui
 """
