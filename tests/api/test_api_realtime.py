@@ -109,6 +109,18 @@ async def test_realtime_text_only_session(api_factory) -> None:
         assert (await engine.store.document(wf["id"]))["final_stages"] == ["thinker"]     # no audio stages ran
 
 
+async def test_realtime_speed_is_honoured_where_the_pipeline_declares_it(api_factory) -> None:
+    async with api_factory() as (_engine, server), client(server) as oai:
+        async with oai.realtime.connect(model=MODEL) as conn:
+            await until(conn, "session.created")
+            await conn.session.update(session={"type": "realtime", "audio": {"output": {"speed": 2.0}}})
+            assert (await until(conn, "session.updated"))[-1].session.audio.output.speed == 2.0
+            await say(conn, "twice as fast")
+            await conn.response.create()
+            events = await until(conn, "response.done")
+    assert pcm_of(events).size == -(-8 * int(22050 * 0.04) * 24000 // 22050)        # 40 ms a word, not 80
+
+
 async def test_realtime_bad_events_get_errors_and_the_connection_stays_usable(api_factory) -> None:
     async with api_factory(workers=False) as (engine, server), client(server) as oai:
         async with oai.realtime.connect(model=MODEL) as conn:
