@@ -18,7 +18,8 @@ class ChatMessage(BaseModel):
 class AudioParams(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    voice: str = Field("alloy", max_length=64, description="accepted for compatibility; the pipeline picks the voice")
+    voice: str = Field("alloy", max_length=64, description="an OpenAI voice name or a shipped one (GET /v1/audio/voices); "
+                       "an unknown one is refused (400)")
     format: AudioFormat = AudioFormat.WAV
 
 

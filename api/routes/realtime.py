@@ -5,10 +5,11 @@ subprotocol `openai-insecure-api-key.<key>`, as OpenAI's own server accepts it).
 
 Query parameters: `model` (the pipeline; optional while one is served), `session_id` (reconnect
 to a session: its state comes back from Redis) and `last_event_id` (with `session_id`: the id of
-the last event received; the rest of that turn follows, exactly after it).
+the last turn event received, `evt_<response>_<n>`; the rest of that turn follows, exactly after it;
+any other id, or none, has the turn in progress sent from its start).
 
 A handshake that cannot be served is refused before the upgrade with an HTTP error in the OpenAI
-shape: 401 (key), 404 `model_not_found` / `session_not_found`, 400 (a bad `last_event_id`).
+shape: 401 (key), 404 `model_not_found` / `session_not_found`, 400 (`last_event_id` without `session_id`).
 """
 from __future__ import annotations
 
@@ -95,9 +96,9 @@ async def realtime(ws: WebSocket) -> None:
     try:
         principal = principal_for(state, _token(ws))
         resume = Resume.parse(last_event_id)
-        if last_event_id and (resume is None or "session_id" not in ws.query_params):
-            raise ApiError(400, "invalid_value", "last_event_id: give the id of a response event you received "
-                           "(evt_resp_..._N), with the session_id it belongs to", param="last_event_id")
+        if last_event_id and "session_id" not in ws.query_params:
+            raise ApiError(400, "invalid_value", "last_event_id: it needs the session_id it belongs to",
+                           param="last_event_id")
         session = await _open(ws, state, principal, owner)
     except ApiError as err:
         await _refuse(ws, err)

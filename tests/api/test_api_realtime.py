@@ -156,7 +156,7 @@ async def test_realtime_bad_events_get_errors_and_the_connection_stays_usable(ap
 async def test_realtime_handshake_refusals(api_factory) -> None:
     async with api_factory(workers=False, **auth_settings()) as (_engine, server):
         for key, query, status in (("wrong", {}, 401), (KEYS["alice"], {"session_id": "sess_nope"}, 404),
-                                   (KEYS["alice"], {"session_id": "sess_x", "last_event_id": "garbage"}, 400)):
+                                   (KEYS["alice"], {"last_event_id": "evt_resp_x_3"}, 400)):
             async with client(server, key) as oai:
                 with pytest.raises(websockets.exceptions.InvalidStatus) as info:
                     async with oai.realtime.connect(model=MODEL, extra_query=query):
