@@ -110,12 +110,17 @@ bearer = HTTPBearer(auto_error=False, description="an API key from OMNIFLOW_API_
 
 def get_principal(state: Annotated[ApiState, Depends(get_state)],
                   credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
+    usable = credentials is not None and credentials.scheme.lower() == "bearer"
+    return principal_for(state, credentials.credentials if credentials is not None and usable else None)
+
+
+def principal_for(state: ApiState, token: str | None) -> Principal:
+    """The caller a bearer token names (None: no token); ApiError 401 when auth is on and it names none."""
     if not state.auth_enabled:
         return Principal(DEFAULT_TENANT, admin=True)
-    if credentials is None or credentials.scheme.lower() != "bearer":
+    if token is None:
         raise ApiError(401, "unauthorized", "missing API key: send 'Authorization: Bearer <key>'",
                        headers={"WWW-Authenticate": "Bearer"})
-    token = credentials.credentials
     for key in state.admin_keys:
         if hmac.compare_digest(key, token):
             return Principal(ADMIN_TENANT, admin=True)

@@ -1,7 +1,10 @@
-"""Errors as JSON: ``{"error": {"code": "...", "message": "...", "fields": [...]}}``.
+"""Errors as JSON, in the OpenAI error shape: ``{"error": {"message", "type", "code", "param"}}``
+(+ ``fields`` for a 422: every bad field).
 
 omniflow's exception tree (`omniflow.errors`) is mapped to HTTP statuses here and
-only here; every `code` is stable (clients switch on it, not on the message).
+only here; every `code` is stable (clients switch on it, not on the message). `type` is
+OpenAI's class of the error (`invalid_request_error`, `authentication_error`, ...), derived
+from the status; `param` names the request field at fault (null when none is).
 """
 from __future__ import annotations
 
@@ -47,20 +50,36 @@ HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "n
 
 
 class ApiError(Exception):
-    """An HTTP error raised by the API itself (auth, limits)."""
+    """An HTTP error raised by the API itself (auth, limits, bad values); `param` names the field at fault."""
 
-    def __init__(self, status: int, code: str, message: str, *, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, status: int, code: str, message: str, *, headers: dict[str, str] | None = None,
+                 param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.code, self.message, self.headers = status, code, message, headers or {}
+        self.status, self.code, self.message, self.headers, self.param = status, code, message, headers or {}, param
 
 
-def error_body(code: str, message: str, **extra: Any) -> dict[str, Any]:
-    return {"error": {"code": code, "message": message, **extra}}
+def error_type(status: int) -> str:
+    """OpenAI's `error.type` for an HTTP status."""
+    if status == 401:
+        return "authentication_error"
+    if status == 403:
+        return "permission_error"
+    if status == 429:
+        return "rate_limit_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def error_body(code: str, message: str, *, status: int = 400, param: str | None = None,
+               **extra: Any) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type(status), "code": code, "param": param, **extra}}
 
 
 def error_response(status: int, code: str, message: str, *, headers: dict[str, str] | None = None,
-                   **extra: Any) -> JSONResponse:
-    return JSONResponse(error_body(code, message, **extra), status_code=status, headers=headers)
+                   param: str | None = None, **extra: Any) -> JSONResponse:
+    return JSONResponse(error_body(code, message, status=status, param=param, **extra), status_code=status,
+                        headers=headers)
 
 
 def retry_after(seconds: float) -> dict[str, str]:
@@ -68,6 +87,9 @@ def retry_after(seconds: float) -> dict[str, str]:
 
 
 def _status_of(exc: OmniflowError) -> int:
+    own = getattr(exc, "http_status", None)     # an error class may name its own status (KnobUnsupported: 400)
+    if isinstance(own, int):
+        return own
     for cls, status in STATUS_BY_ERROR:
         if isinstance(exc, cls):
             return status
@@ -83,12 +105,12 @@ async def _omniflow_error(_: Request, exc: Exception) -> JSONResponse:
         headers = retry_after(1)
     if status >= 500:
         logger.warning("request failed: %s", exc)
-    return error_response(status, code, str(exc), headers=headers)
+    return error_response(status, code, str(exc), headers=headers, param=getattr(exc, "param", None))
 
 
 async def _api_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return error_response(exc.status, exc.code, exc.message, headers=exc.headers)
+    return error_response(exc.status, exc.code, exc.message, headers=exc.headers, param=exc.param)
 
 
 def _loc(loc: tuple[Any, ...] | list[Any]) -> str:
@@ -99,7 +121,8 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     fields = [{"loc": _loc(e.get("loc", ())), "message": str(e.get("msg", "invalid"))} for e in exc.errors()]
     message = "; ".join(f"{f['loc']}: {f['message']}" for f in fields[:5]) or "invalid request"
-    return error_response(422, "invalid_request", message, fields=fields)
+    param = fields[0]["loc"].removeprefix("body.").removeprefix("query.") if fields else None
+    return error_response(422, "invalid_request", message, param=param or None, fields=fields)
 
 
 async def _http_error(_: Request, exc: Exception) -> JSONResponse:

@@ -83,7 +83,7 @@ class BodySizeLimit:
 
     async def _reject(self, send: Send) -> None:
         body = json.dumps(error_body(
-            "body_too_large", f"request body is over the limit of {self.max_bytes} bytes")).encode()
+            "body_too_large", f"request body is over the limit of {self.max_bytes} bytes", status=413)).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})

@@ -18,7 +18,8 @@ class ChatMessage(BaseModel):
 class AudioParams(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    voice: str = Field("alloy", max_length=64, description="accepted for compatibility; the pipeline picks the voice")
+    voice: str = Field("alloy", max_length=64, description="an OpenAI voice name or a shipped one (GET /v1/audio/voices); "
+                       "an unknown one is refused (400)")
     format: AudioFormat = AudioFormat.WAV
 
 
@@ -107,3 +108,41 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+MAX_SPEECH_INPUT_CHARS = 4096          # OpenAI's limit for `input`
+
+
+class VoiceRef(BaseModel):
+    id: str = Field(..., max_length=64)
+
+
+class SpeechRequest(BaseModel):
+    """`POST /v1/audio/speech` (what `client.audio.speech.create` sends)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(..., max_length=128, description="the pipeline (GET /v1/models); it must make audio")
+    input: str = Field(..., min_length=1, max_length=MAX_SPEECH_INPUT_CHARS, description="the text to speak")
+    voice: str | VoiceRef = Field(..., description="an OpenAI voice name or a shipped one (GET /v1/audio/voices)")
+    instructions: str | None = Field(
+        None, max_length=4096, description="not honoured by the shipped voices: a non-empty value is refused (400)")
+    response_format: str = Field("mp3", max_length=16, description="mp3, opus, flac, wav or pcm (raw 24 kHz pcm16)")
+    speed: float = Field(1.0, ge=0.25, le=4.0, description="0.25-4; honoured where the pipeline declares `speed`")
+    stream_format: Literal["audio", "sse"] = Field(
+        "audio", description="`audio` (the default: the file, streamed as it is produced); `sse` is refused")
+    deadline_s: float | None = Field(None, gt=0, description="omniflow extension: workflow deadline")
+
+
+class VoiceCard(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    object: Literal["audio.voice"] = "audio.voice"
+    name: str
+    voice: str = Field(..., description="the shipped voice that speaks it")
+
+
+class VoiceList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[VoiceCard]

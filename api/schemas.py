@@ -9,8 +9,11 @@ from omniflow.models import WorkflowState
 
 
 class ErrorDetail(BaseModel):
-    code: str = Field(..., description="stable machine-readable code, e.g. not_found, retired, over_capacity")
     message: str = Field(..., description="what went wrong, for humans")
+    type: str = Field("invalid_request_error", description="OpenAI's class of the error, from the status: "
+                      "invalid_request_error, authentication_error, permission_error, rate_limit_error, server_error")
+    code: str = Field(..., description="stable machine-readable code, e.g. not_found, retired, over_capacity")
+    param: str | None = Field(None, description="the request field at fault, when one is")
     fields: list[dict[str, str]] | None = Field(None, description="per-field problems (422 only)")
 
 

@@ -38,12 +38,14 @@ def sse_comment(text: str) -> bytes:
     return f": {text}\n\n".encode()
 
 
-class EventStreamResponse(StreamingResponse):
-    media_type = "text/event-stream"
+class WatchedStreamingResponse(StreamingResponse):
+    """A streaming response (chunked, unbuffered) that cancels its body iterator as soon as the
+    client goes away, so the iterator's `finally` runs at once (SSE streams, streamed audio)."""
 
-    def __init__(self, content: AsyncIterable[bytes], status_code: int = 200) -> None:
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(content, status_code=status_code, headers=headers)
+    def __init__(self, content: AsyncIterable[bytes], status_code: int = 200, *, media_type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(content, status_code=status_code, media_type=media_type or self.media_type,
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with anyio.create_task_group() as group:
@@ -57,3 +59,7 @@ class EventStreamResponse(StreamingResponse):
             group.start_soon(stream)
             await self.listen_for_disconnect(receive)
             group.cancel_scope.cancel()
+
+
+class EventStreamResponse(WatchedStreamingResponse):
+    media_type = "text/event-stream"

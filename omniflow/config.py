@@ -195,6 +195,14 @@ class Settings(BaseSettings):
         default=0.0, description="submits per second per tenant (token bucket); 0: unlimited")
     webhook_allow_private: bool = Field(
         default=False, description="allow webhook URLs on private and loopback addresses")
+    realtime_session_ttl_s: int = Field(
+        default=3600, ge=1,
+        description="how long a `/v1/realtime` session's state is kept after its last change: a client may "
+                    "reconnect to it (`?session_id=`) until then")
+    realtime_max_buffer_s: float = Field(
+        default=120.0, gt=0,
+        description="the most input audio a realtime session's buffer holds before a commit (pcm16 at 24 kHz); "
+                    "an append past it is refused with an `error` event")
 
     # webhooks (delivered by `omniflow jobs`, see docs/webhooks-and-batch.md)
     webhook_secret: str = Field(

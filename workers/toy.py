@@ -3,7 +3,7 @@
 - `ToyThinker` streams the words of a reply as text deltas and sends each word's
   "hidden state" (a small float32 vector) downstream.
 - `ToyTalker` turns each hidden-state chunk into a chunk of codec codes.
-- `ToyCode2Wav` turns each code chunk into real PCM audio (tones).
+- `ToyCode2Wav` turns each code chunk into real PCM audio (tones), `speed` times faster.
 
 Delays simulate GPU time. `fail_at_step` / `fail_attempts` / `fail_retryable`
 inject failures so tests can exercise retries and fail-fast. The outputs depend
@@ -96,10 +96,20 @@ class ToyThinker(_ToyStage):
 
 
 class ToyTalker(_ToyStage):
-    """Hidden states -> codec codes, one code chunk per input chunk."""
+    """Hidden states -> codec codes, one code chunk per input chunk. With no upstream stage (a
+    text-to-speech pipeline) it speaks the input text: one code chunk per word."""
 
     async def run(self, session: Session) -> Mapping[str, Any]:
         n = 0
+        if not session.upstream:
+            words = session.text.split()
+            if not words:
+                raise NonRetryableError("talker: no text to speak (the input's `text` is empty)")
+            for i, word in enumerate(words):
+                n += 1
+                await self._step(session, n)
+                await session.emit(data={"codes": codes_for(hidden_state(word, i)), "word": word})
+            return {"code_chunks": n}
         async for chunk in session.inputs():
             n += 1
             await self._step(session, n)
@@ -112,7 +122,10 @@ class ToyCode2Wav(_ToyStage):
 
     async def run(self, session: Session) -> Mapping[str, Any]:
         sample_rate = int(self._param(session, "sample_rate", 22050))
-        seconds = float(self._param(session, "chunk_seconds", 0.08))
+        speed = float(self._param(session, "speed", 1.0))
+        if not 0.25 <= speed <= 4.0:
+            raise NonRetryableError(f"code2wav: speed must be in 0.25..4, got {speed!r}")
+        seconds = float(self._param(session, "chunk_seconds", 0.08)) / speed
         n, samples = 0, 0
         async for chunk in session.inputs():
             n += 1

@@ -36,6 +36,7 @@ from omniflow.api.schemas import AUTH_ERRORS as _AUTH
 from omniflow.api.schemas import ErrorResponse as E
 from omniflow.api.sse import EventStreamResponse, sse_event
 from omniflow.models import SubmitRequest, WorkflowInput, WorkflowState
+from omniflow.workers import voices
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,11 @@ async def chat_completions(body: ChatRequest, request: Request, state: StateDep,
     if body.model != state.pipeline.name:
         raise ApiError(404, "model_not_found", f"model {body.model!r} does not exist; this server serves "
                                                f"{state.pipeline.name!r} (GET /v1/models)")
+    if body.audio is not None:
+        try:
+            voices.resolve(body.audio.voice)
+        except voices.UnknownVoice as exc:
+            raise ApiError(400, "invalid_value", f"audio.voice: {exc}", param="audio.voice") from None
     modalities = list(dict.fromkeys(body.modalities or ["text"]))
     if "audio" in modalities and "text" not in modalities and _stage_of(state, "text"):
         modalities.insert(0, "text")          # the transcript comes from the text stage
@@ -187,7 +193,7 @@ async def _stream(state: ApiState, body: ChatRequest, wf_id: str, modalities: li
         finished = True
         if doc["state"] != WorkflowState.COMPLETED.value:
             err = _failure(doc)
-            yield sse_event(json.dumps(error_body(err.code, err.message)))
+            yield sse_event(json.dumps(error_body(err.code, err.message, status=err.status)))
             yield sse_event("[DONE]")
             return
         final: dict[str, Any] = {}

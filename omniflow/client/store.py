@@ -29,6 +29,7 @@ from omniflow.models import TERMINAL_STATES, SubmitRequest, Submitted, WorkflowS
 from omniflow.pipeline import Pipeline, Plan
 from omniflow.storage.redisio import connect, translated
 from omniflow.client.documents import text_stages, workflow_document
+from omniflow.client.realtime import RealtimeSessions
 from omniflow.storage.schema import csv, decode_fields, now_ms, s
 
 if TYPE_CHECKING:
@@ -94,6 +95,7 @@ class Store:
             raise ConfigError(f"OMNIFLOW_MAX_IN_FLIGHT={settings.max_in_flight} is below the number of cells "
                               f"({self.keys.cells}): every cell must admit at least one workflow")
         self._final_suffixes = finalize_suffixes(pipeline)
+        self.realtime = RealtimeSessions(redis, self.keys, ttl_s=settings.realtime_session_ttl_s)
 
     # ---------------------------------------------------------------- submit
     @translated

@@ -204,6 +204,12 @@ class Keys:
     def webhook_secret(self) -> str:
         return f"{self.prefix}:webhook-secret"
 
+    # --- realtime sessions (`/v1/realtime`) ---------------------------------
+    def realtime(self, session_id: str) -> str:
+        """A realtime session's state (hash: owner connection, state JSON, tenant); its own hash tag:
+        no script touches it together with a workflow's keys."""
+        return f"{self.prefix}:rt:{{{session_id}}}"
+
     def batch(self, batch_id: str) -> str:
         return f"{self.prefix}:batch:{{{batch_id}}}"
 

@@ -23,9 +23,9 @@ KEYS = {"alice": "key-alice", "bob": "key-bob"}
 class ApiServer:
     """uvicorn serving `create_app(...)` on a free loopback port, in a thread."""
 
-    def __init__(self, engine: Engine, **overrides: Any) -> None:
+    def __init__(self, engine: Engine, *, port: int | None = None, **overrides: Any) -> None:
         self.settings = engine.settings.model_copy(update=overrides)
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         app = create_app(self.settings, engine.pipeline, redis_url=engine.url)
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on",

@@ -116,6 +116,10 @@ async def test_openai_errors_are_openai_shaped(api_factory):
             assert info.value.code == "model_not_found"
             with pytest.raises(openai.UnprocessableEntityError):
                 await oai.chat.completions.create(model=MODEL, messages=[{"role": "assistant", "content": "x"}])
+            with pytest.raises(openai.BadRequestError) as info:
+                await oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                  modalities=["text", "audio"], audio={"voice": "nobody", "format": "wav"})
+            assert info.value.param == "audio.voice" and "alloy" in info.value.message
 
 
 async def test_chat_refuses_n_and_tools_it_cannot_honour(api_factory):

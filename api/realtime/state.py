@@ -1,0 +1,368 @@
+"""The realtime session state machine (pure: no I/O). Client events in, effects out.
+
+    idle ──response.create──► responding ──(the turn's workflow ends)──► idle
+                                 │ response.cancel: the turn is aborted, then it ends as `cancelled`
+
+State (persisted, `SessionState`): the configuration, the conversation items, the user items not
+yet answered, the active response (with its workflow once submitted) and the last finished one
+(so a client that reconnects can still get the end of it). The input audio buffer is not
+persisted: it lives as long as the connection (a committed buffer becomes an item).
+
+Effects the connection carries out, in order: `Send` a server event, `Save` the state, start a
+turn (`StartTurn`: submit its workflow, then follow it) or cancel it (`CancelTurn`: abort it).
+Every refused event raises `ProtocolError`; the state is then unchanged.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from omniflow.api.realtime.config import Capabilities, SessionConfig, apply_update, check_knob, check_modalities, resolve_voice
+from omniflow.api.realtime.events import (
+    AudioAppend,
+    AudioClear,
+    AudioCommit,
+    ClientEvent,
+    ItemCreate,
+    ProtocolError,
+    ResponseCancel,
+    ResponseCreate,
+    SessionUpdate,
+    new_id,
+    server_event,
+    validation_error,
+)
+
+MAX_ITEMS = 64                     # conversation items kept (the oldest go first)
+MIN_COMMIT_BYTES = 2 * 2400        # 100 ms of pcm16 at 24 kHz: less is refused, as OpenAI does
+
+
+class ResponseStatus(str, Enum):
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+    INCOMPLETE = "incomplete"
+
+
+class Item(BaseModel):
+    """One conversation item: a user's text or committed audio, or an assistant's answer."""
+
+    id: str
+    role: Literal["user", "assistant"]
+    kind: Literal["text", "audio"]
+    text: str = ""                      # the user's text, or the answer's text / transcript
+    transcript: str | None = None       # a user audio item's transcript, once known
+    status: str = "completed"
+
+    def view(self) -> dict[str, Any]:
+        if self.role == "user":
+            part = ({"type": "input_text", "text": self.text} if self.kind == "text"
+                    else {"type": "input_audio", "transcript": self.transcript})
+        else:
+            part = ({"type": "output_audio", "transcript": self.text} if self.kind == "audio"
+                    else {"type": "output_text", "text": self.text})
+        return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role,
+                "status": self.status, "content": [part]}
+
+
+class Response(BaseModel):
+    """A response: its ids, what it answers, and its workflow once submitted."""
+
+    id: str
+    item_id: str
+    modalities: list[str]
+    prompt: str
+    voice: str
+    request_id: str                      # the workflow's idempotency key (a resubmit meets the same one)
+    wf_id: str = ""
+    in_conversation: bool = True         # conversation 'none': the answer is not added to the items
+    metadata: dict[str, str] | None = None
+    knobs: dict[str, Any] = Field(default_factory=dict)     # `omniflow.api.knobs` values this turn sets
+    cancelling: bool = False
+    status: ResponseStatus = ResponseStatus.IN_PROGRESS
+    events: int = 0                      # once ended: how many events the turn has (a resume knows its end)
+
+
+class SessionState(BaseModel):
+    """Everything a session is, persisted after every change (`omniflow.client.realtime`)."""
+
+    id: str
+    model: str
+    tenant: str
+    created_at: int
+    config: SessionConfig
+    items: list[Item] = Field(default_factory=list)
+    pending: list[str] = Field(default_factory=list)     # user items since the last response
+    response: Response | None = None
+    last_response: Response | None = None
+
+
+@dataclass(frozen=True)
+class Send:
+    event: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Save:
+    pass
+
+
+@dataclass(frozen=True)
+class StartTurn:
+    response: Response
+
+
+@dataclass(frozen=True)
+class CancelTurn:
+    response: Response
+
+
+Effect = Send | Save | StartTurn | CancelTurn
+
+
+class _ResponseBody(BaseModel):
+    """`response.create`'s `response` (per-response overrides)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    output_modalities: list[Literal["text", "audio"]] | None = Field(None, min_length=1, max_length=2)
+    instructions: str | None = Field(None, max_length=64_000)
+    max_output_tokens: int | Literal["inf"] | None = None
+    conversation: str | None = None
+    input: list[dict[str, Any]] | None = Field(None, max_length=MAX_ITEMS)
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    audio: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["input_text", "input_audio", "text"]
+    text: str | None = None
+    audio: str | None = None
+
+
+class _ItemBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["message"]
+    role: Literal["user"]
+    id: str | None = Field(None, min_length=1, max_length=64)
+    content: list[_Part] = Field(..., min_length=1, max_length=16)
+
+
+def session_id() -> str:
+    return new_id("sess")
+
+
+class RealtimeSession:
+    """One session's state machine; `state` is what gets persisted."""
+
+    def __init__(self, state: SessionState, caps: Capabilities) -> None:
+        self.state, self.caps = state, caps
+        self.buffer = bytearray()          # input audio (pcm16 24 kHz) since the last commit or clear
+
+    @classmethod
+    def new(cls, caps: Capabilities, *, tenant: str) -> RealtimeSession:
+        state = SessionState(id=session_id(), model=caps.model, tenant=tenant, created_at=int(time.time()),
+                             config=SessionConfig.default(caps))
+        return cls(state, caps)
+
+    def session_view(self, ttl_s: int) -> dict[str, Any]:
+        return self.state.config.view(session_id=self.state.id, model=self.state.model,
+                                      expires_at=int(time.time()) + ttl_s)
+
+    # ------------------------------------------------------------ client events
+    def handle(self, event: ClientEvent, *, ttl_s: int) -> list[Effect]:
+        """The effects of one client event; ProtocolError (state unchanged) when it is refused."""
+        try:
+            if isinstance(event, SessionUpdate):
+                self.state.config = apply_update(self.state.config, event.session, self.caps, event_id=event.event_id)
+                return [Save(), Send(server_event("session.updated", session=self.session_view(ttl_s)))]
+            if isinstance(event, AudioAppend):
+                return self._append(event)
+            if isinstance(event, AudioCommit):
+                return self._commit()
+            if isinstance(event, AudioClear):
+                self.buffer.clear()
+                return [Send(server_event("input_audio_buffer.cleared"))]
+            if isinstance(event, ItemCreate):
+                return self._create_item(event)
+            if isinstance(event, ResponseCreate):
+                return self._create_response(event)
+            if isinstance(event, ResponseCancel):
+                return self._cancel(event)
+        except ProtocolError as err:
+            err.event_id = err.event_id or event.event_id
+            raise
+        raise ProtocolError("unknown_event_type", f"event type {event.type!r} is not supported", param="type",
+                            event_id=event.event_id)
+
+    def _append(self, event: AudioAppend) -> list[Effect]:
+        try:
+            pcm = base64.b64decode(event.audio, validate=True)
+        except (binascii.Error, ValueError):
+            raise ProtocolError("invalid_value", "audio: not base64", param="audio") from None
+        if len(pcm) % 2:
+            raise ProtocolError("invalid_value", f"audio: {len(pcm)} bytes is not whole pcm16 samples "
+                                "(16-bit little-endian mono at 24 kHz)", param="audio")
+        if len(self.buffer) + len(pcm) > self.caps.max_buffer_bytes:
+            limit_s = self.caps.max_buffer_bytes / 48000
+            raise ProtocolError("input_audio_buffer_too_large", f"audio: the input buffer would hold more than "
+                                f"{limit_s:g} s of audio; commit or clear it first", param="audio")
+        self.buffer += pcm
+        return []
+
+    def _commit(self) -> list[Effect]:
+        if len(self.buffer) < MIN_COMMIT_BYTES:
+            raise ProtocolError("input_audio_buffer_commit_empty", f"the input audio buffer holds "
+                                f"{len(self.buffer) / 48:.0f} ms of audio; a commit needs at least 100 ms")
+        item = Item(id=new_id("item"), role="user", kind="audio", transcript=None)
+        previous = self._add_item(item)
+        self.buffer.clear()
+        return [Save(), Send(server_event("input_audio_buffer.committed", item_id=item.id, previous_item_id=previous)),
+                *self._item_events(item, previous)]
+
+    def _add_item(self, item: Item) -> str | None:
+        previous = self.state.items[-1].id if self.state.items else None
+        self.state.items.append(item)
+        if item.role == "user":
+            self.state.pending.append(item.id)
+        del self.state.items[:-MAX_ITEMS]
+        kept = {i.id for i in self.state.items}
+        self.state.pending = [i for i in self.state.pending if i in kept]
+        return previous
+
+    @staticmethod
+    def _item_events(item: Item, previous: str | None) -> list[Effect]:
+        return [Send(server_event("conversation.item.added", previous_item_id=previous, item=item.view())),
+                Send(server_event("conversation.item.done", previous_item_id=previous, item=item.view()))]
+
+    def _parse_item(self, raw: dict[str, Any], param: str) -> Item:
+        try:
+            body = _ItemBody.model_validate(raw)
+        except ValidationError as exc:
+            raise validation_error(exc, prefix=param) from None
+        texts = []
+        for n, part in enumerate(body.content):
+            if part.type == "input_audio":
+                raise ProtocolError("unsupported_value", f"{param}.content.{n}: model {self.caps.model!r} takes text "
+                                    "only; send input_text", param=f"{param}.content.{n}.type")
+            texts.append(part.text or "")
+        text = " ".join(t for t in texts if t)
+        if not text.strip():
+            raise ProtocolError("invalid_value", f"{param}.content: no text", param=f"{param}.content")
+        if len(text) > self.caps.max_prompt_chars:
+            raise ProtocolError("invalid_value", f"{param}.content: {len(text)} characters; the limit is "
+                                f"{self.caps.max_prompt_chars}", param=f"{param}.content")
+        if body.id and any(i.id == body.id for i in self.state.items):
+            raise ProtocolError("invalid_value", f"{param}.id: an item {body.id!r} exists already", param=f"{param}.id")
+        return Item(id=body.id or new_id("item"), role="user", kind="text", text=text)
+
+    def _create_item(self, event: ItemCreate) -> list[Effect]:
+        item = self._parse_item(event.item, "item")
+        if event.previous_item_id is not None and event.previous_item_id != "root" and not any(
+                i.id == event.previous_item_id for i in self.state.items):
+            raise ProtocolError("item_not_found", f"previous_item_id: no item {event.previous_item_id!r}",
+                                param="previous_item_id")
+        previous = self._add_item(item)
+        return [Save(), *self._item_events(item, previous)]
+
+    def _create_response(self, event: ResponseCreate) -> list[Effect]:
+        if self.state.response is not None:
+            raise ProtocolError("conversation_already_has_active_response",
+                                f"response {self.state.response.id} is in progress; cancel it or wait for its "
+                                "response.done")
+        try:
+            body = _ResponseBody.model_validate(event.response or {})
+        except ValidationError as exc:
+            raise validation_error(exc, prefix="response") from None
+        if body.tools:
+            raise ProtocolError("unsupported_parameter", "response.tools: the pipelines make no tool calls",
+                                param="response.tools")
+        if body.conversation not in (None, "auto", "none"):
+            raise ProtocolError("unsupported_value", "response.conversation: only 'auto' and 'none'",
+                                param="response.conversation")
+        config = self.state.config
+        modalities = (check_modalities(list(body.output_modalities), self.caps, "response.output_modalities")
+                      if body.output_modalities else config.output_modalities)
+        voice = config.voice
+        out = (body.audio or {}).get("output") if isinstance(body.audio, dict) else None
+        if isinstance(out, dict) and out.get("voice") is not None:
+            raw = out["voice"]
+            voice = resolve_voice(raw if isinstance(raw, str) else str(dict(raw).get("id", "")), self.caps,
+                                  "response.audio.output.voice")
+        knobs = config.knobs()
+        if body.instructions is not None:
+            knobs["instructions"] = body.instructions or None
+            check_knob("instructions", knobs["instructions"], self.caps, param="response.instructions")
+        if "max_output_tokens" in body.model_fields_set:
+            knobs["max_output_tokens"] = body.max_output_tokens if isinstance(body.max_output_tokens, int) else None
+            check_knob("max_output_tokens", knobs["max_output_tokens"], self.caps, param="response.max_output_tokens")
+        prompt = self._prompt(body)
+        response_id = new_id("resp")
+        response = Response(id=response_id, item_id=new_id("item"), modalities=modalities, prompt=prompt, voice=voice,
+                            request_id=response_id, in_conversation=body.conversation != "none",
+                            metadata=body.metadata,
+                            knobs={k: v for k, v in knobs.items() if v is not None})
+        if response.in_conversation:
+            self.state.pending = []
+        self.state.response = response
+        return [Save(), StartTurn(response)]
+
+    def _prompt(self, body: _ResponseBody) -> str:
+        """The text a turn answers: the response's own `input`, else the user items not answered yet,
+        else the last user item again."""
+        if body.input:
+            return "\n".join(self._parse_item(raw, f"response.input.{n}").text for n, raw in enumerate(body.input))
+        by_id = {i.id: i for i in self.state.items}
+        chosen = [by_id[i] for i in self.state.pending if i in by_id]
+        if not chosen:
+            users = [i for i in self.state.items if i.role == "user"]
+            chosen = users[-1:]
+        if not chosen:
+            raise ProtocolError("no_input", "there is nothing to respond to: add a user item "
+                                "(conversation.item.create) first")
+        if any(i.kind == "audio" and i.transcript is None for i in chosen):
+            raise ProtocolError("unsupported_value", f"model {self.caps.model!r} takes text only: it cannot "
+                                "answer committed audio (clear it, or add a text item)", param="input_audio_buffer")
+        return "\n".join(i.text if i.kind == "text" else (i.transcript or "") for i in chosen)
+
+    def _cancel(self, event: ResponseCancel) -> list[Effect]:
+        response = self.state.response
+        if response is None or response.cancelling:
+            raise ProtocolError("response_cancel_not_active", "there is no response in progress to cancel")
+        if event.response_id and event.response_id != response.id:
+            raise ProtocolError("response_cancel_not_active", f"response_id: {event.response_id!r} is not the "
+                                f"response in progress ({response.id})", param="response_id")
+        response.cancelling = True
+        return [CancelTurn(response), Save()]          # the abort first: it is what barge-in waits for
+
+    # ------------------------------------------------------------ the turn's side
+    def turn_submitted(self, response_id: str, wf_id: str) -> list[Effect]:
+        response = self.state.response
+        if response is None or response.id != response_id:
+            return []
+        response.wf_id = wf_id
+        return [Save()]
+
+    def turn_ended(self, response_id: str, status: ResponseStatus, text: str, events: int) -> list[Effect]:
+        """The turn's last event was sent: the answer joins the conversation, the session is idle."""
+        response = self.state.response
+        if response is None or response.id != response_id:
+            return []
+        response.status, response.events = status, events
+        if response.in_conversation and (text or status is ResponseStatus.COMPLETED):
+            self._add_item(Item(id=response.item_id, role="assistant", kind="audio" if "audio" in response.modalities
+                                else "text", text=text,
+                                status="completed" if status is ResponseStatus.COMPLETED else "incomplete"))
+        self.state.last_response, self.state.response = response, None
+        return [Save()]
