@@ -37,9 +37,12 @@ MAX_SESSIONS = 512
 
 class Thinker(Executor):
     """The user path's stages: the public `Executor` API with no flags (they run on the stage's
-    compute thread, the default `runs_on = "thread"`, as every real executor does)."""
+    compute thread, the default `runs_on = "thread"`, as every real executor does). A request's
+    `work_s` stage param makes the thinker work that long first (bench/api_latency.py's wake-up)."""
 
     async def run(self, session: Session) -> Mapping[str, Any]:
+        if session.params.get("work_s"):
+            await asyncio.sleep(float(session.params["work_s"]))
         chunks = workload.thinker(session.text)
         for text in chunks:
             await session.emit(text=text, data=text)
