@@ -116,7 +116,7 @@ def _measure(url: str, mode: str, n: int, procs: int, concurrency: int, warmup: 
 
 
 def run_burst(url: str, n: int, procs: int, concurrency: int, warmup: int = 100) -> Result:
-    records, cost = _measure(url, "burst", n, procs, concurrency, warmup, min_rate=50)
+    records, cost = _measure(url, "burst", n, procs, concurrency, warmup, min_rate=10)
     extra = {"topology": f"{procs} node worker process(es) x 3 Workers (concurrency {concurrency} each); "
                          f"node client, {CLIENT_CONCURRENCY} concurrent Queue.add, one QueueEvents",
              "submit_mode": f"c={CLIENT_CONCURRENCY}", "bullmq": version(), **cost}
