@@ -33,9 +33,10 @@ if __package__ in (None, ""):
 import httpx
 
 from bench.common import (
-    BenchError, Result, cost_delta, format_table, redis_client, running, server_stats, start_server, summarize,
+    BenchError, ProcessCPU, Result, cost_delta, format_table, redis_client, running, server_stats, start_server,
+    summarize,
 )
-from bench.omniflow_bench import USER_STAGES, Engine, ProcessCPU, pipeline_yaml
+from bench.omniflow_bench import USER_STAGES, Engine, pipeline_yaml
 
 CONCURRENCY = 8
 HTTP, CLIENT = "omniflow http", "omniflow client"        # the `system` of the rows

@@ -9,6 +9,7 @@ import atexit
 import contextlib
 import math
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -231,6 +232,43 @@ def start_server(appendonly: bool = False, appendfsync: str = "everysec") -> Ite
 
 
 # --------------------------------------------------------------------------- measurement (sync redis-py)
+
+
+def _cpu_s(pid: int) -> float:
+    """user + system CPU seconds of a process (from /proc; 0 where there is none)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+class ProcessCPU:
+    """user + system CPU of a row's processes (spawned ones under their names, `more` by name: pid),
+    Valkey's and this client's (the harness process), from its creation on."""
+
+    def __init__(self, r: Any, procs: Sequence[subprocess.Popen], more: dict[str, int] | None = None) -> None:
+        self.watched = {getattr(p, "bench_name", str(p.pid)): p.pid for p in procs}
+        self.watched.update(more or {})
+        self.watched["valkey"] = int(r.info("server")["process_id"])
+        self.cpu0 = {name: _cpu_s(pid) for name, pid in self.watched.items()}
+        self.client0 = time.process_time()
+
+    def take(self) -> dict[str, float]:
+        cpu = {name: _cpu_s(pid) - self.cpu0[name] for name, pid in self.watched.items()}
+        cpu["client"] = time.process_time() - self.client0
+        return cpu
+
+    @staticmethod
+    def per_wf(cpu: dict[str, float], n: int) -> dict[str, Any]:
+        """{cpu_us_per_wf: {role: µs}, cpu_us_per_wf_total: µs}; a role is a process name less its
+        index (and less `omniflow-`): the replicas of one role add up."""
+        by_role: dict[str, float] = {}
+        for name, secs in cpu.items():
+            role = re.sub(r"-\d+$", "", name.removeprefix("omniflow-"))
+            by_role[role] = by_role.get(role, 0.0) + secs
+        return {"cpu_us_per_wf": {role: round(1e6 * secs / n) for role, secs in sorted(by_role.items())},
+                "cpu_us_per_wf_total": round(1e6 * sum(by_role.values()) / n)}
 
 
 def redis_client(url: str):

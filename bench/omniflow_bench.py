@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import tempfile
 import time
@@ -26,8 +25,8 @@ import yaml
 
 from bench import workload
 from bench.common import (
-    BenchError, Result, bench_env, check_alive, cost_delta, redis_client, running, server_stats, summarize,
-    timeout_for,
+    BenchError, ProcessCPU, Result, bench_env, check_alive, cost_delta, redis_client, running, server_stats,
+    summarize, timeout_for,
 )
 from omniflow.storage.keys import Keys
 from omniflow.workers.base import Executor, Session
@@ -214,40 +213,6 @@ def _records(r: Any, prefix: str, ids: list[str]) -> list[tuple[str, float, floa
             raise BenchError(f"workflow {wf_id} ended {state!r}")
         out.append((wf_id, int(created) / 1000, int(finished) / 1000))
     return out
-
-
-def _cpu_s(pid: int) -> float:
-    """user + system CPU seconds of a process (from /proc; 0 where there is none)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-class ProcessCPU:
-    """user + system CPU of the engine's processes, Valkey and this client, from its creation on."""
-
-    def __init__(self, r: Any, procs: list[Any]) -> None:
-        self.watched = {getattr(p, "bench_name", str(p.pid)): p.pid for p in procs}
-        self.watched["valkey"] = int(r.info("server")["process_id"])
-        self.cpu0 = {name: _cpu_s(pid) for name, pid in self.watched.items()}
-        self.client0 = time.process_time()
-
-    def take(self) -> dict[str, float]:
-        cpu = {name: _cpu_s(pid) - self.cpu0[name] for name, pid in self.watched.items()}
-        cpu["client"] = time.process_time() - self.client0
-        return cpu
-
-    @staticmethod
-    def per_wf(cpu: dict[str, float], n: int) -> dict[str, Any]:
-        """{cpu_us_per_wf: {role: µs}, cpu_us_per_wf_total: µs}; a role is a process name less its index."""
-        by_role: dict[str, float] = {}
-        for name, secs in cpu.items():
-            role = name.replace("omniflow-", "").rsplit("-", 1)[0] if name.startswith("omniflow-") else name
-            by_role[role] = by_role.get(role, 0.0) + secs
-        return {"cpu_us_per_wf": {role: round(1e6 * secs / n) for role, secs in sorted(by_role.items())},
-                "cpu_us_per_wf_total": round(1e6 * sum(by_role.values()) / n)}
 
 
 def run_throughput(redis_url: str, n: int, procs_per_stage: int, *, submit_mode: str = "single",

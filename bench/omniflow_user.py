@@ -23,8 +23,10 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import BenchError, Result, cost_delta, redis_client, running, server_stats, summarize
-from bench.omniflow_bench import USER_STAGES, ProcessCPU, Engine, pipeline_yaml
+from bench.common import (
+    BenchError, ProcessCPU, Result, cost_delta, redis_client, running, server_stats, summarize,
+)
+from bench.omniflow_bench import USER_STAGES, Engine, pipeline_yaml
 
 CONCURRENCY = 8           # client tasks submitting, and as many waiting
 WAIT_TIMEOUT_S = 120.0

@@ -297,12 +297,15 @@ def write_markdown(path: Path, results: list[Result], failures: list[str], args,
     if cpu:
         roles = sorted({role for r in cpu for role in r.extra["cpu_us_per_wf"]})
         md += ["## CPU per workflow, by process (µs, user + system)", "",
-               "`worker`: the one process per replica that serves all three stages (co-located rows).", "",
-               "| variant | procs | " + " | ".join(roles) + " | total |",
+               "`worker`: the one process per replica that serves all three stages (co-located rows); `client`: "
+               "the harness process (the Python client of the omniflow rows); `bullmq`: BullMQ's node worker "
+               "processes, `node-client`: its node client; `api`: the `omniflow api` process (HTTP rows). Read from "
+               "/proc at 10 ms resolution.", "",
+               "| row | procs | " + " | ".join(roles) + " | total |",
                "|---|---:|" + "---:|" * (len(roles) + 1)]
         for r in cpu:
             vals = r.extra["cpu_us_per_wf"]
-            md.append(f"| {r.variant} | {r.procs} | " + " | ".join(str(vals.get(k, "–")) for k in roles)
+            md.append(f"| {r.system} {r.variant} | {r.procs} | " + " | ".join(str(vals.get(k, "–")) for k in roles)
                       + f" | {r.extra.get('cpu_us_per_wf_total')} |")
         md.append("")
     md += ["## Redis commands per workflow (top commands, throughput rows)", ""]

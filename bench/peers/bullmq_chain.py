@@ -27,7 +27,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import (
-    LOG_DIR, REPO_ROOT, BenchError, BenchSkip, Result, check_alive, cost_delta, log, redis_client, running, server_stats,
+    LOG_DIR, REPO_ROOT, BenchError, BenchSkip, ProcessCPU, Result, check_alive, cost_delta, log, redis_client,
+    running, server_stats,
     summarize, timeout_for, wait_ready,
 )
 
@@ -101,10 +102,12 @@ def _measure(url: str, mode: str, n: int, procs: int, concurrency: int, warmup: 
         try:
             _line(client, 60, ps)                                   # {"event": "warm"}
             before = server_stats(r)
+            meter = ProcessCPU(r, ps, {"node-client": client.pid})
             client.stdin.write("go\n")
             client.stdin.flush()
             done = _line(client, timeout_for(n, min_rate, floor_s=60), ps)
             cost = cost_delta(before, server_stats(r), n)
+            cost.update(ProcessCPU.per_wf(meter.take(), n))
             client.stdin.close()
             client.wait(15)
         finally:
