@@ -196,37 +196,67 @@ def run_celery(mode: str, url: str, n: int, procs: int, timeout_s: float) -> Res
 # --------------------------------------------------------------------------- running
 
 
-def run_spec(spec: Spec, repeats: int) -> tuple[list[Result], str | None]:
-    """Returns (median result(s), error). Each repetition gets a fresh server."""
-    reps = repeats if spec.repeat else 1
-    runs: list[Result] = []
-    for i in range(reps):
-        t0 = time.monotonic()
+def _reps(spec: Spec, repeats: int) -> int:
+    return repeats if spec.repeat else 1
+
+
+def run_once(spec: Spec, i: int, reps: int) -> Result | list[Result]:
+    """One repetition of one configuration, on a fresh server (exceptions are the caller's)."""
+    t0 = time.monotonic()
+    if spec.server:
+        with start_server(appendonly=spec.aof, appendfsync="everysec") as server:
+            res = spec.fn(server.url)
+    else:
+        res = spec.fn(None)
+    if isinstance(res, list):          # groups that measure several rows in one go
+        for row in res:
+            log(f"  {row.variant}: {row.workflows_per_s:,.1f}/s  p50 {row.p50_ms:.2f} ms  p99 {row.p99_ms:.2f} ms")
+        return list(res)
+    res.mode = spec.mode
+    res.extra["server"] = ("AOF everysec" if spec.aof else "AOF off") if spec.server else "none"
+    if spec.aof:
+        res.variant += " +AOF everysec"
+    log(f"  {spec.label} [{i + 1}/{reps}]: {res.workflows_per_s:,.0f} wf/s  p50 {res.p50_ms:.2f} ms"
+        f"  p99 {res.p99_ms:.2f} ms  ({time.monotonic() - t0:.1f}s)")
+    return res
+
+
+def run_specs(specs: list[Spec], repeats: int, *, interleave: bool = True) -> tuple[list[Result], list[str]]:
+    """Every configuration, its medians in the order given, and the failures. `interleave`: the
+    repetitions go round-robin (the first of every configuration, then the second...), so that each
+    row's median spans the whole run and a neighbour's load moves all rows alike; otherwise each
+    configuration's repetitions run back to back."""
+    runs: dict[int, list[Result]] = {k: [] for k in range(len(specs))}
+    final: dict[int, list[Result]] = {}            # rows settled early: skipped, failed, multi-row groups
+    failures: list[str] = []
+    order = [(i, k) for i in range(repeats) for k in range(len(specs))] if interleave else \
+        [(i, k) for k in range(len(specs)) for i in range(repeats)]
+    for i, k in order:
+        spec = specs[k]
+        if k in final or i >= _reps(spec, repeats):
+            continue
+        log(f"- {spec.label}" + (f" (repetition {i + 1})" if i and interleave else ""))
         try:
-            if spec.server:
-                with start_server(appendonly=spec.aof, appendfsync="everysec") as server:
-                    res = spec.fn(server.url)
-            else:
-                res = spec.fn(None)
+            res = run_once(spec, i, _reps(spec, repeats))
         except BenchSkip as exc:   # a peer whose runtime is not installed: a row saying so, not a failure
             log(f"  SKIPPED {spec.label}: {exc}")
-            return [skipped_result(spec.group, spec.label, 0, spec.mode, str(exc))], None
+            final[k] = [skipped_result(spec.group, spec.label, 0, spec.mode, str(exc))]
+            continue
         except Exception as exc:  # one failing peer must not sink the whole run
             log(f"  FAILED {spec.label}: {exc}")
             (OUT_DIR / "errors.log").open("a").write(f"--- {spec.label}\n{traceback.format_exc()}\n")
-            return ([median_results(runs)] if runs else []), f"{spec.label}: {([ln for ln in str(exc).splitlines() if ln.strip()] or [repr(exc)])[-1].strip()}"
-        if isinstance(res, list):          # groups that measure several rows in one go
-            for row in res:
-                log(f"  {row.variant}: {row.workflows_per_s:,.1f}/s  p50 {row.p50_ms:.2f} ms  p99 {row.p99_ms:.2f} ms")
-            return list(res), None
-        res.mode = spec.mode
-        res.extra["server"] = ("AOF everysec" if spec.aof else "AOF off") if spec.server else "none"
-        if spec.aof:
-            res.variant += " +AOF everysec"
-        log(f"  {spec.label} [{i + 1}/{reps}]: {res.workflows_per_s:,.0f} wf/s  p50 {res.p50_ms:.2f} ms"
-            f"  p99 {res.p99_ms:.2f} ms  ({time.monotonic() - t0:.1f}s)")
-        runs.append(res)
-    return [median_results(runs)], None
+            final[k] = [median_results(runs[k])] if runs[k] else []
+            last = ([ln for ln in str(exc).splitlines() if ln.strip()] or [repr(exc)])[-1].strip()
+            failures.append(f"{spec.label}: {last}")
+            continue
+        if isinstance(res, list):
+            final[k] = res
+        else:
+            runs[k].append(res)
+    results: list[Result] = []
+    for k in range(len(specs)):
+        results.extend(final[k] if k in final else [median_results(runs[k])] if runs[k] else [])
+    return results, failures
 
 
 # --------------------------------------------------------------------------- main
@@ -246,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smoke test: small n, 1 repeat")
     ap.add_argument("--only", default=",".join(GROUPS), help=f"comma list of {','.join(GROUPS)}")
     ap.add_argument("--celery-timeout", type=float, default=300.0)
+    ap.add_argument("--back-to-back", action="store_true",
+                    help="run each configuration's repetitions one after another (default: round-robin over all)")
     ap.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.{md,png}")
     ap.add_argument("--render", action="store_true",
                     help="measure nothing: rewrite docs/benchmarks.{md,png} from bench/out/ (e.g. after editing notes.md)")
@@ -297,14 +329,7 @@ def main(argv: list[str] | None = None) -> int:
 
         bullmq_chain.ensure_packages()
 
-    results: list[Result] = []
-    failures: list[str] = []
-    for spec in build_specs(args, omni, user):
-        log(f"- {spec.label}")
-        rs, err = run_spec(spec, args.repeats)
-        results.extend(rs)
-        if err:
-            failures.append(err)
+    results, failures = run_specs(build_specs(args, omni, user), args.repeats, interleave=not args.back_to_back)
     if "pipeline" in args.only:
         from bench import pipeline
 
