@@ -78,7 +78,9 @@ class Chains {
   constructor(url) {
     const connection = connectionOf(url);
     this.queue = new Queue('thinker', { connection });
-    this.events = new QueueEvents('code2wav', { connection });
+    // from the stream's start, not '$': events written before the first XREAD would be missed (seen
+    // under load with 2 worker processes: a warm-up chain finished before the reader's first read)
+    this.events = new QueueEvents('code2wav', { connection, lastEventId: '0-0' });
     this.waiting = new Map();
     this.events.on('completed', ({ returnvalue }) => {
       const resolve = this.waiting.get(returnvalue.wf);
