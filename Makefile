@@ -65,8 +65,14 @@ test-fast: $(STAMP)
 soak: $(STAMP)
 	OMNIFLOW_SOAK=1 $(PY) -m pytest -q tests/chaos -p no:cacheprovider
 
+# The BullMQ peer is Node: its pinned packages (bench/peers/bullmq/package-lock.json) when node is here;
+# without node, or if npm ci fails, bench/run.py skips the BullMQ rows with a note in the table.
 bench: $(MODELS)
 	$(PIP) install -q -e '.[test,bench,models,speech]'
+	@if command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; then \
+		(cd bench/peers/bullmq && npm ci --no-audit --no-fund --loglevel=error) || \
+			echo "npm ci failed in bench/peers/bullmq: the BullMQ rows will be skipped"; \
+	else echo "node not found: the BullMQ rows will be skipped"; fi
 	$(PY) bench/run.py
 
 up: $(STAMP)

@@ -1,170 +1,206 @@
-"""API latency: p50/p99 of `POST /v1/workflows` -> 202, and of the `GET ?wait` wake-up.
+"""The HTTP path against the raw Python client: the `http` rows of `make bench`, and a CLI.
 
-Starts an embedded Valkey (no AOF), the engine (reconciler + one worker per
-stage of the toy pipeline, no simulated GPU time) in a background thread and
-the API (`omniflow.api.app.serve`) in a subprocess, then measures from a
-client in this process:
+Starts an embedded Valkey (no AOF), the engine as real processes (`omniflow reconciler`, one
+`omniflow worker --stage all`) on the user-path toy pipeline (bench/omniflow_bench.py's default-executor
+stages; every setting at its default) and a real `omniflow api` process, then measures from this
+process, on one server, one after the other:
 
-- submit: one POST at a time, time until the 202 arrives;
-- wake-up: a long-poll `GET /v1/workflows/{id}?wait=30` is parked on a workflow
-  whose thinker takes ~`--work-ms`; the wake-up latency is the time from the
-  workflow's `finished_at` (stamped in Redis by the transition that made it
-  terminal) to the client holding the response.
+- `GET /healthz`, one at a time: the HTTP floor;
+- `POST /v1/workflows` -> 202, one at a time (submit only; the backlog drains before the next part);
+- submit + wait over HTTP (httpx): `POST /v1/workflows` then `GET /v1/workflows/{id}?wait=30` (the
+  document) per workflow, c = 1 and c = 8 concurrent loops; against the same workload through the
+  Python `AsyncClient` (`submit` then `wait`, which returns the document), c = 1 and c = 8.
+  workflows/s counts workflows (each is 2 HTTP requests); p50/p99 are POST (submit) -> document;
+- the long-poll wake-up: the thinker works `--work-ms` (per-request stage params), the wake-up is the
+  time from the workflow's `finished_at` (stamped by the transition that made it terminal) to the
+  client holding the document.
 
-    .venv/bin/python bench/api_latency.py [--n 300] [--waits 100]
+    .venv/bin/python bench/api_latency.py [--n 300] [--waits 100] [--quick]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import subprocess
 import sys
-import tempfile
-import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
-
-import httpx
-import yaml
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from omniflow.config import DEFAULT_PIPELINE, Settings
-from omniflow.ops.embedded import EmbeddedServer, free_port
-from omniflow.pipeline import load_pipeline
-from omniflow.engine.reconciler import Reconciler
-from omniflow.engine.worker import Worker
+import httpx
+
+from bench.common import (
+    BenchError, ProcessCPU, Result, cost_delta, format_table, redis_client, running, server_stats, start_server,
+    summarize,
+)
+from bench.omniflow_bench import USER_STAGES, Engine, pipeline_yaml
+
+CONCURRENCY = 8
+HTTP, CLIENT = "omniflow http", "omniflow client"        # the `system` of the rows
+WAIT_S = 30
+Record = tuple[str, float, float]
+OneWorkflow = Callable[[str], Awaitable[tuple[str, dict[str, Any]]]]
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
-
-
-def fast_pipeline(path: Path) -> Path:
-    raw = yaml.safe_load(Path(DEFAULT_PIPELINE).read_text())
-    for stage in raw["stages"].values():
-        stage["params"].update({"token_delay_s": 0.0, "chunk_delay_s": 0.0, "max_words": 8})
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
-
-class EngineThread:
-    """Reconciler + one worker per stage, in their own event loop."""
-
-    def __init__(self, settings: Settings, pipeline_path: Path, url: str) -> None:
-        self.settings, self.pipeline, self.url = settings, load_pipeline(pipeline_path), url
-        self.loop = asyncio.new_event_loop()
-        self.stop: asyncio.Event | None = None
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._main, daemon=True)
-
-    def _main(self) -> None:
-        self.loop.run_until_complete(self._run())
-
-    async def _run(self) -> None:
-        self.stop = asyncio.Event()
-        rec = Reconciler(settings=self.settings, pipeline=self.pipeline, redis_url=self.url)
-        workers = [Worker(settings=self.settings, pipeline=self.pipeline, stage=st, redis_url=self.url)
-                   for st in self.pipeline.order]
-        tasks = [asyncio.create_task(x.run(self.stop)) for x in (rec, *workers)]
-        await asyncio.gather(rec.started.wait(), *(w.started.wait() for w in workers))
-        self.ready.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    def start(self) -> None:
-        self.thread.start()
-        if not self.ready.wait(15):
-            raise RuntimeError("the engine did not start")
-
-    def close(self) -> None:
-        if self.stop is not None:
-            self.loop.call_soon_threadsafe(self.stop.set)
-        self.thread.join(timeout=15)
-
-
-def start_api(env: dict[str, str], pipeline_path: Path, url: str, port: int) -> subprocess.Popen[bytes]:
-    code = ("import sys; from omniflow.config import Settings; from omniflow.pipeline import load_pipeline; "
-            "from omniflow.api.app import serve; "
-            f"serve(Settings(), load_pipeline({str(pipeline_path)!r}), {url!r}, '127.0.0.1', {port})")
-    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-
-
-async def wait_ready(http: httpx.AsyncClient) -> None:
-    for _ in range(300):
+async def wait_ready(http: httpx.AsyncClient, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         try:
             if (await http.get("/readyz")).status_code == 200:
                 return
         except httpx.TransportError:
             pass
         await asyncio.sleep(0.05)
-    raise RuntimeError("the API did not become ready")
+    raise BenchError("the API did not become ready")
 
 
-async def measure(base_url: str, n: int, waits: int, work_ms: float) -> dict[str, list[float]]:
-    submit_ms: list[float] = []
-    wake_ms: list[float] = []
-    health_ms: list[float] = []
-    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+async def closed_loops(one: OneWorkflow, tag: str, n: int, concurrency: int) -> list[Record]:
+    """`concurrency` loops, each running one workflow after another (`one` submits, waits, returns the
+    document) until n have run; records are (id, start, document in hand)."""
+    records: list[Record] = []
+    indexes = iter(range(n))
+
+    async def loop() -> None:
+        for i in indexes:
+            t0 = time.time()
+            wf, doc = await one(f"{tag}{i}")
+            records.append((wf, t0, time.time()))
+            if doc.get("state") != "completed":
+                raise BenchError(f"workflow {wf} ended {doc.get('state')!r}: {doc.get('error')!r:.300}")
+
+    await asyncio.gather(*(loop() for _ in range(concurrency)))
+    return records
+
+
+class Paths:
+    """The same workflow through HTTP and through the Python client."""
+
+    def __init__(self, http: httpx.AsyncClient, client: Any) -> None:
+        self.http, self.client = http, client
+
+    async def http_one(self, text: str) -> tuple[str, dict[str, Any]]:
+        resp = await self.http.post("/v1/workflows", json={"input": {"text": text}})
+        if resp.status_code != 202:
+            raise BenchError(f"POST /v1/workflows answered {resp.status_code}: {resp.text[:300]}")
+        wf = resp.json()["id"]
+        doc = await self.http.get(f"/v1/workflows/{wf}", params={"wait": WAIT_S})
+        return wf, doc.json()
+
+    async def client_one(self, text: str) -> tuple[str, dict[str, Any]]:
+        wf = await self.client.submit(text)
+        return wf, await self.client.wait(wf, timeout_s=WAIT_S)
+
+
+async def _timed(call: Callable[[int], Awaitable[str]], n: int) -> list[Record]:
+    out: list[Record] = []
+    for i in range(n):
+        t0 = time.time()
+        out.append((await call(i), t0, time.time()))
+    return out
+
+
+async def measure(base_url: str, eng: Engine, r: Any, procs: list[Any], n: int, waits: int,
+                  work_ms: float) -> list[Result]:
+    from omniflow.client import AsyncClient
+    from omniflow.config import Settings
+    from omniflow.pipeline import load_pipeline
+
+    rows: list[Result] = []
+
+    def row(system: str, variant: str, records: list[Record], before: Any, meter: ProcessCPU) -> Result:
+        cost = cost_delta(before, server_stats(r), len(records))
+        cost.update(ProcessCPU.per_wf(meter.take(), len(records)))
+        rows.append(summarize(system, variant, 1, records, mode="http", extra=cost))
+        return rows[-1]
+
+    limits = httpx.Limits(max_connections=2 * CONCURRENCY, max_keepalive_connections=2 * CONCURRENCY)
+    settings = Settings(redis_url=eng.url, prefix=eng.prefix)
+    async with httpx.AsyncClient(base_url=base_url, timeout=WAIT_S + 30, limits=limits) as http, \
+            AsyncClient(eng.url, settings=settings, pipeline=load_pipeline(eng.yaml)) as client:
         await wait_ready(http)
-        for i in range(20):      # warm-up
-            await http.post("/v1/workflows", json={"input": {"text": f"warm {i}"}})
-        for _ in range(n):
-            t0 = time.perf_counter()
-            await http.get("/healthz")
-            health_ms.append((time.perf_counter() - t0) * 1000)
-        for i in range(n):
-            t0 = time.perf_counter()
-            r = await http.post("/v1/workflows", json={"input": {"text": f"bench {i}"}})
-            submit_ms.append((time.perf_counter() - t0) * 1000)
-            assert r.status_code == 202, r.text
-        await asyncio.sleep(1.0)  # let the submit burst drain before timing wake-ups
-        delay_s = work_ms / 1000 / 8
+        paths = Paths(http, client)
+        await closed_loops(paths.http_one, "warm-h", 50, CONCURRENCY)
+        await closed_loops(paths.client_one, "warm-c", 50, CONCURRENCY)
+
+        before, meter = server_stats(r), ProcessCPU(r, procs)
+        health = await _timed(lambda i: _get_ok(http, "/healthz", str(i)), n)
+        row(HTTP, "GET /healthz (HTTP floor)", health, before, meter)
+
+        async def post(i: int) -> str:
+            resp = await http.post("/v1/workflows", json={"input": {"text": f"s{i}"}})
+            if resp.status_code != 202:
+                raise BenchError(f"POST /v1/workflows answered {resp.status_code}: {resp.text[:300]}")
+            return str(resp.json()["id"])
+
+        before, meter = server_stats(r), ProcessCPU(r, procs)
+        posted = await _timed(post, n)
+        row(HTTP, "POST /v1/workflows -> 202 (submit only; the cost columns include the workflows' run)", posted, before, meter)
+        for wf, _t0, _t1 in posted:                       # drain the backlog before the next part
+            await client.wait(wf, timeout_s=WAIT_S)
+
+        for concurrency in (1, CONCURRENCY):
+            for system, one in ((HTTP, paths.http_one), (CLIENT, paths.client_one)):
+                how = ("POST + GET ?wait=30 (httpx)" if system == HTTP else "AsyncClient submit + wait")
+                before, meter = server_stats(r), ProcessCPU(r, procs)
+                records = await closed_loops(one, f"{system.split()[-1]}{concurrency}-", n, concurrency)
+                res = row(system, f"{how}, c={concurrency}", records, before, meter)
+                res.extra["concurrency"] = concurrency
+                if system == HTTP:
+                    res.extra["requests_per_s"] = round(2 * res.workflows_per_s, 1)
+
+        wake: list[Record] = []
+        params = {"thinker": {"work_s": work_ms / 1000}}
+        before, meter = server_stats(r), ProcessCPU(r, procs)
         for i in range(waits):
-            r = await http.post("/v1/workflows", json={"input": {"text": f"wait {i}"},
-                                                       "stage_params": {"thinker": {"token_delay_s": delay_s}}})
-            doc = (await http.get(r.json()["links"]["self"], params={"wait": 30})).json()
+            resp = await http.post("/v1/workflows", json={"input": {"text": f"w{i}"}, "stage_params": params})
+            doc = (await http.get(resp.json()["links"]["self"], params={"wait": WAIT_S})).json()
             received = time.time()
-            assert doc["state"] == "completed", doc
-            wake_ms.append((received - doc["finished_at"]) * 1000)
-    return {"health": health_ms, "submit": submit_ms, "wake": wake_ms}
+            if doc["state"] != "completed":
+                raise BenchError(f"wake-up workflow ended {doc['state']!r}")
+            wake.append((doc["id"], float(doc["finished_at"]), received))
+        row(HTTP, f"GET ?wait wake-up after terminal (thinker works {work_ms:.0f} ms)", wake, before, meter)
+    return rows
+
+
+async def _get_ok(http: httpx.AsyncClient, path: str, tag: str) -> str:
+    resp = await http.get(path)
+    if resp.status_code != 200:
+        raise BenchError(f"GET {path} answered {resp.status_code}")
+    return tag
+
+
+def run(*, quick: bool = False, n: int | None = None, waits: int | None = None, work_ms: float = 80.0) -> list[Result]:
+    """The `http` rows (mode "http"), each on the same fresh server and engine."""
+    from omniflow.ops.embedded import free_port
+
+    n = n or (100 if quick else 400)
+    waits = waits or (20 if quick else 100)
+    with start_server() as server:
+        eng = Engine(server.url, 1, pipeline_yaml(1, stages=USER_STAGES), colocated=True, defaults=True)
+        port = free_port()
+        cmds = [*eng.commands(), ("omniflow-api", [sys.executable, "-m", "omniflow.cli", "api",
+                                                   "--host", "127.0.0.1", "--port", str(port)])]
+        r = redis_client(server.url)
+        with running(cmds, env=eng.env) as procs:
+            eng.wait_ready(r, procs)
+            rows = asyncio.run(measure(f"http://127.0.0.1:{port}", eng, r, procs, n, waits, work_ms))
+    topology = "1 `omniflow worker --stage all` + 1 `omniflow reconciler` + 1 `omniflow api`, default settings"
+    for res in rows:
+        res.extra["topology"] = topology
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--n", type=int, default=300, help="submits to time")
-    parser.add_argument("--waits", type=int, default=100, help="long-poll wake-ups to time")
+    parser.add_argument("--n", type=int, default=None, help="workflows per part (default 400; quick 100)")
+    parser.add_argument("--waits", type=int, default=None, help="long-poll wake-ups to time (default 100)")
     parser.add_argument("--work-ms", type=float, default=80.0, help="thinker time per workflow in the wake-up test")
+    parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        server = EmbeddedServer(data_dir=Path(tmp), appendonly=False).start()
-        api: subprocess.Popen[bytes] | None = None
-        engine: EngineThread | None = None
-        try:
-            pipeline_path = fast_pipeline(Path(tmp) / "pipeline.yaml")
-            env = {**os.environ, "OMNIFLOW_REDIS_URL": server.url, "OMNIFLOW_PREFIX": "bench",
-                   "OMNIFLOW_API_KEYS": "", "OMNIFLOW_ADMIN_KEYS": "", "OMNIFLOW_LOG_LEVEL": "WARNING"}
-            settings = Settings(redis_url=server.url, prefix="bench")
-            engine = EngineThread(settings, pipeline_path, server.url)
-            engine.start()
-            port = free_port()
-            api = start_api(env, pipeline_path, server.url, port)
-            results = asyncio.run(measure(f"http://127.0.0.1:{port}", args.n, args.waits, args.work_ms))
-        finally:
-            if api is not None:
-                api.terminate()
-                api.wait(timeout=10)
-            if engine is not None:
-                engine.close()
-            server.stop()
-    print(f"{'measure':<34}{'n':>6}{'p50 ms':>10}{'p99 ms':>10}")
-    for label, key in (("GET /healthz (HTTP floor)", "health"), ("POST /v1/workflows -> 202", "submit"), ("GET ?wait wake-up after terminal", "wake")):
-        values: list[Any] = results[key]
-        print(f"{label:<34}{len(values):>6}{percentile(values, 50):>10.2f}{percentile(values, 99):>10.2f}")
+    print(format_table(run(quick=args.quick, n=args.n, waits=args.waits, work_ms=args.work_ms), markdown=False))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import atexit
 import contextlib
 import math
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -28,7 +29,11 @@ LOG_DIR = OUT_DIR / "logs"
 
 
 class BenchError(RuntimeError):
-    """A run that could not produce a number (timeout, dead worker, missing peer)."""
+    """A run that could not produce a number (timeout, dead worker, broken peer)."""
+
+
+class BenchSkip(BenchError):
+    """A peer that cannot run on this machine (its runtime is not installed): a note, not a failure."""
 
 
 # --------------------------------------------------------------------------- results
@@ -107,7 +112,7 @@ def median_results(runs: Sequence[Result]) -> Result:
     extra = dict(first.extra)
     extra["repeats"] = len(runs)
     extra["workflows_per_s_runs"] = [round(r.workflows_per_s, 1) for r in runs]
-    for k in ("cmds_per_wf",):
+    for k in ("cmds_per_wf", "bytes_in_per_wf", "valkey_cpu_us_per_wf"):
         vals = [r.extra[k] for r in runs if isinstance(r.extra.get(k), (int, float))]
         if vals:
             extra[k] = statistics.median(vals)
@@ -229,6 +234,43 @@ def start_server(appendonly: bool = False, appendfsync: str = "everysec") -> Ite
 # --------------------------------------------------------------------------- measurement (sync redis-py)
 
 
+def _cpu_s(pid: int) -> float:
+    """user + system CPU seconds of a process (from /proc; 0 where there is none)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+class ProcessCPU:
+    """user + system CPU of a row's processes (spawned ones under their names, `more` by name: pid),
+    Valkey's and this client's (the harness process), from its creation on."""
+
+    def __init__(self, r: Any, procs: Sequence[subprocess.Popen], more: dict[str, int] | None = None) -> None:
+        self.watched = {getattr(p, "bench_name", str(p.pid)): p.pid for p in procs}
+        self.watched.update(more or {})
+        self.watched["valkey"] = int(r.info("server")["process_id"])
+        self.cpu0 = {name: _cpu_s(pid) for name, pid in self.watched.items()}
+        self.client0 = time.process_time()
+
+    def take(self) -> dict[str, float]:
+        cpu = {name: _cpu_s(pid) - self.cpu0[name] for name, pid in self.watched.items()}
+        cpu["client"] = time.process_time() - self.client0
+        return cpu
+
+    @staticmethod
+    def per_wf(cpu: dict[str, float], n: int) -> dict[str, Any]:
+        """{cpu_us_per_wf: {role: µs}, cpu_us_per_wf_total: µs}; a role is a process name less its
+        index (and less `omniflow-`): the replicas of one role add up."""
+        by_role: dict[str, float] = {}
+        for name, secs in cpu.items():
+            role = re.sub(r"-\d+$", "", name.removeprefix("omniflow-"))
+            by_role[role] = by_role.get(role, 0.0) + secs
+        return {"cpu_us_per_wf": {role: round(1e6 * secs / n) for role, secs in sorted(by_role.items())},
+                "cpu_us_per_wf_total": round(1e6 * sum(by_role.values()) / n)}
+
+
 def redis_client(url: str):
     import redis
 
@@ -275,26 +317,44 @@ class DoneReader:
         return got
 
 
-def command_calls(r) -> dict[str, int]:
-    """Server-side call counts per command (INFO commandstats)."""
-    stats = r.info("commandstats")
-    out: dict[str, int] = {}
-    for k, v in stats.items():
-        name = k.removeprefix("cmdstat_")
-        out[name] = int(v["calls"]) if isinstance(v, dict) else 0
-    return out
+@dataclass
+class ServerStats:
+    """What one Valkey has done so far: calls and µs per command (INFO commandstats, commands run
+    inside Lua scripts included), bytes it has read from clients (INFO stats) and its CPU (INFO cpu)."""
+
+    calls: dict[str, int]
+    usec: dict[str, int]
+    net_input_bytes: int
+    cpu_s: float
 
 
-def command_delta(before: dict[str, int], after: dict[str, int], n: int) -> dict[str, Any]:
-    """Commands per workflow between two snapshots (the measurement's own INFO/XREAD included)."""
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    delta.pop("info", None)
-    delta = {k: v for k, v in delta.items() if v > 0}
-    total = sum(delta.values())
-    top = sorted(delta.items(), key=lambda kv: -kv[1])[:8]
+def server_stats(r) -> ServerStats:
+    calls: dict[str, int] = {}
+    usec: dict[str, int] = {}
+    for k, v in r.info("commandstats").items():
+        if isinstance(v, dict):
+            name = k.removeprefix("cmdstat_")
+            calls[name], usec[name] = int(v.get("calls", 0)), int(v.get("usec", 0))
+    stats, cpu = r.info("stats"), r.info("cpu")
+    return ServerStats(calls, usec, int(stats["total_net_input_bytes"]),
+                       float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]))
+
+
+def cost_delta(before: ServerStats, after: ServerStats, n: int) -> dict[str, Any]:
+    """The server's cost per workflow between two snapshots (the measurement's own INFO calls are left
+    out of the commands; its completion reads and the systems' idle polling are in)."""
+    n = max(n, 1)
+    calls = {k: v - before.calls.get(k, 0) for k, v in after.calls.items() if k != "info"}
+    calls = {k: v for k, v in calls.items() if v > 0}
+    usec = {k: after.usec.get(k, 0) - before.usec.get(k, 0) for k in calls}
+    top = sorted(calls.items(), key=lambda kv: -kv[1])
     return {
-        "cmds_per_wf": round(total / max(n, 1), 2),
-        "cmds_top": {k: round(v / max(n, 1), 2) for k, v in top},
+        "cmds_per_wf": round(sum(calls.values()) / n, 2),
+        "cmds_top": {k: round(v / n, 2) for k, v in top[:8]},
+        # every command: [calls per workflow, Valkey µs per workflow inside it]
+        "cmds_breakdown": {k: [round(v / n, 3), round(usec[k] / n, 2)] for k, v in top},
+        "bytes_in_per_wf": round((after.net_input_bytes - before.net_input_bytes) / n),
+        "valkey_cpu_us_per_wf": round(1e6 * (after.cpu_s - before.cpu_s) / n, 1),
     }
 
 
@@ -318,17 +378,17 @@ def submit_and_collect(r, reader: "DoneReader", submit: Callable[[str, float], N
                        min_rate: float) -> tuple[list[tuple[str, float, float]], dict[str, Any], float]:
     """Warm up, then submit `n` workflows one client call each and collect their completions.
 
-    Returns (records, Redis commands per workflow, seconds spent submitting)."""
+    Returns (records, the server's cost per workflow (`cost_delta`), seconds spent submitting)."""
     for i in range(warmup):
         submit(f"warm-{i}", time.time())
     reader.wait(warmup, 60)
-    before = command_calls(r)
+    before = server_stats(r)
     t0 = time.monotonic()
     for i in range(n):
         submit(f"wf-{i}", time.time())
     submit_s = time.monotonic() - t0
     records = reader.wait(n, timeout_for(n, min_rate, floor_s=60))
-    return records, command_delta(before, command_calls(r), n), submit_s
+    return records, cost_delta(before, server_stats(r), n), submit_s
 
 
 def timeout_for(n: int, min_rate: float, floor_s: float = 30.0) -> float:
@@ -351,20 +411,32 @@ def _fmt(x: float, digits: int = 1) -> str:
     return f"{x:.3f}"
 
 
+def skipped_result(system: str, variant: str, procs: int, mode: str, reason: str) -> Result:
+    """The row of a peer that could not run here: shown in the table with its reason, never measured."""
+    nan = float("nan")
+    return Result(system, variant, procs, 0, nan, nan, nan, extra={"skipped": reason}, mode=mode)
+
+
+def measured(results: Iterable[Result]) -> list[Result]:
+    return [r for r in results if not r.extra.get("skipped")]
+
+
 def format_table(results: Sequence[Result], *, markdown: bool = True) -> str:
-    headers = ["mode", "system", "variant", "procs", "n", "workflows/s", "p50 ms", "p99 ms", "cmds/wf", "runs (wf/s)"]
+    headers = ["mode", "system", "variant", "procs", "n", "workflows/s", "p50 ms", "p99 ms", "cmds/wf",
+               "bytes→Valkey/wf", "Valkey CPU µs/wf", "runs (wf/s)"]
     rows = []
     for r in results:
-        cmds = r.extra.get("cmds_per_wf")
         runs = r.extra.get("workflows_per_s_runs")
+        skipped = r.extra.get("skipped")
+        cost = [r.extra.get(k) for k in ("cmds_per_wf", "bytes_in_per_wf", "valkey_cpu_us_per_wf")]
         rows.append([
-            r.mode, r.system, r.variant, str(r.procs), str(r.n),
-            _fmt(r.workflows_per_s), _fmt(r.p50_ms), _fmt(r.p99_ms),
-            _fmt(cmds) if isinstance(cmds, (int, float)) else "–",
+            r.mode, r.system, r.variant + (f" — skipped: {skipped}" if skipped else ""), str(r.procs),
+            str(r.n) if not skipped else "–", _fmt(r.workflows_per_s), _fmt(r.p50_ms), _fmt(r.p99_ms),
+            *(_fmt(x) if isinstance(x, (int, float)) else "–" for x in cost),
             " / ".join(f"{x:,.0f}" for x in runs) if runs and len(runs) > 1 else "",
         ])
     if markdown:
-        right = {3, 4, 5, 6, 7, 8}
+        right = set(range(3, 11))
         lines = ["| " + " | ".join(headers) + " |",
                  "|" + "|".join("---:" if i in right else "---" for i in range(len(headers))) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in rows]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import tempfile
 import time
@@ -26,8 +25,8 @@ import yaml
 
 from bench import workload
 from bench.common import (
-    BenchError, Result, bench_env, check_alive, command_calls, command_delta, redis_client, running, summarize,
-    timeout_for,
+    BenchError, ProcessCPU, Result, bench_env, check_alive, cost_delta, redis_client, running, server_stats,
+    summarize, timeout_for,
 )
 from omniflow.storage.keys import Keys
 from omniflow.executor import Executor, Session
@@ -35,21 +34,21 @@ from omniflow.executor import Executor, Session
 MAX_SESSIONS = 512
 
 
-class _AsyncStage(Executor):
-    """The bench stages are pure asyncio (they never block): they run on the worker's loop."""
+class Thinker(Executor):
+    """The user path's stages: the public `Executor` API with no flags (they run on the stage's
+    compute thread, the default `runs_on = "thread"`, as every real executor does). A request's
+    `work_s` stage param makes the thinker work that long first (bench/api_latency.py's wake-up)."""
 
-    runs_on = "loop"
-
-
-class BenchThinker(_AsyncStage):
     async def run(self, session: Session) -> Mapping[str, Any]:
+        if session.params.get("work_s"):
+            await asyncio.sleep(float(session.params["work_s"]))
         chunks = workload.thinker(session.text)
         for text in chunks:
             await session.emit(text=text, data=text)
         return {"chunks": len(chunks)}
 
 
-class BenchTalker(_AsyncStage):
+class Talker(Executor):
     async def run(self, session: Session) -> Mapping[str, Any]:
         n = 0
         async for chunk in session.inputs():
@@ -58,12 +57,30 @@ class BenchTalker(_AsyncStage):
         return {"chunks": n}
 
 
-class BenchCode2Wav(_AsyncStage):
+class Code2Wav(Executor):
     async def run(self, session: Session) -> Mapping[str, Any]:
         codes = [chunk.data async for chunk in session.inputs()]
         pcm = np.frombuffer(workload.code2wav(codes), dtype=np.int16)
         await session.emit(audio=pcm, sample_rate=16000)
         return {"chunks": 1}
+
+
+class _AsyncStage(Executor):
+    """The reference rows' stages are pure asyncio (they never block): they run on the worker's loop."""
+
+    runs_on = "loop"
+
+
+class BenchThinker(_AsyncStage, Thinker):
+    pass
+
+
+class BenchTalker(_AsyncStage, Talker):
+    pass
+
+
+class BenchCode2Wav(_AsyncStage, Code2Wav):
+    pass
 
 
 class SimThinker(_AsyncStage):
@@ -77,31 +94,49 @@ class SimThinker(_AsyncStage):
         return {"chunks": workload.TEXT_CHUNKS, "busy_s": time.perf_counter() - started}
 
 
-def pipeline_yaml(procs: int, *, thinker: str = "BenchThinker", thinker_replicas: int | None = None,
-                  thinker_sessions: int = MAX_SESSIONS, thinker_params: dict[str, Any] | None = None) -> dict[str, Any]:
+# The reference rows, as they were measured before the user path existed: stages on the worker's loop,
+# completion seen in the in-flight set (throughput) or by an XREAD of `<wf>:done` (latency, no document).
+REF_THROUGHPUT = "reference: runs_on=loop, in-flight poll"
+REF_LATENCY = "reference: runs_on=loop, XREAD <wf>:done"
+LOOP_STAGES = ("BenchThinker", "BenchTalker", "BenchCode2Wav")      # the reference rows (runs_on = "loop")
+USER_STAGES = ("Thinker", "Talker", "Code2Wav")                      # the user path (no flags)
+
+
+def pipeline_yaml(procs: int, *, thinker: str | None = None, thinker_replicas: int | None = None,
+                  thinker_sessions: int = MAX_SESSIONS, thinker_params: dict[str, Any] | None = None,
+                  stages: tuple[str, str, str] = LOOP_STAGES) -> dict[str, Any]:
     stage = lambda cls, final=None: {  # noqa: E731
         "executor": f"bench.omniflow_bench:{cls}", "final_output": final, "replicas": procs,
         "max_sessions": MAX_SESSIONS, "retry": {"max_attempts": 3, "input_timeout_s": 120},
     }
-    spec = {"name": "bench", "stages": {"thinker": stage(thinker, "text"), "talker": stage("BenchTalker"),
-                                        "code2wav": stage("BenchCode2Wav", "audio")},
+    spec = {"name": "bench", "stages": {"thinker": stage(thinker or stages[0], "text"), "talker": stage(stages[1]),
+                                        "code2wav": stage(stages[2], "audio")},
             "edges": [{"from": "thinker", "to": "talker"}, {"from": "talker", "to": "code2wav"}]}
     spec["stages"]["thinker"].update(replicas=thinker_replicas or procs, max_sessions=thinker_sessions,
                                      params=thinker_params or {})
     return spec
 
 
-class _Engine:
+class Engine:
+    """The engine's processes for one row. `defaults`: every setting at its default (the user path:
+    only the Redis URL and the pipeline are given); otherwise the reference rows' tuned settings."""
+
     def __init__(self, redis_url: str, procs: int, spec: dict[str, Any] | None = None, *,
-                 colocated: bool = False) -> None:
+                 colocated: bool = False, defaults: bool = False) -> None:
         self.url = redis_url
         self.spec = spec or pipeline_yaml(procs)
         self.procs = procs
         self.colocated = colocated        # `procs` worker processes, each serving all three stages
-        self.prefix = f"b{uuid.uuid4().hex[:6]}"
         self.tmp = Path(tempfile.mkdtemp(prefix="omniflow-bench-"))
         self.yaml = self.tmp / "pipeline.yaml"
         self.yaml.write_text(yaml.safe_dump(self.spec, sort_keys=False))
+        if defaults:
+            from omniflow.config import Settings
+
+            self.prefix = str(Settings.model_fields["prefix"].default)
+            self.env = bench_env(OMNIFLOW_REDIS_URL=redis_url, OMNIFLOW_PIPELINE=str(self.yaml))
+            return
+        self.prefix = f"b{uuid.uuid4().hex[:6]}"
         self.env = bench_env(OMNIFLOW_REDIS_URL=redis_url, OMNIFLOW_PREFIX=self.prefix,
                              OMNIFLOW_PIPELINE=str(self.yaml), OMNIFLOW_LOG_LEVEL="WARNING",
                              OMNIFLOW_MAX_IN_FLIGHT="1000000", OMNIFLOW_BLOCK_MS="1000",
@@ -180,34 +215,18 @@ def _records(r: Any, prefix: str, ids: list[str]) -> list[tuple[str, float, floa
     return out
 
 
-def _cpu_s(pid: int) -> float:
-    """user + system CPU seconds of a process (from /proc; 0 where there is none)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-def _server_pid(r: Any) -> int:
-    return int(r.info("server")["process_id"])
-
-
 def run_throughput(redis_url: str, n: int, procs_per_stage: int, *, submit_mode: str = "single",
                    spec: dict[str, Any] | None = None, busy_stage: str | None = None,
                    colocated: bool = False) -> Result:
     """`submit_mode` "single": one awaited submit at a time (as the peers submit); "pipelined":
     512 concurrent submits, group-committed by the client's batcher. `colocated`: `procs_per_stage`
     worker processes that each serve all three stages (as the peers' workers run all three steps)."""
-    eng = _Engine(redis_url, procs_per_stage, spec, colocated=colocated)
+    eng = Engine(redis_url, procs_per_stage, spec, colocated=colocated)
     r = redis_client(redis_url)
     with running(eng.commands(), env=eng.env) as procs:
         eng.wait_ready(r, procs)
-        before = command_calls(r)
-        watched = {getattr(p, "bench_name", str(p.pid)): p.pid for p in procs}
-        watched["valkey"] = _server_pid(r)
-        cpu0 = {name: _cpu_s(pid) for name, pid in watched.items()}
-        client0 = time.process_time()
+        before = server_stats(r)
+        meter = ProcessCPU(r, procs)
         ids = asyncio.run(_submit_all(redis_url, eng.prefix, eng.yaml, n, concurrency=512, submit_mode=submit_mode))
         deadline = time.monotonic() + timeout_for(n, 100)
         while r.zcard(Keys(eng.prefix).inflight(0)) > 0:      # one cell: a single server
@@ -215,22 +234,16 @@ def run_throughput(redis_url: str, n: int, procs_per_stage: int, *, submit_mode:
             if time.monotonic() > deadline:
                 raise BenchError("omniflow throughput run timed out")
             time.sleep(0.01)
-        after = command_calls(r)
-        cpu = {name: _cpu_s(pid) - cpu0[name] for name, pid in watched.items()}
-        cpu["client"] = time.process_time() - client0
+        after = server_stats(r)
+        cpu = meter.take()
         records = _records(r, eng.prefix, ids)
         busy = _busy_s(r, eng.prefix, ids, busy_stage) if busy_stage else None
-    extra = command_delta(before, after, n)
+    extra = cost_delta(before, after, n)
     if busy is not None:
         extra["busy_s"] = round(busy, 3)
-    by_role: dict[str, float] = {}
-    for name, secs in cpu.items():
-        role = name.replace("omniflow-", "").rsplit("-", 1)[0] if name.startswith("omniflow-") else name
-        by_role[role] = by_role.get(role, 0.0) + secs
-    extra["cpu_us_per_wf"] = {role: round(1e6 * secs / n) for role, secs in sorted(by_role.items())}
-    extra["cpu_us_per_wf_total"] = round(1e6 * sum(by_role.values()) / n)
+    extra.update(ProcessCPU.per_wf(cpu, n))
     extra["submit_mode"] = submit_mode
-    variant = "full path" if submit_mode == "single" else "full path, pipelined submit"
+    variant = REF_THROUGHPUT if submit_mode == "single" else f"{REF_THROUGHPUT}, pipelined submit"
     if colocated:
         variant += ", stages co-located"
     return summarize("omniflow", variant, procs_per_stage, records, extra=extra)
@@ -294,13 +307,13 @@ async def _latency(url: str, prefix: str, yaml_path: Path, n: int) -> list[tuple
 
 
 def run_latency(redis_url: str, n: int, *, colocated: bool = False) -> Result:
-    eng = _Engine(redis_url, 1, colocated=colocated)
+    eng = Engine(redis_url, 1, colocated=colocated)
     r = redis_client(redis_url)
     with running(eng.commands(), env=eng.env) as procs:
         eng.wait_ready(r, procs)
         asyncio.run(_latency(redis_url, eng.prefix, eng.yaml, 20))      # warm up
         records = asyncio.run(_latency(redis_url, eng.prefix, eng.yaml, n))
-    return summarize("omniflow", "full path, stages co-located" if colocated else "full path", 1, records,
+    return summarize("omniflow", f"{REF_LATENCY}, stages co-located" if colocated else REF_LATENCY, 1, records,
                      mode="latency")
 
 

@@ -24,7 +24,7 @@ import msgpack
 
 from bench import workload
 from bench.common import (
-    DoneReader, Result, command_calls, command_delta, redis_client, run_latency_loop, running, summarize,
+    DoneReader, Result, cost_delta, redis_client, run_latency_loop, running, server_stats, summarize,
     timeout_for, wait_ready,
 )
 
@@ -97,12 +97,12 @@ def run_throughput(url: str, n: int, procs: int, poll_delay: float | None = 0.01
             reader = DoneReader(r, ps)
             loop.run_until_complete(submit_many("warm", warmup))
             reader.wait(warmup, timeout_for(warmup, 1))
-            before = command_calls(r)
+            before = server_stats(r)
             t0 = time.monotonic()
             loop.run_until_complete(submit_many("wf", n))
             submit_s = time.monotonic() - t0
             records = reader.wait(n, timeout_for(n, 5 if poll_delay is None else 50, floor_s=60))
-            cmds = command_delta(before, command_calls(r), n)
+            cmds = cost_delta(before, server_stats(r), n)
         loop.run_until_complete(pool.aclose())
     finally:
         loop.close()

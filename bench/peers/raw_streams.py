@@ -22,7 +22,7 @@ import msgpack
 
 from bench import workload
 from bench.common import (
-    DoneReader, Result, command_calls, command_delta, redis_client, run_latency_loop,
+    DoneReader, Result, cost_delta, redis_client, run_latency_loop, server_stats,
     running, summarize, timeout_for, wait_ready,
 )
 
@@ -85,12 +85,12 @@ def run_throughput(url: str, n: int, procs: int, submit_batch: int = 1, warmup: 
         reader = DoneReader(r, ps)
         _submit_many(r, "warm", warmup, SUBMIT_BATCH)
         reader.wait(warmup, 30)
-        before = command_calls(r)
+        before = server_stats(r)
         t0 = time.monotonic()
         _submit_many(r, "wf", n, submit_batch)
         submit_s = time.monotonic() - t0
         records = reader.wait(n, timeout_for(n, 300))
-        cmds = command_delta(before, command_calls(r), n)
+        cmds = cost_delta(before, server_stats(r), n)
     extra = {"topology": f"{procs} proc/stage ({3 * procs} processes)", "submit_s": round(submit_s, 3),
              "submit_mode": "single" if submit_batch == 1 else "pipelined", **cmds}
     variant = "submit 1 XADD/wf" if submit_batch == 1 else f"submit pipelined x{submit_batch}"
