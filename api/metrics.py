@@ -127,6 +127,12 @@ async def render(state: ApiState) -> bytes:
     dlq = {**{name: float(sum(q.dlq for q in queues.stages[name])) for name in stages},
            DLQ_EVENTS: float(queues.dlq_events)}
     workers = await store.live_workers()
+    states = fleet.workers_by_state(await fleet.list_workers(store), stages)
+    by_state = GaugeMetricFamily("omniflow_workers", "Registered workers by stage served and state (loading: its "
+                                 "models, not live yet; lapsed: dead, not reaped yet)", labels=["stage", "state"])
+    for stage, counts in states.items():
+        for worker_state, count in counts.items():
+            by_state.add_metric([stage, worker_state], count)
     lat = state.latency
     active = {x.value: 0.0 for x in (WorkflowState.PENDING, WorkflowState.RUNNING)}
     for wf_state in lat.active.values():
@@ -155,6 +161,7 @@ async def render(state: ApiState) -> bytes:
         _gauge("omniflow_stage_queue_pending", "Tasks delivered but not acked (XINFO GROUPS pending)", pending),
         _gauge("omniflow_dlq_size", "Dead letters per stage ('events': malformed events)", dlq),
         _gauge("omniflow_live_workers", "Workers with an unexpired lease", {k: float(v) for k, v in workers.items()}),
+        by_state,
         _gauge("omniflow_retries_scheduled", "Stage retries waiting for their backoff", float(queues.retries)),
         _gauge("omniflow_webhook_pending", "Terminal workflows waiting for their webhook", float(queues.notify)),
         retries,

@@ -5,7 +5,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from omniflow.models import WorkflowState
+from omniflow.models import WorkerState, WorkflowState
 
 
 class ErrorDetail(BaseModel):
@@ -179,6 +179,9 @@ class WorkerView(BaseModel):
     stages: list[str]
     host: str | None = None
     pid: int | None = None
+    state: WorkerState = Field(..., description="loading (its models: not live yet), ready, draining, stopping, "
+                                                "or lapsed (its lease or loading announcement ran out)")
+    state_age_s: float | None = Field(None, description="seconds since it started loading, or since it took its lease")
     alive: bool = Field(..., description="its lease is current (a dead one is reaped by the reconciler)")
     lease_left_s: float
     heartbeat_age_s: float | None = None
@@ -206,6 +209,7 @@ class StagePool(BaseModel):
     oldest_queued_age_s: float | None = None
     live_workers: int
     draining_workers: int
+    loading_workers: int = Field(0, description="workers of the stage still loading their models (not live yet)")
     active_sessions: int
     capacity: int
     dlq: int

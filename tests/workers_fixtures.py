@@ -50,6 +50,19 @@ class BlockingThinkerOnLoop(BlockingThinker):
     runs_on = "loop"
 
 
+class SlowLoadingThinker(ToyThinker):
+    """A thinker whose `setup` (its model loading) blocks its compute thread until the test sets
+    `release` (60 s at most, so a failed test cannot hang the session)."""
+
+    runs_on = "thread"
+    loading = threading.Event()       # set once setup has started
+    release = threading.Event()
+
+    async def setup(self) -> None:
+        type(self).loading.set()
+        type(self).release.wait(timeout=60)
+
+
 class CountingLM(BatchedExecutor):
     """A deterministic 'language model' with continuous batching: session i of prompt P emits the
     words P-0, P-1, ... one per step, checkpointing each word, so resume and batching are checkable.

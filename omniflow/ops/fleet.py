@@ -16,6 +16,7 @@ The operator's actions (drain, retry, purge, dead letters) are in `omniflow.ops.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,9 @@ from omniflow.storage.redisio import translated
 from omniflow.client.store import Store
 from omniflow.storage.schema import csv, now_ms, s
 from omniflow.engine.window import WINDOW_S, merge, percentile
+from omniflow.models import WorkerState
+
+logger = logging.getLogger(__name__)
 
 #: text and audio log entries: a stage's first one is its time to first output
 OUTPUT_EVENTS = ("text", "audio")
@@ -45,34 +49,70 @@ def _int(value: Any) -> int:
 
 
 # ---------------------------------------------------------------- workers
-def _worker_row(wid: str, expiry: float, info: dict[str, str], now: int) -> dict[str, Any]:
+def worker_state(*, leased: bool, loading: bool, info: dict[str, str]) -> WorkerState:
+    """What a registered worker is doing: `leased` its lease is current, `loading` its loading
+    announcement is (it is in the loading set and that has not lapsed)."""
+    if leased:
+        if info.get("state") == WorkerState.STOPPING.value:
+            return WorkerState.STOPPING
+        return WorkerState.DRAINING if info.get("drain") else WorkerState.READY
+    return WorkerState.LOADING if loading else WorkerState.LAPSED
+
+
+def _worker_row(wid: str, expiry: float, loading_until: float, info: dict[str, str], now: int) -> dict[str, Any]:
     stages = csv(info.get("stage"))
-    active = [int(x) for x in csv(info.get("active"))]
-    capacity = [int(x) for x in csv(info.get("capacity"))]
-    seen = int(info.get("seen_ms") or 0)
+    active = [int(x) for x in csv(info.get("active")) if x.isdigit()]
+    capacity = [int(x) for x in csv(info.get("capacity")) if x.isdigit()]
+    seen = int(info.get("seen_ms") or 0) if (info.get("seen_ms") or "").isdigit() else 0
+    since = int(info["since_ms"]) if (info.get("since_ms") or "").isdigit() else None
+    state = worker_state(leased=expiry > now, loading=loading_until > now, info=info)
+    try:
+        window = json.loads(info["window"]) if info.get("window") else {}
+    except ValueError:
+        logger.warning("worker %s: its heartbeat's window does not decode; shown empty", wid)
+        window = {}
     return {
         "id": wid, "stages": stages, "host": info.get("host") or None,
         "pid": int(info["pid"]) if info.get("pid", "").isdigit() else None,
+        "state": state.value, "state_age_s": _age_s(since, now),
         "alive": expiry > now, "lease_left_s": round(max(0.0, expiry - now) / 1000, 3),
         "heartbeat_age_s": _age_s(seen, now), "draining": bool(info.get("drain")),
         "sessions": dict(zip(stages, active)), "capacity": dict(zip(stages, capacity)),
         "sessions_held": sum(active),
-        "window": json.loads(info["window"]) if info.get("window") else {},
+        "window": window if isinstance(window, dict) else {},
     }
 
 
 @translated
 async def list_workers(store: Store) -> list[dict[str, Any]]:
-    """Every registered worker (live or not yet reaped), by id: stages, host, heartbeat age, sessions."""
+    """Every registered worker (live, loading its models, or not yet reaped), by id: its state, stages,
+    host, heartbeat age, sessions."""
     now = now_ms()
-    members = await store.redis.zrange(store.keys.workers, 0, -1, withscores=True)
     pipe = store.redis.pipeline(transaction=False)
-    for wid, _ in members:
-        pipe.hgetall(store.keys.worker_info(s(wid)))
-    infos = await pipe.execute() if members else []
-    rows = [_worker_row(s(wid), float(score), {s(k): s(v) for k, v in info.items()}, now)
-            for (wid, score), info in zip(members, infos)]
-    return sorted(rows, key=lambda r: r["id"])
+    pipe.zrange(store.keys.workers, 0, -1, withscores=True)
+    pipe.zrange(store.keys.workers_loading, 0, -1, withscores=True)
+    leased, loading = await pipe.execute()
+    expiry = {s(wid): float(score) for wid, score in leased}
+    loading_until = {s(wid): float(score) for wid, score in loading}
+    ids = sorted(set(expiry) | set(loading_until))
+    pipe = store.redis.pipeline(transaction=False)
+    for wid in ids:
+        pipe.hgetall(store.keys.worker_info(wid))
+    infos = await pipe.execute() if ids else []
+    return [_worker_row(wid, expiry.get(wid, 0.0), loading_until.get(wid, 0.0),
+                        {s(k): s(v) for k, v in info.items()}, now)
+            for wid, info in zip(ids, infos)]
+
+
+def workers_by_state(workers: list[dict[str, Any]], stages: tuple[str, ...] | list[str]) -> dict[str, dict[str, int]]:
+    """stage -> state -> how many of `workers` (`list_workers` rows) serving it are in that state; every
+    state of every stage is there (0 included). A worker serving several stages counts for each."""
+    out = {stage: dict.fromkeys((x.value for x in WorkerState), 0) for stage in stages}
+    for w in workers:
+        for stage in w["stages"]:
+            if stage in out and w["state"] in out[stage]:
+                out[stage][w["state"]] += 1
+    return out
 
 
 @translated
@@ -203,6 +243,8 @@ async def collect_stats(store: Store) -> dict[str, Any]:
             "oldest_queued_age_s": _age_s(min((x for x in oldest_queued if x), default=None), now),
             "live_workers": len(mine),
             "draining_workers": sum(1 for w in mine if w["draining"]),
+            "loading_workers": sum(1 for w in workers if w["state"] == WorkerState.LOADING.value
+                                   and name in w["stages"]),
             "active_sessions": sum(w["sessions"].get(name, 0) for w in mine),
             "capacity": sum(w["capacity"].get(name, 0) for w in mine),
             "dlq": sum(r.dlq for r in rows),

@@ -177,6 +177,12 @@ class Keys:
         return f"{self.prefix}:{{workers}}:{worker_id}"
 
     @property
+    def workers_loading(self) -> str:
+        """zset of the workers still loading their models (no lease yet), scored by the expiry (ms) of
+        their announcement; '@' is in no worker id, so no worker's info hash can take this name."""
+        return f"{self.prefix}:{{workers}}:@loading"
+
+    @property
     def layout(self) -> str:
         """How many cells this deployment has, recorded by its first process (`check_layout`)."""
         return f"{self.prefix}:cells"
