@@ -245,3 +245,39 @@ class Readiness(BaseModel):
     stages: dict[str, int] = Field(..., description="live workers per stage")
     missing: list[str] = Field(default_factory=list, description="stages with no live worker")
     message: str | None = None
+
+
+class UsageCounters(BaseModel):
+    sessions: int = Field(..., description="stage sessions that finished (done)")
+    compute_s: float = Field(..., description="their compute: session time less its waits for upstream chunks "
+                                              "and for room downstream")
+    failed_compute_s: float = Field(..., description="the compute of attempts that failed (retried, or failing "
+                                                     "the workflow)")
+    audio_s: float = Field(..., description="audio produced (final audio stages)")
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class UsageRow(UsageCounters):
+    tenant: str
+    pipeline: str
+    stage: str
+
+
+class UsageTotal(UsageCounters):
+    tenant: str
+    pipeline: str
+
+
+class UsageReport(BaseModel):
+    """Usage per tenant over a window (hourly counters, `omniflow usage --json`)."""
+
+    since: float = Field(..., description="start of the window (epoch s): rounded down to the hour, no earlier "
+                                          "than the retention")
+    until: float
+    bucket_s: int
+    retention_days: int
+    tenant: str | None = Field(None, description="the tenant filter")
+    pipeline: str | None = Field(None, description="the pipeline filter")
+    rows: list[UsageRow] = Field(..., description="per tenant, pipeline and stage")
+    tenants: list[UsageTotal] = Field(..., description="per tenant and pipeline, summed over stages")

@@ -150,6 +150,11 @@ class Keys:
         """set of the tenant names that have a tenant index in the cell (so the sweep can trim them)."""
         return f"{self.cell(cell)}:idx:tenants"
 
+    def usage(self, cell: int, bucket: int) -> str:
+        """hash of one hour of the cell's usage (`omniflow.storage.usage`: `bucket` is the epoch hour;
+        fields `<pipeline>|<stage>|<metric>|<tenant>`), added to by the sessions that finish in it."""
+        return f"{self.cell(cell)}:usage:{bucket}"
+
     def retries(self, cell: int) -> str:
         """zset of the cell's scheduled retries, member ``<id>|<stage>|<attempt>``, score due ms."""
         return f"{self.cell(cell)}:retries"

@@ -63,7 +63,7 @@ async def test_openapi_documents_every_route(api_factory):
         spec = (await http.get("/openapi.json")).json()
         assert set(spec["paths"]) == {
             "/v1/workflows", "/v1/workflows/{wf_id}", "/v1/workflows/{wf_id}/abort", "/v1/workflows/{wf_id}/events",
-            "/v1/workflows/{wf_id}/audio", "/v1/workflows/{wf_id}/timeline", "/v1/workflows/{wf_id}/retry",
+            "/v1/workflows/{wf_id}/audio", "/v1/workflows/{wf_id}/timeline", "/v1/workflows/{wf_id}/retry", "/v1/usage",
             "/v1/admin/pools", "/v1/admin/pools/events", "/v1/admin/workers", "/v1/admin/workers/{worker_id}/drain",
             "/v1/admin/workers/{worker_id}/undrain", "/v1/models", "/v1/chat/completions", "/v1/audio/speech",
             "/v1/audio/voices", "/healthz", "/readyz", "/metrics"}

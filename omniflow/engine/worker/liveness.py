@@ -16,6 +16,7 @@ import os
 import time
 
 from omniflow.engine.worker.context import WorkerContext
+from omniflow.engine.worker.serving import serving_snapshot
 from omniflow.errors import RedisError
 from omniflow.models import WorkerState
 from omniflow.storage import redisio
@@ -45,6 +46,7 @@ class Liveness:
             "active": ",".join(str(p.active) for p in ctx.pools.values()), "seen_ms": now_ms(),
             "state": state.value, "since_ms": self.since_ms,
             "stats": json.dumps(ctx.stats), "window": json.dumps(ctx.window.snapshot()),
+            "serving": json.dumps(serving_snapshot(ctx)),
         }
 
     async def _register(self, registry: str, state: WorkerState) -> bytes | None:
