@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Mapping
@@ -96,6 +97,15 @@ class CountingLM(BatchedExecutor):
                                    checkpoint=word + " ", done=done,
                                    usage={"words": st["n"]} if done else None))
         return outs
+
+
+class MeteredLM(CountingLM):
+    """`CountingLM` reporting its usage as a language model does: prompt and completion tokens."""
+
+    def step(self, states: list[Any]) -> list[StepOutput]:
+        return [dataclasses.replace(out, usage={"prompt_tokens": len(st["session"].text.split()),
+                                                "completion_tokens": st["n"]}) if out.done else out
+                for st, out in zip(states, super().step(states))]
 
 
 class TensorThinker(ToyThinker):
