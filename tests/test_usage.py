@@ -60,6 +60,10 @@ async def test_each_finished_session_counts_once_with_retries(engine_factory) ->
         stages = await eng.redis.hgetall(eng.store.keys.stages(sub.id))
         assert int(stages[b"thinker:compute_ms"]) == round(thinker["compute_s"] * 1000)
 
+        # each worker set the hour's expiry once, with its first finish there
+        usage_keys = [k async for k in eng.redis.scan_iter(match=f"{eng.settings.prefix}:*:usage:*")]
+        assert usage_keys and all(ttl > 80 * 86_400 for ttl in [await eng.redis.ttl(k) for k in usage_keys])
+
         only = await read_usage(eng.store, tenant="globex", pipeline=eng.pipeline.name, since_s=600)
         assert [(r["tenant"], r["stage"]) for r in only["rows"]] == [("globex", "thinker")]
         assert only["since"] == bucket_of(now_ms() - 600_000) * BUCKET_S
@@ -129,6 +133,7 @@ def test_usage_fields_carry_any_tenant_name() -> None:
                                                                              "completion_tokens": float("nan")})
     assert (meter.compute_ms, meter.prompt_tokens, meter.completion_tokens) == (0, 0, 0)
     assert meter.expire_at_s == 11 * BUCKET_S + 86_400
+    assert Meter.of("k", bucket=10, retention_days=1, compute_s=1.0, usage=None, set_expiry=False).expire_at_s == 0
 
 
 async def test_usage_command(engine_factory, tmp_path: Path) -> None:

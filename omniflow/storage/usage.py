@@ -13,9 +13,10 @@ hash `<cell>:usage:<epoch hour>` (`Keys.usage`) of its workflow's cell, fields
 | `audio_ms` | the audio it produced (final audio stages: samples / sample rate) |
 | `prompt_tokens`, `completion_tokens` | what its executor's usage reported under those names |
 
-Each hash expires `usage_retention_days` after its hour ends. Readers sum the hours of a window
-over every cell (`omniflow.ops.usage`). The cost on the hot path: a few HINCRBY and one EXPIREAT in
-the finish script, no extra round trip.
+Each hash expires `usage_retention_days` after its hour ends (each worker sets it with its first
+finish of the hour in that cell). Readers sum the hours of a window over every cell
+(`omniflow.ops.usage`). The cost on the hot path: 2 to 4 HINCRBY in the finish script per session,
+no extra round trip.
 """
 from __future__ import annotations
 
@@ -60,16 +61,19 @@ class Meter:
     tenant, the pipeline, the audio the stage stored)."""
 
     key: str                 # the hour's usage hash in the workflow's cell (`Keys.usage`)
-    expire_at_s: int         # when that hash expires (epoch s)
+    expire_at_s: int         # when that hash expires (epoch s); 0: leave its expiry as it is
     compute_ms: int
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
     @classmethod
     def of(cls, key: str, *, bucket: int, retention_days: int, compute_s: float,
-           usage: Mapping[str, Any] | None) -> Meter:
+           usage: Mapping[str, Any] | None, set_expiry: bool = True) -> Meter:
+        """`set_expiry`: also set the hour's expiry (a worker asks once per hour's key: an EXPIREAT
+        per session would cost a command per session for nothing)."""
         tokens = usage if isinstance(usage, Mapping) else {}
-        return cls(key=key, expire_at_s=bucket_start_s(bucket + 1) + retention_days * 86_400,
+        expire_at_s = bucket_start_s(bucket + 1) + retention_days * 86_400 if set_expiry else 0
+        return cls(key=key, expire_at_s=expire_at_s,
                    compute_ms=max(0, round(compute_s * 1000)),
                    prompt_tokens=_count(tokens.get("prompt_tokens")),
                    completion_tokens=_count(tokens.get("completion_tokens")))

@@ -34,6 +34,7 @@ class SessionRunner:
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
         self._replica_domains: dict[str, str] = {}     # replica id -> its shared-memory domain
+        self._expiring: dict[str, int] = {}            # usage keys whose expiry this worker has set -> their hour
 
     async def run(self, pool: StagePool, cell: int, entry_id: str, session: Session) -> None:
         ctx = self.ctx
@@ -75,13 +76,19 @@ class SessionRunner:
         ctx = self.ctx
         backoff = Backoff()
         bucket = bucket_of(now_ms())        # the hour whose usage it adds to (the same if the finish is sent again)
-        meter = Meter.of(ctx.keys.usage(cell, bucket), bucket=bucket, retention_days=ctx.settings.usage_retention_days,
-                         compute_s=session.compute_s, usage=session.reported_usage if outcome == "done" else None)
+        usage_key = ctx.keys.usage(cell, bucket)
+        meter = Meter.of(usage_key, bucket=bucket, retention_days=ctx.settings.usage_retention_days,
+                         compute_s=session.compute_s, usage=session.reported_usage if outcome == "done" else None,
+                         set_expiry=usage_key not in self._expiring)
         while True:
             try:
-                return await session.close(tasks_key=pool.tasks_keys[cell], events_key=ctx.keys.events(cell),
+                code = await session.close(tasks_key=pool.tasks_keys[cell], events_key=ctx.keys.events(cell),
                                            group=TASK_GROUP, entry_id=entry_id, outcome=outcome, detail=detail,
                                            retryable=retryable, meter=meter)
+                if code != "fenced" and meter.expire_at_s:       # the script set the hour's expiry
+                    self._expiring = {k: b for k, b in self._expiring.items() if b == bucket}
+                    self._expiring[usage_key] = bucket
+                return code
             except RedisUnavailable as exc:
                 # lost, or refused for longer than the batcher waits: it may or may not have landed;
                 # sending the finish again is safe (fenced by status and by step count)
