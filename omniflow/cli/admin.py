@@ -70,8 +70,10 @@ def stats_view(data: dict[str, Any]) -> Group:
         table.add_column(col, justify="left" if col == "stage" else "right")
     for name, st in data["stages"].items():
         lm = st["last_minute"]
-        workers = str(st["live_workers"]) + (f" ({st['draining_workers']} draining)" if st["draining_workers"] else "")
-        table.add_row(name, workers if st["live_workers"] else "[red]0[/red]",
+        workers = (str(st["live_workers"]) if st["live_workers"] else "[red]0[/red]") \
+            + (f" ({st['draining_workers']} draining)" if st["draining_workers"] else "") \
+            + (f" +{st['loading_workers']} loading" if st.get("loading_workers") else "")
+        table.add_row(name, workers,
                       f"{st['active_sessions']}/{st['capacity']}", str(st["queued"]), str(st["lag"]),
                       str(st["pending"]), _age(st["oldest_pending_age_s"]), str(lm["done"]), _age(lm["p50_s"]),
                       _age(lm["p99_s"]), str(lm["failed"]), str(lm["retries"]), str(st["dlq"]))

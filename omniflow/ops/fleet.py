@@ -81,7 +81,7 @@ def _worker_row(wid: str, expiry: float, loading_until: float, info: dict[str, s
         "heartbeat_age_s": _age_s(seen, now), "draining": bool(info.get("drain")),
         "sessions": dict(zip(stages, active)), "capacity": dict(zip(stages, capacity)),
         "sessions_held": sum(active),
-        "window": window if isinstance(window, dict) else {},
+        "window": {k: v for k, v in window.items() if isinstance(v, dict)} if isinstance(window, dict) else {},
     }
 
 
