@@ -15,7 +15,7 @@ from omniflow.api.deps import ApiState, parse_admin_keys, parse_api_keys
 from omniflow.api.hub import LogHub
 from omniflow.api.limits import BodySizeLimit, RateLimiter
 from omniflow.api.metrics import StageLatency
-from omniflow.api.routes import admin, audio, health, openai, realtime, ui, workflows
+from omniflow.api.routes import admin, audio, health, openai, realtime, ui, usage, workflows
 from omniflow.config import Settings
 from omniflow.errors import ConfigError
 from omniflow.pipeline import Pipeline
@@ -63,6 +63,7 @@ def create_app(settings: Settings, pipeline: Pipeline, *, redis_url: str) -> Fas
     app.include_router(audio.router)
     app.include_router(realtime.router)
     app.include_router(admin.router)
+    app.include_router(usage.router)
     app.include_router(health.router)
     app.include_router(ui.router)
     return app

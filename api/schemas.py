@@ -5,7 +5,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from omniflow.models import WorkflowState
+from omniflow.models import WorkerState, WorkflowState
 
 
 class ErrorDetail(BaseModel):
@@ -179,6 +179,9 @@ class WorkerView(BaseModel):
     stages: list[str]
     host: str | None = None
     pid: int | None = None
+    state: WorkerState = Field(..., description="loading (its models: not live yet), ready, draining, stopping, "
+                                                "or lapsed (its lease or loading announcement ran out)")
+    state_age_s: float | None = Field(None, description="seconds since it started loading, or since it took its lease")
     alive: bool = Field(..., description="its lease is current (a dead one is reaped by the reconciler)")
     lease_left_s: float
     heartbeat_age_s: float | None = None
@@ -206,6 +209,7 @@ class StagePool(BaseModel):
     oldest_queued_age_s: float | None = None
     live_workers: int
     draining_workers: int
+    loading_workers: int = Field(0, description="workers of the stage still loading their models (not live yet)")
     active_sessions: int
     capacity: int
     dlq: int
@@ -241,3 +245,39 @@ class Readiness(BaseModel):
     stages: dict[str, int] = Field(..., description="live workers per stage")
     missing: list[str] = Field(default_factory=list, description="stages with no live worker")
     message: str | None = None
+
+
+class UsageCounters(BaseModel):
+    sessions: int = Field(..., description="stage sessions that finished (done)")
+    compute_s: float = Field(..., description="their compute: session time less its waits for upstream chunks "
+                                              "and for room downstream")
+    failed_compute_s: float = Field(..., description="the compute of attempts that failed (retried, or failing "
+                                                     "the workflow)")
+    audio_s: float = Field(..., description="audio produced (final audio stages)")
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class UsageRow(UsageCounters):
+    tenant: str
+    pipeline: str
+    stage: str
+
+
+class UsageTotal(UsageCounters):
+    tenant: str
+    pipeline: str
+
+
+class UsageReport(BaseModel):
+    """Usage per tenant over a window (hourly counters, `omniflow usage --json`)."""
+
+    since: float = Field(..., description="start of the window (epoch s): rounded down to the hour, no earlier "
+                                          "than the retention")
+    until: float
+    bucket_s: int
+    retention_days: int
+    tenant: str | None = Field(None, description="the tenant filter")
+    pipeline: str | None = Field(None, description="the pipeline filter")
+    rows: list[UsageRow] = Field(..., description="per tenant, pipeline and stage")
+    tenants: list[UsageTotal] = Field(..., description="per tenant and pipeline, summed over stages")

@@ -169,6 +169,10 @@ class Settings(BaseSettings):
         default=1000, ge=1,
         description="how long that wait may take; a round trip not replicated in time counts as lost and "
                     "is retried")
+    usage_retention_days: int = Field(
+        default=90, ge=1, le=3660,
+        description="how long the per-tenant usage counters (`omniflow usage`, `GET /v1/usage`) are kept, in "
+                    "days: each hour's counters expire this long after the hour ends")
     dlq_max_len: int = Field(
         default=10_000, ge=1, description="each dead-letter stream keeps about this many entries")
 

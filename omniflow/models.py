@@ -41,6 +41,16 @@ class SessionState(str, Enum):
     ABORTED = "aborted"                 # the workflow was aborted; its task is cancelled
 
 
+class WorkerState(str, Enum):
+    """A worker as operators see it (`omniflow workers`, `/metrics`, the dashboard)."""
+
+    LOADING = "loading"     # registered, its executors' `setup` (model loading) still running: holds no lease
+    READY = "ready"         # leased and claiming
+    DRAINING = "draining"   # leased, drained by an operator: finishes what it holds, claims nothing
+    STOPPING = "stopping"   # leased, shutting down: lets its sessions finish (`shutdown_grace_s`)
+    LAPSED = "lapsed"       # its lease (or its loading announcement) ran out: dead, until the reconciler reaps it
+
+
 class WorkflowInput(BaseModel):
     model_config = ConfigDict(extra="allow")
 

@@ -102,3 +102,11 @@ def cli_env(eng: Any, tmp_path: Path, **extra: str) -> dict[str, str]:
     env.update({"OMNIFLOW_REDIS_URL": eng.url, "OMNIFLOW_PREFIX": eng.settings.prefix,
                 "OMNIFLOW_PIPELINE": str(pipeline), "OMNIFLOW_HOME": str(tmp_path / "home"), **extra})
     return env
+
+
+def metric_values(exposition: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A Prometheus text exposition as {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(exposition) for sample in family.samples}

@@ -41,6 +41,11 @@ async def test_sessions_join_between_steps_and_max_batch_holds() -> None:
     stats = executor.step_loop.stats
     assert stats.max_batch_seen == 2
     assert stats.stepped_sessions == 5 * 4
+    # the batch-size histogram (what /metrics shows as omniflow_batch_size): every step in the bucket of
+    # its size, sizes 1 or 2 only (bucket bounds 1, 2, 4, ...)
+    snap = stats.snapshot()
+    assert snap["steps"] == stats.steps == sum(snap["hist"]) and snap["sessions"] == 20
+    assert snap["hist"][0] + 2 * snap["hist"][1] == 20 and sum(snap["hist"][2:]) == 0
 
 
 class Tracking(BatchedExecutor):

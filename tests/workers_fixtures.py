@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Mapping
@@ -50,6 +51,19 @@ class BlockingThinkerOnLoop(BlockingThinker):
     runs_on = "loop"
 
 
+class SlowLoadingThinker(ToyThinker):
+    """A thinker whose `setup` (its model loading) blocks its compute thread until the test sets
+    `release` (60 s at most, so a failed test cannot hang the session)."""
+
+    runs_on = "thread"
+    loading = threading.Event()       # set once setup has started
+    release = threading.Event()
+
+    async def setup(self) -> None:
+        type(self).loading.set()
+        type(self).release.wait(timeout=60)
+
+
 class CountingLM(BatchedExecutor):
     """A deterministic 'language model' with continuous batching: session i of prompt P emits the
     words P-0, P-1, ... one per step, checkpointing each word, so resume and batching are checkable.
@@ -83,6 +97,15 @@ class CountingLM(BatchedExecutor):
                                    checkpoint=word + " ", done=done,
                                    usage={"words": st["n"]} if done else None))
         return outs
+
+
+class MeteredLM(CountingLM):
+    """`CountingLM` reporting its usage as a language model does: prompt and completion tokens."""
+
+    def step(self, states: list[Any]) -> list[StepOutput]:
+        return [dataclasses.replace(out, usage={"prompt_tokens": len(st["session"].text.split()),
+                                                "completion_tokens": st["n"]}) if out.done else out
+                for st, out in zip(states, super().step(states))]
 
 
 class TensorThinker(ToyThinker):

@@ -102,6 +102,7 @@ function poolCard(name, st) {
   const lm = st.last_minute;
   const rows = [
     ["workers", st.live_workers + (st.draining_workers ? ` (${st.draining_workers} draining)` : ""), "live-workers"],
+    ["loading", st.loading_workers ?? 0, "loading-workers"],
     ["busy sessions", `${st.active_sessions} / ${st.capacity}`, "sessions"],
     ["queued · lag · pending", `${st.queued} · ${st.lag} · ${st.pending}`, "queue"],
     ["oldest pending", fmtS(st.oldest_pending_age_s), "oldest-pending"],
@@ -119,6 +120,9 @@ function poolCard(name, st) {
   return card;
 }
 
+// loading: its models (not live yet); lapsed: its lease or loading announcement ran out (dead)
+const WORKER_STATE_CLASS = { ready: "", loading: "loading", draining: "warn", stopping: "warn", lapsed: "error" };
+
 function renderWorkers(workers) {
   $("#workers-n").textContent = workers.filter((w) => w.alive).length;
   const body = $("#workers tbody");
@@ -131,8 +135,8 @@ function renderWorkers(workers) {
       el("td", {}, el("code", { text: w.id })), el("td", { text: w.stages.join(", ") }),
       el("td", { text: w.host || "–" }), el("td", { text: sessions }),
       el("td", { text: fmtS(w.heartbeat_age_s) }),
-      el("td", { class: w.alive ? (w.draining ? "warn" : "") : "error",
-                 text: w.alive ? (w.draining ? "draining" : "live") : "lease lapsed" }),
+      el("td", { class: `worker-state ${WORKER_STATE_CLASS[w.state] ?? ""}`,
+                 text: w.state + (w.state_age_s != null ? ` (${fmtS(w.state_age_s)})` : "") }),
       el("td", {}, btn));
   }));
 }

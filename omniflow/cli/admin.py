@@ -70,23 +70,32 @@ def stats_view(data: dict[str, Any]) -> Group:
         table.add_column(col, justify="left" if col == "stage" else "right")
     for name, st in data["stages"].items():
         lm = st["last_minute"]
-        workers = str(st["live_workers"]) + (f" ({st['draining_workers']} draining)" if st["draining_workers"] else "")
-        table.add_row(name, workers if st["live_workers"] else "[red]0[/red]",
+        workers = (str(st["live_workers"]) if st["live_workers"] else "[red]0[/red]") \
+            + (f" ({st['draining_workers']} draining)" if st["draining_workers"] else "") \
+            + (f" +{st['loading_workers']} loading" if st.get("loading_workers") else "")
+        table.add_row(name, workers,
                       f"{st['active_sessions']}/{st['capacity']}", str(st["queued"]), str(st["lag"]),
                       str(st["pending"]), _age(st["oldest_pending_age_s"]), str(lm["done"]), _age(lm["p50_s"]),
                       _age(lm["p99_s"]), str(lm["failed"]), str(lm["retries"]), str(st["dlq"]))
     return Group(table, workers_table(data["workers"]))
 
 
+#: how `workers` shows each worker state (rich markup)
+STATE_STYLE = {"ready": "[green]ready[/green]", "loading": "[cyan]loading[/cyan]",
+               "draining": "[yellow]draining[/yellow]", "stopping": "[yellow]stopping[/yellow]",
+               "lapsed": "[red]lapsed[/red]"}
+
+
 def workers_table(workers: list[dict[str, Any]]) -> Table:
-    table = Table(title=f"workers ({sum(w['alive'] for w in workers)} live)")
-    for col in ("worker", "stages", "host", "pid", "sessions", "heartbeat", "state"):
+    loading = sum(w["state"] == "loading" for w in workers)
+    table = Table(title=f"workers ({sum(w['alive'] for w in workers)} live"
+                        + (f", {loading} loading" if loading else "") + ")")
+    for col in ("worker", "stages", "host", "pid", "sessions", "heartbeat", "state", "for"):
         table.add_column(col)
     for w in workers:
         sessions = ", ".join(f"{s} {w['sessions'].get(s, 0)}/{w['capacity'].get(s, 0)}" for s in w["stages"])
-        state = ("[yellow]draining[/yellow]" if w["draining"] else "live") if w["alive"] else "[red]lease lapsed[/red]"
         table.add_row(w["id"], ",".join(w["stages"]), w["host"] or "-", str(w["pid"] or "-"), sessions,
-                      _age(w["heartbeat_age_s"]), state)
+                      _age(w["heartbeat_age_s"]), STATE_STYLE.get(w["state"], w["state"]), _age(w.get("state_age_s")))
     return table
 
 
@@ -131,7 +140,8 @@ def stats(watch: bool = typer.Option(False, "--watch", help="refresh in place un
 # ---------------------------------------------------------------- workers and drain
 @handle_errors
 def workers(as_json: bool = JsonOpt) -> None:
-    """Every registered worker: stages, host, pid, sessions held, heartbeat age, live / draining."""
+    """Every registered worker: stages, host, pid, sessions held, heartbeat age, and its state:
+    loading (its models; not live yet), ready, draining, stopping, lapsed (dead, not reaped yet)."""
     from omniflow.ops.fleet import list_workers
 
     rows = _run(_with_client, lambda client: list_workers(client.store))

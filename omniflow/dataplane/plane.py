@@ -32,6 +32,7 @@ from omniflow.dataplane.inline import InlineTransport
 from omniflow.dataplane.policy import choose_transport
 from omniflow.dataplane.rediskey import Command, RedisTransport
 from omniflow.dataplane.shm import shm_domain, ShmTransport, SweepReason, name_part, shm_available
+from omniflow.dataplane.traffic import Traffic
 from omniflow.storage.keys import Keys
 from omniflow.storage.redisio import REDIS_ERRORS, translated
 
@@ -68,6 +69,7 @@ class DataPlane:
         # payloads of at most this many bytes go inline without asking `choose` (the common case)
         self.inline_upto = {DataPlaneMode.AUTO: settings.dataplane_inline_max_bytes,
                             DataPlaneMode.INLINE: sys.maxsize}.get(settings.dataplane_mode, -1)
+        self.traffic = Traffic()        # what the producers of this process sent, by stage and transport
 
     def context(self, wf_id: str, src: str, dst: str, attempt: int, seq: int) -> PutContext:
         return PutContext(self.settings.prefix, wf_id, src, dst, attempt, seq, self.worker_id, self.ttl_s)

@@ -22,6 +22,7 @@ the test's loop.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -55,15 +56,34 @@ class _Member:
     state: Any = None
 
 
+#: upper bounds of the batch-size histogram's buckets (the last bucket is everything above)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
 @dataclass
 class StepStats:
+    """What the step loop did: steps, their batch sizes (a histogram over `BATCH_BUCKETS`). Workers
+    publish `snapshot()` with their heartbeat (`/metrics`: `omniflow_batch_size`)."""
+
     steps: int = 0
     stepped_sessions: int = 0        # sum over steps of the batch size
     max_batch_seen: int = 0
+    hist: list[int] = field(default_factory=lambda: [0] * (len(BATCH_BUCKETS) + 1))
 
     @property
     def mean_batch(self) -> float:
         return self.stepped_sessions / self.steps if self.steps else 0.0
+
+    def stepped(self, size: int) -> None:
+        """One step of `size` sessions."""
+        self.steps += 1
+        self.stepped_sessions += size
+        self.max_batch_seen = max(self.max_batch_seen, size)
+        self.hist[bisect.bisect_left(BATCH_BUCKETS, size)] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-ready counters (monotonic over the loop's life)."""
+        return {"steps": self.steps, "sessions": self.stepped_sessions, "hist": list(self.hist)}
 
 
 class StepLoop:
@@ -127,9 +147,7 @@ class StepLoop:
                     m.outputs.put_nowait(exc)
                 await asyncio.sleep(0)
                 continue
-            self.stats.steps += 1
-            self.stats.stepped_sessions += len(batch)
-            self.stats.max_batch_seen = max(self.stats.max_batch_seen, len(batch))
+            self.stats.stepped(len(batch))
             for m, out in zip(batch, outs):
                 m.outputs.put_nowait(out)
                 if out.done and m in self._members:

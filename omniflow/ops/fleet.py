@@ -1,14 +1,16 @@
 """What operators watch: the reads behind `omniflow stats`/`workers`, the API's admin routes
 (the dashboard) and `/metrics`.
 
-- `list_workers`: every registered worker (stages, host, heartbeat age, sessions, drain flag).
 - `collect_stats`: the pools snapshot (per stage: workers, sessions, queue lag/pending and the
   age of the oldest entry, the last minute of work from the workers' windows, dead letters;
   workflows per state and in flight against the admission limit).
+- `list_workers` / `workers_by_state`: every registered worker (its state: loading, ready, draining,
+  stopping, lapsed; stages, host, heartbeat age, sessions, drain flag).
 - `read_queues`: every cell's task streams, dead letters and sets in one round trip (the
-  snapshot's and the metrics' gauges); `counters`, `worker_counters`.
-- `created_since`, `workflow_states`, `stage_timings`: what the metrics' stage latencies are
-  observed from.
+  snapshot's and the metrics' gauges); `counters`.
+- `created_since`, `workflow_states`, `stage_times`: what the metrics' per-workflow figures (stage
+  latencies, time to first audio, RTF, audio continuity, tokens) are observed from.
+- `worker_reports`: the counters workers publish with their heartbeats (batch sizes, data plane).
 
 Every function takes a `Store` and comes out with its errors translated (`omniflow.storage.redisio`).
 The operator's actions (drain, retry, purge, dead letters) are in `omniflow.ops.admin`.
@@ -16,7 +18,8 @@ The operator's actions (drain, retry, purge, dead letters) are in `omniflow.ops.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 from omniflow.storage.keys import DLQ_EVENTS, TASK_GROUP
@@ -24,6 +27,9 @@ from omniflow.storage.redisio import translated
 from omniflow.client.store import Store
 from omniflow.storage.schema import csv, now_ms, s
 from omniflow.engine.window import WINDOW_S, merge, percentile
+from omniflow.models import WorkerState, WorkflowState
+
+logger = logging.getLogger(__name__)
 
 #: text and audio log entries: a stage's first one is its time to first output
 OUTPUT_EVENTS = ("text", "audio")
@@ -45,56 +51,69 @@ def _int(value: Any) -> int:
 
 
 # ---------------------------------------------------------------- workers
-def _worker_row(wid: str, expiry: float, info: dict[str, str], now: int) -> dict[str, Any]:
+def worker_state(*, leased: bool, loading: bool, info: dict[str, str]) -> WorkerState:
+    """What a registered worker is doing: `leased` its lease is current, `loading` its loading
+    announcement is (it is in the loading set and that has not lapsed)."""
+    if leased:
+        if info.get("state") == WorkerState.STOPPING.value:
+            return WorkerState.STOPPING
+        return WorkerState.DRAINING if info.get("drain") else WorkerState.READY
+    return WorkerState.LOADING if loading else WorkerState.LAPSED
+
+
+def _worker_row(wid: str, expiry: float, loading_until: float, info: dict[str, str], now: int) -> dict[str, Any]:
     stages = csv(info.get("stage"))
-    active = [int(x) for x in csv(info.get("active"))]
-    capacity = [int(x) for x in csv(info.get("capacity"))]
-    seen = int(info.get("seen_ms") or 0)
+    active = [int(x) for x in csv(info.get("active")) if x.isdigit()]
+    capacity = [int(x) for x in csv(info.get("capacity")) if x.isdigit()]
+    seen = int(info.get("seen_ms") or 0) if (info.get("seen_ms") or "").isdigit() else 0
+    since = int(info["since_ms"]) if (info.get("since_ms") or "").isdigit() else None
+    state = worker_state(leased=expiry > now, loading=loading_until > now, info=info)
+    try:
+        window = json.loads(info["window"]) if info.get("window") else {}
+    except ValueError:
+        logger.warning("worker %s: its heartbeat's window does not decode; shown empty", wid)
+        window = {}
     return {
         "id": wid, "stages": stages, "host": info.get("host") or None,
         "pid": int(info["pid"]) if info.get("pid", "").isdigit() else None,
+        "state": state.value, "state_age_s": _age_s(since, now),
         "alive": expiry > now, "lease_left_s": round(max(0.0, expiry - now) / 1000, 3),
         "heartbeat_age_s": _age_s(seen, now), "draining": bool(info.get("drain")),
         "sessions": dict(zip(stages, active)), "capacity": dict(zip(stages, capacity)),
         "sessions_held": sum(active),
-        "window": json.loads(info["window"]) if info.get("window") else {},
+        "window": {k: v for k, v in window.items() if isinstance(v, dict)} if isinstance(window, dict) else {},
     }
 
 
 @translated
 async def list_workers(store: Store) -> list[dict[str, Any]]:
-    """Every registered worker (live or not yet reaped), by id: stages, host, heartbeat age, sessions."""
+    """Every registered worker (live, loading its models, or not yet reaped), by id: its state, stages,
+    host, heartbeat age, sessions."""
     now = now_ms()
-    members = await store.redis.zrange(store.keys.workers, 0, -1, withscores=True)
     pipe = store.redis.pipeline(transaction=False)
-    for wid, _ in members:
-        pipe.hgetall(store.keys.worker_info(s(wid)))
-    infos = await pipe.execute() if members else []
-    rows = [_worker_row(s(wid), float(score), {s(k): s(v) for k, v in info.items()}, now)
-            for (wid, score), info in zip(members, infos)]
-    return sorted(rows, key=lambda r: r["id"])
+    pipe.zrange(store.keys.workers, 0, -1, withscores=True)
+    pipe.zrange(store.keys.workers_loading, 0, -1, withscores=True)
+    leased, loading = await pipe.execute()
+    expiry = {s(wid): float(score) for wid, score in leased}
+    loading_until = {s(wid): float(score) for wid, score in loading}
+    ids = sorted(set(expiry) | set(loading_until))
+    pipe = store.redis.pipeline(transaction=False)
+    for wid in ids:
+        pipe.hgetall(store.keys.worker_info(wid))
+    infos = await pipe.execute() if ids else []
+    return [_worker_row(wid, expiry.get(wid, 0.0), loading_until.get(wid, 0.0),
+                        {s(k): s(v) for k, v in info.items()}, now)
+            for wid, info in zip(ids, infos)]
 
 
-@translated
-async def worker_counters(store: Store, fields: tuple[str, ...]) -> dict[str, dict[str, float]]:
-    """Counters of the live workers' heartbeat `stats` (the `fields` asked for), summed per stage served (a worker serving
-    several stages is counted under their comma list): field -> stage -> value."""
-    ids = [s(x) for x in await store.redis.zrangebyscore(store.keys.workers, f"({now_ms()}", "+inf")]
-    out: dict[str, dict[str, float]] = {field: {} for field in fields}
-    if not ids:
-        return out
-    pipe = store.redis.pipeline(transaction=False)
-    for worker_id in ids:
-        pipe.hmget(store.keys.worker_info(worker_id), "stage", "stats")
-    for stage, raw in await pipe.execute():
-        try:
-            stats = json.loads(raw) if raw else {}
-        except ValueError:
-            continue
-        for field in fields:
-            value = stats.get(field)
-            if isinstance(value, (int, float)):
-                out[field][s(stage)] = out[field].get(s(stage), 0.0) + float(value)
+def workers_by_state(workers: list[dict[str, Any]], stages: tuple[str, ...] | list[str]) -> dict[str, dict[str, int]]:
+    """stage -> state -> how many of `workers` (`list_workers` rows) serving it are in that state; every
+    state of every stage is there (0 included). A worker serving several stages counts for each."""
+    out = {stage: dict.fromkeys((x.value for x in WorkerState), 0) for stage in stages}
+    for w in workers:
+        for stage in w["stages"]:
+            if stage in out and w["state"] in out[stage]:
+                out[stage][w["state"]] += 1
     return out
 
 
@@ -172,37 +191,68 @@ async def counters(store: Store) -> dict[str, int]:
     return {s(k): int(s(v)) for k, v in (raw or {}).items() if s(v).lstrip("-").isdigit()}
 
 
-# ---------------------------------------------------------------- the pools snapshot
 @translated
-async def collect_stats(store: Store) -> dict[str, Any]:
-    """The pools snapshot (`omniflow stats`, `GET /v1/admin/pools`, the dashboard)."""
-    redis, keys, order = store.redis, store.keys, store.pipeline.order
-    workers = await list_workers(store)
-    now = now_ms()
-    # every figure is over the cells: each has its own task streams, sets and dead letters
-    queues = await read_queues(store)
-    pipe = redis.pipeline(transaction=False)       # the oldest task nobody has read yet, per stage and cell
+async def oldest_queued_ms(store: Store, queues: Queues) -> dict[str, int | None]:
+    """Per stage, the creation ms of the oldest task no worker has read yet (over the cells; None: none)."""
+    keys, order = store.keys, store.pipeline.order
+    pipe = store.redis.pipeline(transaction=False)
     for name in order:
         for cell, queue in zip(keys.all_cells, queues.stages[name]):
             pipe.xrange(keys.tasks(name, cell), f"({s(queue.group.get('last-delivered-id')) or '0-0'}", "+",
                         count=1)
     firsts = await pipe.execute(raise_on_error=False)
-    stages: dict[str, Any] = {}
+    out: dict[str, int | None] = {}
     for i, name in enumerate(order):
+        found = [entry_ms(f[0][0]) for f in firsts[i * keys.cells:(i + 1) * keys.cells] if isinstance(f, list) and f]
+        out[name] = min((x for x in found if x), default=None)
+    return out
+
+
+@translated
+async def stuck(store: Store) -> dict[str, Any]:
+    """What says workflows are stuck: how many live ones are past their deadline (the reconciler's
+    deadline sweep ends them within a sweep interval), and the creation ms of the oldest pending and
+    the oldest running one (None: none), over the cells."""
+    keys, now = store.keys, now_ms()
+    pipe = store.redis.pipeline(transaction=False)
+    for cell in keys.all_cells:
+        pipe.zcount(keys.inflight(cell), "-inf", now)
+        for live in (WorkflowState.PENDING, WorkflowState.RUNNING):
+            pipe.zrange(keys.state_index(live.value, cell), 0, 0, withscores=True)
+    replies = await pipe.execute()
+    oldest: dict[str, int | None] = {}
+    for j, live in enumerate((WorkflowState.PENDING, WorkflowState.RUNNING)):
+        found = [int(reply[0][1]) for reply in replies[1 + j::3] if reply]
+        oldest[live.value] = min(found, default=None)
+    return {"past_deadline": sum(int(n) for n in replies[0::3]), "oldest_ms": oldest}
+
+
+# ---------------------------------------------------------------- the pools snapshot
+@translated
+async def collect_stats(store: Store) -> dict[str, Any]:
+    """The pools snapshot (`omniflow stats`, `GET /v1/admin/pools`, the dashboard)."""
+    keys, order = store.keys, store.pipeline.order
+    workers = await list_workers(store)
+    now = now_ms()
+    # every figure is over the cells: each has its own task streams, sets and dead letters
+    queues = await read_queues(store)
+    oldest = await oldest_queued_ms(store, queues)
+    stages: dict[str, Any] = {}
+    for name in order:
         rows = queues.stages[name]
         mine = [w for w in workers if w["alive"] and name in w["stages"]]
         window = merge(w["window"].get(name, {}) for w in mine)
-        oldest_queued = [entry_ms(f[0][0]) for f in firsts[i * keys.cells:(i + 1) * keys.cells]
-                         if isinstance(f, list) and f]
         stages[name] = {
             "queued": sum(r.length for r in rows),
             "lag": sum(r.lag or 0 for r in rows),
             "pending": sum(r.pending for r in rows),
             "oldest_pending_age_s": _age_s(min((r.oldest_pending_ms for r in rows if r.oldest_pending_ms),
                                                default=None), now),
-            "oldest_queued_age_s": _age_s(min((x for x in oldest_queued if x), default=None), now),
+            "oldest_queued_age_s": _age_s(oldest[name], now),
             "live_workers": len(mine),
             "draining_workers": sum(1 for w in mine if w["draining"]),
+            "loading_workers": sum(1 for w in workers if w["state"] == WorkerState.LOADING.value
+                                   and name in w["stages"]),
             "active_sessions": sum(w["sessions"].get(name, 0) for w in mine),
             "capacity": sum(w["capacity"].get(name, 0) for w in mine),
             "dlq": sum(r.dlq for r in rows),
@@ -251,32 +301,111 @@ async def workflow_states(store: Store, ids: list[str]) -> list[str]:
 
 
 @dataclass(frozen=True)
+class AudioChunk:
+    """One `audio` entry of a workflow's log: when clients could read it, and how much audio it is."""
+
+    at_ms: int
+    seq: int
+    samples: int
+    sample_rate: int
+
+
+@dataclass(frozen=True)
 class StageTimes:
     """What a finished workflow says about its stages' timing."""
 
     stages: list[str]              # the stages it ran
     fields: dict[str, str]         # its stage hash (`<s>:t_submit`, `<s>:t_start`, `<s>:t_end`, `<s>:attempt`, ...)
     first_output_ms: dict[str, int]   # per stage, the time of its first text/audio log entry
+    record: dict[str, str] = field(default_factory=dict)   # pipeline, created_ms, finished_ms of the record
+    first_text_ms: dict[str, int] = field(default_factory=dict)     # per stage, its first `text` log entry
+    audio: dict[str, list[AudioChunk]] = field(default_factory=dict)  # per stage, its `audio` entries in order
+    log_truncated: bool = False    # the log had more than the entries read
+
+
+RECORD_FIELDS = ("stages", "pipeline", "created_ms", "finished_ms")
+
+
+def _audio_chunk(eid: Any, entry: dict[bytes, bytes]) -> AudioChunk | None:
+    at = entry_ms(eid)
+    seq, samples, rate = (s(entry.get(k)) for k in (b"seq", b"samples", b"sr"))
+    if at is None or not (seq.isdigit() and samples.isdigit() and rate.isdigit()) or int(rate) == 0:
+        return None
+    return AudioChunk(at_ms=at, seq=int(seq), samples=int(samples), sample_rate=int(rate))
 
 
 @translated
 async def stage_times(store: Store, ids: list[str], *, log_scan: int) -> list[StageTimes]:
-    """The stage timings of each workflow (first outputs looked for in the first `log_scan` log entries)."""
+    """The stage timings of each workflow, from its record, stage hash and the first `log_scan`
+    entries of its log (first outputs, every audio chunk)."""
     if not ids:
         return []
     pipe = store.redis.pipeline(transaction=False)
     for wf_id in ids:
-        pipe.hget(store.keys.wf(wf_id), "stages")
+        pipe.hmget(store.keys.wf(wf_id), *RECORD_FIELDS)
         pipe.hgetall(store.keys.stages(wf_id))
         pipe.xrange(store.keys.log(wf_id), count=log_scan)
     replies = await pipe.execute()
     out = []
     for i in range(len(ids)):
-        stages_csv, raw, log = replies[3 * i: 3 * i + 3]
+        rec, raw, log = replies[3 * i: 3 * i + 3]
         first: dict[str, int] = {}
+        first_text: dict[str, int] = {}
+        audio: dict[str, list[AudioChunk]] = {}
         for eid, entry in log or []:
-            if s(entry.get(b"t")) in OUTPUT_EVENTS:
-                first.setdefault(s(entry.get(b"stage")), entry_ms(eid) or 0)
-        out.append(StageTimes(stages=csv(stages_csv), fields={s(k): s(v) for k, v in (raw or {}).items()},
-                              first_output_ms=first))
+            kind = s(entry.get(b"t"))
+            if kind not in OUTPUT_EVENTS:
+                continue
+            stage = s(entry.get(b"stage"))
+            first.setdefault(stage, entry_ms(eid) or 0)
+            if kind == "text":
+                first_text.setdefault(stage, entry_ms(eid) or 0)
+                continue
+            chunk = _audio_chunk(eid, entry)
+            if chunk is None:
+                logger.warning("workflow %s: a malformed audio log entry %s skipped", ids[i], s(eid))
+                continue
+            audio.setdefault(stage, []).append(chunk)
+        record = {name: s(value) for name, value in zip(RECORD_FIELDS, rec or [])}
+        out.append(StageTimes(stages=csv(record.get("stages")), fields={s(k): s(v) for k, v in (raw or {}).items()},
+                              first_output_ms=first, record=record, first_text_ms=first_text, audio=audio,
+                              log_truncated=len(log or []) >= log_scan))
     return out
+
+
+# ---------------------------------------------------------------- what workers count (heartbeats)
+@dataclass(frozen=True)
+class WorkerReport:
+    """A registered worker's counters, as its last heartbeat published them."""
+
+    id: str
+    label: str                       # the stages it serves, comma-separated
+    stats: dict[str, Any]            # its `stats` field (counters of the whole worker)
+    serving: dict[str, Any]          # its `serving` field (per stage: batch sizes, data-plane traffic)
+
+
+def _json_object(raw: Any, worker_id: str, name: str) -> dict[str, Any]:
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        logger.warning("worker %s: its heartbeat's %s is not a JSON object; skipped", worker_id, name)
+        return {}
+    return value
+
+
+@translated
+async def worker_reports(store: Store) -> list[WorkerReport]:
+    """Every worker holding a lease entry (live, or dead and not reaped yet): its published counters."""
+    ids = [s(x) for x in await store.redis.zrange(store.keys.workers, 0, -1)]
+    if not ids:
+        return []
+    pipe = store.redis.pipeline(transaction=False)
+    for worker_id in ids:
+        pipe.hmget(store.keys.worker_info(worker_id), "stage", "stats", "serving")
+    return [WorkerReport(id=worker_id, label=s(label), stats=_json_object(stats, worker_id, "stats"),
+                         serving=_json_object(serving, worker_id, "serving"))
+            for worker_id, (label, stats, serving) in zip(ids, await pipe.execute())]

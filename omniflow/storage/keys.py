@@ -150,6 +150,11 @@ class Keys:
         """set of the tenant names that have a tenant index in the cell (so the sweep can trim them)."""
         return f"{self.cell(cell)}:idx:tenants"
 
+    def usage(self, cell: int, bucket: int) -> str:
+        """hash of one hour of the cell's usage (`omniflow.storage.usage`: `bucket` is the epoch hour;
+        fields `<pipeline>|<stage>|<metric>|<tenant>`), added to by the sessions that finish in it."""
+        return f"{self.cell(cell)}:usage:{bucket}"
+
     def retries(self, cell: int) -> str:
         """zset of the cell's scheduled retries, member ``<id>|<stage>|<attempt>``, score due ms."""
         return f"{self.cell(cell)}:retries"
@@ -175,6 +180,12 @@ class Keys:
 
     def worker_info(self, worker_id: str) -> str:
         return f"{self.prefix}:{{workers}}:{worker_id}"
+
+    @property
+    def workers_loading(self) -> str:
+        """zset of the workers still loading their models (no lease yet), scored by the expiry (ms) of
+        their announcement; '@' is in no worker id, so no worker's info hash can take this name."""
+        return f"{self.prefix}:{{workers}}:@loading"
 
     @property
     def layout(self) -> str:

@@ -44,15 +44,18 @@ async def test_metrics_parse_and_count(api_factory):
             assert value[("omniflow_dlq_size", "omniflow_dlq_size", labels)] == 0
             assert ("omniflow_stage_queue_lag", "omniflow_stage_queue_lag", labels) in value
             assert ("omniflow_stage_queue_pending", "omniflow_stage_queue_pending", labels) in value
-            assert value[("omniflow_stage_run_seconds", "omniflow_stage_run_seconds_count", labels)] == 3
-            assert value[("omniflow_stage_queue_wait_seconds", "omniflow_stage_queue_wait_seconds_count", labels)] == 3
+            per_pipeline = (("pipeline", _engine.pipeline.name), ("stage", stage))
+            assert value[("omniflow_stage_run_seconds", "omniflow_stage_run_seconds_count", per_pipeline)] == 3
+            assert value[("omniflow_stage_queue_wait_seconds", "omniflow_stage_queue_wait_seconds_count",
+                          per_pipeline)] == 3
             # data plane, from the live workers' heartbeats (the toy's chunks are small: inline, never held)
             assert value[("omniflow_backpressure_waits", "omniflow_backpressure_waits_total", labels)] == 0
             assert ("omniflow_backpressure_wait_seconds", "omniflow_backpressure_wait_seconds_total", labels) in value
             assert value[("omniflow_dataplane_payloads_released", "omniflow_dataplane_payloads_released_total",
                           labels)] == 0
         first = ("omniflow_stage_first_chunk_seconds", "omniflow_stage_first_chunk_seconds_count")
-        assert value[(*first, (("stage", "thinker"),))] == 3 and value[(*first, (("stage", "code2wav"),))] == 3
+        pipeline = ("pipeline", _engine.pipeline.name)
+        assert value[(*first, (pipeline, ("stage", "thinker")))] == 3 and value[(*first, (pipeline, ("stage", "code2wav")))] == 3
         # a second scrape does not count the same workflows twice
         again = (await http.get("/metrics")).text
         assert 'omniflow_workflows_finished_total{state="completed"} 3.0' in again
@@ -63,7 +66,7 @@ async def test_openapi_documents_every_route(api_factory):
         spec = (await http.get("/openapi.json")).json()
         assert set(spec["paths"]) == {
             "/v1/workflows", "/v1/workflows/{wf_id}", "/v1/workflows/{wf_id}/abort", "/v1/workflows/{wf_id}/events",
-            "/v1/workflows/{wf_id}/audio", "/v1/workflows/{wf_id}/timeline", "/v1/workflows/{wf_id}/retry",
+            "/v1/workflows/{wf_id}/audio", "/v1/workflows/{wf_id}/timeline", "/v1/workflows/{wf_id}/retry", "/v1/usage",
             "/v1/admin/pools", "/v1/admin/pools/events", "/v1/admin/workers", "/v1/admin/workers/{worker_id}/drain",
             "/v1/admin/workers/{worker_id}/undrain", "/v1/models", "/v1/chat/completions", "/v1/audio/speech",
             "/v1/audio/voices", "/healthz", "/readyz", "/metrics"}

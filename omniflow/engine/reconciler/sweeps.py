@@ -88,7 +88,7 @@ class Sweeps:
         idempotent)."""
         self.passes += 1
         done = {"lost": await self.dead_workers(), "retries": await self.retries(),
-                "deadlines": await self.deadlines(),
+                "deadlines": await self.deadlines(), "loaders": await self.lapsed_loaders(),
                 # housekeeping: consumers of crashed reconcilers (a few per crash) go at a slower pace
                 "consumers": await self.consumers() if self.passes % CONSUMER_SWEEP_EVERY == 1 else 0}
         await listing.trim(self.ctx.redis, self.ctx.keys,
@@ -140,6 +140,28 @@ class Sweeps:
                         logger.info("worker %s is gone; it held no session", worker_id)
         self.ctx.counts["lost"] += requeued
         return requeued
+
+    async def lapsed_loaders(self) -> int:
+        """Workers that died while loading their models (their loading announcement lapsed): out of
+        the loading set, and their info hash deleted unless they took a lease meanwhile. They held
+        nothing, so nothing is re-queued."""
+        keys, redis = self.ctx.keys, self.ctx.redis
+        lapsed = [s(w) for w in await redis.zrangebyscore(keys.workers_loading, "-inf", now_ms(), start=0,
+                                                          num=SWEEP_BATCH)]
+        if not lapsed:
+            return 0
+        pipe = redis.pipeline(transaction=False)
+        for worker_id in lapsed:
+            pipe.zscore(keys.workers, worker_id)
+        leased = await pipe.execute()
+        pipe = redis.pipeline(transaction=False)
+        for worker_id, score in zip(lapsed, leased):
+            pipe.zrem(keys.workers_loading, worker_id)
+            if score is None:
+                pipe.delete(keys.worker_info(worker_id))
+                logger.info("worker %s stopped while loading its models; forgotten", worker_id)
+        await pipe.execute(raise_on_error=False)
+        return len(lapsed)
 
     async def _requeue_pending(self, stage: str, cell: int, worker_id: str) -> tuple[int, int]:
         stream = self.ctx.keys.tasks(stage, cell)

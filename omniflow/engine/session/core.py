@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from omniflow.models import SessionState
@@ -44,6 +44,10 @@ class SessionCore:
     _inflight: set[asyncio.Future[Any]]
     waiting_since: float  # monotonic time this session started waiting for input (0: not waiting)
     input_timed_out: bool
+    input_wait_s: float  # time spent waiting for upstream chunks (not compute: see `SessionRunner`)
+    backpressure_wait_s: float  # time spent waiting for a downstream consumer to make room
+    compute_s: float  # the executor's time on it, less those waits (set by the worker when `run` returns)
+    reported_usage: Mapping[str, Any] | None  # what `run` returned (set by the worker)
     _steps: list[list[Any]]
     _status: str
     _finish: tuple[list[str], bytes] | None

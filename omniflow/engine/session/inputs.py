@@ -76,6 +76,7 @@ class SessionInputs(SessionOutputs):
                 ) from None
             raise
         finally:
+            self.input_wait_s += time.monotonic() - self.waiting_since
             self.waiting_since = 0.0
             self._waiter = None
         return self._took(src, fields)

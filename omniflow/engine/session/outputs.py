@@ -21,6 +21,7 @@ from omniflow.engine.session.core import ACTIVE, SessionCore
 from omniflow.errors import Fenced, NonRetryableError, RedisUnavailable
 from omniflow.models import SessionState, StageStatus
 from omniflow.storage.scripts import EmitResult, evalsha_args
+from omniflow.storage.usage import Meter
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +109,8 @@ class SessionOutputs(SessionCore):
         for dst, nbytes in sizes.items():
             window = self._windows.get(dst)
             if window is not None and not window.has_room(nbytes):
-                await wait_for_room(window, nbytes, functools.partial(self._position_of, dst),
-                                    self._bp or WaitStats())
+                self.backpressure_wait_s += await wait_for_room(
+                    window, nbytes, functools.partial(self._position_of, dst), self._bp or WaitStats())
             if nbytes > s.dataplane_inline_max_bytes and self._domain_of is not None:
                 domain, when = self._domains.get(dst, ("", 0.0))
                 if time.monotonic() - when > (DOMAIN_REFRESH_S if domain else DOMAIN_RECHECK_S):
@@ -129,13 +130,20 @@ class SessionOutputs(SessionCore):
         now or to a Redis key the step stores (op 'B', before the 'E' op that references it)."""
         plane = self._plane
         if plane is None or (nbytes is not None and nbytes <= plane.inline_upto):
-            return ["seq", seq, "a", self.attempt, "d", codec.dumps(payload)]
+            return self._inline_fields(seq, payload)
         kind = plane.choose(payload, consumer_domain=self._domains.get(dst, ("", 0.0))[0] or None, nbytes=nbytes)
         if kind is TransportKind.INLINE:
-            return ["seq", seq, "a", self.attempt, "d", codec.dumps(payload)]
+            return self._inline_fields(seq, payload)
         ref, op = plane.put_op(payload, plane.context(self.wf_id, self.stage, dst, self.attempt, seq), kind)
         step += op           # a Redis key's payload (also shared memory's when it is full), stored with the entry
+        plane.traffic.sent(self.stage, ref.kind, ref.nbytes)
         return ["seq", seq, "a", self.attempt, "r", ref.pack()]
+
+    def _inline_fields(self, seq: int, payload: Any) -> list[Any]:
+        data = codec.dumps(payload)
+        if self._plane is not None:
+            self._plane.traffic.sent(self.stage, TransportKind.INLINE, len(data))
+        return ["seq", seq, "a", self.attempt, "d", data]
 
     def _build_step(self, seq: int, text: str | None, audio: np.ndarray | None, sample_rate: int | None,
                     data: Any, to: Mapping[str, Any] | None, checkpoint: str | None,
@@ -194,7 +202,10 @@ class SessionOutputs(SessionCore):
             keys = [*keys, *blobs]
         if self._finish is None:
             return evalsha_args("emit", keys, args)
-        return evalsha_args("emit", [keys[0], *self._finish[0], *keys[3:]], [*args, self._finish[1]])
+        # the finish's task and event streams in place of the session's, then its usage key (if metered)
+        finish_keys = self._finish[0]
+        return evalsha_args("emit", [keys[0], *finish_keys[:2], *keys[3:], *finish_keys[2:]],
+                            [*args, self._finish[1]])
 
     def emit_keys(self) -> list[str]:
         """Every key an `emit.lua` call of this session may touch (see its header): the base key, the
@@ -205,19 +216,26 @@ class SessionOutputs(SessionCore):
                 f"{wf}:out:{self.stage}", f"{wf}:blobs", *(f"{wf}:edge:{self.stage}:{dst}" for dst in self.downstream)]
 
     async def close(self, *, tasks_key: str, events_key: str, group: str, entry_id: str, outcome: str,
-                    detail: str, retryable: bool) -> str:
+                    detail: str, retryable: bool, meter: Meter | None = None) -> str:
         """Write what is left and end the session in the same script call (`emit.lua` + finish).
 
         The finish carries how many steps the session emitted; the script compares it with what is
         stored, so a session whose write was refused or lost is never closed as done: it is closed
         as a retryable failure instead ('gap'; the retry resumes from what was stored).
+        `meter`: what the session adds to its tenant's usage, in the same call (once: a finish sent
+        again is fenced).
         Returns 'ok', 'fenced' or 'gap'; raises the error of the call itself (translated), after
         which calling `close` again is safe (the finish is fenced by status and by step count).
         """
         if self.state in ACTIVE:
             self.state = SessionState.CLOSED
-        fin = [group, entry_id, outcome, detail, "1" if retryable else "0", self.seq, ",".join(self.downstream)]
-        self._finish = ([tasks_key, events_key], msgpack.packb(fin, use_bin_type=False))
+        fin: list[Any] = [group, entry_id, outcome, detail, "1" if retryable else "0", self.seq,
+                          ",".join(self.downstream)]
+        finish_keys = [tasks_key, events_key]
+        if meter is not None:
+            fin.append(meter.fields())
+            finish_keys.append(meter.key)
+        self._finish = (finish_keys, msgpack.packb(fin, use_bin_type=False))
         if self._open is not None:
             last = self._open          # the pending write is still in the batcher's queue: the finish rides on it
         else:

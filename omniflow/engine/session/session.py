@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +44,10 @@ class Session(SessionInputs):
     _inflight: set[asyncio.Future[Any]] = field(default_factory=set)
     waiting_since: float = 0.0          # monotonic time this session started waiting for input (0: not waiting)
     input_timed_out: bool = False
+    input_wait_s: float = 0.0           # time spent waiting for upstream chunks (written on the worker's loop)
+    backpressure_wait_s: float = 0.0    # time spent waiting for a consumer's room (written where emit runs)
+    compute_s: float = 0.0              # the executor's time on it, less those waits (set by the worker)
+    reported_usage: Mapping[str, Any] | None = None     # what the executor's `run` returned (set by the worker)
     _steps: list[list[Any]] = field(default_factory=list)
     _status: str = ""
     _finish: tuple[list[str], bytes] | None = None

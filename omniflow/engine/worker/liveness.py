@@ -1,5 +1,12 @@
-"""A worker's liveness: the heartbeat that renews its lease (and reads an operator's drain), the
-readiness it reports, and the watchdog that ends sessions waiting too long for input."""
+"""A worker's liveness: the announcement of a worker still loading its models, the heartbeat that
+renews its lease (and reads an operator's drain), the readiness it reports, and the watchdog that
+ends sessions waiting too long for input.
+
+A worker is *live* (counted by `/readyz`, `omniflow stats`, the demo) only once it holds a lease,
+i.e. after its executors' `setup`. Before and during `setup` it announces itself in
+`<p>:{workers}:@loading` (outside the lease set, so nothing counts it as claiming) with the same
+info hash a heartbeat writes, `state` = `loading`: operators see it load.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +16,9 @@ import os
 import time
 
 from omniflow.engine.worker.context import WorkerContext
+from omniflow.engine.worker.serving import serving_snapshot
 from omniflow.errors import RedisError
+from omniflow.models import WorkerState
 from omniflow.storage import redisio
 from omniflow.storage.schema import now_ms
 
@@ -25,22 +34,64 @@ class Liveness:
         self.ctx = ctx
         self.started = asyncio.Event()
         self.heartbeat_ok_at = 0.0      # monotonic time of the last heartbeat Redis accepted
+        self.since_ms = now_ms()        # when the worker entered its present state (loading, then leased)
 
-    async def heartbeat_once(self) -> None:
-        """Renew the lease (`heartbeat.lua`: allowed while Redis is out of memory)."""
+    def _info(self, state: WorkerState) -> dict[str, str | int]:
+        """The fields of the worker's info hash (what `omniflow workers` shows)."""
         ctx = self.ctx
-        expiry = now_ms() + int(ctx.settings.lease_timeout_s * 1000)
-        ctx.stats["backpressure_waits"] = ctx.backpressure.waits
-        ctx.stats["backpressure_wait_s"] = round(ctx.backpressure.wait_s, 3)
-        info = {
+        return {
             # per stage served, in the same order: "thinker,talker" / "8,4" / "3,1"
             "stage": ctx.label, "host": ctx.settings.host_id, "shm": ctx.plane.domain, "pid": os.getpid(),
             "capacity": ",".join(str(p.max_sessions) for p in ctx.pools.values()),
             "active": ",".join(str(p.active) for p in ctx.pools.values()), "seen_ms": now_ms(),
+            "state": state.value, "since_ms": self.since_ms,
             "stats": json.dumps(ctx.stats), "window": json.dumps(ctx.window.snapshot()),
+            "serving": json.dumps(serving_snapshot(ctx)),
         }
-        drain = await redisio.script(ctx.redis, "heartbeat", [ctx.keys.workers, ctx.keys.worker_info(ctx.id)],
-                                     [ctx.id, expiry, WORKER_INFO_TTL_S, *(x for kv in info.items() for x in kv)])
+
+    async def _register(self, registry: str, state: WorkerState) -> bytes | None:
+        """`heartbeat.lua` on `registry` (the lease set, or the loading set): score, info, TTL."""
+        ctx = self.ctx
+        expiry = now_ms() + int(ctx.settings.lease_timeout_s * 1000)
+        info = self._info(state)
+        drain: bytes | None = await redisio.script(
+            ctx.redis, "heartbeat", [registry, ctx.keys.worker_info(ctx.id)],
+            [ctx.id, expiry, WORKER_INFO_TTL_S, *(x for kv in info.items() for x in kv)])
+        return drain
+
+    async def announce_loading(self) -> None:
+        """Say, until cancelled, that this worker exists and loads its models: every heartbeat
+        interval, in the loading set (never the lease set: a loading worker claims nothing)."""
+        self.since_ms = now_ms()
+        failing = False
+        while True:
+            try:
+                await self._register(self.ctx.keys.workers_loading, WorkerState.LOADING)
+                failing = False
+            except RedisError as exc:
+                if not failing:
+                    logger.warning("worker %s: announcing it loads failed: %s", self.ctx.id, exc)
+                failing = True
+            await asyncio.sleep(self.ctx.settings.heartbeat_interval_s)
+
+    async def leave_loading(self) -> None:
+        """Setup is over (the lease taken, or setup failed): out of the loading set (the reconciler's
+        sweep removes an entry this fails to remove once its announcement lapses)."""
+        self.since_ms = now_ms()
+        try:
+            with redisio.boundary():
+                await self.ctx.redis.zrem(self.ctx.keys.workers_loading, self.ctx.id)
+        except RedisError as exc:
+            logger.warning("worker %s: leaving the loading set failed: %s", self.ctx.id, exc)
+
+    async def heartbeat_once(self) -> None:
+        """Renew the lease (`heartbeat.lua`: allowed while Redis is out of memory)."""
+        ctx = self.ctx
+        ctx.stats["backpressure_waits"] = ctx.backpressure.waits
+        ctx.stats["backpressure_wait_s"] = round(ctx.backpressure.wait_s, 3)
+        state = (WorkerState.STOPPING if ctx.stopping else WorkerState.DRAINING if ctx.draining
+                 else WorkerState.READY)
+        drain = await self._register(ctx.keys.workers, state)
         self.heartbeat_ok_at = time.monotonic()
         if drain and ctx.undrained.is_set():
             logger.info("worker %s: draining (claims nothing new; %d session(s) held)", ctx.id, len(ctx.sessions))

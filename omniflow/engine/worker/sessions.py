@@ -21,6 +21,7 @@ from omniflow.storage import redisio
 from omniflow.storage.keys import TASK_GROUP
 from omniflow.storage.redisio import REDIS_ERRORS
 from omniflow.storage.schema import now_ms, s
+from omniflow.storage.usage import Meter, bucket_of
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class SessionRunner:
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
         self._replica_domains: dict[str, str] = {}     # replica id -> its shared-memory domain
+        self._expiring: dict[str, int] = {}            # usage keys whose expiry this worker has set -> their hour
 
     async def run(self, pool: StagePool, cell: int, entry_id: str, session: Session) -> None:
         ctx = self.ctx
@@ -73,11 +75,20 @@ class SessionRunner:
         ('ok', 'fenced', 'gap'), or None when the session was handed to the reconciler instead."""
         ctx = self.ctx
         backoff = Backoff()
+        bucket = bucket_of(now_ms())        # the hour whose usage it adds to (the same if the finish is sent again)
+        usage_key = ctx.keys.usage(cell, bucket)
+        meter = Meter.of(usage_key, bucket=bucket, retention_days=ctx.settings.usage_retention_days,
+                         compute_s=session.compute_s, usage=session.reported_usage if outcome == "done" else None,
+                         set_expiry=usage_key not in self._expiring)
         while True:
             try:
-                return await session.close(tasks_key=pool.tasks_keys[cell], events_key=ctx.keys.events(cell),
-                                           group=TASK_GROUP,
-                                           entry_id=entry_id, outcome=outcome, detail=detail, retryable=retryable)
+                code = await session.close(tasks_key=pool.tasks_keys[cell], events_key=ctx.keys.events(cell),
+                                           group=TASK_GROUP, entry_id=entry_id, outcome=outcome, detail=detail,
+                                           retryable=retryable, meter=meter)
+                if code != "fenced" and meter.expire_at_s:       # the script set the hour's expiry
+                    self._expiring = {k: b for k, b in self._expiring.items() if b == bucket}
+                    self._expiring[usage_key] = bucket
+                return code
             except RedisUnavailable as exc:
                 # lost, or refused for longer than the batcher waits: it may or may not have landed;
                 # sending the finish again is safe (fenced by status and by step count)
@@ -141,7 +152,15 @@ class SessionRunner:
         retry = pool.spec.retry
         try:
             async with pool.slots, asyncio.timeout(retry.attempt_timeout_s):
-                usage = await pool.call(pool.executor.run(session))
+                begun = time.monotonic()
+                try:
+                    usage = await pool.call(pool.executor.run(session))
+                finally:
+                    # compute: the executor's time on the session, less its waits for upstream chunks
+                    # and for a downstream consumer's room (usage, RTF, tokens/s)
+                    session.compute_s = max(0.0, time.monotonic() - begun - session.input_wait_s
+                                            - session.backpressure_wait_s)
+            session.reported_usage = usage
             session.raise_if_broken()
             return "done", usage_json(usage, session), True
         except Fenced:

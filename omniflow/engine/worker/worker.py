@@ -128,15 +128,26 @@ class Worker:
             if not await when_redis_answers(self._setup_redis, what=f"worker {self.id}", url=self.redis_url,
                                             stop=stop):
                 return
-            for pool in self.pools.values():
-                pool.start_compute()
-                await pool.call(pool.executor.setup())
+            # Seen as `loading` while its models load (outside the lease set: see `Liveness`)
+            announcer = asyncio.create_task(self.liveness.announce_loading(), name="announce-loading")
+            loaded = False
+            try:
+                for pool in self.pools.values():
+                    pool.start_compute()
+                    await pool.call(pool.executor.setup())
+                loaded = True
+            finally:
+                announcer.cancel()
+                await asyncio.gather(announcer, return_exceptions=True)
+                if not loaded:          # setup failed (or the worker was cancelled): it is not loading any more
+                    await self.liveness.leave_loading()
             # Live (counted by /readyz, `stats`, the demo's readiness) only once its models are loaded:
             # the first heartbeat follows the executors' setup. Until then it holds nothing to lease.
             try:
                 await self.liveness.heartbeat_once()
             except RedisError as exc:       # the heartbeat loop tries again within an interval
                 logger.warning("worker %s: first heartbeat failed: %s", self.id, exc)
+            await self.liveness.leave_loading()
             groups = read_groups(ctx.redis, ctx.keys.cells)
             intake = Intake(ctx, self.claims, loops=len(groups))
             loops: list[tuple[str, Callable[[], Coroutine[Any, Any, None]]]] = [

@@ -209,15 +209,40 @@ end
 -- successor waits on the stage, and the terminal set is not complete yet) is applied here, in
 -- the same atomic step, instead of being sent: the reconciler hears about the decisions it has
 -- to make (completion, successors, failures, retries), not about every stage (DESIGN §2).
+-- `meter` (optional): {usage key, its expiry (epoch s; 0: leave it), compute ms, prompt tokens,
+-- completion tokens}: what the session adds to its hour's usage (omniflow/storage/usage.py), here,
+-- once per session; a done session's compute is also kept in the stage hash (`<stage>:compute_ms`).
 -- Returns 'ok' | 'fenced' | 'gap'.
--- Keys to declare: wf, stages, log, the task stream, the events stream, edge:<stage>:<dst> per dst.
+-- Keys to declare: wf, stages, log, the task stream, the events stream, edge:<stage>:<dst> per dst,
+-- and the meter's usage key.
+local function meter_session(stage, outcome, tenant, pipeline, m, samples, sr)
+  local ukey = key(m[1])
+  local base, who = (pipeline or '') .. '|' .. stage .. '|', '|' .. (tenant or '')
+  local compute = tonumber(m[3])
+  if outcome == 'done' then
+    redis.call('HINCRBY', ukey, base .. 'sessions' .. who, 1)
+    if compute > 0 then redis.call('HINCRBY', ukey, base .. 'compute_ms' .. who, compute) end
+    samples, sr = tonumber(samples or '0') or 0, tonumber(sr or '0') or 0
+    if samples > 0 and sr > 0 then
+      redis.call('HINCRBY', ukey, base .. 'audio_ms' .. who, math.floor(samples * 1000 / sr))
+    end
+    if tonumber(m[4]) > 0 then redis.call('HINCRBY', ukey, base .. 'prompt_tokens' .. who, m[4]) end
+    if tonumber(m[5]) > 0 then redis.call('HINCRBY', ukey, base .. 'completion_tokens' .. who, m[5]) end
+  elseif compute > 0 then
+    redis.call('HINCRBY', ukey, base .. 'failed_compute_ms' .. who, compute)
+  end
+  -- the worker asks once per hour's key (what it already set stays set)
+  if tonumber(m[2]) > 0 then redis.call('EXPIREAT', ukey, m[2]) end
+end
+
 local function finish_session(wf, tasks_key, events_key, group, entry_id, stage, attempt, outcome,
-                              detail, retryable, now, seq, downstream)
+                              detail, retryable, now, seq, downstream, meter)
   local sk = key(wf .. ':stages')
   redis.call('XACK', key(tasks_key), group, entry_id)
   redis.call('XDEL', tasks_key, entry_id)
-  local rec = redis.call('HMGET', key(wf), 'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub')
-  local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq')
+  local rec = redis.call('HMGET', key(wf), 'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub',
+    'tenant', 'pipeline')
+  local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':samples', stage .. ':sr')
   if not is_live(rec[1]) or tostring(cur[2]) ~= tostring(attempt) then return 'fenced' end
   if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
   local res = 'ok'
@@ -231,7 +256,12 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
     for _, dst in ipairs(csv(downstream)) do
       edge_append(wf, rec[2], stage, dst, {'eos', '1', 'seq', seq, 'a', attempt})
     end
-    redis.call('HSET', sk, stage, 'done', stage .. ':t_end', now, stage .. ':usage', detail)
+    if meter then
+      redis.call('HSET', sk, stage, 'done', stage .. ':t_end', now, stage .. ':usage', detail,
+        stage .. ':compute_ms', meter[3])
+    else
+      redis.call('HSET', sk, stage, 'done', stage .. ':t_end', now, stage .. ':usage', detail)
+    end
     local finished
     report, finished = done_needs_reconciler(sk, stage, {rec[3], rec[4], rec[5], rec[6], rec[7]})
     if not report then
@@ -240,6 +270,7 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
   else
     redis.call('HSET', sk, stage, 'failed', stage .. ':t_end', now, stage .. ':error', detail)
   end
+  if meter then meter_session(stage, outcome, rec[8], rec[9], meter, cur[4], cur[5]) end
   redis.call('XADD', key(wf .. ':log'), '*', 't', 'stage', 'stage', stage, 'status', outcome, 'attempt', attempt)
   if report then
     redis.call('XADD', key(events_key), '*', 't', outcome, 'wf', rec[2], 's', stage, 'a', attempt, 'd', detail,
@@ -248,11 +279,17 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
   return res
 end
 
+-- Is `m` a well-formed meter (see finish_session)?
+local function valid_meter(m)
+  return type(m) == 'table' and type(m[1]) == 'string' and tonumber(m[2]) ~= nil and tonumber(m[3]) ~= nil
+    and tonumber(m[4]) ~= nil and tonumber(m[5]) ~= nil
+end
+
 -- Is `f` a well-formed finish (the msgpack array emit.lua's ARGV[8] carries)?
--- {group, entry id, outcome, detail, retryable, last seq, downstream csv}
+-- {group, entry id, outcome, detail, retryable, last seq, downstream csv[, meter]}
 local function valid_finish(f)
   return type(f) == 'table' and type(f[1]) == 'string' and type(f[2]) == 'string'
     and (f[3] == 'done' or f[3] == 'failed') and type(f[4]) == 'string'
     and (type(f[5]) == 'string' or type(f[5]) == 'number') and tonumber(f[6]) ~= nil
-    and type(f[7]) == 'string'
+    and type(f[7]) == 'string' and (f[8] == nil or valid_meter(f[8]))
 end

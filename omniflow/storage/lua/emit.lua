@@ -21,8 +21,10 @@
 --                                             with the entry, fenced and skipped on replay like it)
 --   Steps whose seq is not above the stage's last written seq are skipped (replays).
 --   Steps must be contiguous: one past a hole (a write lost with a Redis connection) is refused.
--- ARGV[8] optional msgpack finish: {group, entry id, outcome, detail, retryable, last seq, downstream csv}
---   (see finish.lua), applied after the steps.
+-- ARGV[8] optional msgpack finish: {group, entry id, outcome, detail, retryable, last seq, downstream csv
+--   [, meter: {usage key, its expiry epoch s, compute ms, prompt tokens, completion tokens}]}
+--   (see finish.lua and finish_session in _lib.lua), applied after the steps; the meter's usage key is
+--   one of KEYS (after the edges).
 -- Returns 'ok' | 'dup' (every step was already written) | 'fenced' (session no longer owns the stage)
 --       | 'gap' (steps after a hole were not written: the attempt must end; a retry resumes)
 --       | an error reply, with nothing written, when the steps or the finish are malformed
@@ -159,7 +161,7 @@ do
     outcome, detail, retryable = 'failed', 'an earlier write of this attempt was lost', '1'
   end
   local closed = finish_session(wf, KEYS[2], KEYS[3], f[1], f[2], stage, ARGV[2], outcome, detail,
-    retryable, ARGV[4], f[6], f[7])
+    retryable, ARGV[4], f[6], f[7], f[8])
   flush_edges()
   if res == 'fenced' or res == 'gap' then return res end
   return closed
