@@ -286,17 +286,24 @@ def test_up_waits_for_its_valkey_to_load_a_large_aof_and_shows_how_far_it_is(up_
     write_aof(home / "valkey")
     env = {**env, "OMNIFLOW_EMBEDDED_START_TIMEOUT_S": str(START_TIMEOUT_S),
            "OMNIFLOW_EMBEDDED_VALKEY_ARGS": json.dumps(SLOW_LOAD)}
-    up = start_up(env, "--no-api", cwd=tmp_path)
+    # stdout to a file, read while it runs: `stats` answers as soon as Valkey has loaded, a moment before
+    # `up` has started its children and said it is up (a SIGINT in between stops it before it says so)
+    out_file = tmp_path / "up.out"
+    with out_file.open("w") as sink:
+        up = subprocess.Popen([sys.executable, "-m", "omniflow.cli", "up", "--no-api"], env=env, cwd=tmp_path,
+                              text=True, stdout=sink, stderr=subprocess.PIPE)
     try:
-        wait_until(lambda: cli(env, "stats").returncode == 0, timeout_s=60)
+        wait_until(lambda: "omniflow is up" in out_file.read_text() or up.poll() is not None, timeout_s=90)
         assert up.poll() is None
+        assert cli(env, "stats").returncode == 0
         from redis import Redis
 
         with Redis.from_url((home / "redis.url").read_text().strip()) as client:
             assert client.dbsize() >= LOADED_KEYS                           # everything it had is back
     finally:
         up.send_signal(signal.SIGINT)
-        out, err = up.communicate(timeout=60)
+        _, err = up.communicate(timeout=60)
+    out = out_file.read_text()
     assert up.returncode == 0, err
     progress = re.findall(r"is loading its data: (\d+)% after ([\d.]+)s, about (\d+)s left", err)
     assert progress, err
