@@ -49,12 +49,16 @@ models: $(MODELS)
 demo: $(MODELS)
 	$(PY) -m omniflow.ops.demo "$(Q)"
 
+# The suite mostly waits on servers and subprocesses: it runs on TEST_PROCS xdist processes (tests/conftest.py
+# keeps the real-model tests on one of them, so each model loads once).
+TEST_PROCS ?= 3
+
 # The multi-host test puts each simulated host in a network namespace when `ip` (iproute2) is there
 # and we are root; without it that test still runs, with process groups only.
 test: $(MODELS) $(CHROMIUM) $(PROMTOOL) lint
 	@command -v ip >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 		apt-get install -y -qq iproute2 >/dev/null 2>&1; } || echo "no iproute2: multi-host test without namespaces"
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCS) --dist loadgroup
 
 # mypy sees api/ and workers/ where they are installed (omniflow.api, omniflow.workers) through this view of
 # three symlinks: pyproject.toml's [tool.mypy] says why

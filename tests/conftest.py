@@ -30,6 +30,17 @@ SERVERS = redis_server_binaries()
 SESSION_PREFIXES: set[str] = set()
 
 
+MODELS_DIR = Path(__file__).parent / "models"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """`make test` runs on several xdist processes (`--dist loadgroup`): every test of tests/models runs on the
+    same one, so each real model is still loaded once per test session."""
+    for item in items:
+        if MODELS_DIR in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.xdist_group("models"))
+
+
 def leftover_segments(prefixes: set[str], directory: Path = DEFAULT_SHM_DIR) -> list[str]:
     """Names of the segments and arenas in `directory` that belong to one of `prefixes`."""
     parts = {name_part(p) for p in prefixes}
