@@ -5,7 +5,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from omniflow.storage import scripts
+from omniflow.storage import redisio
+from omniflow.storage.transitions.emit import EMIT_OUT
 from omniflow.storage.keys import TASK_GROUP
 from omniflow.pipeline import build_pipeline
 from omniflow.engine.reconciler import Reconciler
@@ -21,7 +22,7 @@ from helpers import request
 async def store(any_server_url, settings_factory):
     redis = connect(any_server_url)
     st = Store(redis, settings_factory(any_server_url), build_pipeline(toy_spec()))
-    await scripts.load_all(redis)
+    await redisio.load_scripts(redis)
     for stage in st.pipeline.order:
         await ensure_group(redis, st.keys.tasks(stage, 0), TASK_GROUP)
     yield st
@@ -44,29 +45,28 @@ def emit_keys(store: Store, wf_id: str, stage: str, downstream: tuple[str, ...] 
 async def claim_next(store: Store, stage: str, worker: str = "w1") -> tuple[str, list]:
     reply = await store.redis.xreadgroup(TASK_GROUP, worker, {store.keys.tasks(stage, 0): ">"}, count=1)
     entry_id, fields = reply[0][1][0]
-    res = await scripts.call(store.redis, "claim", claim_keys(store, stage, s(fields[b"wf"])),
+    res = await redisio.script(store.redis, "claim", claim_keys(store, stage, s(fields[b"wf"])),
                              [store.settings.prefix, TASK_GROUP, worker, now_ms(), "", stage,
                               s(entry_id), s(fields[b"wf"]), s(fields[b"a"])])
     return s(entry_id), [s(x) for x in res[0][:6]]
 
 
 async def emit(store: Store, wf_id: str, stage: str, attempt: int, seq: int, text: str) -> str:
-    steps = msgpack.packb([[seq, "A", f":out:{stage}", text]], use_bin_type=False)
-    res = await scripts.call(store.redis, "emit", emit_keys(store, wf_id, stage),
-                             [stage, attempt, "", now_ms(), store.settings.prefix, wf_id, steps])
+    steps = msgpack.packb([[seq, "A", EMIT_OUT, text]], use_bin_type=False)
+    res = await redisio.script(store.redis, "emit", emit_keys(store, wf_id, stage),
+                               [stage, attempt, "", now_ms(), wf_id, steps])
     return s(res)
 
 
 async def test_a_script_refuses_a_key_it_was_not_given(store) -> None:
     """Every key a script touches must be declared (Redis Cluster routes and checks by KEYS)."""
-    sub = await store.submit(request(modalities=["text"]))
-    await claim_next(store, "thinker")
-    steps = msgpack.packb([[1, "A", ":out:thinker", "x"]], use_bin_type=False)
-    wf = store.keys.wf(sub.id)
-    with pytest.raises(Exception, match="undeclared key .*:out:thinker"):
-        await scripts.call(store.redis, "emit", [wf, store.keys.tasks("thinker", 0), store.keys.events(0),
-                                                 f"{wf}:stages", f"{wf}:log"],
-                           ["thinker", 1, "", now_ms(), store.settings.prefix, sub.id, steps])
+    sub = await store.submit(request())
+    delivered = await store.redis.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("talker", 0): ">"}, count=1)
+    talker_task = s(delivered[0][1][0][0])
+    with pytest.raises(Exception, match="undeclared key .*:edge:thinker:talker"):
+        await redisio.script(store.redis, "claim", claim_keys(store, "talker", sub.id),      # its edge left out
+                             [store.settings.prefix, TASK_GROUP, "w1", now_ms(), "thinker", "talker", talker_task,
+                              sub.id, "1"])
 
 
 async def test_submit_creates_record_and_presubmits_chunk_stages(store) -> None:
@@ -115,14 +115,14 @@ async def test_one_emit_call_writes_one_text_entry_and_one_entry_per_edge(store)
     await claim_next(store, "thinker")
     delivered = await store.redis.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("talker", 0): ">"}, count=1)
     talker_task = s(delivered[0][1][0][0])
-    await scripts.call(store.redis, "claim", claim_keys(store, "talker", sub.id, ("thinker",)),
+    await redisio.script(store.redis, "claim", claim_keys(store, "talker", sub.id, ("thinker",)),
                        [store.settings.prefix, TASK_GROUP, "w1", now_ms(), "thinker", "talker", talker_task, sub.id, "1"])
     chunk = lambda n: ["E", "talker", ["seq", n, "a", 1, "d", f"c{n}"]]  # noqa: E731
     steps = msgpack.packb([[1, "T", "a", "", *chunk(1)], [2, *chunk(2)], [3, "T", "b", "", *chunk(3)]],
                           use_bin_type=False)
-    args = ["thinker", 1, "", now_ms(), store.settings.prefix, sub.id, steps]
+    args = ["thinker", 1, "", now_ms(), sub.id, steps]
     keys = emit_keys(store, sub.id, "thinker", ("talker",))
-    assert s(await scripts.call(store.redis, "emit", keys, args)) == "ok"
+    assert s(await redisio.script(store.redis, "emit", keys, args)) == "ok"
     texts = [f for _, f in await store.read_log(sub.id) if f.get("t") == "text"]
     assert texts == [{"t": "text", "stage": "thinker", "from": "1", "seq": "3", "delta": "ab"}]
     assert await store.text(sub.id, "thinker") == "ab"
@@ -132,7 +132,7 @@ async def test_one_emit_call_writes_one_text_entry_and_one_entry_per_edge(store)
     chunks = msgpack.unpackb(edge[0][1][b"m"], raw=True)
     assert [dict(zip(c[::2], c[1::2]))[b"seq"] for c in chunks] == [1, 2, 3]
     assert inbox[0][1][b"m"] == edge[0][1][b"m"] and inbox[0][1][b"ds"] == b"talker"
-    assert s(await scripts.call(store.redis, "emit", keys, args)) == "dup"
+    assert s(await redisio.script(store.redis, "emit", keys, args)) == "dup"
     assert await store.redis.xlen(store.keys.edge(sub.id, "thinker", "talker")) == 1
 
 
@@ -141,7 +141,7 @@ async def test_claim_is_idempotent_for_the_same_replica_only(store) -> None:
     reply = await store.redis.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("thinker", 0): ">"}, count=1)
     entry_id = s(reply[0][1][0][0])
     def claim(worker: str):
-        return scripts.call(store.redis, "claim", claim_keys(store, "thinker", sub.id),
+        return redisio.script(store.redis, "claim", claim_keys(store, "thinker", sub.id),
                             [store.settings.prefix, TASK_GROUP, worker, now_ms(), "", "thinker", entry_id, sub.id, "1"])
     assert s((await claim("w1"))[0][0]) == "ok"
     assert s((await claim("w1"))[0][0]) == "ok"        # a retried call after a lost reply
@@ -153,7 +153,7 @@ async def test_finish_of_a_fenced_session_acks_but_reports_nothing(store) -> Non
     entry_id, _ = await claim_next(store, "thinker")
     await store.abort(sub.id)
     wf = store.keys.wf(sub.id)
-    res = await scripts.call(store.redis, "finish",
+    res = await redisio.script(store.redis, "finish",
                              [wf, store.keys.tasks("thinker", 0), store.keys.events(0), f"{wf}:stages", f"{wf}:log"],
                              [TASK_GROUP, entry_id, "thinker", 1, "done", "{}", "1", now_ms(), 0, ""])
     assert s(res) == "fenced"

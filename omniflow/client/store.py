@@ -19,18 +19,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from redis.asyncio import Redis
 
-from omniflow.storage import cells, redisio, scripts
+from omniflow.storage import cells, redisio
 from omniflow.storage.batcher import Batcher
 from omniflow.config import Settings
 from omniflow.errors import (AdmissionRefused, ConfigError, IdempotencyConflict, InvalidRequest, NotReady, RedisRefused,
                              ScriptError, WorkflowNotFound, WorkflowRetired)
-from omniflow.storage.keys import Keys, finalize_suffixes
+from omniflow.storage.keys import FinalizePlan, Keys, finalize_plan
 from omniflow.models import TERMINAL_STATES, SubmitRequest, Submitted, WorkflowState
 from omniflow.pipeline import Pipeline, Plan
 from omniflow.storage.redisio import connect, translated
 from omniflow.client.documents import text_stages, workflow_document
 from omniflow.client.realtime import RealtimeSessions
 from omniflow.storage.schema import csv, decode_fields, now_ms, s
+from omniflow.storage.transitions import Call, admission
+from omniflow.storage.transitions.admission import SubmitResult
 
 if TYPE_CHECKING:
     from omniflow.storage.listing import ListFilter, ListPage
@@ -61,13 +63,12 @@ def check_same_body(wf_id: str, req: SubmitRequest, stored_hash: str) -> None:
             "use a fresh request_id for a different request")
 
 
-def abort_call(keys: Keys, settings: Settings, final_suffixes: tuple[str, ...], wf_id: str, *,
-               state: WorkflowState, reason: str, stage: str = "") -> tuple[Any, ...]:
+def abort_call(keys: Keys, settings: Settings, plan: FinalizePlan, wf_id: str, *,
+               state: WorkflowState, reason: str, stage: str = "") -> Call:
     """The `abort.lua` call retiring `wf_id` (a client's abort, the reconciler's deadline sweep);
-    `final_suffixes`: `keys.finalize_suffixes` of the pipeline."""
-    return scripts.evalsha_args(
-        "abort", [keys.wf(wf_id), keys.inflight(keys.cell_of(wf_id)), *keys.finalize_keys(wf_id, final_suffixes)],
-        [settings.prefix, now_ms(), state.value, reason, stage, settings.tombstone_ttl_s, settings.result_ttl_s])
+    `plan`: `finalize_plan` of the pipeline."""
+    return admission.abort(keys, plan, wf_id, now_ms=now_ms(), state=state, reason=reason, stage=stage,
+                           tombstone_ttl_s=settings.tombstone_ttl_s, result_ttl_s=settings.result_ttl_s)
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class Store:
         if settings.max_in_flight < self.keys.cells:
             raise ConfigError(f"OMNIFLOW_MAX_IN_FLIGHT={settings.max_in_flight} is below the number of cells "
                               f"({self.keys.cells}): every cell must admit at least one workflow")
-        self._final_suffixes = finalize_suffixes(pipeline)
+        self._finalize_plan = finalize_plan(pipeline)
         self.realtime = RealtimeSessions(redis, self.keys, ttl_s=settings.realtime_session_ttl_s)
 
     # ---------------------------------------------------------------- submit
@@ -103,14 +104,14 @@ class Store:
         """Create, admit and pre-submit a workflow (one `submit.lua` call).
 
         A server out of memory refuses it like admission control does: `AdmissionRefused` (busy)."""
-        keys, args = self.submit_call(req, tenant=tenant, wf_id=wf_id)
+        call, tried = self.submit_call(req, tenant=tenant, wf_id=wf_id)
         try:
-            reply = await self._submit_script(keys, args)
-            if (s(reply[0]) == scripts.SubmitResult.BUSY and wf_id is None and not req.request_id
+            reply = await self._submit_script(call)
+            if (s(reply[0]) == SubmitResult.BUSY and wf_id is None and not req.request_id
                     and self.keys.cells > 1):
                 # this cell is full: one more try in another (the limit is shared evenly by cells)
-                keys, args = self.submit_call(req, tenant=tenant, wf_id=self.other_cell_id(args[1]))
-                reply = await self._submit_script(keys, args)
+                call, tried = self.submit_call(req, tenant=tenant, wf_id=self.other_cell_id(tried))
+                reply = await self._submit_script(call)
         except RedisRefused as exc:
             raise self.refused(exc) from exc
         result = self.submitted(reply)
@@ -133,14 +134,14 @@ class Store:
         taken = cells.cell_of(s(refused_id))
         return new_id((taken + 1 + cells.pick_cell(self.keys.cells - 1)) % self.keys.cells)
 
-    async def _submit_script(self, keys: list[str], args: list[Any]) -> Any:
+    async def _submit_script(self, call: Call) -> Any:
         if self.batcher is not None:
-            return await self.batcher.script("submit", keys, args, retry_refused=False)
-        return await redisio.script(self.redis, "submit", keys, args)
+            return await self.batcher.send(*call, retry_refused=False)
+        return await redisio.call(self.redis, *call)
 
     def submit_call(self, req: SubmitRequest, *, tenant: str = "default",
-                    wf_id: str | None = None) -> tuple[list[str], list[Any]]:
-        """Validate a request and build the KEYS and ARGV of its `submit.lua` call (no I/O)."""
+                    wf_id: str | None = None) -> tuple[Call, str]:
+        """Validate a request and build its `submit.lua` call (no I/O); the call and the id it submits."""
         parts = self._plan_parts(tuple(req.output_modalities) if req.output_modalities is not None else None)
         if len(req.input.text) > self.settings.max_prompt_chars:
             raise InvalidRequest(f"input.text: {len(req.input.text)} characters; the limit is {self.settings.max_prompt_chars}")
@@ -174,17 +175,13 @@ class Store:
             self._check_webhook(req.webhook_url)
         if req.request_id:     # what a reuse of the key is compared with (409 idempotency_conflict)
             record += ["body_hash", body_hash(req)]
-        idem_key = self.keys.idem(tenant, req.request_id or "-", cell)
-        wf = self.keys.wf(wf_id)
-        keys = [wf, f"{wf}:stages", f"{wf}:log", self.keys.inflight(cell), self.keys.tomb(wf_id), idem_key,
-                self.keys.all_wf(cell), self.keys.tenant_index(tenant, cell), self.keys.tenants(cell),
-                self.keys.state_index(WorkflowState.PENDING.value, cell),
-                *(self.keys.tasks(st, cell) for st in parts.plan.admit)]
-        args = [self.settings.prefix, wf_id, now, now + int(deadline_s * 1000),
-                cells.cell_limit(self.settings.max_in_flight, self.keys.cells, cell),
-                self.settings.idempotency_ttl_s if req.request_id else 0,
-                parts.stages, parts.admit, len(record) // 2, *record]
-        return keys, args
+        call = admission.submit(
+            self.keys, wf_id, tenant=tenant, request_id=req.request_id or "", admit=tuple(parts.plan.admit),
+            now_ms=now, deadline_ms=now + int(deadline_s * 1000),
+            cell_limit=cells.cell_limit(self.settings.max_in_flight, self.keys.cells, cell),
+            idempotency_ttl_s=self.settings.idempotency_ttl_s if req.request_id else 0,
+            stages_csv=parts.stages, admit_csv=parts.admit, record=record)
+        return call, wf_id
 
     def _check_webhook(self, url: str) -> None:
         """Refuse a webhook URL that can never be delivered, as far as that is knowable without DNS."""
@@ -224,15 +221,12 @@ class Store:
 
     def submitted(self, reply: Any) -> Submitted:
         """Map a `submit.lua` reply to the result, or to the error it means."""
-        code, ident = s(reply[0]), s(reply[1])
-        if code == scripts.SubmitResult.OK:
+        code, ident = admission.submit_result(reply)
+        if code is SubmitResult.OK:
             return Submitted(id=ident, state=WorkflowState.PENDING)
-        if code == scripts.SubmitResult.EXISTING:
+        if code is SubmitResult.EXISTING:
             return Submitted(id=ident, state=WorkflowState.PENDING, existing=True)
-        if code == scripts.SubmitResult.RETIRED:
-            raise self.retired(ident)
-        if code == scripts.SubmitResult.EXISTS:
-            raise InvalidRequest(f"workflow id {ident} already exists")
+        admission.raise_for_submit(code, ident)
         where = "" if self.keys.cells == 1 else f" in the cell tried (max_in_flight is split over {self.keys.cells} cells)"
         raise AdmissionRefused(
             f"{ident} workflows in flight{where}, the limit is {self.settings.max_in_flight}; retry later",
@@ -241,8 +235,7 @@ class Store:
 
     @staticmethod
     def retired(wf_id: str) -> WorkflowRetired:
-        return WorkflowRetired(f"workflow {wf_id} is retired (aborted or failed) and cannot be resubmitted; "
-                               "submit again with a fresh request_id")
+        return admission.retired(wf_id)
 
     async def _wait_aof(self) -> None:
         try:
@@ -257,12 +250,9 @@ class Store:
         """Abort a live workflow. Returns the state it ends in (already-terminal ones are left as they are)."""
         if tenant is not None:
             await self._check_tenant(wf_id, tenant)
-        reply = await redisio.call(self.redis, *abort_call(self.keys, self.settings, self._final_suffixes, wf_id,
+        reply = await redisio.call(self.redis, *abort_call(self.keys, self.settings, self._finalize_plan, wf_id,
                                                            state=state, reason=reason, stage=stage))
-        code = s(reply[0])
-        if code == "gone":
-            raise WorkflowNotFound(f"no workflow {wf_id}")
-        return state.value if code == "ok" else s(reply[1])
+        return admission.abort_result(wf_id, reply, state)
 
     async def _check_tenant(self, wf_id: str, tenant: str) -> None:
         owner = await self.redis.hget(self.keys.wf(wf_id), "tenant")

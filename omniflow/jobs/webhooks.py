@@ -42,7 +42,8 @@ from omniflow.errors import ConfigError, MalformedEntry, WorkflowNotFound
 from omniflow.jobs.queue import DELIVER_WEBHOOK
 from omniflow.storage.topology import is_cluster, read_groups
 from omniflow.storage.keys import NOTIFY_GROUP, Keys
-from omniflow.storage.scripts import evalsha_args
+from omniflow.storage.transitions.housekeeping import reap_consumer, reap_idle_consumers
+from omniflow.storage.transitions.reconcile import dead_letter
 from omniflow.client.store import Store
 from omniflow.storage.schema import s
 
@@ -250,8 +251,7 @@ class NotifyDispatcher:
         """Delete our consumer from the groups if it holds nothing (one left by a crash is deleted by
         the other dispatchers once it has been idle long enough)."""
         try:
-            await redisio.execute(self.redis, [evalsha_args("reap_consumer", [self.keys.notify(cell)],
-                                                            [NOTIFY_GROUP, self.consumer])
+            await redisio.execute(self.redis, [reap_consumer(self.keys.notify(cell), NOTIFY_GROUP, self.consumer)
                                                for cell in self.keys.all_cells])
         except redisio.REDIS_ERRORS as exc:
             logger.warning("notify dispatcher %s: could not leave the group: %s", self.consumer, exc)
@@ -260,7 +260,7 @@ class NotifyDispatcher:
         """Take over entries another dispatcher read but never acked (it died); delete the consumers
         of dispatchers that are gone."""
         stream = self.keys.notify(cell)
-        await redisio.reap_idle_consumers(self.redis, stream, NOTIFY_GROUP, idle_ms=max(
+        await reap_idle_consumers(self.redis, stream, NOTIFY_GROUP, idle_ms=max(
             DEAD_CONSUMER_IDLE_MS, 10 * self.settings.block_ms), keep=self.consumer)
         start = "0-0"
         while True:
@@ -282,7 +282,7 @@ class NotifyDispatcher:
                     note = notification(fields)
                 except MalformedEntry as exc:
                     logger.warning("notify entry %s is malformed (%s); dead-lettered", s(entry_id), exc)
-                    await redisio.call(self.redis, *redisio.dead_letter_call(
+                    await redisio.call(self.redis, *dead_letter(
                         self.keys.dlq("notify", cell), self.keys.notify(cell), NOTIFY_GROUP, entry_id, fields,
                         f"malformed notify entry: {exc}", max_len=self.settings.dlq_max_len))
                     continue

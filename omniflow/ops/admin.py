@@ -17,10 +17,11 @@ from omniflow.ops.fleet import entry_ms, list_workers
 from omniflow.storage.keys import DLQ_EVENTS
 from omniflow.models import TERMINAL_STATES, SubmitRequest, WorkflowInput, WorkflowState
 from omniflow.pipeline import Pipeline
+from omniflow.storage import redisio
 from omniflow.storage.redisio import translated
 from omniflow.client.store import Store
 from omniflow.storage.schema import csv, decode_fields, now_ms, s
-from omniflow.storage.topology import is_cluster
+from omniflow.storage.transitions.housekeeping import PurgeResult, purge, purge_code
 
 PURGE_BATCH = 500
 FINISHED_STATES = tuple(x.value for x in WorkflowState if x in TERMINAL_STATES)
@@ -90,18 +91,19 @@ async def purge_finished(store: Store, states: tuple[str, ...], older_than_s: fl
         for wf_id in ids:
             pipe.hmget(keys.wf(wf_id), ["state", "tenant", "request_id", "finals"])
         records = await pipe.execute()
-        pipe = redis.pipeline(transaction=not is_cluster(redis))    # (a cluster deletes workflow by workflow)
+        calls: list[tuple[Any, ...]] = []
         for wf_id, (state, tenant, rid, finals) in zip(ids, records):
             if s(state) and s(state) not in FINISHED_STATES:
                 continue            # the index said finished: never delete a live record on a stale entry
-            pipe.unlink(keys.wf(wf_id), keys.stages(wf_id), keys.log(wf_id), keys.done(wf_id),
-                        keys.webhook(wf_id), keys.webhook_attempts(wf_id),
-                        *(keys.out(wf_id, stage) for stage in csv(finals)))
-            if s(rid):
-                pipe.unlink(keys.idem(s(tenant), s(rid), keys.cell_of(wf_id)))
-            listing.unindex(pipe, keys, wf_id, s(tenant))
-            deleted += 1
-        await pipe.execute()
+            # one script per workflow (its cell's keys, atomically; it re-checks the state), and its
+            # webhook records apart (their own slot)
+            calls += [purge(keys, wf_id, tenant=s(tenant), request_id=s(rid), finals=csv(finals)),
+                      ("UNLINK", *keys.webhook_keys(wf_id))]
+        replies = await redisio.execute(redis, calls)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        deleted += sum(1 for reply in replies[::2] if purge_code(reply) is PurgeResult.PURGED)
 
 
 @translated

@@ -29,10 +29,11 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from omniflow.storage import scripts
+from omniflow.storage import redisio
 from omniflow.storage.keys import Keys
 from omniflow.models import WorkflowState
 from omniflow.storage.schema import csv, s
+from omniflow.storage.transitions.listing import list_scan, list_scan_result
 
 DEFAULT_MAX_SCAN = 100_000     # records one query may read to fill a page (then: next_offset)
 SCAN_STEP = 2_000              # records one list_scan.lua call reads (bounds how long it holds the server)
@@ -174,12 +175,15 @@ async def _scan(redis: Redis, keys: Keys, index: str, flt: ListFilter, pos: int,
     scanned = 0
     while len(ids) < limit and pos < end and scanned < max_scan:
         step = min(SCAN_STEP, max_scan - scanned)
-        reply = await scripts.call(redis, "list_scan", [index], [
-            keys.cell(0), pos, end, step, limit - len(ids), flt.state or "",
-            "1" if flt.tenant is not None else "0", flt.tenant or "", flt.stage or "", flt.request_id or ""])
-        pos, read = int(reply[0]), int(reply[1])
+        chunk = [s(x) for x in await redis.zrevrange(index, pos, min(end, pos + step) - 1)]
+        if not chunk:
+            break
+        found, read = list_scan_result(chunk, await redisio.call(redis, *list_scan(
+            keys, chunk, want=limit - len(ids), state=flt.state or "", tenant=flt.tenant, stage=flt.stage or "",
+            request_id=flt.request_id or "")))
+        pos += read
         scanned += read
-        ids.extend(s(x) for x in reply[2:])
+        ids.extend(found)
         if read == 0:
             break
     return ids, pos, scanned
@@ -218,12 +222,3 @@ async def trim(redis: Redis, keys: Keys, cutoff_ms: int) -> None:
         for key in (keys.all_wf(cell), *keys.state_indexes(cell), *(keys.tenant_index(t, cell) for t in tenants[cell])):
             pipe.zremrangebyscore(key, "-inf", f"({cutoff_ms}")
     await pipe.execute()
-
-
-def unindex(pipe: Any, keys: Keys, wf_id: str, tenant: str) -> None:
-    """Queue the removal of one workflow from every index of its cell on `pipe` (purge)."""
-    cell = keys.cell_of(wf_id)
-    pipe.zrem(keys.all_wf(cell), wf_id)
-    for key in keys.state_indexes(cell):
-        pipe.zrem(key, wf_id)
-    pipe.zrem(keys.tenant_index(tenant, cell), wf_id)

@@ -48,7 +48,7 @@ from omniflow.errors import (
     RedisUnavailable,
     ScriptError,
 )
-from omniflow.storage.scripts import SCRIPTS, evalsha_args
+from omniflow.storage.scripts import SCRIPTS
 from omniflow.storage.topology import is_cluster, open_client, open_sync_client
 
 P = ParamSpec("P")
@@ -260,13 +260,13 @@ async def call(redis: Redis, *command: Any) -> Any:
 
 
 async def script(redis: Redis, name: str, keys: list[str], args: list[Any]) -> Any:
-    """Call one registered script by SHA (loaded again after a NOSCRIPT); errors translated."""
-    return await call(redis, *evalsha_args(name, keys, args))
+    """Call one registered script by name with hand-built KEYS (tests and debugging only: library
+    code builds its calls in `omniflow.storage.transitions`)."""
+    return await call(redis, *SCRIPTS[name].evalsha(keys, args))
 
 
-def script_sync(redis: SyncRedis, name: str, keys: list[str], args: list[Any]) -> Any:
-    """`script` for a synchronous client."""
-    command = evalsha_args(name, keys, args)
+def call_sync(redis: SyncRedis, command: tuple[Any, ...]) -> Any:
+    """`call` for a synchronous client: one command (a script's call reloaded after a NOSCRIPT)."""
     try:
         try:
             return redis.execute_command(*command)
@@ -290,37 +290,3 @@ async def ensure_group(redis: Redis, stream: str, group: str) -> None:
             raise translate(exc) from exc
     except CLIENT_ERRORS as exc:
         raise translate(exc) from exc
-
-
-def dead_letter_call(dlq: str, source: str, group: str, entry_id: str | bytes, fields: dict[bytes, bytes] | None,
-                     reason: str, *, max_len: int) -> tuple[Any, ...]:
-    """The `dead_letter.lua` call that moves one poison entry of `source` to `dlq` with the reason
-    (acked in `group` when one is given; deleted from `source`) in one atomic step."""
-    flat: list[Any] = []
-    for k, v in list((fields or {}).items())[:DEAD_LETTER_MAX_FIELDS]:
-        flat += [k, v[:DEAD_LETTER_MAX_VALUE_BYTES] if isinstance(v, (bytes, str)) else v]
-    return evalsha_args("dead_letter", [dlq, source], [group, entry_id, max_len, reason[:DEAD_LETTER_MAX_VALUE_BYTES],
-                                                       *flat])
-
-
-DEAD_LETTER_MAX_FIELDS = 32
-DEAD_LETTER_MAX_VALUE_BYTES = 64 * 1024
-
-
-async def reap_idle_consumers(redis: Redis, stream: str, group: str, *, idle_ms: int, keep: str = "") -> int:
-    """Delete the consumers of `group` that hold nothing and have not read for `idle_ms` (their
-    process is gone: every live reader reads at least once per block). Atomic per consumer: one
-    that took an entry meanwhile is kept. Returns how many were deleted."""
-    with boundary():
-        consumers = await redis.xinfo_consumers(stream, group)
-    dead = [c["name"] for c in consumers
-            if int(c.get("pending") or 0) == 0 and int(c.get("idle") or 0) > idle_ms
-            and _text(c["name"]) != keep]
-    if not dead:
-        return 0
-    results = await execute(redis, [evalsha_args("reap_consumer", [stream], [group, name]) for name in dead])
-    return sum(1 for r in results if r == 1)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

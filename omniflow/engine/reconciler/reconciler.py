@@ -21,7 +21,7 @@ from omniflow.runtime import check_eviction_policy, check_layout, forever, when_
 from omniflow.storage import redisio
 from omniflow.storage.keys import EVENT_GROUP, TASK_GROUP, Keys
 from omniflow.storage.redisio import connect, ensure_group
-from omniflow.storage.scripts import evalsha_args
+from omniflow.storage.transitions.housekeeping import reap_consumer
 from omniflow.storage.topology import read_groups
 
 logger = logging.getLogger(__name__)
@@ -129,8 +129,8 @@ class Reconciler:
         consumer is deleted by the sweeps once it has been idle long enough)."""
         ctx = self.ctx
         try:
-            await redisio.execute(ctx.redis, [evalsha_args("reap_consumer", [ctx.keys.events(cell)],
-                                                           [EVENT_GROUP, self.id]) for cell in ctx.keys.all_cells])
+            await redisio.execute(ctx.redis, [reap_consumer(ctx.keys.events(cell), EVENT_GROUP, self.id)
+                                              for cell in ctx.keys.all_cells])
         except RedisError as exc:
             logger.warning("reconciler %s: could not leave the event group: %s", self.id, exc)
 

@@ -20,7 +20,9 @@ from omniflow.dataplane.codec import payload_nbytes
 from omniflow.engine.session.core import ACTIVE, SessionCore
 from omniflow.errors import Fenced, NonRetryableError, RedisUnavailable
 from omniflow.models import SessionState, StageStatus
-from omniflow.storage.scripts import EmitResult, evalsha_args
+from omniflow.storage.schema import StageField
+from omniflow.storage.transitions.emit import EMIT_LOG, EMIT_OUT, EmitResult, emit_code, emit_keys
+from omniflow.storage.transitions.emit import emit as emit_call
 from omniflow.storage.usage import Meter
 
 logger = logging.getLogger(__name__)
@@ -122,7 +124,7 @@ class SessionOutputs(SessionCore):
         return await self._on_home(self._read_position(dst))
 
     async def _read_position(self, dst: str) -> int:
-        raw = await self._batcher.send("HGET", self._keys.stages(self.wf_id), f"{dst}:rd:{self.stage}")
+        raw = await self._batcher.send("HGET", self._keys.stages(self.wf_id), StageField.read_pos(dst, self.stage))
         return int(raw or 0)
 
     def _payload_fields(self, seq: int, dst: str, payload: Any, step: list[Any], nbytes: int | None) -> list[Any]:
@@ -159,9 +161,9 @@ class SessionOutputs(SessionCore):
             sr = int(sample_rate or 0)
             if sr <= 0:
                 raise NonRetryableError(f"stage {self.stage}: audio needs a positive sample_rate")
-            step += ["X", f":out:{self.stage}", ["seq", seq, "pcm", pcm.astype("<i2").tobytes(), "sr", sr],
-                     "I", f"{self.stage}:samples", int(pcm.size), "H", f"{self.stage}:sr", sr,
-                     "X", ":log", ["t", "audio", "stage", self.stage, "seq", seq, "samples", int(pcm.size), "sr", sr]]
+            step += ["X", EMIT_OUT, ["seq", seq, "pcm", pcm.astype("<i2").tobytes(), "sr", sr],
+                     "I", StageField.samples(self.stage), int(pcm.size), "H", StageField.sample_rate(self.stage), sr,
+                     "X", EMIT_LOG, ["t", "audio", "stage", self.stage, "seq", seq, "samples", int(pcm.size), "sr", sr]]
         payloads = dict(to or {})
         if data is not None:
             payloads.update({dst: data for dst in self.downstream if dst not in payloads})
@@ -192,28 +194,15 @@ class SessionOutputs(SessionCore):
         steps, self._steps = self._steps, []
         status, self._status = self._status, ""
         self._open = None
-        args = [self.stage, self.attempt, status, int(time.time() * 1000), self._keys.prefix, self.wf_id,
-                msgpack.packb(steps, use_bin_type=False)]
         keys = self._emit_keys
         if keys is None:
             keys = self._emit_keys = self.emit_keys()
-        blobs = [keys[0] + step[i + 1] for step in steps for i in range(1, len(step) - 2, 3) if step[i] == "B"]
-        if blobs:       # payload keys this call stores (op 'B'): declared like every other key
-            keys = [*keys, *blobs]
-        if self._finish is None:
-            return evalsha_args("emit", keys, args)
-        # the finish's task and event streams in place of the session's, then its usage key (if metered)
-        finish_keys = self._finish[0]
-        return evalsha_args("emit", [keys[0], *finish_keys[:2], *keys[3:], *finish_keys[2:]],
-                            [*args, self._finish[1]])
+        return emit_call(keys, self.wf_id, self.stage, self.attempt, status=status, now_ms=int(time.time() * 1000),
+                    steps=steps, finish=self._finish)
 
     def emit_keys(self) -> list[str]:
-        """Every key an `emit.lua` call of this session may touch (see its header): the base key, the
-        task and event streams of the workflow's cell, stages, log, this stage's output, its edges."""
-        keys, wf_id, cell = self._keys, self.wf_id, self._keys.cell_of(self.wf_id)
-        wf = keys.wf(wf_id)
-        return [wf, keys.tasks(self.stage, cell), keys.events(cell), f"{wf}:stages", f"{wf}:log",
-                f"{wf}:out:{self.stage}", f"{wf}:blobs", *(f"{wf}:edge:{self.stage}:{dst}" for dst in self.downstream)]
+        """Every key an `emit.lua` call of this session may touch (`transitions.emit.emit_keys`)."""
+        return emit_keys(self._keys, self.wf_id, self.stage, self.downstream)
 
     async def close(self, *, tasks_key: str, events_key: str, group: str, entry_id: str, outcome: str,
                     detail: str, retryable: bool, meter: Meter | None = None) -> str:
@@ -243,9 +232,8 @@ class SessionOutputs(SessionCore):
         earlier = [f for f in self._inflight if f is not last]
         if earlier:
             await asyncio.gather(*earlier, return_exceptions=True)
-        result = await last
-        code = result.decode() if isinstance(result, bytes) else str(result)
-        return code if code in (EmitResult.FENCED, EmitResult.GAP) else EmitResult.OK.value
+        code = emit_code(await last)
+        return code.value if code in (EmitResult.FENCED, EmitResult.GAP) else EmitResult.OK.value
 
     def _track(self, fut: asyncio.Future[Any]) -> None:
         self._inflight.add(fut)
@@ -261,11 +249,10 @@ class SessionOutputs(SessionCore):
             # Sticky: later steps must not be written past the hole this one leaves (chaos suite).
             self._write_error = self._write_error or exc
             return
-        result = fut.result()
-        code = result.decode() if isinstance(result, bytes) else result
-        if code == EmitResult.FENCED:
+        code = emit_code(fut.result())
+        if code is EmitResult.FENCED:
             self.fence()
-        elif code == "gap":     # emit.lua refused steps after a lost write: end this attempt, retry resumes
+        elif code is EmitResult.GAP:     # emit.lua refused steps after a lost write: end this attempt, retry resumes
             self._write_error = self._write_error or RedisUnavailable(
                 f"stage {self.stage} attempt {self.attempt} of {self.wf_id}: an earlier write was lost")
 

@@ -19,9 +19,9 @@ from omniflow.engine.worker.pool import StagePool
 from omniflow.errors import RedisError, RedisUnavailable
 from omniflow.pipeline import Pipeline
 from omniflow.runtime import Backoff
-from omniflow.storage import redisio
 from omniflow.storage.batcher import Batcher
 from omniflow.storage.keys import Keys
+from omniflow.storage.transitions.reconcile import dead_letter
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +107,8 @@ class WorkerContext:
         until then)."""
         self.stats["dead_letters"] += 1
         logger.warning("worker %s: dead-lettering entry %s of %s: %s", self.id, entry_id, stream, reason)
-        call = redisio.dead_letter_call(self.keys.dlq(dlq_name, cell), stream, group, entry_id, fields, reason,
-                                        max_len=self.settings.dlq_max_len)
+        call = dead_letter(self.keys.dlq(dlq_name, cell), stream, group, entry_id, fields, reason,
+                           max_len=self.settings.dlq_max_len)
         self.spawn(f"dlq:{stream}:{entry_id}", self.write_until_done(call, f"dead-letter {entry_id}"),
                    entry_id=entry_id)
 
