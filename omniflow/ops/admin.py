@@ -20,7 +20,7 @@ from omniflow.pipeline import Pipeline
 from omniflow.storage import redisio
 from omniflow.storage.redisio import translated
 from omniflow.client.store import Store
-from omniflow.storage.schema import csv, decode_fields, now_ms, s
+from omniflow.storage.schema import WorkflowRecord, csv, decode_fields, now_ms, s
 from omniflow.storage.transitions.housekeeping import PurgeResult, purge, purge_code
 
 PURGE_BATCH = 500
@@ -44,16 +44,17 @@ async def set_drain(store: Store, worker_id: str, *, drain: bool) -> dict[str, A
 @translated
 async def retry_workflow(store: Store, wf_id: str, *, tenant: str | None = None) -> str:
     """Resubmit a failed/aborted workflow's input as a new workflow; returns the new id."""
-    rec = {s(k): s(v) for k, v in (await store.redis.hgetall(store.keys.wf(wf_id))).items()}
-    if not rec or (tenant is not None and rec.get("tenant") != tenant):
+    raw = await store.redis.hgetall(store.keys.wf(wf_id))
+    rec = WorkflowRecord.decode_raw(wf_id, raw)
+    if not raw or (tenant is not None and rec.tenant != tenant):
         raise WorkflowNotFound(f"no workflow {wf_id} (it may have expired)")
-    if rec["state"] not in ("failed", "aborted"):
-        raise InvalidRequest(f"workflow {wf_id} is {rec['state']}; only failed or aborted ones are retried")
-    kinds = sorted({k.split("=", 1)[1] for k in csv(rec.get("kinds"))})
-    params = json.loads(rec.get("params") or "{}")
-    req = SubmitRequest(input=WorkflowInput.model_validate_json(rec["input"]), output_modalities=kinds,
-                        stage_params=params, webhook_url=rec.get("webhook") or None)
-    return (await store.submit(req, tenant=rec.get("tenant") or "default")).id
+    if rec.state not in ("failed", "aborted"):
+        raise InvalidRequest(f"workflow {wf_id} is {rec.state}; only failed or aborted ones are retried")
+    kinds = sorted(set(rec.kinds.values()))
+    params = json.loads(rec.params or "{}")
+    req = SubmitRequest(input=WorkflowInput.model_validate_json(rec.input), output_modalities=kinds,
+                        stage_params=params, webhook_url=rec.webhook or None)
+    return (await store.submit(req, tenant=rec.tenant or "default")).id
 
 
 def finished_states(state: str | None) -> tuple[str, ...]:

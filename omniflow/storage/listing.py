@@ -32,12 +32,13 @@ from redis.asyncio import Redis
 from omniflow.storage import redisio
 from omniflow.storage.keys import Keys
 from omniflow.models import WorkflowState
-from omniflow.storage.schema import csv, s
+from omniflow.storage.schema import RecordField, WorkflowRecord, csv, s
 from omniflow.storage.transitions.listing import list_scan, list_scan_result
 
 DEFAULT_MAX_SCAN = 100_000     # records one query may read to fill a page (then: next_offset)
 SCAN_STEP = 2_000              # records one list_scan.lua call reads (bounds how long it holds the server)
-FIELDS = ("state", "tenant", "created_ms", "finished_ms", "finals", "stages", "error", "error_stage", "request_id")
+FIELDS = (RecordField.STATE, RecordField.TENANT, RecordField.CREATED_MS, RecordField.FINISHED_MS, RecordField.FINALS,
+          RecordField.STAGES, RecordField.ERROR, RecordField.ERROR_STAGE, RecordField.REQUEST_ID)
 STATES = tuple(x.value for x in WorkflowState)
 
 
@@ -62,11 +63,11 @@ class ListPage:
 
 def summary(wf_id: str, values: list[Any]) -> dict[str, Any]:
     """One listing row from the record fields `FIELDS`."""
-    state, tenant, created, finished, finals, stages, error, error_stage, rid = (s(v) for v in values)
-    return {"id": wf_id, "state": state, "tenant": tenant or None, "created_at": int(created or 0) / 1000,
-            "finished_at": int(finished) / 1000 if finished else None, "final_stages": csv(finals),
-            "stages": csv(stages), "error": error or None, "error_stage": error_stage or None,
-            "request_id": rid or None}
+    rec = WorkflowRecord.decode(wf_id, {name: s(v) for name, v in zip(FIELDS, values) if v is not None})
+    return {"id": wf_id, "state": rec.state, "tenant": rec.tenant or None, "created_at": rec.created_ms / 1000,
+            "finished_at": rec.finished_ms / 1000 if rec.finished_ms else None, "final_stages": rec.finals,
+            "stages": rec.stages, "error": rec.error or None, "error_stage": rec.error_stage or None,
+            "request_id": rec.request_id or None}
 
 
 def _candidates(keys: Keys, flt: ListFilter, cell: int) -> list[str]:

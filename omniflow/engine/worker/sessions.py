@@ -19,7 +19,7 @@ from omniflow.runtime import Backoff
 from omniflow.storage import redisio
 from omniflow.storage.keys import TASK_GROUP
 from omniflow.storage.redisio import REDIS_ERRORS
-from omniflow.storage.schema import now_ms, s
+from omniflow.storage.schema import StageField, now_ms, s
 from omniflow.storage.transitions.sessions import RestartResult, restart, restart_result
 from omniflow.storage.usage import Meter, bucket_of
 
@@ -202,7 +202,7 @@ class SessionRunner:
         """The shared-memory domain of the replica the consuming session `dst` of `wf_id` is bound to
         ('' while it is not claimed, or when that replica publishes none)."""
         ctx = self.ctx
-        replica = await ctx.batcher.send("HGET", ctx.keys.stages(wf_id), f"{dst}:replica")
+        replica = await ctx.batcher.send("HGET", ctx.keys.stages(wf_id), StageField.replica(dst))
         if not replica:
             return ""
         rid = s(replica)
