@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from redis.asyncio import Redis
+from omniflow.storage.client import RedisClient
 
 from omniflow.storage import redisio
 from omniflow.storage.keys import Keys
@@ -25,7 +25,7 @@ __all__ = ["RealtimeSessions", "SaveResult"]
 class RealtimeSessions:
     """Create, claim and save realtime sessions' state."""
 
-    def __init__(self, redis: Redis, keys: Keys, *, ttl_s: int) -> None:
+    def __init__(self, redis: RedisClient, keys: Keys, *, ttl_s: int) -> None:
         self._redis, self._keys, self.ttl_s = redis, keys, ttl_s
 
     async def _call(self, mode: str, session_id: str, owner: str, state: str, tenant: str) -> tuple[SaveResult, str]:

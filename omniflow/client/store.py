@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from redis.asyncio import Redis
+from omniflow.storage.client import RedisClient
 
 from omniflow.storage import cells, redisio
 from omniflow.storage.batcher import Batcher
@@ -83,10 +83,10 @@ class _PlanParts:
 class Store:
     """Client-side operations on workflows (used by the client, API, CLI and batch runner)."""
 
-    def __init__(self, redis: Redis, settings: Settings, pipeline: Pipeline, *, batcher: Batcher | None = None) -> None:
+    def __init__(self, redis: RedisClient, settings: Settings, pipeline: Pipeline, *, batcher: Batcher | None = None) -> None:
         self._plans: dict[tuple[str, ...] | None, _PlanParts] = {}
         self._egress: Any = None        # the webhook egress policy, built on first use
-        self.redis = redis
+        self._redis = redis
         self.batcher = batcher          # when set, submits are group-committed (many callers, few round trips)
         self.settings = settings
         self.pipeline = pipeline
@@ -97,6 +97,11 @@ class Store:
                               f"({self.keys.cells}): every cell must admit at least one workflow")
         self._finalize_plan = finalize_plan(pipeline)
         self.realtime = RealtimeSessions(redis, self.keys, ttl_s=settings.realtime_session_ttl_s)
+
+    @property
+    def client(self) -> RedisClient:
+        """The Redis client this store talks through (errors translated; see `omniflow.storage.client`)."""
+        return self._redis
 
     # ---------------------------------------------------------------- submit
     @translated
@@ -116,7 +121,7 @@ class Store:
             raise self.refused(exc) from exc
         result = self.submitted(reply)
         if result.existing:
-            pipe = self.redis.pipeline(transaction=False)
+            pipe = self._redis.pipeline(transaction=False)
             pipe.hmget(self.keys.wf(result.id), ["state", "body_hash"])
             pipe.exists(self.keys.tomb(result.id))
             (raw_state, stored_hash), retired = await pipe.execute()
@@ -137,7 +142,7 @@ class Store:
     async def _submit_script(self, call: Call) -> Any:
         if self.batcher is not None:
             return await self.batcher.send(*call, retry_refused=False)
-        return await redisio.call(self.redis, *call)
+        return await redisio.call(self._redis, *call)
 
     def submit_call(self, req: SubmitRequest, *, tenant: str = "default",
                     wf_id: str | None = None) -> tuple[Call, str]:
@@ -239,7 +244,7 @@ class Store:
 
     async def _wait_aof(self) -> None:
         try:
-            await redisio.call(self.redis, "WAITAOF", 1, 0, 1000)
+            await redisio.call(self._redis, "WAITAOF", 1, 0, 1000)
         except ScriptError as exc:      # servers before 7.2 lack it
             raise ConfigError(f"wait_aof is on but the server refused WAITAOF: {exc}") from exc
 
@@ -250,12 +255,12 @@ class Store:
         """Abort a live workflow. Returns the state it ends in (already-terminal ones are left as they are)."""
         if tenant is not None:
             await self._check_tenant(wf_id, tenant)
-        reply = await redisio.call(self.redis, *abort_call(self.keys, self.settings, self._finalize_plan, wf_id,
+        reply = await redisio.call(self._redis, *abort_call(self.keys, self.settings, self._finalize_plan, wf_id,
                                                            state=state, reason=reason, stage=stage))
         return admission.abort_result(wf_id, reply, state)
 
     async def _check_tenant(self, wf_id: str, tenant: str) -> None:
-        owner = await self.redis.hget(self.keys.wf(wf_id), "tenant")
+        owner = await self._redis.hget(self.keys.wf(wf_id), "tenant")
         if owner is None or s(owner) != tenant:
             raise WorkflowNotFound(f"no workflow {wf_id}")
 
@@ -263,7 +268,7 @@ class Store:
     @translated
     async def document(self, wf_id: str, *, tenant: str | None = None) -> dict[str, Any]:
         """The workflow document (DESIGN §5): state, stages, outputs keyed by stage."""
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self._redis.pipeline(transaction=False)
         pipe.hgetall(self.keys.wf(wf_id))
         pipe.hgetall(self.keys.stages(wf_id))
         rec_raw, stages_raw = await pipe.execute()
@@ -276,7 +281,7 @@ class Store:
         wanted = text_stages(rec)
         texts = {}
         if wanted:
-            vals = await self.redis.mget([self.keys.out(wf_id, name) for name in wanted])
+            vals = await self._redis.mget([self.keys.out(wf_id, name) for name in wanted])
             texts = {name: s(v) for name, v in zip(wanted, vals)}
         webhook = await self._webhook_view(wf_id, rec.get("webhook") or "")
         return workflow_document(wf_id, rec, st, texts, webhook)
@@ -285,7 +290,7 @@ class Store:
         """The webhook part of the document: its URL, the delivery outcome so far and every attempt."""
         if not url:
             return None
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self._redis.pipeline(transaction=False)
         pipe.hgetall(self.keys.webhook(wf_id))
         pipe.lrange(self.keys.webhook_attempts(wf_id), 0, -1)
         raw, attempts = await pipe.execute()
@@ -297,13 +302,13 @@ class Store:
 
     @translated
     async def state(self, wf_id: str) -> WorkflowState | None:
-        raw = await self.redis.hget(self.keys.wf(wf_id), "state")
+        raw = await self._redis.hget(self.keys.wf(wf_id), "state")
         return WorkflowState(s(raw)) if raw else None
 
     @translated
     async def last_event(self, wf_id: str) -> tuple[str, dict[str, str]] | None:
         """The newest entry of the workflow's event log (None when it has none)."""
-        last = await self.redis.xrevrange(self.keys.log(wf_id), count=1)
+        last = await self._redis.xrevrange(self.keys.log(wf_id), count=1)
         return (s(last[0][0]), decode_fields(last[0][1])) if last else None
 
     @translated
@@ -312,9 +317,9 @@ class Store:
         """Event-log entries after `after`; with `block_ms`, wait for the next ones."""
         key = self.keys.log(wf_id)
         if block_ms is None:
-            entries = await self.redis.xrange(key, min=f"({after}" if after != "0-0" else "-", count=count)
+            entries = await self._redis.xrange(key, min=f"({after}" if after != "0-0" else "-", count=count)
         else:
-            reply = await self.redis.xread({key: after}, count=count, block=block_ms)
+            reply = await self._redis.xread({key: after}, count=count, block=block_ms)
             entries = reply[0][1] if reply else []
         return [(s(eid), decode_fields(fields)) for eid, fields in entries]
 
@@ -355,7 +360,7 @@ class Store:
                 if left <= 0:
                     break
                 wait_ms = max(1, min(wait_ms, int(left * 1000)))
-            if await self.redis.xread({self.keys.done(wf_id): "0-0"}, count=1, block=wait_ms):
+            if await self._redis.xread({self.keys.done(wf_id): "0-0"}, count=1, block=wait_ms):
                 break
             if await self.state(wf_id) is None:       # expired or purged while we waited
                 raise WorkflowNotFound(f"no workflow {wf_id}")
@@ -363,7 +368,7 @@ class Store:
 
     @translated
     async def text(self, wf_id: str, stage: str) -> str:
-        return s(await self.redis.get(self.keys.out(wf_id, stage)))
+        return s(await self._redis.get(self.keys.out(wf_id, stage)))
 
     @translated
     async def audio(self, wf_id: str, stage: str | None = None) -> tuple[int, np.ndarray]:
@@ -377,7 +382,7 @@ class Store:
             raise WorkflowNotFound(f"workflow {wf_id} has no audio output from stage {stage!r}")
         if audio[stage]["partial"] and doc["state"] in ("pending", "running"):
             raise NotReady(f"audio of workflow {wf_id} is not ready (stage {stage} is {doc['stages'][stage]['status']})")
-        entries = await self.redis.xrange(self.keys.out(wf_id, stage))
+        entries = await self._redis.xrange(self.keys.out(wf_id, stage))
         pcm = [np.frombuffer(f[b"pcm"], dtype="<i2") for _, f in entries]
         samples = np.concatenate(pcm) if pcm else np.zeros(0, dtype="<i2")
         return int(audio[stage]["sample_rate"] or 0), samples
@@ -387,14 +392,14 @@ class Store:
         """One page of the workflows matching `flt` (the listing indexes: `omniflow.storage.listing`)."""
         from omniflow.storage import listing  # imported here: listing builds on this module's helpers
 
-        return await listing.query(self.redis, self.keys, flt, offset=offset, limit=limit)
+        return await listing.query(self._redis, self.keys, flt, offset=offset, limit=limit)
 
     @translated
     async def state_counts(self) -> dict[str, int]:
         """Workflows per state, from the listing indexes."""
         from omniflow.storage import listing
 
-        return await listing.state_counts(self.redis, self.keys)
+        return await listing.state_counts(self._redis, self.keys)
 
     async def list(self, *, state: str | None = None, tenant: str | None = None, offset: int = 0,
                    limit: int = 50) -> builtins.list[dict[str, Any]]:
@@ -407,24 +412,24 @@ class Store:
     @translated
     async def ping(self) -> None:
         """Raise `RedisUnavailable` unless Redis answers."""
-        await self.redis.ping()
+        await self._redis.ping()
 
     @translated
     async def audio_chunks(self, wf_id: str, stage: str, *, after: str = "-") -> builtins.list[tuple[str, bytes, int]]:
         """Audio chunks of a final stage after entry `after` (exclusive unless '-'): (entry id, PCM, rate)."""
         start = after if after == "-" else f"({after}"
         return [(s(eid), bytes(f[b"pcm"]), int(s(f.get(b"sr")) or 0))
-                for eid, f in await self.redis.xrange(self.keys.out(wf_id, stage), min=start)]
+                for eid, f in await self._redis.xrange(self.keys.out(wf_id, stage), min=start)]
 
     @translated
     async def live_workers(self, *, claiming: bool = False) -> dict[str, int]:
         """Live workers per stage of the pipeline: members of `<p>:workers` whose lease (score, ms) is
         in the future. A worker serving several stages (`--stage a,b`, `up --colocate`) counts for each.
         `claiming`: only those that take new work (not drained: readiness)."""
-        ids = await self.redis.zrangebyscore(self.keys.workers, f"({now_ms()}", "+inf")
+        ids = await self._redis.zrangebyscore(self.keys.workers, f"({now_ms()}", "+inf")
         counts = dict.fromkeys(self.pipeline.order, 0)
         if ids:
-            pipe = self.redis.pipeline(transaction=False)
+            pipe = self._redis.pipeline(transaction=False)
             for worker_id in ids:
                 pipe.hmget(self.keys.worker_info(s(worker_id)), "stage", "drain")
             for served, drain in await pipe.execute():

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from redis.asyncio import Redis
+from omniflow.storage.client import RedisClient
 
 from omniflow.dataplane import codec
 from omniflow.dataplane.base import ForeignReference, PayloadMissing, PutContext, Ref, Transport, TransportKind
@@ -29,7 +29,7 @@ class RedisTransport(Transport):
 
     kind = TransportKind.REDIS
 
-    def __init__(self, redis: Redis, keys: Keys, *, full_checksum: bool = False) -> None:
+    def __init__(self, redis: RedisClient, keys: Keys, *, full_checksum: bool = False) -> None:
         self.redis = redis
         self.keys = keys
         self.full_checksum = full_checksum

@@ -30,21 +30,21 @@ FINISHED_STATES = tuple(x.value for x in WorkflowState if x in TERMINAL_STATES)
 @translated
 async def set_drain(store: Store, worker_id: str, *, drain: bool) -> dict[str, Any]:
     """Drain (or undrain) a live worker: it stops claiming within a heartbeat; what it holds runs to the end."""
-    score = await store.redis.zscore(store.keys.workers, worker_id)
+    score = await store.client.zscore(store.keys.workers, worker_id)
     if score is None or float(score) <= now_ms():
         raise InvalidRequest(f"no live worker {worker_id!r} (see `omniflow workers`)")
     info = store.keys.worker_info(worker_id)
     if drain:
-        await store.redis.hset(info, "drain", str(now_ms()))
+        await store.client.hset(info, "drain", str(now_ms()))
     else:
-        await store.redis.hdel(info, "drain")
+        await store.client.hdel(info, "drain")
     return next(w for w in await list_workers(store) if w["id"] == worker_id)
 
 
 @translated
 async def retry_workflow(store: Store, wf_id: str, *, tenant: str | None = None) -> str:
     """Resubmit a failed/aborted workflow's input as a new workflow; returns the new id."""
-    raw = await store.redis.hgetall(store.keys.wf(wf_id))
+    raw = await store.client.hgetall(store.keys.wf(wf_id))
     rec = WorkflowRecord.decode_raw(wf_id, raw)
     if not raw or (tenant is not None and rec.tenant != tenant):
         raise WorkflowNotFound(f"no workflow {wf_id} (it may have expired)")
@@ -70,7 +70,7 @@ def finished_states(state: str | None) -> tuple[str, ...]:
 async def count_finished(store: Store, states: tuple[str, ...], older_than_s: float) -> int:
     """How many finished workflows in `states` were created more than `older_than_s` ago."""
     cutoff = now_ms() - int(older_than_s * 1000)
-    pipe = store.redis.pipeline(transaction=False)
+    pipe = store.client.pipeline(transaction=False)
     for cell in store.keys.all_cells:
         for state in states:
             pipe.zcount(store.keys.state_index(state, cell), "-inf", f"({cutoff}")
@@ -81,7 +81,7 @@ async def count_finished(store: Store, states: tuple[str, ...], older_than_s: fl
 async def purge_finished(store: Store, states: tuple[str, ...], older_than_s: float) -> int:
     """Delete finished workflows (records, logs, outputs, webhook records, idempotency keys, index
     entries) created more than `older_than_s` ago; live workflows are never touched. Returns how many."""
-    redis, keys = store.redis, store.keys
+    redis, keys = store.client, store.keys
     cutoff = now_ms() - int(older_than_s * 1000)
     deleted = 0
     while True:
@@ -111,8 +111,8 @@ async def purge_finished(store: Store, states: tuple[str, ...], older_than_s: fl
 async def purge_all(store: Store) -> int:
     """Delete every key under the prefix (the whole deployment's state). Returns how many."""
     n = 0
-    async for key in store.redis.scan_iter(match=f"{store.keys.prefix}:*", count=1000):
-        n += await store.redis.unlink(key)
+    async for key in store.client.scan_iter(match=f"{store.keys.prefix}:*", count=1000):
+        n += await store.client.unlink(key)
     return n
 
 
@@ -132,7 +132,7 @@ async def dlq_entries(store: Store, stage: str | None, limit: int) -> list[dict[
     rows: list[dict[str, Any]] = []
     for name in dlq_names(store.pipeline, stage):
         for key in _dlq_keys(store, name):
-            for eid, fields in await store.redis.xrevrange(key, count=limit):
+            for eid, fields in await store.client.xrevrange(key, count=limit):
                 rows.append({"stream": key, "dlq": name, "entry": s(eid), "at": (entry_ms(eid) or 0) / 1000,
                              **decode_fields(fields)})
     return rows[:limit]
@@ -148,7 +148,7 @@ async def dlq_replay(store: Store, stage: str | None, entry: str | None) -> list
     """Resubmit the workflows of dead letters as new workflows and drop the replayed entries."""
     out = []
     for name, key in ((n, k) for n in dlq_names(store.pipeline, stage) for k in _dlq_keys(store, n)):
-        entries = await store.redis.xrange(key, entry, entry) if entry else await store.redis.xrange(key, count=1000)
+        entries = await store.client.xrange(key, entry, entry) if entry else await store.client.xrange(key, count=1000)
         for eid, fields in entries:
             row = {"dlq": name, "entry": s(eid), "wf": s(fields.get(b"wf"))}
             if not row["wf"]:
@@ -159,7 +159,7 @@ async def dlq_replay(store: Store, stage: str | None, entry: str | None) -> list
                 except (WorkflowNotFound, InvalidRequest) as exc:
                     row["skipped"] = str(exc)
             if "new_id" in row:
-                await store.redis.xdel(key, eid)
+                await store.client.xdel(key, eid)
             out.append(row)
     return out
 
@@ -167,7 +167,7 @@ async def dlq_replay(store: Store, stage: str | None, entry: str | None) -> list
 @translated
 async def dlq_count(store: Store, stage: str | None, entry: str | None) -> int:
     """How many dead letters `dlq_drop` would delete."""
-    pipe = store.redis.pipeline(transaction=False)
+    pipe = store.client.pipeline(transaction=False)
     for key in (k for name in dlq_names(store.pipeline, stage) for k in _dlq_keys(store, name)):
         if entry:
             pipe.xrange(key, entry, entry)
@@ -182,10 +182,10 @@ async def dlq_drop(store: Store, stage: str | None, entry: str | None) -> int:
     n = 0
     for key in (k for name in dlq_names(store.pipeline, stage) for k in _dlq_keys(store, name)):
         if entry:
-            n += await store.redis.xdel(key, entry)
+            n += await store.client.xdel(key, entry)
         else:
-            n += await store.redis.xlen(key)
-            await store.redis.unlink(key)
+            n += await store.client.xlen(key)
+            await store.client.unlink(key)
     return n
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from redis.asyncio import Redis
+from omniflow.storage.client import RedisClient
 
 from omniflow.storage import redisio
 from omniflow.storage.keys import Keys
@@ -78,7 +78,7 @@ def _candidates(keys: Keys, flt: ListFilter, cell: int) -> list[str]:
     return candidates or [keys.all_wf(cell)]
 
 
-async def _pick_index(redis: Redis, keys: Keys, flt: ListFilter) -> tuple[list[str], int, bool]:
+async def _pick_index(redis: RedisClient, keys: Keys, flt: ListFilter) -> tuple[list[str], int, bool]:
     """(the chosen index, one key per cell; its entries in range over the cells; whether the index
     alone answers every filter)."""
     per_cell = [_candidates(keys, flt, cell) for cell in keys.all_cells]
@@ -95,7 +95,7 @@ async def _pick_index(redis: Redis, keys: Keys, flt: ListFilter) -> tuple[list[s
     return [candidates[best] for candidates in per_cell], totals[best], exact
 
 
-async def query(redis: Redis, keys: Keys, flt: ListFilter, *, offset: int = 0, limit: int = 50,
+async def query(redis: RedisClient, keys: Keys, flt: ListFilter, *, offset: int = 0, limit: int = 50,
                 max_scan: int = DEFAULT_MAX_SCAN) -> ListPage:
     """One page of workflows matching `flt`, newest first, starting at rank `offset` of the walked index."""
     indexes, end, exact = await _pick_index(redis, keys, flt)
@@ -112,7 +112,7 @@ async def query(redis: Redis, keys: Keys, flt: ListFilter, *, offset: int = 0, l
     return await _page(redis, keys, ids, pos, end, exact, scanned)
 
 
-async def _page(redis: Redis, keys: Keys, ids: list[str], pos: int, end: int, exact: bool, scanned: int) -> ListPage:
+async def _page(redis: RedisClient, keys: Keys, ids: list[str], pos: int, end: int, exact: bool, scanned: int) -> ListPage:
     rows: list[dict[str, Any]] = []
     if ids:
         pipe = redis.pipeline(transaction=False)
@@ -124,7 +124,7 @@ async def _page(redis: Redis, keys: Keys, ids: list[str], pos: int, end: int, ex
                     scanned=scanned)
 
 
-async def _merged(redis: Redis, indexes: list[str], low: Any, start: int, count: int) -> list[str]:
+async def _merged(redis: RedisClient, indexes: list[str], low: Any, start: int, count: int) -> list[str]:
     """The ids at merged ranks start..start+count-1, newest first, of one index over every cell."""
     pipe = redis.pipeline(transaction=False)
     for key in indexes:
@@ -140,7 +140,7 @@ def _matches(flt: ListFilter, values: list[Any]) -> bool:
         and (not flt.stage or flt.stage in csv(stages)) and (not flt.request_id or flt.request_id in rid)
 
 
-async def _walk_cells(redis: Redis, keys: Keys, indexes: list[str], flt: ListFilter, pos: int, end: int, limit: int,
+async def _walk_cells(redis: RedisClient, keys: Keys, indexes: list[str], flt: ListFilter, pos: int, end: int, limit: int,
                       max_scan: int, *, exact: bool) -> tuple[list[str], int, int]:
     """`_scan` over the merged indexes of several cells, the records checked here (bounded steps)."""
     low = "-inf" if flt.since_ms is None else flt.since_ms
@@ -169,7 +169,7 @@ async def _walk_cells(redis: Redis, keys: Keys, indexes: list[str], flt: ListFil
     return ids, pos, scanned
 
 
-async def _scan(redis: Redis, keys: Keys, index: str, flt: ListFilter, pos: int, end: int, limit: int,
+async def _scan(redis: RedisClient, keys: Keys, index: str, flt: ListFilter, pos: int, end: int, limit: int,
                 max_scan: int) -> tuple[list[str], int, int]:
     """Matching ids from rank `pos` on, checked server-side by `list_scan.lua` in bounded steps."""
     ids: list[str] = []
@@ -190,7 +190,7 @@ async def _scan(redis: Redis, keys: Keys, index: str, flt: ListFilter, pos: int,
     return ids, pos, scanned
 
 
-async def state_counts(redis: Redis, keys: Keys) -> dict[str, int]:
+async def state_counts(redis: RedisClient, keys: Keys) -> dict[str, int]:
     """Workflows per state (ZCARD of each state index of each cell: O(1) each)."""
     pipe = redis.pipeline(transaction=False)
     for cell in keys.all_cells:
@@ -200,7 +200,7 @@ async def state_counts(redis: Redis, keys: Keys) -> dict[str, int]:
     return {state: sum(counts[i::len(STATES)]) for i, state in enumerate(STATES)}
 
 
-async def finished_before(redis: Redis, keys: Keys, states: tuple[str, ...], cutoff_ms: int, *,
+async def finished_before(redis: RedisClient, keys: Keys, states: tuple[str, ...], cutoff_ms: int, *,
                           count: int = 500) -> list[str]:
     """Up to `count` ids of workflows in `states` created before `cutoff_ms`, oldest first."""
     pipe = redis.pipeline(transaction=False)
@@ -212,7 +212,7 @@ async def finished_before(redis: Redis, keys: Keys, states: tuple[str, ...], cut
     return [wf_id for _, wf_id in found[:count]]
 
 
-async def trim(redis: Redis, keys: Keys, cutoff_ms: int) -> None:
+async def trim(redis: RedisClient, keys: Keys, cutoff_ms: int) -> None:
     """Drop index entries created before `cutoff_ms` (their records have expired by then)."""
     pipe = redis.pipeline(transaction=False)
     for cell in keys.all_cells:

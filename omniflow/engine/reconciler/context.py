@@ -6,7 +6,7 @@ import os
 import random
 import uuid
 
-from redis.asyncio import Redis
+from omniflow.storage.client import RedisClient
 
 from omniflow.config import Settings
 from omniflow.dataplane import DataPlane
@@ -35,6 +35,6 @@ class ReconcilerContext:
         self.finalize_plan = finalize_plan(pipeline)
         self.counts: dict[str, int] = dict.fromkeys(COUNT_NAMES, 0)
         # connections, made by `Reconciler._setup`
-        self.redis: Redis
-        self.blocking: Redis
+        self.redis: RedisClient
+        self.blocking: RedisClient
         self.plane: DataPlane

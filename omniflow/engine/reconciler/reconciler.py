@@ -8,7 +8,7 @@ import logging
 import time
 from typing import Any
 
-from redis.asyncio import Redis
+from omniflow.storage.client import RedisClient
 
 from omniflow.config import Settings
 from omniflow.dataplane import DataPlane
@@ -37,7 +37,7 @@ class Reconciler:
         self.settings, self.pipeline, self.redis_url, self.id = settings, pipeline, redis_url, ctx.id
         self.events = Events(ctx)
         self.sweeps = Sweeps(ctx, self.events)
-        self._clients: list[Redis] = []
+        self._clients: list[RedisClient] = []
 
     # ------------------------------------------------------------ what others see
     @property
@@ -57,11 +57,11 @@ class Reconciler:
         self.ctx.keys = keys
 
     @property
-    def redis(self) -> Redis:
+    def redis(self) -> RedisClient:
         return self.ctx.redis
 
     @redis.setter
-    def redis(self, client: Redis) -> None:       # a test's own connection, without `run`
+    def redis(self, client: RedisClient) -> None:       # a test's own connection, without `run`
         self.ctx.redis = client
 
     async def apply(self, entries: list[tuple[bytes, dict[bytes, bytes] | None]], cell: int = 0) -> list[str]:

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
-from redis.asyncio import Redis
+from omniflow.storage.client import RedisClient
 
 from omniflow.config import Settings
 from omniflow.dataplane import DataPlane
@@ -44,9 +44,9 @@ class WorkerContext:
         # the layout (how many cells) is known once connected (`Worker._setup_redis`)
         self.keys = Keys(settings.prefix, settings.cells or 1)
         # connections, made by `Worker._setup_redis`
-        self.redis: Redis
-        self.intake_redis: Redis
-        self.inbox_redis: Redis
+        self.redis: RedisClient
+        self.intake_redis: RedisClient
+        self.inbox_redis: RedisClient
         self.batchers: list[Batcher] = []
         self.batcher: Batcher
         self.plane: DataPlane
