@@ -122,6 +122,15 @@ async def test_one_emit_call_writes_one_text_entry_and_one_entry_per_edge(store)
                           use_bin_type=False)
     args = ["thinker", 1, "", now_ms(), sub.id, steps]
     keys = emit_keys(store, sub.id, "thinker", ("talker",))
+    # the talker's inbox is not declared: nothing is written, and the reply names whose it is
+    assert [s(x) for x in await redisio.script(store.client, "emit", keys, args)] == ["inbox", "talker", "w1"]
+    assert await store.client.xlen(store.keys.edge(sub.id, "thinker", "talker")) == 0
+    assert await store.text(sub.id, "thinker") == ""
+    # a later call of the same attempt waits its turn until the refused one is sent again
+    later = msgpack.packb([[4, "T", "c", ""]], use_bin_type=False)
+    assert [s(x) for x in await redisio.script(store.client, "emit", keys,
+                                               ["thinker", 1, "", now_ms(), sub.id, later])] == ["inbox", "", ""]
+    keys = [*keys, store.keys.inbox("w1", 0)]
     assert s(await redisio.script(store.client, "emit", keys, args)) == "ok"
     texts = [f for _, f in await store.read_log(sub.id) if f.get("t") == "text"]
     assert texts == [{"t": "text", "stage": "thinker", "from": "1", "seq": "3", "delta": "ab"}]
@@ -169,3 +178,36 @@ async def test_abort_is_terminal_once(store) -> None:
     assert [f["state"] for _, f in entries if f["t"] == "terminal"] == ["aborted"]
     assert await store.client.zscore(store.keys.inflight(0), sub.id) is None
     assert s(await store.client.get(store.keys.tomb(sub.id))) == "aborted"
+
+
+async def test_a_session_learns_its_consumers_inbox_and_declares_it_from_then_on(store) -> None:
+    """The first emit of a producer whose consumer is bound to a replica it does not know is refused
+    (nothing written) and sent again declaring that replica's inbox; the worker's other sessions
+    declare it from the start, so they are never refused."""
+    from omniflow.engine.session import Session
+    from omniflow.engine.session.consumers import Consumers
+    from omniflow.storage.batcher import Batcher
+
+    batcher, consumers = Batcher(store.client), Consumers()
+
+    async def run_thinker(n: int) -> int:
+        sub = await store.submit(request())
+        await claim_next(store, "thinker")
+        delivered = await store.client.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("talker", 0): ">"}, count=1)
+        await redisio.script(store.client, "claim", claim_keys(store, "talker", sub.id, ("thinker",)),
+                             [store.settings.prefix, TASK_GROUP, "w1", now_ms(), "thinker", "talker",
+                              s(delivered[0][1][0][0]), sub.id, "1"])
+        session = Session(wf_id=sub.id, stage="thinker", attempt=1, input={}, params={}, finals=("thinker",),
+                          downstream=("talker",), resume_seq=0, _batcher=batcher, _keys=store.keys,
+                          required=("thinker", "talker", "code2wav"), _consumers=consumers)
+        before = batcher.commands
+        await session.emit(text="hi", data=f"chunk {n}")
+        await session.flush()
+        inbox = await store.client.xrange(store.keys.inbox("w1", 0))
+        assert [e for _, e in inbox if e[b"wf"] == sub.id.encode()], "the chunk reached the consumer's inbox"
+        assert await store.text(sub.id, "thinker") == "hi"
+        return batcher.commands - before
+
+    assert await run_thinker(1) == 2            # refused once, then sent declaring w1's inbox
+    assert consumers.of(("talker",), 0) == {"talker": ("w1",)}
+    assert await run_thinker(2) == 1            # declared from the start

@@ -83,7 +83,7 @@ class Claims:
                     state=SessionState.WAITING_INPUT if upstream else SessionState.RUNNING,
                     checkpoint=checkpoint, _home=loop if pool.compute is not None else None,
                     _plane=ctx.plane, _domain_of=self.runner.domain_of, _chunk_dsts=pool.chunk_dsts,
-                    _bp=ctx.backpressure,
+                    _bp=ctx.backpressure, _consumers=ctx.consumers,
                 )
             except Exception as exc:  # noqa: BLE001 - a record that does not decode fails its workflow, not us
                 ctx.inputs.pop((wf_id, stage, attempt), None)

@@ -14,6 +14,7 @@ from omniflow.config import Settings
 from omniflow.dataplane import DataPlane
 from omniflow.dataplane.backpressure import WaitStats
 from omniflow.engine.session import Session
+from omniflow.engine.session.consumers import Consumers
 from omniflow.engine.window import StageWindow
 from omniflow.engine.worker.pool import StagePool
 from omniflow.errors import RedisError, RedisUnavailable
@@ -56,6 +57,7 @@ class WorkerContext:
         self.held: set[str] = set()     # task entry ids this worker is working on (claim, session, dead letter)
         # (wf, stage, attempt) -> the input queue of that session
         self.inputs: dict[tuple[str, str, int], asyncio.Queue[Any]] = {}
+        self.consumers = Consumers()        # which replicas consume which stage: the inboxes emits declare
         self.slot_free = asyncio.Event()        # a session slot came free (intake waits on it)
         self.undrained = asyncio.Event()        # cleared while an operator drains this worker
         self.undrained.set()

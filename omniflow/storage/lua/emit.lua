@@ -1,7 +1,8 @@
 -- emit: write a session's output steps (fenced; idempotent on seq), optionally then finish it.
 -- KEYS[1] wf base key  KEYS[2] the stage's task stream  KEYS[3] events stream (2 and 3: finish only;
 -- both of the workflow's cell)  KEYS[4] stage hash  KEYS[5] log  KEYS[6] out:<stage>  KEYS[7] blobs;
--- then edge:<stage>:<dst> of each downstream stage, the finish's usage key (if metered), and last
+-- then edge:<stage>:<dst> of each downstream stage, the inbox of each replica the caller knows to
+-- consume one of them (see unbound_inbox in _lib.lua), the finish's usage key (if metered), and last
 -- the payload keys of this call's 'B' ops, one per op, in order (omniflow.storage.transitions.emit)
 -- Ops never name a key by a suffix: 'X' and 'A' name KEYS[5] or KEYS[6] by position, 'B' one of
 -- the payload keys at the end of KEYS.
@@ -29,6 +30,9 @@
 --   one of KEYS (after the edges).
 -- Returns 'ok' | 'dup' (every step was already written) | 'fenced' (session no longer owns the stage)
 --       | 'gap' (steps after a hole were not written: the attempt must end; a retry resumes)
+--       | {'inbox', dst, replica} (nothing written: stage dst is bound to replica, whose inbox is not in
+--         KEYS; send the call again declaring it. dst and replica are '' for a call sent after such a
+--         refused one and before it was sent again: send it again after that one)
 --       | an error reply, with nothing written, when the steps or the finish are malformed
 --         (Redis never rolls back a script that fails part-way: everything is checked first)
 --@include _lib.lua
@@ -98,14 +102,47 @@ if bad then return redis.error_reply('emit: ' .. bad .. ' (nothing written)') en
 
 local function write_steps()
   if redis.call('HGET', wf, 'state') ~= 'running' then return 'fenced' end
-  local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq')
+  local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':inbox_wait')
   if tostring(cur[2]) ~= ARGV[2] then return 'fenced' end
   if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
+  local last = tonumber(cur[3] or '0')
+  -- every consumer this call forwards to must have its inbox declared: else nothing is written
+  local dsts, seen, first = {}, {}, nil
+  for _, step in ipairs(steps) do
+    if tonumber(step[1]) > last then
+      first = first or tonumber(step[1])
+      for i = 2, #step, 3 do
+        if step[i] == 'E' and not seen[step[i + 1]] then
+          seen[step[i + 1]] = true
+          dsts[#dsts + 1] = step[i + 1]
+        end
+      end
+    end
+  end
+  if fin and fin[3] == 'done' then
+    for _, dst in ipairs(csv(fin[7])) do
+      if not seen[dst] then dsts[#dsts + 1] = dst end
+    end
+  end
+  local unbound = unbound_inbox(wf, dsts)
+  if unbound then
+    redis.call('HSET', sk, stage .. ':inbox_wait', ARGV[2])
+    return {'inbox', unbound[1], unbound[2]}
+  end
+  if cur[4] == ARGV[2] then
+    -- a call refused for its inbox has not been sent again yet: one sent after it waits its turn
+    if first == nil then
+      if fin then return {'inbox', '', ''} end
+    elseif first > last + 1 then
+      return {'inbox', '', ''}
+    else
+      redis.call('HDEL', sk, stage .. ':inbox_wait')
+    end
+  end
   if ARGV[3] ~= '' and cur[1] ~= ARGV[3] then
     redis.call('HSET', sk, stage, ARGV[3])
     redis.call('XADD', log_key, '*', 't', 'stage', 'stage', stage, 'status', ARGV[3], 'attempt', ARGV[2])
   end
-  local last = tonumber(cur[3] or '0')
   local texts, tfirst, tlast = {}, nil, nil
   local ckpts = {}
   local wrote = 0
@@ -170,6 +207,7 @@ local function write_steps()
 end
 
 local res = write_steps()
+if type(res) == 'table' then return res end       -- refused for an inbox: nothing written
 if not fin then
   flush_edges()
   return res
