@@ -11,7 +11,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry
-from redis.asyncio import Redis
+from omniflow.storage.client import RedisClient
 
 from omniflow.api.errors import ApiError, retry_after
 from omniflow.api.hub import LogHub
@@ -78,7 +78,7 @@ class ApiState:
 
     settings: Settings
     pipeline: Pipeline
-    redis: Redis
+    redis: RedisClient
     store: Store
     hub: LogHub
     api_keys: dict[str, str]

@@ -45,8 +45,8 @@ class LogHub:
         self._store = store
         self._keys = store.keys
         # one blocking read over every cell on a single server; one per cell on a cluster
-        groups = read_groups(store.redis, store.keys.cells)
-        self._muxes = [StreamMux(store.redis, store.keys, block_ms=block_ms, cell=group[0]) for group in groups]
+        groups = read_groups(store.client, store.keys.cells)
+        self._muxes = [StreamMux(store.client, store.keys, block_ms=block_ms, cell=group[0]) for group in groups]
         self._mux_of = {cell: mux for group, mux in zip(groups, self._muxes) for cell in group}
         self._subs: dict[str, set[asyncio.Queue[Entry]]] = {}
         self._pumps: dict[str, asyncio.Task[None]] = {}

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from omniflow.ops.continuity import continuity
 from omniflow.ops.fleet import AudioChunk, StageTimes
+from omniflow.storage.schema import StageField
 from omniflow.storage.usage import TOKEN_FIELDS
 
 logger = logging.getLogger(__name__)
@@ -96,9 +97,9 @@ class ServingFigures:
             self._observe_audio(pipeline, stage, state, created, finished, chunks)
 
     def _observe_done(self, pipeline: str, stage: str, fields: dict[str, str]) -> None:
-        compute_s = _ms(fields, f"{stage}:compute_ms") / 1000
+        compute_s = _ms(fields, StageField.compute_ms(stage)) / 1000
         self.compute_s.labels(pipeline, stage).inc(compute_s)
-        usage = self._usage(fields.get(f"{stage}:usage"), stage)
+        usage = self._usage(fields.get(StageField.usage(stage)), stage)
         for name in TOKEN_FIELDS:
             value = usage.get(name)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
@@ -107,8 +108,8 @@ class ServingFigures:
         if compute_s > 0 and isinstance(completion, (int, float)) and not isinstance(completion, bool) \
                 and completion > 0:
             self.tokens_per_s.labels(pipeline, stage).observe(completion / compute_s)
-        rate = _ms(fields, f"{stage}:sr")
-        audio_s = _ms(fields, f"{stage}:samples") / rate if rate else 0.0
+        rate = _ms(fields, StageField.sample_rate(stage))
+        audio_s = _ms(fields, StageField.samples(stage)) / rate if rate else 0.0
         if audio_s > 0 and compute_s > 0:
             self.rtf.labels(pipeline, stage).observe(compute_s / audio_s)
 

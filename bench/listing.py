@@ -27,7 +27,7 @@ async def fill(store, n: int) -> list[str]:
     from omniflow.storage.batcher import Batcher
     from omniflow.models import SubmitRequest, WorkflowInput
 
-    batched = type(store)(store.redis, store.settings, store.pipeline, batcher=Batcher(store.redis))
+    batched = type(store)(store.client, store.settings, store.pipeline, batcher=Batcher(store.client))
     ids: list[str] = []
     for start in range(0, n, 2000):
         subs = await asyncio.gather(*(batched.submit(

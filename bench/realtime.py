@@ -142,7 +142,7 @@ async def barge_in(oai: AsyncOpenAI, engine: Engine, store: Store, turns: int) -
             done = await until(conn, "response.done")
             done_at = time.time()
             assert done.response.status == "cancelled", done.response.status
-            stages = {s(k): s(v) for k, v in (await store.redis.hgetall(store.keys.stages(wf_id))).items()}
+            stages = {s(k): s(v) for k, v in (await store.client.hgetall(store.keys.stages(wf_id))).items()}
             ends = [int(stages[f"{st}:t_end"]) for st in ("thinker", "talker", "code2wav")]
             out["aborted_ms"].append(max(ends) - t0 * 1000)
             out["cancelled_ms"].append((cancelled - t0) * 1000)

@@ -9,8 +9,7 @@ import signal
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from redis.asyncio import Redis
-from redis.exceptions import ResponseError
+from omniflow.storage.client import RedisClient
 
 from omniflow.errors import ConfigError, RedisUnavailable
 from omniflow.storage.keys import Keys
@@ -120,14 +119,12 @@ def run_until_signal(main: Callable[[asyncio.Event], Coroutine[Any, Any, None]])
     asyncio.run(runner())
 
 
-async def check_eviction_policy(redis: Redis) -> None:
+async def check_eviction_policy(redis: RedisClient) -> None:
     """Refuse to run against a server that may evict keys: evicting a record loses a workflow."""
-    with boundary():
-        try:
-            reply = await redis.config_get("maxmemory-policy")
-        except ResponseError as exc:   # managed Redis (or an ACL) may forbid CONFIG
-            logger.warning("cannot read maxmemory-policy (%s); make sure it is noeviction", exc)
-            return
+    reply = await redis.config_get("maxmemory-policy")
+    if reply is None:       # managed Redis (or an ACL) may forbid CONFIG
+        logger.warning("cannot read maxmemory-policy (CONFIG is refused); make sure it is noeviction")
+        return
     policy = reply.get(b"maxmemory-policy") or reply.get("maxmemory-policy")
     policy = policy.decode() if isinstance(policy, bytes) else policy
     if policy and policy not in SAFE_POLICIES:
@@ -137,7 +134,7 @@ async def check_eviction_policy(redis: Redis) -> None:
         )
 
 
-async def check_layout(redis: Redis, keys: Keys) -> None:
+async def check_layout(redis: RedisClient, keys: Keys) -> None:
     """Every process of a deployment must agree on its number of cells (`OMNIFLOW_CELLS`), or some
     cells would be served by nobody: the first process to start records it, the others check it."""
     with boundary():

@@ -76,7 +76,7 @@ async def terminal_count(store: Store, wf_id: str) -> int:
 
 
 async def stage_status(store: Store, wf_id: str, stage: str) -> str:
-    return s(await store.redis.hget(store.keys.stages(wf_id), stage))
+    return s(await store.client.hget(store.keys.stages(wf_id), stage))
 
 
 async def run_cli(*argv: str, env: dict[str, str]) -> tuple[int, str, str]:

@@ -51,7 +51,7 @@ async def test_filters_and_paging(engine_factory) -> None:
                                      tenant="acme" if i % 2 else "globex")
             ids.append(sub.id)
             # distinct creation ms (a stable newest-first order): the next one is created once the clock has moved on
-            created_ms = int(s(await store.redis.hget(store.keys.wf(sub.id), "created_ms")))
+            created_ms = int(s(await store.client.hget(store.keys.wf(sub.id), "created_ms")))
             await eventually(lambda: now_ms() > created_ms, interval_s=0.001, what="the clock past a creation ms")
         for wf_id in ids[:4]:
             await store.abort(wf_id)

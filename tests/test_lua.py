@@ -5,7 +5,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from omniflow.storage import scripts
+from omniflow.storage import redisio
+from omniflow.storage.transitions.emit import EMIT_OUT
 from omniflow.storage.keys import TASK_GROUP
 from omniflow.pipeline import build_pipeline
 from omniflow.engine.reconciler import Reconciler
@@ -21,7 +22,7 @@ from helpers import request
 async def store(any_server_url, settings_factory):
     redis = connect(any_server_url)
     st = Store(redis, settings_factory(any_server_url), build_pipeline(toy_spec()))
-    await scripts.load_all(redis)
+    await redisio.load_scripts(redis)
     for stage in st.pipeline.order:
         await ensure_group(redis, st.keys.tasks(stage, 0), TASK_GROUP)
     yield st
@@ -42,39 +43,38 @@ def emit_keys(store: Store, wf_id: str, stage: str, downstream: tuple[str, ...] 
 
 
 async def claim_next(store: Store, stage: str, worker: str = "w1") -> tuple[str, list]:
-    reply = await store.redis.xreadgroup(TASK_GROUP, worker, {store.keys.tasks(stage, 0): ">"}, count=1)
+    reply = await store.client.xreadgroup(TASK_GROUP, worker, {store.keys.tasks(stage, 0): ">"}, count=1)
     entry_id, fields = reply[0][1][0]
-    res = await scripts.call(store.redis, "claim", claim_keys(store, stage, s(fields[b"wf"])),
+    res = await redisio.script(store.client, "claim", claim_keys(store, stage, s(fields[b"wf"])),
                              [store.settings.prefix, TASK_GROUP, worker, now_ms(), "", stage,
                               s(entry_id), s(fields[b"wf"]), s(fields[b"a"])])
     return s(entry_id), [s(x) for x in res[0][:6]]
 
 
 async def emit(store: Store, wf_id: str, stage: str, attempt: int, seq: int, text: str) -> str:
-    steps = msgpack.packb([[seq, "A", f":out:{stage}", text]], use_bin_type=False)
-    res = await scripts.call(store.redis, "emit", emit_keys(store, wf_id, stage),
-                             [stage, attempt, "", now_ms(), store.settings.prefix, wf_id, steps])
+    steps = msgpack.packb([[seq, "A", EMIT_OUT, text]], use_bin_type=False)
+    res = await redisio.script(store.client, "emit", emit_keys(store, wf_id, stage),
+                               [stage, attempt, "", now_ms(), wf_id, steps])
     return s(res)
 
 
 async def test_a_script_refuses_a_key_it_was_not_given(store) -> None:
     """Every key a script touches must be declared (Redis Cluster routes and checks by KEYS)."""
-    sub = await store.submit(request(modalities=["text"]))
-    await claim_next(store, "thinker")
-    steps = msgpack.packb([[1, "A", ":out:thinker", "x"]], use_bin_type=False)
-    wf = store.keys.wf(sub.id)
-    with pytest.raises(Exception, match="undeclared key .*:out:thinker"):
-        await scripts.call(store.redis, "emit", [wf, store.keys.tasks("thinker", 0), store.keys.events(0),
-                                                 f"{wf}:stages", f"{wf}:log"],
-                           ["thinker", 1, "", now_ms(), store.settings.prefix, sub.id, steps])
+    sub = await store.submit(request())
+    delivered = await store.client.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("talker", 0): ">"}, count=1)
+    talker_task = s(delivered[0][1][0][0])
+    with pytest.raises(Exception, match="undeclared key .*:edge:thinker:talker"):
+        await redisio.script(store.client, "claim", claim_keys(store, "talker", sub.id),      # its edge left out
+                             [store.settings.prefix, TASK_GROUP, "w1", now_ms(), "thinker", "talker", talker_task,
+                              sub.id, "1"])
 
 
 async def test_submit_creates_record_and_presubmits_chunk_stages(store) -> None:
     sub = await store.submit(request())
     for stage in ("thinker", "talker", "code2wav"):
-        assert await store.redis.xlen(store.keys.tasks(stage, 0)) == 1
-    assert await store.redis.zscore(store.keys.inflight(0), sub.id) is not None
-    assert s(await store.redis.hget(store.keys.wf(sub.id), "state")) == "pending"
+        assert await store.client.xlen(store.keys.tasks(stage, 0)) == 1
+    assert await store.client.zscore(store.keys.inflight(0), sub.id) is not None
+    assert s(await store.client.hget(store.keys.wf(sub.id), "state")) == "pending"
 
 
 async def test_claim_drops_tasks_of_tombstoned_workflows(store) -> None:
@@ -82,8 +82,8 @@ async def test_claim_drops_tasks_of_tombstoned_workflows(store) -> None:
     await store.abort(sub.id)
     _, res = await claim_next(store, "thinker")
     assert res == ["drop", "aborted"]
-    assert await store.redis.xlen(store.keys.tasks("thinker", 0)) == 0       # acked and deleted
-    assert (await store.redis.xpending(store.keys.tasks("thinker", 0), TASK_GROUP))["pending"] == 0
+    assert await store.client.xlen(store.keys.tasks("thinker", 0)) == 0       # acked and deleted
+    assert (await store.client.xpending(store.keys.tasks("thinker", 0), TASK_GROUP))["pending"] == 0
 
 
 async def test_emit_is_idempotent_on_seq_and_fenced_by_attempt(store) -> None:
@@ -95,9 +95,9 @@ async def test_emit_is_idempotent_on_seq_and_fenced_by_attempt(store) -> None:
     assert await emit(store, sub.id, "thinker", 1, 2, "b") == "ok"
     # the session is re-queued (its worker was declared dead): attempt 2 owns the stage now
     rec = Reconciler(settings=store.settings, pipeline=store.pipeline, redis_url="unused")
-    rec.redis = store.redis
+    rec.redis = store.client
     assert await rec.sweeps.dead_workers() == 0       # no dead worker registered yet
-    await store.redis.zadd(store.keys.workers, {"w1": 1})
+    await store.client.zadd(store.keys.workers, {"w1": 1})
     assert await rec.sweeps.dead_workers() == 1
     assert await emit(store, sub.id, "thinker", 1, 3, "stale") == "fenced"
     assert await store.text(sub.id, "thinker") == "ab"
@@ -113,35 +113,44 @@ async def test_one_emit_call_writes_one_text_entry_and_one_entry_per_edge(store)
     the three chunks; replaying the call writes nothing."""
     sub = await store.submit(request())
     await claim_next(store, "thinker")
-    delivered = await store.redis.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("talker", 0): ">"}, count=1)
+    delivered = await store.client.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("talker", 0): ">"}, count=1)
     talker_task = s(delivered[0][1][0][0])
-    await scripts.call(store.redis, "claim", claim_keys(store, "talker", sub.id, ("thinker",)),
+    await redisio.script(store.client, "claim", claim_keys(store, "talker", sub.id, ("thinker",)),
                        [store.settings.prefix, TASK_GROUP, "w1", now_ms(), "thinker", "talker", talker_task, sub.id, "1"])
     chunk = lambda n: ["E", "talker", ["seq", n, "a", 1, "d", f"c{n}"]]  # noqa: E731
     steps = msgpack.packb([[1, "T", "a", "", *chunk(1)], [2, *chunk(2)], [3, "T", "b", "", *chunk(3)]],
                           use_bin_type=False)
-    args = ["thinker", 1, "", now_ms(), store.settings.prefix, sub.id, steps]
+    args = ["thinker", 1, "", now_ms(), sub.id, steps]
     keys = emit_keys(store, sub.id, "thinker", ("talker",))
-    assert s(await scripts.call(store.redis, "emit", keys, args)) == "ok"
+    # the talker's inbox is not declared: nothing is written, and the reply names whose it is
+    assert [s(x) for x in await redisio.script(store.client, "emit", keys, args)] == ["inbox", "talker", "w1"]
+    assert await store.client.xlen(store.keys.edge(sub.id, "thinker", "talker")) == 0
+    assert await store.text(sub.id, "thinker") == ""
+    # a later call of the same attempt waits its turn until the refused one is sent again
+    later = msgpack.packb([[4, "T", "c", ""]], use_bin_type=False)
+    assert [s(x) for x in await redisio.script(store.client, "emit", keys,
+                                               ["thinker", 1, "", now_ms(), sub.id, later])] == ["inbox", "", ""]
+    keys = [*keys, store.keys.inbox("w1", 0)]
+    assert s(await redisio.script(store.client, "emit", keys, args)) == "ok"
     texts = [f for _, f in await store.read_log(sub.id) if f.get("t") == "text"]
     assert texts == [{"t": "text", "stage": "thinker", "from": "1", "seq": "3", "delta": "ab"}]
     assert await store.text(sub.id, "thinker") == "ab"
-    edge = await store.redis.xrange(store.keys.edge(sub.id, "thinker", "talker"))
-    inbox = await store.redis.xrange(store.keys.inbox("w1", 0))
+    edge = await store.client.xrange(store.keys.edge(sub.id, "thinker", "talker"))
+    inbox = await store.client.xrange(store.keys.inbox("w1", 0))
     assert len(edge) == 1 and len(inbox) == 1
     chunks = msgpack.unpackb(edge[0][1][b"m"], raw=True)
     assert [dict(zip(c[::2], c[1::2]))[b"seq"] for c in chunks] == [1, 2, 3]
     assert inbox[0][1][b"m"] == edge[0][1][b"m"] and inbox[0][1][b"ds"] == b"talker"
-    assert s(await scripts.call(store.redis, "emit", keys, args)) == "dup"
-    assert await store.redis.xlen(store.keys.edge(sub.id, "thinker", "talker")) == 1
+    assert s(await redisio.script(store.client, "emit", keys, args)) == "dup"
+    assert await store.client.xlen(store.keys.edge(sub.id, "thinker", "talker")) == 1
 
 
 async def test_claim_is_idempotent_for_the_same_replica_only(store) -> None:
     sub = await store.submit(request(modalities=["text"]))
-    reply = await store.redis.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("thinker", 0): ">"}, count=1)
+    reply = await store.client.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("thinker", 0): ">"}, count=1)
     entry_id = s(reply[0][1][0][0])
     def claim(worker: str):
-        return scripts.call(store.redis, "claim", claim_keys(store, "thinker", sub.id),
+        return redisio.script(store.client, "claim", claim_keys(store, "thinker", sub.id),
                             [store.settings.prefix, TASK_GROUP, worker, now_ms(), "", "thinker", entry_id, sub.id, "1"])
     assert s((await claim("w1"))[0][0]) == "ok"
     assert s((await claim("w1"))[0][0]) == "ok"        # a retried call after a lost reply
@@ -153,12 +162,12 @@ async def test_finish_of_a_fenced_session_acks_but_reports_nothing(store) -> Non
     entry_id, _ = await claim_next(store, "thinker")
     await store.abort(sub.id)
     wf = store.keys.wf(sub.id)
-    res = await scripts.call(store.redis, "finish",
+    res = await redisio.script(store.client, "finish",
                              [wf, store.keys.tasks("thinker", 0), store.keys.events(0), f"{wf}:stages", f"{wf}:log"],
                              [TASK_GROUP, entry_id, "thinker", 1, "done", "{}", "1", now_ms(), 0, ""])
     assert s(res) == "fenced"
-    assert (await store.redis.xpending(store.keys.tasks("thinker", 0), TASK_GROUP))["pending"] == 0
-    assert await store.redis.xlen(store.keys.events(0)) == 0
+    assert (await store.client.xpending(store.keys.tasks("thinker", 0), TASK_GROUP))["pending"] == 0
+    assert await store.client.xlen(store.keys.events(0)) == 0
 
 
 async def test_abort_is_terminal_once(store) -> None:
@@ -167,5 +176,38 @@ async def test_abort_is_terminal_once(store) -> None:
     assert await store.abort(sub.id) == "aborted"       # already terminal: unchanged
     entries = await store.read_log(sub.id)
     assert [f["state"] for _, f in entries if f["t"] == "terminal"] == ["aborted"]
-    assert await store.redis.zscore(store.keys.inflight(0), sub.id) is None
-    assert s(await store.redis.get(store.keys.tomb(sub.id))) == "aborted"
+    assert await store.client.zscore(store.keys.inflight(0), sub.id) is None
+    assert s(await store.client.get(store.keys.tomb(sub.id))) == "aborted"
+
+
+async def test_a_session_learns_its_consumers_inbox_and_declares_it_from_then_on(store) -> None:
+    """The first emit of a producer whose consumer is bound to a replica it does not know is refused
+    (nothing written) and sent again declaring that replica's inbox; the worker's other sessions
+    declare it from the start, so they are never refused."""
+    from omniflow.engine.session import Session
+    from omniflow.engine.session.consumers import Consumers
+    from omniflow.storage.batcher import Batcher
+
+    batcher, consumers = Batcher(store.client), Consumers()
+
+    async def run_thinker(n: int) -> int:
+        sub = await store.submit(request())
+        await claim_next(store, "thinker")
+        delivered = await store.client.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("talker", 0): ">"}, count=1)
+        await redisio.script(store.client, "claim", claim_keys(store, "talker", sub.id, ("thinker",)),
+                             [store.settings.prefix, TASK_GROUP, "w1", now_ms(), "thinker", "talker",
+                              s(delivered[0][1][0][0]), sub.id, "1"])
+        session = Session(wf_id=sub.id, stage="thinker", attempt=1, input={}, params={}, finals=("thinker",),
+                          downstream=("talker",), resume_seq=0, _batcher=batcher, _keys=store.keys,
+                          required=("thinker", "talker", "code2wav"), _consumers=consumers)
+        before = batcher.commands
+        await session.emit(text="hi", data=f"chunk {n}")
+        await session.flush()
+        inbox = await store.client.xrange(store.keys.inbox("w1", 0))
+        assert [e for _, e in inbox if e[b"wf"] == sub.id.encode()], "the chunk reached the consumer's inbox"
+        assert await store.text(sub.id, "thinker") == "hi"
+        return batcher.commands - before
+
+    assert await run_thinker(1) == 2            # refused once, then sent declaring w1's inbox
+    assert consumers.of(("talker",), 0) == {"talker": ("w1",)}
+    assert await run_thinker(2) == 1            # declared from the start

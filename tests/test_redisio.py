@@ -18,6 +18,7 @@ from redis.exceptions import (
 
 from omniflow.storage import redisio
 from omniflow.storage.batcher import Batcher
+from omniflow.storage.transitions.reconcile import dead_letter
 from omniflow.errors import AdmissionRefused, ConfigError, RedisRefused, RedisUnavailable, ScriptError
 from omniflow.client.store import Store
 
@@ -56,7 +57,7 @@ async def test_the_script_runner_reloads_after_a_flush_and_returns_errors_in_pla
     try:
         await redis.set("t-redisio:str", "v")
         await redis.script_flush()
-        call = redisio.dead_letter_call("t-redisio:dlq", "t-redisio:src", "", "0-1", {b"a": b"1"}, "why", max_len=10)
+        call = dead_letter("t-redisio:dlq", "t-redisio:src", "", "0-1", {b"a": b"1"}, "why", max_len=10)
         results = await redisio.execute(redis, [call, ("HGET", "t-redisio:str", "x")])
         assert results[0] == 1                                        # loaded and sent again
         assert isinstance(results[1], ScriptError)                    # WRONGTYPE, in place

@@ -15,7 +15,7 @@ from omniflow.client.store import Store, connect
 from omniflow.errors import InvalidRequest
 from omniflow.ops.usage import read_usage
 from omniflow.pipeline import build_pipeline
-from omniflow.storage import scripts
+from omniflow.storage import redisio
 from omniflow.storage.keys import TASK_GROUP
 from omniflow.storage.redisio import ensure_group
 from omniflow.storage.schema import now_ms, s
@@ -79,7 +79,7 @@ async def test_each_finished_session_counts_once_with_retries(engine_factory) ->
 async def store(valkey_url, settings_factory):
     redis = connect(valkey_url)
     st = Store(redis, settings_factory(valkey_url), build_pipeline(toy_spec()))
-    await scripts.load_all(redis)
+    await redisio.load_scripts(redis)
     for stage in st.pipeline.order:
         await ensure_group(redis, st.keys.tasks(stage, 0), TASK_GROUP)
     yield st
@@ -91,10 +91,10 @@ async def store(valkey_url, settings_factory):
 
 async def test_a_finish_sent_again_adds_nothing_and_a_malformed_meter_writes_nothing(store) -> None:
     sub = await store.submit(request("once", ["text"]), tenant="acme")
-    reply = await store.redis.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("thinker", 0): ">"}, count=1)
+    reply = await store.client.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("thinker", 0): ">"}, count=1)
     entry_id = s(reply[0][1][0][0])
     wf = store.keys.wf(sub.id)
-    claimed = await scripts.call(store.redis, "claim", [store.keys.tasks("thinker", 0),
+    claimed = await redisio.script(store.client, "claim", [store.keys.tasks("thinker", 0),
                                                         store.keys.state_index("pending", 0),
                                                         store.keys.state_index("running", 0), wf, f"{wf}:stages",
                                                         f"{wf}:log"],
@@ -110,19 +110,19 @@ async def test_a_finish_sent_again_adds_nothing_and_a_malformed_meter_writes_not
     async def finish(fin_meter: list) -> str:
         steps = msgpack.packb([[1, "T", "hi", ""]], use_bin_type=False)
         fin = msgpack.packb([TASK_GROUP, entry_id, "done", "{}", "1", 1, "", fin_meter], use_bin_type=False)
-        return s(await scripts.call(store.redis, "emit", keys,
-                                    ["thinker", 1, "", now_ms(), store.settings.prefix, sub.id, steps, fin]))
+        return s(await redisio.script(store.client, "emit", keys,
+                                    ["thinker", 1, "", now_ms(), sub.id, steps, fin]))
 
     with pytest.raises(Exception, match="the finish is malformed"):
         await finish([usage_key, "soon", 250, 1, 3])
-    assert not await store.redis.exists(usage_key)
+    assert not await store.client.exists(usage_key)
     assert await finish(meter.fields()) == "ok"
     assert await finish(meter.fields()) == "fenced"          # sent again (its reply lost): counted once
-    counts = {parse_field(s(k)): int(v) for k, v in (await store.redis.hgetall(usage_key)).items()}
+    counts = {parse_field(s(k)): int(v) for k, v in (await store.client.hgetall(usage_key)).items()}
     name = store.pipeline.name
     assert counts == {(name, "thinker", "sessions", "acme"): 1, (name, "thinker", "compute_ms", "acme"): 250,
                       (name, "thinker", "prompt_tokens", "acme"): 1, (name, "thinker", "completion_tokens", "acme"): 3}
-    ttl = await store.redis.ttl(usage_key)
+    ttl = await store.client.ttl(usage_key)
     assert (bucket + 1) * BUCKET_S + 7 * 86_400 - now_ms() // 1000 - ttl in (0, 1)
 
 

@@ -80,7 +80,7 @@ def submit(file: Path = typer.Argument(..., metavar="FILE.jsonl", help="one JSON
             created = await submit_batch(store, pool, parsed)
         finally:
             await pool.aclose()
-        if not await runner_alive(store.redis, settings):
+        if not await runner_alive(store.client, settings):
             err_console.print("[yellow]warning:[/yellow] no `omniflow jobs` process is running; "
                               "the batch starts when one does", highlight=False, soft_wrap=True)
         if not wait:

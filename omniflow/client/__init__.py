@@ -22,7 +22,7 @@ from omniflow.errors import RedisRefused
 from omniflow.models import SubmitRequest, WorkflowInput
 from omniflow.pipeline import Pipeline, load_pipeline
 from omniflow.storage.redisio import connect, connect_sync
-from omniflow.storage.scripts import SubmitResult
+from omniflow.storage.transitions.admission import SubmitResult
 from omniflow.client.store import Store, check_same_body
 from omniflow.storage.schema import s
 
@@ -117,13 +117,13 @@ class Client:
                             stage_params=stage_params or {}, request_id=request_id, deadline_s=deadline_s,
                             webhook_url=webhook_url)
         store = self._client.store
-        keys, args = store.submit_call(req, tenant=self._client.tenant)
+        call, tried = store.submit_call(req, tenant=self._client.tenant)
         try:
-            reply = redisio.script_sync(self._sync, "submit", keys, args)
+            reply = redisio.call_sync(self._sync, call)
             if s(reply[0]) == SubmitResult.BUSY and not request_id and store.keys.cells > 1:
                 # that cell is full: one more try in another one (as Store.submit does)
-                keys, args = store.submit_call(req, tenant=self._client.tenant, wf_id=store.other_cell_id(args[1]))
-                reply = redisio.script_sync(self._sync, "submit", keys, args)
+                call, tried = store.submit_call(req, tenant=self._client.tenant, wf_id=store.other_cell_id(tried))
+                reply = redisio.call_sync(self._sync, call)
         except RedisRefused as exc:
             raise store.refused(exc) from exc
         result = store.submitted(reply)

@@ -2,15 +2,14 @@
 final text outputs and the webhook's deliveries (read by `Store.document`)."""
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from omniflow.storage.schema import csv
+from omniflow.storage.schema import RecordField, StageRecord, WorkflowRecord, csv
 
 
 def output_kinds(rec: dict[str, str]) -> dict[str, str]:
     """Final stage -> its output kind (`text` or `audio`), from the record's `kinds` field."""
-    return dict(x.split("=", 1) for x in csv(rec.get("kinds")))
+    return dict(x.split("=", 1) for x in csv(rec.get(RecordField.KINDS)))
 
 
 def text_stages(rec: dict[str, str]) -> list[str]:
@@ -18,52 +17,49 @@ def text_stages(rec: dict[str, str]) -> list[str]:
     return [name for name, kind in output_kinds(rec).items() if kind == "text"]
 
 
+def stage_entry(stage: StageRecord) -> dict[str, Any]:
+    """One stage of the document."""
+    return {
+        "status": stage.status, "attempt": stage.attempt, "replica": stage.replica, "submitted": stage.attempt > 0,
+        "submitted_at": stage.submitted_at, "started_at": stage.started_at, "finished_at": stage.finished_at,
+        "usage": stage.usage, "error": stage.error,
+    }
+
+
 def workflow_document(wf_id: str, rec: dict[str, str], st: dict[str, str], texts: dict[str, str],
                       webhook: dict[str, Any] | None) -> dict[str, Any]:
     """The document of workflow `wf_id`: `rec` its record, `st` its stage hash (both decoded), `texts`
     the final text outputs by stage, `webhook` the webhook part (or None)."""
-    kinds = output_kinds(rec)
-    stages: dict[str, Any] = {}
-    for name in csv(rec.get("stages")):
-        attempt = int(st.get(f"{name}:attempt") or 0)
-        entry: dict[str, Any] = {
-            "status": st.get(name, "pending"),
-            "attempt": attempt,
-            "replica": st.get(f"{name}:replica") or None,
-            "submitted": attempt > 0,
-        }
-        for field, label in (("t_submit", "submitted_at"), ("t_start", "started_at"), ("t_end", "finished_at")):
-            entry[label] = int(st[f"{name}:{field}"]) / 1000 if st.get(f"{name}:{field}") else None
-        entry["usage"] = json.loads(st[f"{name}:usage"]) if st.get(f"{name}:usage") else None
-        entry["error"] = st.get(f"{name}:error") or None
-        stages[name] = entry
+    record = WorkflowRecord.decode(wf_id, rec)
+    decoded = {name: StageRecord.decode(name, st) for name in record.stages}
+    stages = {name: stage_entry(stage) for name, stage in decoded.items()}
     outputs: dict[str, Any] = {}
-    for name, kind in kinds.items():
+    for name, kind in record.kinds.items():
         partial = stages.get(name, {}).get("status") != "done"
         if kind == "text":
             outputs[name] = {"type": "text", "text": texts.get(name, ""), "partial": partial}
         else:
-            sr = int(st.get(f"{name}:sr") or 0)
-            samples = int(st.get(f"{name}:samples") or 0)
+            stage = decoded.get(name) or StageRecord.decode(name, st)
+            sr = stage.sample_rate
             outputs[name] = {
                 "type": "audio", "sample_rate": sr or None,
-                "duration_s": round(samples / sr, 4) if sr else 0.0,
-                "chunks": int(st.get(f"{name}:seq") or 0), "partial": partial,
+                "duration_s": round(stage.samples / sr, 4) if sr else 0.0,
+                "chunks": stage.seq, "partial": partial,
             }
     return {
-        "id": rec.get("id", wf_id),
-        "request_id": rec.get("request_id") or None,
-        "state": rec.get("state"),
-        "tenant": rec.get("tenant"),
-        "pipeline": rec.get("pipeline"),
-        "final_stages": csv(rec.get("finals")),
-        "required_stages": csv(rec.get("stages")),
-        "created_at": int(rec.get("created_ms") or 0) / 1000,
-        "finished_at": int(rec["finished_ms"]) / 1000 if rec.get("finished_ms") else None,
-        "deadline_at": int(rec.get("deadline_ms") or 0) / 1000,
+        "id": record.id,
+        "request_id": record.request_id or None,
+        "state": rec.get(RecordField.STATE),
+        "tenant": rec.get(RecordField.TENANT),
+        "pipeline": rec.get(RecordField.PIPELINE),
+        "final_stages": record.finals,
+        "required_stages": record.stages,
+        "created_at": record.created_ms / 1000,
+        "finished_at": record.finished_ms / 1000 if record.finished_ms else None,
+        "deadline_at": record.deadline_ms / 1000,
         "stages": stages,
         "outputs": outputs,
-        "error": rec.get("error") or None,
-        "error_stage": rec.get("error_stage") or None,
+        "error": record.error or None,
+        "error_stage": record.error_stage or None,
         "webhook": webhook,
     }

@@ -10,36 +10,27 @@ document.
 from __future__ import annotations
 
 import json
-from enum import Enum
 from typing import Any
 
-from redis.asyncio import Redis
+from omniflow.storage.client import RedisClient
 
 from omniflow.storage import redisio
 from omniflow.storage.keys import Keys
 from omniflow.storage.redisio import translated
-from omniflow.storage.schema import s
+from omniflow.storage.transitions.realtime import SaveResult, realtime_save, save_result
 
-
-class SaveResult(str, Enum):
-    """What `realtime_save.lua` answered."""
-
-    OK = "ok"
-    GONE = "gone"          # no such session (expired, never made, or another tenant's)
-    TAKEN = "taken"        # another connection owns the session now
-    EXISTS = "exists"      # create: the id is in use
+__all__ = ["RealtimeSessions", "SaveResult"]
 
 
 class RealtimeSessions:
     """Create, claim and save realtime sessions' state."""
 
-    def __init__(self, redis: Redis, keys: Keys, *, ttl_s: int) -> None:
+    def __init__(self, redis: RedisClient, keys: Keys, *, ttl_s: int) -> None:
         self._redis, self._keys, self.ttl_s = redis, keys, ttl_s
 
     async def _call(self, mode: str, session_id: str, owner: str, state: str, tenant: str) -> tuple[SaveResult, str]:
-        reply = await redisio.script(self._redis, "realtime_save", [self._keys.realtime(session_id)],
-                                     [mode, owner, state, self.ttl_s, tenant])
-        return SaveResult(s(reply[0])), (s(reply[1]) if len(reply) > 1 else "")
+        return save_result(await redisio.call(self._redis, *realtime_save(
+            self._keys, session_id, mode=mode, owner=owner, state=state, ttl_s=self.ttl_s, tenant=tenant)))
 
     @translated
     async def create(self, session_id: str, *, owner: str, tenant: str, state: dict[str, Any]) -> bool:

@@ -17,20 +17,22 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from redis.asyncio import Redis
+from omniflow.storage.client import RedisClient
 
-from omniflow.storage import cells, redisio, scripts
+from omniflow.storage import cells, redisio
 from omniflow.storage.batcher import Batcher
 from omniflow.config import Settings
 from omniflow.errors import (AdmissionRefused, ConfigError, IdempotencyConflict, InvalidRequest, NotReady, RedisRefused,
                              ScriptError, WorkflowNotFound, WorkflowRetired)
-from omniflow.storage.keys import Keys, finalize_suffixes
+from omniflow.storage.keys import FinalizePlan, Keys, finalize_plan
 from omniflow.models import TERMINAL_STATES, SubmitRequest, Submitted, WorkflowState
 from omniflow.pipeline import Pipeline, Plan
 from omniflow.storage.redisio import connect, translated
 from omniflow.client.documents import text_stages, workflow_document
 from omniflow.client.realtime import RealtimeSessions
 from omniflow.storage.schema import csv, decode_fields, now_ms, s
+from omniflow.storage.transitions import Call, admission
+from omniflow.storage.transitions.admission import SubmitResult
 
 if TYPE_CHECKING:
     from omniflow.storage.listing import ListFilter, ListPage
@@ -61,13 +63,12 @@ def check_same_body(wf_id: str, req: SubmitRequest, stored_hash: str) -> None:
             "use a fresh request_id for a different request")
 
 
-def abort_call(keys: Keys, settings: Settings, final_suffixes: tuple[str, ...], wf_id: str, *,
-               state: WorkflowState, reason: str, stage: str = "") -> tuple[Any, ...]:
+def abort_call(keys: Keys, settings: Settings, plan: FinalizePlan, wf_id: str, *,
+               state: WorkflowState, reason: str, stage: str = "") -> Call:
     """The `abort.lua` call retiring `wf_id` (a client's abort, the reconciler's deadline sweep);
-    `final_suffixes`: `keys.finalize_suffixes` of the pipeline."""
-    return scripts.evalsha_args(
-        "abort", [keys.wf(wf_id), keys.inflight(keys.cell_of(wf_id)), *keys.finalize_keys(wf_id, final_suffixes)],
-        [settings.prefix, now_ms(), state.value, reason, stage, settings.tombstone_ttl_s, settings.result_ttl_s])
+    `plan`: `finalize_plan` of the pipeline."""
+    return admission.abort(keys, plan, wf_id, now_ms=now_ms(), state=state, reason=reason, stage=stage,
+                           tombstone_ttl_s=settings.tombstone_ttl_s, result_ttl_s=settings.result_ttl_s)
 
 
 @dataclass(frozen=True)
@@ -82,10 +83,10 @@ class _PlanParts:
 class Store:
     """Client-side operations on workflows (used by the client, API, CLI and batch runner)."""
 
-    def __init__(self, redis: Redis, settings: Settings, pipeline: Pipeline, *, batcher: Batcher | None = None) -> None:
+    def __init__(self, redis: RedisClient, settings: Settings, pipeline: Pipeline, *, batcher: Batcher | None = None) -> None:
         self._plans: dict[tuple[str, ...] | None, _PlanParts] = {}
         self._egress: Any = None        # the webhook egress policy, built on first use
-        self.redis = redis
+        self._redis = redis
         self.batcher = batcher          # when set, submits are group-committed (many callers, few round trips)
         self.settings = settings
         self.pipeline = pipeline
@@ -94,8 +95,13 @@ class Store:
         if settings.max_in_flight < self.keys.cells:
             raise ConfigError(f"OMNIFLOW_MAX_IN_FLIGHT={settings.max_in_flight} is below the number of cells "
                               f"({self.keys.cells}): every cell must admit at least one workflow")
-        self._final_suffixes = finalize_suffixes(pipeline)
+        self._finalize_plan = finalize_plan(pipeline)
         self.realtime = RealtimeSessions(redis, self.keys, ttl_s=settings.realtime_session_ttl_s)
+
+    @property
+    def client(self) -> RedisClient:
+        """The Redis client this store talks through (errors translated; see `omniflow.storage.client`)."""
+        return self._redis
 
     # ---------------------------------------------------------------- submit
     @translated
@@ -103,19 +109,19 @@ class Store:
         """Create, admit and pre-submit a workflow (one `submit.lua` call).
 
         A server out of memory refuses it like admission control does: `AdmissionRefused` (busy)."""
-        keys, args = self.submit_call(req, tenant=tenant, wf_id=wf_id)
+        call, tried = self.submit_call(req, tenant=tenant, wf_id=wf_id)
         try:
-            reply = await self._submit_script(keys, args)
-            if (s(reply[0]) == scripts.SubmitResult.BUSY and wf_id is None and not req.request_id
+            reply = await self._submit_script(call)
+            if (s(reply[0]) == SubmitResult.BUSY and wf_id is None and not req.request_id
                     and self.keys.cells > 1):
                 # this cell is full: one more try in another (the limit is shared evenly by cells)
-                keys, args = self.submit_call(req, tenant=tenant, wf_id=self.other_cell_id(args[1]))
-                reply = await self._submit_script(keys, args)
+                call, tried = self.submit_call(req, tenant=tenant, wf_id=self.other_cell_id(tried))
+                reply = await self._submit_script(call)
         except RedisRefused as exc:
             raise self.refused(exc) from exc
         result = self.submitted(reply)
         if result.existing:
-            pipe = self.redis.pipeline(transaction=False)
+            pipe = self._redis.pipeline(transaction=False)
             pipe.hmget(self.keys.wf(result.id), ["state", "body_hash"])
             pipe.exists(self.keys.tomb(result.id))
             (raw_state, stored_hash), retired = await pipe.execute()
@@ -133,14 +139,14 @@ class Store:
         taken = cells.cell_of(s(refused_id))
         return new_id((taken + 1 + cells.pick_cell(self.keys.cells - 1)) % self.keys.cells)
 
-    async def _submit_script(self, keys: list[str], args: list[Any]) -> Any:
+    async def _submit_script(self, call: Call) -> Any:
         if self.batcher is not None:
-            return await self.batcher.script("submit", keys, args, retry_refused=False)
-        return await redisio.script(self.redis, "submit", keys, args)
+            return await self.batcher.send(*call, retry_refused=False)
+        return await redisio.call(self._redis, *call)
 
     def submit_call(self, req: SubmitRequest, *, tenant: str = "default",
-                    wf_id: str | None = None) -> tuple[list[str], list[Any]]:
-        """Validate a request and build the KEYS and ARGV of its `submit.lua` call (no I/O)."""
+                    wf_id: str | None = None) -> tuple[Call, str]:
+        """Validate a request and build its `submit.lua` call (no I/O); the call and the id it submits."""
         parts = self._plan_parts(tuple(req.output_modalities) if req.output_modalities is not None else None)
         if len(req.input.text) > self.settings.max_prompt_chars:
             raise InvalidRequest(f"input.text: {len(req.input.text)} characters; the limit is {self.settings.max_prompt_chars}")
@@ -174,17 +180,13 @@ class Store:
             self._check_webhook(req.webhook_url)
         if req.request_id:     # what a reuse of the key is compared with (409 idempotency_conflict)
             record += ["body_hash", body_hash(req)]
-        idem_key = self.keys.idem(tenant, req.request_id or "-", cell)
-        wf = self.keys.wf(wf_id)
-        keys = [wf, f"{wf}:stages", f"{wf}:log", self.keys.inflight(cell), self.keys.tomb(wf_id), idem_key,
-                self.keys.all_wf(cell), self.keys.tenant_index(tenant, cell), self.keys.tenants(cell),
-                self.keys.state_index(WorkflowState.PENDING.value, cell),
-                *(self.keys.tasks(st, cell) for st in parts.plan.admit)]
-        args = [self.settings.prefix, wf_id, now, now + int(deadline_s * 1000),
-                cells.cell_limit(self.settings.max_in_flight, self.keys.cells, cell),
-                self.settings.idempotency_ttl_s if req.request_id else 0,
-                parts.stages, parts.admit, len(record) // 2, *record]
-        return keys, args
+        call = admission.submit(
+            self.keys, wf_id, tenant=tenant, request_id=req.request_id or "", admit=tuple(parts.plan.admit),
+            now_ms=now, deadline_ms=now + int(deadline_s * 1000),
+            cell_limit=cells.cell_limit(self.settings.max_in_flight, self.keys.cells, cell),
+            idempotency_ttl_s=self.settings.idempotency_ttl_s if req.request_id else 0,
+            stages_csv=parts.stages, admit_csv=parts.admit, record=record)
+        return call, wf_id
 
     def _check_webhook(self, url: str) -> None:
         """Refuse a webhook URL that can never be delivered, as far as that is knowable without DNS."""
@@ -224,15 +226,12 @@ class Store:
 
     def submitted(self, reply: Any) -> Submitted:
         """Map a `submit.lua` reply to the result, or to the error it means."""
-        code, ident = s(reply[0]), s(reply[1])
-        if code == scripts.SubmitResult.OK:
+        code, ident = admission.submit_result(reply)
+        if code is SubmitResult.OK:
             return Submitted(id=ident, state=WorkflowState.PENDING)
-        if code == scripts.SubmitResult.EXISTING:
+        if code is SubmitResult.EXISTING:
             return Submitted(id=ident, state=WorkflowState.PENDING, existing=True)
-        if code == scripts.SubmitResult.RETIRED:
-            raise self.retired(ident)
-        if code == scripts.SubmitResult.EXISTS:
-            raise InvalidRequest(f"workflow id {ident} already exists")
+        admission.raise_for_submit(code, ident)
         where = "" if self.keys.cells == 1 else f" in the cell tried (max_in_flight is split over {self.keys.cells} cells)"
         raise AdmissionRefused(
             f"{ident} workflows in flight{where}, the limit is {self.settings.max_in_flight}; retry later",
@@ -241,12 +240,11 @@ class Store:
 
     @staticmethod
     def retired(wf_id: str) -> WorkflowRetired:
-        return WorkflowRetired(f"workflow {wf_id} is retired (aborted or failed) and cannot be resubmitted; "
-                               "submit again with a fresh request_id")
+        return admission.retired(wf_id)
 
     async def _wait_aof(self) -> None:
         try:
-            await redisio.call(self.redis, "WAITAOF", 1, 0, 1000)
+            await redisio.call(self._redis, "WAITAOF", 1, 0, 1000)
         except ScriptError as exc:      # servers before 7.2 lack it
             raise ConfigError(f"wait_aof is on but the server refused WAITAOF: {exc}") from exc
 
@@ -257,15 +255,12 @@ class Store:
         """Abort a live workflow. Returns the state it ends in (already-terminal ones are left as they are)."""
         if tenant is not None:
             await self._check_tenant(wf_id, tenant)
-        reply = await redisio.call(self.redis, *abort_call(self.keys, self.settings, self._final_suffixes, wf_id,
+        reply = await redisio.call(self._redis, *abort_call(self.keys, self.settings, self._finalize_plan, wf_id,
                                                            state=state, reason=reason, stage=stage))
-        code = s(reply[0])
-        if code == "gone":
-            raise WorkflowNotFound(f"no workflow {wf_id}")
-        return state.value if code == "ok" else s(reply[1])
+        return admission.abort_result(wf_id, reply, state)
 
     async def _check_tenant(self, wf_id: str, tenant: str) -> None:
-        owner = await self.redis.hget(self.keys.wf(wf_id), "tenant")
+        owner = await self._redis.hget(self.keys.wf(wf_id), "tenant")
         if owner is None or s(owner) != tenant:
             raise WorkflowNotFound(f"no workflow {wf_id}")
 
@@ -273,7 +268,7 @@ class Store:
     @translated
     async def document(self, wf_id: str, *, tenant: str | None = None) -> dict[str, Any]:
         """The workflow document (DESIGN §5): state, stages, outputs keyed by stage."""
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self._redis.pipeline(transaction=False)
         pipe.hgetall(self.keys.wf(wf_id))
         pipe.hgetall(self.keys.stages(wf_id))
         rec_raw, stages_raw = await pipe.execute()
@@ -286,7 +281,7 @@ class Store:
         wanted = text_stages(rec)
         texts = {}
         if wanted:
-            vals = await self.redis.mget([self.keys.out(wf_id, name) for name in wanted])
+            vals = await self._redis.mget([self.keys.out(wf_id, name) for name in wanted])
             texts = {name: s(v) for name, v in zip(wanted, vals)}
         webhook = await self._webhook_view(wf_id, rec.get("webhook") or "")
         return workflow_document(wf_id, rec, st, texts, webhook)
@@ -295,7 +290,7 @@ class Store:
         """The webhook part of the document: its URL, the delivery outcome so far and every attempt."""
         if not url:
             return None
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self._redis.pipeline(transaction=False)
         pipe.hgetall(self.keys.webhook(wf_id))
         pipe.lrange(self.keys.webhook_attempts(wf_id), 0, -1)
         raw, attempts = await pipe.execute()
@@ -307,13 +302,13 @@ class Store:
 
     @translated
     async def state(self, wf_id: str) -> WorkflowState | None:
-        raw = await self.redis.hget(self.keys.wf(wf_id), "state")
+        raw = await self._redis.hget(self.keys.wf(wf_id), "state")
         return WorkflowState(s(raw)) if raw else None
 
     @translated
     async def last_event(self, wf_id: str) -> tuple[str, dict[str, str]] | None:
         """The newest entry of the workflow's event log (None when it has none)."""
-        last = await self.redis.xrevrange(self.keys.log(wf_id), count=1)
+        last = await self._redis.xrevrange(self.keys.log(wf_id), count=1)
         return (s(last[0][0]), decode_fields(last[0][1])) if last else None
 
     @translated
@@ -322,9 +317,9 @@ class Store:
         """Event-log entries after `after`; with `block_ms`, wait for the next ones."""
         key = self.keys.log(wf_id)
         if block_ms is None:
-            entries = await self.redis.xrange(key, min=f"({after}" if after != "0-0" else "-", count=count)
+            entries = await self._redis.xrange(key, min=f"({after}" if after != "0-0" else "-", count=count)
         else:
-            reply = await self.redis.xread({key: after}, count=count, block=block_ms)
+            reply = await self._redis.xread({key: after}, count=count, block=block_ms)
             entries = reply[0][1] if reply else []
         return [(s(eid), decode_fields(fields)) for eid, fields in entries]
 
@@ -365,7 +360,7 @@ class Store:
                 if left <= 0:
                     break
                 wait_ms = max(1, min(wait_ms, int(left * 1000)))
-            if await self.redis.xread({self.keys.done(wf_id): "0-0"}, count=1, block=wait_ms):
+            if await self._redis.xread({self.keys.done(wf_id): "0-0"}, count=1, block=wait_ms):
                 break
             if await self.state(wf_id) is None:       # expired or purged while we waited
                 raise WorkflowNotFound(f"no workflow {wf_id}")
@@ -373,7 +368,7 @@ class Store:
 
     @translated
     async def text(self, wf_id: str, stage: str) -> str:
-        return s(await self.redis.get(self.keys.out(wf_id, stage)))
+        return s(await self._redis.get(self.keys.out(wf_id, stage)))
 
     @translated
     async def audio(self, wf_id: str, stage: str | None = None) -> tuple[int, np.ndarray]:
@@ -387,7 +382,7 @@ class Store:
             raise WorkflowNotFound(f"workflow {wf_id} has no audio output from stage {stage!r}")
         if audio[stage]["partial"] and doc["state"] in ("pending", "running"):
             raise NotReady(f"audio of workflow {wf_id} is not ready (stage {stage} is {doc['stages'][stage]['status']})")
-        entries = await self.redis.xrange(self.keys.out(wf_id, stage))
+        entries = await self._redis.xrange(self.keys.out(wf_id, stage))
         pcm = [np.frombuffer(f[b"pcm"], dtype="<i2") for _, f in entries]
         samples = np.concatenate(pcm) if pcm else np.zeros(0, dtype="<i2")
         return int(audio[stage]["sample_rate"] or 0), samples
@@ -397,14 +392,14 @@ class Store:
         """One page of the workflows matching `flt` (the listing indexes: `omniflow.storage.listing`)."""
         from omniflow.storage import listing  # imported here: listing builds on this module's helpers
 
-        return await listing.query(self.redis, self.keys, flt, offset=offset, limit=limit)
+        return await listing.query(self._redis, self.keys, flt, offset=offset, limit=limit)
 
     @translated
     async def state_counts(self) -> dict[str, int]:
         """Workflows per state, from the listing indexes."""
         from omniflow.storage import listing
 
-        return await listing.state_counts(self.redis, self.keys)
+        return await listing.state_counts(self._redis, self.keys)
 
     async def list(self, *, state: str | None = None, tenant: str | None = None, offset: int = 0,
                    limit: int = 50) -> builtins.list[dict[str, Any]]:
@@ -417,24 +412,24 @@ class Store:
     @translated
     async def ping(self) -> None:
         """Raise `RedisUnavailable` unless Redis answers."""
-        await self.redis.ping()
+        await self._redis.ping()
 
     @translated
     async def audio_chunks(self, wf_id: str, stage: str, *, after: str = "-") -> builtins.list[tuple[str, bytes, int]]:
         """Audio chunks of a final stage after entry `after` (exclusive unless '-'): (entry id, PCM, rate)."""
         start = after if after == "-" else f"({after}"
         return [(s(eid), bytes(f[b"pcm"]), int(s(f.get(b"sr")) or 0))
-                for eid, f in await self.redis.xrange(self.keys.out(wf_id, stage), min=start)]
+                for eid, f in await self._redis.xrange(self.keys.out(wf_id, stage), min=start)]
 
     @translated
     async def live_workers(self, *, claiming: bool = False) -> dict[str, int]:
         """Live workers per stage of the pipeline: members of `<p>:workers` whose lease (score, ms) is
         in the future. A worker serving several stages (`--stage a,b`, `up --colocate`) counts for each.
         `claiming`: only those that take new work (not drained: readiness)."""
-        ids = await self.redis.zrangebyscore(self.keys.workers, f"({now_ms()}", "+inf")
+        ids = await self._redis.zrangebyscore(self.keys.workers, f"({now_ms()}", "+inf")
         counts = dict.fromkeys(self.pipeline.order, 0)
         if ids:
-            pipe = self.redis.pipeline(transaction=False)
+            pipe = self._redis.pipeline(transaction=False)
             for worker_id in ids:
                 pipe.hmget(self.keys.worker_info(s(worker_id)), "stage", "drain")
             for served, drain in await pipe.execute():

@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from redis.asyncio import Redis
+from omniflow.storage.client import RedisClient
 
 from omniflow.config import ChecksumMode, DataPlaneMode, Settings
 from omniflow.dataplane import codec
@@ -52,7 +52,7 @@ def ref_field(ref: Ref) -> tuple[str, bytes]:
 class DataPlane:
     """The transports of one process and the policy that picks one for each chunk."""
 
-    def __init__(self, redis: Redis, settings: Settings, *, worker_id: str = "") -> None:
+    def __init__(self, redis: RedisClient, settings: Settings, *, worker_id: str = "") -> None:
         self.settings = settings
         self.keys = Keys(settings.prefix)
         self.redis = redis

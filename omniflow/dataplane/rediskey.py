@@ -10,12 +10,11 @@ hold only the reference) and the AOF logs them once.
 """
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from redis.asyncio import Redis
+from omniflow.storage.client import RedisClient
 
 from omniflow.dataplane import codec
 from omniflow.dataplane.base import ForeignReference, PayloadMissing, PutContext, Ref, Transport, TransportKind
@@ -25,16 +24,12 @@ from omniflow.storage.redisio import boundary
 Command = tuple[Any, ...]
 
 
-#: a payload key (`Keys.blob`): `<prefix>:{<cell tag>}:wf:<id>:blob:<src>:<dst>:<attempt>:<seq>`
-BLOB_KEY = re.compile(r"[^{}]+:\{[^}]+\}:wf:[^:{}]+:blob:[^{}]+")
-
-
 class RedisTransport(Transport):
     """Payload frames in TTL'd Redis keys under the workflow's hash tag."""
 
     kind = TransportKind.REDIS
 
-    def __init__(self, redis: Redis, keys: Keys, *, full_checksum: bool = False) -> None:
+    def __init__(self, redis: RedisClient, keys: Keys, *, full_checksum: bool = False) -> None:
         self.redis = redis
         self.keys = keys
         self.full_checksum = full_checksum
@@ -53,10 +48,10 @@ class RedisTransport(Transport):
 
     def put_op(self, payload: Any, ctx: PutContext) -> tuple[Ref, list[Any]]:
         """The reference, and the `emit.lua` op that stores the payload in the same atomic step as
-        the entry that references it (`'B', ':blob:<...>', {payload, ttl_ms}`)."""
+        the entry that references it (`'B', key, {payload, ttl_ms}`: `transitions.emit.emit` declares the key)."""
         ref, commands = self.put_commands(payload, ctx)
         _set, key, blob, _px, ttl_ms = commands[0]
-        return ref, ["B", key[len(self.keys.wf(ctx.wf_id)):], [blob, ttl_ms]]
+        return ref, ["B", key, [blob, ttl_ms]]
 
     async def put(self, payload: Any, ctx: PutContext) -> Ref:
         ref, commands = self.put_commands(payload, ctx)
@@ -69,14 +64,9 @@ class RedisTransport(Transport):
 
     def check(self, ref: Ref, wf_id: str | None) -> None:
         """Refuse a key outside our prefix (or outside workflow `wf_id`)."""
-        if wf_id is not None:
-            ours = ref.location.startswith(f"{self.keys.wf(wf_id)}:blob:")
-        else:       # `<prefix>:{<cell tag>}:wf:<id>:blob:...` of any cell
-            ours = BLOB_KEY.fullmatch(ref.location) is not None and \
-                ref.location.startswith(f"{self.keys.prefix}:{{")
-        if not ours:
+        if not self.keys.is_blob_of(ref.location, wf_id):
             raise ForeignReference(f"payload key {ref.location!r} is outside "
-                                   f"{self.keys.wf(wf_id or '<id>')}:blob:*")
+                                   f"{self.keys.blob_pattern(wf_id)}")
 
     async def get(self, ref: Ref, *, wf_id: str | None = None) -> Any:
         self.check(ref, wf_id)
@@ -94,7 +84,7 @@ class RedisTransport(Transport):
             pipe = self.redis.pipeline(transaction=False)
             for key in mine:        # one key per command: payloads of several cells are several slots
                 pipe.unlink(key)
-                pipe.srem(key.split(":blob:", 1)[0] + ":blobs", key)
+                pipe.srem(self.keys.registry_of_blob(key), key)
             replies = await pipe.execute()
         return sum(int(n) for n in replies[::2])
 

@@ -32,11 +32,10 @@ from typing import Any
 from arq import Retry
 from arq.connections import ArqRedis
 from pydantic import ValidationError
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from omniflow.storage.client import REDIS_ERRORS, RedisClient
 
 from omniflow.config import Settings
-from omniflow.errors import AdmissionRefused, InvalidRequest, RedisUnavailable, WorkflowError, WorkflowNotFound
+from omniflow.errors import AdmissionRefused, InvalidRequest, WorkflowError, WorkflowNotFound
 from omniflow.storage.keys import Keys
 from omniflow.jobs.queue import RUN_BATCH_CHUNK
 from omniflow.models import TERMINAL_STATES, SubmitRequest, WorkflowState
@@ -151,7 +150,7 @@ async def submit_batch(store: Store, pool: ArqRedis, batch: ParsedBatch, *, tena
     lines = sorted(batch.requests)
     chunks = [lines[i:i + settings.batch_chunk_lines] for i in range(0, len(lines), settings.batch_chunk_lines)]
     now = now_ms()
-    pipe = store.redis.pipeline(transaction=True)
+    pipe = store.client.pipeline(transaction=True)
     pipe.hset(keys.batch(batch_id), mapping={
         "id": batch_id, "tenant": tenant, "source": batch.source, "total": batch.total, "submitted": 0,
         "completed": 0, "failed": len(batch.errors), "invalid": len(batch.errors),
@@ -183,8 +182,8 @@ class _Chunk:
         self.keys = Keys(self.store.settings.prefix)
 
     @property
-    def redis(self) -> Redis:
-        return self.store.redis
+    def redis(self) -> RedisClient:
+        return self.store.client
 
     def left_s(self) -> float:
         return self.deadline - time.monotonic()
@@ -268,7 +267,7 @@ async def run_batch_chunk(ctx: dict[str, Any], *, batch_id: str, lines: list[int
     """arq job: run some lines of a batch for one slice; `Retry` while any is still running."""
     store: Store = ctx["store"]
     settings = store.settings
-    tenant = s(await store.redis.hget(Keys(settings.prefix).batch(batch_id), "tenant"))
+    tenant = s(await store.client.hget(Keys(settings.prefix).batch(batch_id), "tenant"))
     if not tenant:
         logger.warning("batch %s is gone (expired?); chunk dropped", batch_id)
         return "gone"
@@ -281,7 +280,7 @@ async def run_batch_chunk(ctx: dict[str, Any], *, batch_id: str, lines: list[int
                 return False
             try:
                 return await chunk.run_line(n)
-            except (RedisUnavailable, RedisError, OSError):
+            except REDIS_ERRORS:
                 raise
             except Exception as exc:    # noqa: BLE001 - one broken line never kills the batch
                 logger.exception("batch %s line %d: unexpected error", batch_id, n)
@@ -290,7 +289,7 @@ async def run_batch_chunk(ctx: dict[str, Any], *, batch_id: str, lines: list[int
 
     try:
         results = await asyncio.gather(*(one(n) for n in lines))
-    except (RedisUnavailable, RedisError, OSError) as exc:
+    except REDIS_ERRORS as exc:
         logger.warning("batch %s: %s; the chunk runs again in %.0fs", batch_id, exc, REDIS_RETRY_S)
         raise Retry(defer=REDIS_RETRY_S) from exc
     left = len(results) - sum(results)
@@ -303,7 +302,7 @@ async def run_batch_chunk(ctx: dict[str, Any], *, batch_id: str, lines: list[int
 async def batch_status(store: Store, batch_id: str, *, lines: bool = True) -> dict[str, Any]:
     """The batch record, and with `lines` every line's workflow id, state and error."""
     keys = Keys(store.settings.prefix)
-    rec = {s(k): s(v) for k, v in (await store.redis.hgetall(keys.batch(batch_id))).items()}
+    rec = {s(k): s(v) for k, v in (await store.client.hgetall(keys.batch(batch_id))).items()}
     if not rec:
         raise WorkflowNotFound(f"no batch {batch_id}")
     doc: dict[str, Any] = {
@@ -314,7 +313,7 @@ async def batch_status(store: Store, batch_id: str, *, lines: bool = True) -> di
     }
     if not lines:
         return doc
-    pipe = store.redis.pipeline(transaction=False)
+    pipe = store.client.pipeline(transaction=False)
     pipe.hkeys(keys.batch_input(batch_id))
     pipe.hgetall(keys.batch_lines(batch_id))
     inputs, recorded = await pipe.execute()
@@ -322,7 +321,7 @@ async def batch_status(store: Store, batch_id: str, *, lines: bool = True) -> di
     rows.update({int(s(n)): json.loads(v) for n, v in recorded.items()})
     running = [n for n, r in rows.items() if r.get("state") == LineState.SUBMITTED.value]
     if running:
-        pipe = store.redis.pipeline(transaction=False)
+        pipe = store.client.pipeline(transaction=False)
         for n in running:
             pipe.hget(keys.wf(str(rows[n]["wf"])), "state")
         for n, st in zip(running, await pipe.execute()):
@@ -365,7 +364,7 @@ async def wait_batch(store: Store, batch_id: str, *, timeout_s: float | None = N
     keys = Keys(store.settings.prefix)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
-        state = s(await store.redis.hget(keys.batch(batch_id), "state"))
+        state = s(await store.client.hget(keys.batch(batch_id), "state"))
         if not state:
             raise WorkflowNotFound(f"no batch {batch_id}")
         if BatchState(state).terminal:
@@ -373,10 +372,10 @@ async def wait_batch(store: Store, batch_id: str, *, timeout_s: float | None = N
         wait_ms = 5_000 if deadline is None else int((deadline - time.monotonic()) * 1000)
         if wait_ms <= 0:
             break
-        await store.redis.xread({keys.batch_done(batch_id): "0-0"}, count=1, block=min(wait_ms, 5_000))
+        await store.client.xread({keys.batch_done(batch_id): "0-0"}, count=1, block=min(wait_ms, 5_000))
     return await batch_status(store, batch_id)
 
 
-async def runner_alive(redis: Redis, settings: Settings) -> bool:
+async def runner_alive(redis: RedisClient, settings: Settings) -> bool:
     """Whether some `omniflow jobs` process has reported in recently (arq's health-check key)."""
     return bool(await redis.exists(Keys(settings.prefix).jobs_queue + ":health-check"))

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from redis.asyncio import Redis
+from omniflow.storage.client import RedisClient
 from arq.worker import Worker, func
 
 from omniflow.jobs.batch import CHUNK_MAX_TRIES, run_batch_chunk
@@ -85,7 +85,7 @@ class JobsRunner:
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
-        clients: list[Redis] = []
+        clients: list[RedisClient] = []
         http = http_client(self.settings)
         try:
             async def setup() -> None:

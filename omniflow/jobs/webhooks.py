@@ -30,8 +30,7 @@ from typing import Any
 import httpx
 from arq import Retry
 from arq.connections import ArqRedis
-from redis.asyncio import Redis
-from redis.exceptions import ResponseError
+from omniflow.storage.client import RedisClient
 from standardwebhooks import Webhook
 
 from omniflow.storage import redisio
@@ -42,7 +41,8 @@ from omniflow.errors import ConfigError, MalformedEntry, WorkflowNotFound
 from omniflow.jobs.queue import DELIVER_WEBHOOK
 from omniflow.storage.topology import is_cluster, read_groups
 from omniflow.storage.keys import NOTIFY_GROUP, Keys
-from omniflow.storage.scripts import evalsha_args
+from omniflow.storage.transitions.housekeeping import reap_consumer, reap_idle_consumers
+from omniflow.storage.transitions.reconcile import dead_letter
 from omniflow.client.store import Store
 from omniflow.storage.schema import s
 
@@ -83,7 +83,7 @@ def make_signer(secret: str) -> Webhook:
         raise ConfigError(f"OMNIFLOW_WEBHOOK_SECRET is not a valid 'whsec_<base64>' secret: {exc}") from exc
 
 
-async def load_secret(redis: Redis, keys: Keys, settings: Settings) -> str:
+async def load_secret(redis: RedisClient, keys: Keys, settings: Settings) -> str:
     """`webhook_secret`, else the one kept in Redis (generated once, shared by every jobs process)."""
     if settings.webhook_secret:
         make_signer(settings.webhook_secret)
@@ -129,7 +129,7 @@ def http_client(settings: Settings) -> httpx.AsyncClient:
                              headers={"user-agent": USER_AGENT})
 
 
-async def record(redis: Redis, keys: Keys, wf_id: str, outcome: DeliveryOutcome, *, ttl_s: int,
+async def record(redis: RedisClient, keys: Keys, wf_id: str, outcome: DeliveryOutcome, *, ttl_s: int,
                  **fields: Any) -> None:
     """One pipeline: the per-workflow delivery record and the `<prefix>:stats` counter."""
     now = int(time.time() * 1000)
@@ -165,17 +165,17 @@ async def _deliver(ctx: dict[str, Any], wf_id: str, state: str) -> str:
     keys = Keys(settings.prefix)
     attempt = int(ctx.get("job_try") or 1)
     msg_id = webhook_id(wf_id, state)
-    prior = await store.redis.hmget(keys.webhook(wf_id), "outcome", "webhook_id")
+    prior = await store.client.hmget(keys.webhook(wf_id), "outcome", "webhook_id")
     if s(prior[0]) in (DeliveryOutcome.DELIVERED.value, DeliveryOutcome.REFUSED.value) and s(prior[1]) == msg_id:
         return f"already {s(prior[0])}"
     base = {"webhook_id": msg_id, "state": state, "attempts": attempt}
 
     async def done(outcome: DeliveryOutcome, **fields: Any) -> str:
-        await asyncio.shield(record(store.redis, keys, wf_id, outcome, ttl_s=settings.result_ttl_s,
+        await asyncio.shield(record(store.client, keys, wf_id, outcome, ttl_s=settings.result_ttl_s,
                                     **base, **fields))
         return outcome.value
 
-    url = s(await store.redis.hget(keys.wf(wf_id), "webhook"))
+    url = s(await store.client.hget(keys.wf(wf_id), "webhook"))
     try:
         doc = await store.document(wf_id)
     except WorkflowNotFound:
@@ -211,7 +211,7 @@ class NotifyDispatcher:
     """Turns the cells' `notify` entries into `deliver_webhook` jobs (consumer groups, crash-safe):
     one blocking read over every cell on a single server, one loop per cell on a cluster."""
 
-    def __init__(self, *, redis: Redis, pool: ArqRedis, settings: Settings, consumer: str) -> None:
+    def __init__(self, *, redis: RedisClient, pool: ArqRedis, settings: Settings, consumer: str) -> None:
         self.redis, self.pool, self.settings, self.consumer = redis, pool, settings, consumer
         self.keys = Keys.of(settings, redis)
         self.dispatched = 0
@@ -244,14 +244,13 @@ class NotifyDispatcher:
             except redisio.REDIS_ERRORS as exc:
                 logger.warning("notify dispatcher: %s; retrying in %.1fs", redisio.translate(exc), ERROR_PAUSE_S)
                 await asyncio.sleep(ERROR_PAUSE_S)
-                fresh = fresh or (isinstance(exc, ResponseError) and "NOGROUP" in str(exc))
+                fresh = fresh or redisio.is_nogroup(redisio.translate(exc))
 
     async def leave(self) -> None:
         """Delete our consumer from the groups if it holds nothing (one left by a crash is deleted by
         the other dispatchers once it has been idle long enough)."""
         try:
-            await redisio.execute(self.redis, [evalsha_args("reap_consumer", [self.keys.notify(cell)],
-                                                            [NOTIFY_GROUP, self.consumer])
+            await redisio.execute(self.redis, [reap_consumer(self.keys.notify(cell), NOTIFY_GROUP, self.consumer)
                                                for cell in self.keys.all_cells])
         except redisio.REDIS_ERRORS as exc:
             logger.warning("notify dispatcher %s: could not leave the group: %s", self.consumer, exc)
@@ -260,7 +259,7 @@ class NotifyDispatcher:
         """Take over entries another dispatcher read but never acked (it died); delete the consumers
         of dispatchers that are gone."""
         stream = self.keys.notify(cell)
-        await redisio.reap_idle_consumers(self.redis, stream, NOTIFY_GROUP, idle_ms=max(
+        await reap_idle_consumers(self.redis, stream, NOTIFY_GROUP, idle_ms=max(
             DEAD_CONSUMER_IDLE_MS, 10 * self.settings.block_ms), keep=self.consumer)
         start = "0-0"
         while True:
@@ -282,7 +281,7 @@ class NotifyDispatcher:
                     note = notification(fields)
                 except MalformedEntry as exc:
                     logger.warning("notify entry %s is malformed (%s); dead-lettered", s(entry_id), exc)
-                    await redisio.call(self.redis, *redisio.dead_letter_call(
+                    await redisio.call(self.redis, *dead_letter(
                         self.keys.dlq("notify", cell), self.keys.notify(cell), NOTIFY_GROUP, entry_id, fields,
                         f"malformed notify entry: {exc}", max_len=self.settings.dlq_max_len))
                     continue

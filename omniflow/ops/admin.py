@@ -17,10 +17,11 @@ from omniflow.ops.fleet import entry_ms, list_workers
 from omniflow.storage.keys import DLQ_EVENTS
 from omniflow.models import TERMINAL_STATES, SubmitRequest, WorkflowInput, WorkflowState
 from omniflow.pipeline import Pipeline
+from omniflow.storage import redisio
 from omniflow.storage.redisio import translated
 from omniflow.client.store import Store
-from omniflow.storage.schema import csv, decode_fields, now_ms, s
-from omniflow.storage.topology import is_cluster
+from omniflow.storage.schema import WorkflowRecord, csv, decode_fields, now_ms, s
+from omniflow.storage.transitions.housekeeping import PurgeResult, purge, purge_code
 
 PURGE_BATCH = 500
 FINISHED_STATES = tuple(x.value for x in WorkflowState if x in TERMINAL_STATES)
@@ -29,30 +30,31 @@ FINISHED_STATES = tuple(x.value for x in WorkflowState if x in TERMINAL_STATES)
 @translated
 async def set_drain(store: Store, worker_id: str, *, drain: bool) -> dict[str, Any]:
     """Drain (or undrain) a live worker: it stops claiming within a heartbeat; what it holds runs to the end."""
-    score = await store.redis.zscore(store.keys.workers, worker_id)
+    score = await store.client.zscore(store.keys.workers, worker_id)
     if score is None or float(score) <= now_ms():
         raise InvalidRequest(f"no live worker {worker_id!r} (see `omniflow workers`)")
     info = store.keys.worker_info(worker_id)
     if drain:
-        await store.redis.hset(info, "drain", str(now_ms()))
+        await store.client.hset(info, "drain", str(now_ms()))
     else:
-        await store.redis.hdel(info, "drain")
+        await store.client.hdel(info, "drain")
     return next(w for w in await list_workers(store) if w["id"] == worker_id)
 
 
 @translated
 async def retry_workflow(store: Store, wf_id: str, *, tenant: str | None = None) -> str:
     """Resubmit a failed/aborted workflow's input as a new workflow; returns the new id."""
-    rec = {s(k): s(v) for k, v in (await store.redis.hgetall(store.keys.wf(wf_id))).items()}
-    if not rec or (tenant is not None and rec.get("tenant") != tenant):
+    raw = await store.client.hgetall(store.keys.wf(wf_id))
+    rec = WorkflowRecord.decode_raw(wf_id, raw)
+    if not raw or (tenant is not None and rec.tenant != tenant):
         raise WorkflowNotFound(f"no workflow {wf_id} (it may have expired)")
-    if rec["state"] not in ("failed", "aborted"):
-        raise InvalidRequest(f"workflow {wf_id} is {rec['state']}; only failed or aborted ones are retried")
-    kinds = sorted({k.split("=", 1)[1] for k in csv(rec.get("kinds"))})
-    params = json.loads(rec.get("params") or "{}")
-    req = SubmitRequest(input=WorkflowInput.model_validate_json(rec["input"]), output_modalities=kinds,
-                        stage_params=params, webhook_url=rec.get("webhook") or None)
-    return (await store.submit(req, tenant=rec.get("tenant") or "default")).id
+    if rec.state not in ("failed", "aborted"):
+        raise InvalidRequest(f"workflow {wf_id} is {rec.state}; only failed or aborted ones are retried")
+    kinds = sorted(set(rec.kinds.values()))
+    params = json.loads(rec.params or "{}")
+    req = SubmitRequest(input=WorkflowInput.model_validate_json(rec.input), output_modalities=kinds,
+                        stage_params=params, webhook_url=rec.webhook or None)
+    return (await store.submit(req, tenant=rec.tenant or "default")).id
 
 
 def finished_states(state: str | None) -> tuple[str, ...]:
@@ -68,7 +70,7 @@ def finished_states(state: str | None) -> tuple[str, ...]:
 async def count_finished(store: Store, states: tuple[str, ...], older_than_s: float) -> int:
     """How many finished workflows in `states` were created more than `older_than_s` ago."""
     cutoff = now_ms() - int(older_than_s * 1000)
-    pipe = store.redis.pipeline(transaction=False)
+    pipe = store.client.pipeline(transaction=False)
     for cell in store.keys.all_cells:
         for state in states:
             pipe.zcount(store.keys.state_index(state, cell), "-inf", f"({cutoff}")
@@ -79,7 +81,7 @@ async def count_finished(store: Store, states: tuple[str, ...], older_than_s: fl
 async def purge_finished(store: Store, states: tuple[str, ...], older_than_s: float) -> int:
     """Delete finished workflows (records, logs, outputs, webhook records, idempotency keys, index
     entries) created more than `older_than_s` ago; live workflows are never touched. Returns how many."""
-    redis, keys = store.redis, store.keys
+    redis, keys = store.client, store.keys
     cutoff = now_ms() - int(older_than_s * 1000)
     deleted = 0
     while True:
@@ -90,26 +92,27 @@ async def purge_finished(store: Store, states: tuple[str, ...], older_than_s: fl
         for wf_id in ids:
             pipe.hmget(keys.wf(wf_id), ["state", "tenant", "request_id", "finals"])
         records = await pipe.execute()
-        pipe = redis.pipeline(transaction=not is_cluster(redis))    # (a cluster deletes workflow by workflow)
+        calls: list[tuple[Any, ...]] = []
         for wf_id, (state, tenant, rid, finals) in zip(ids, records):
             if s(state) and s(state) not in FINISHED_STATES:
                 continue            # the index said finished: never delete a live record on a stale entry
-            pipe.unlink(keys.wf(wf_id), keys.stages(wf_id), keys.log(wf_id), keys.done(wf_id),
-                        keys.webhook(wf_id), keys.webhook_attempts(wf_id),
-                        *(keys.out(wf_id, stage) for stage in csv(finals)))
-            if s(rid):
-                pipe.unlink(keys.idem(s(tenant), s(rid), keys.cell_of(wf_id)))
-            listing.unindex(pipe, keys, wf_id, s(tenant))
-            deleted += 1
-        await pipe.execute()
+            # one script per workflow (its cell's keys, atomically; it re-checks the state), and its
+            # webhook records apart (their own slot)
+            calls += [purge(keys, wf_id, tenant=s(tenant), request_id=s(rid), finals=csv(finals)),
+                      ("UNLINK", *keys.webhook_keys(wf_id))]
+        replies = await redisio.execute(redis, calls)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        deleted += sum(1 for reply in replies[::2] if purge_code(reply) is PurgeResult.PURGED)
 
 
 @translated
 async def purge_all(store: Store) -> int:
     """Delete every key under the prefix (the whole deployment's state). Returns how many."""
     n = 0
-    async for key in store.redis.scan_iter(match=f"{store.keys.prefix}:*", count=1000):
-        n += await store.redis.unlink(key)
+    async for key in store.client.scan_iter(match=f"{store.keys.prefix}:*", count=1000):
+        n += await store.client.unlink(key)
     return n
 
 
@@ -129,7 +132,7 @@ async def dlq_entries(store: Store, stage: str | None, limit: int) -> list[dict[
     rows: list[dict[str, Any]] = []
     for name in dlq_names(store.pipeline, stage):
         for key in _dlq_keys(store, name):
-            for eid, fields in await store.redis.xrevrange(key, count=limit):
+            for eid, fields in await store.client.xrevrange(key, count=limit):
                 rows.append({"stream": key, "dlq": name, "entry": s(eid), "at": (entry_ms(eid) or 0) / 1000,
                              **decode_fields(fields)})
     return rows[:limit]
@@ -145,7 +148,7 @@ async def dlq_replay(store: Store, stage: str | None, entry: str | None) -> list
     """Resubmit the workflows of dead letters as new workflows and drop the replayed entries."""
     out = []
     for name, key in ((n, k) for n in dlq_names(store.pipeline, stage) for k in _dlq_keys(store, n)):
-        entries = await store.redis.xrange(key, entry, entry) if entry else await store.redis.xrange(key, count=1000)
+        entries = await store.client.xrange(key, entry, entry) if entry else await store.client.xrange(key, count=1000)
         for eid, fields in entries:
             row = {"dlq": name, "entry": s(eid), "wf": s(fields.get(b"wf"))}
             if not row["wf"]:
@@ -156,7 +159,7 @@ async def dlq_replay(store: Store, stage: str | None, entry: str | None) -> list
                 except (WorkflowNotFound, InvalidRequest) as exc:
                     row["skipped"] = str(exc)
             if "new_id" in row:
-                await store.redis.xdel(key, eid)
+                await store.client.xdel(key, eid)
             out.append(row)
     return out
 
@@ -164,7 +167,7 @@ async def dlq_replay(store: Store, stage: str | None, entry: str | None) -> list
 @translated
 async def dlq_count(store: Store, stage: str | None, entry: str | None) -> int:
     """How many dead letters `dlq_drop` would delete."""
-    pipe = store.redis.pipeline(transaction=False)
+    pipe = store.client.pipeline(transaction=False)
     for key in (k for name in dlq_names(store.pipeline, stage) for k in _dlq_keys(store, name)):
         if entry:
             pipe.xrange(key, entry, entry)
@@ -179,10 +182,10 @@ async def dlq_drop(store: Store, stage: str | None, entry: str | None) -> int:
     n = 0
     for key in (k for name in dlq_names(store.pipeline, stage) for k in _dlq_keys(store, name)):
         if entry:
-            n += await store.redis.xdel(key, entry)
+            n += await store.client.xdel(key, entry)
         else:
-            n += await store.redis.xlen(key)
-            await store.redis.unlink(key)
+            n += await store.client.xlen(key)
+            await store.client.unlink(key)
     return n
 
 

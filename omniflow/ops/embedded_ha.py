@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, cast
 
 from redis import Redis
 
@@ -66,7 +66,7 @@ def slot_ranges(primaries: int) -> list[tuple[int, int]]:
 
 
 def _info(client: Redis, section: str) -> dict[str, Any]:
-    reply: dict[str, Any] = client.info(section)
+    reply = cast("dict[str, Any]", client.info(section))
     return reply
 
 

@@ -90,14 +90,14 @@ async def list_workers(store: Store) -> list[dict[str, Any]]:
     """Every registered worker (live, loading its models, or not yet reaped), by id: its state, stages,
     host, heartbeat age, sessions."""
     now = now_ms()
-    pipe = store.redis.pipeline(transaction=False)
+    pipe = store.client.pipeline(transaction=False)
     pipe.zrange(store.keys.workers, 0, -1, withscores=True)
     pipe.zrange(store.keys.workers_loading, 0, -1, withscores=True)
     leased, loading = await pipe.execute()
     expiry = {s(wid): float(score) for wid, score in leased}
     loading_until = {s(wid): float(score) for wid, score in loading}
     ids = sorted(set(expiry) | set(loading_until))
-    pipe = store.redis.pipeline(transaction=False)
+    pipe = store.client.pipeline(transaction=False)
     for wid in ids:
         pipe.hgetall(store.keys.worker_info(wid))
     infos = await pipe.execute() if ids else []
@@ -153,7 +153,7 @@ class Queues:
 @translated
 async def read_queues(store: Store) -> Queues:
     """Every cell's task streams, dead letters and sets, in one round trip."""
-    redis, keys, order = store.redis, store.keys, store.pipeline.order
+    redis, keys, order = store.client, store.keys, store.pipeline.order
     pipe = redis.pipeline(transaction=False)
     for cell in keys.all_cells:
         for name in order:
@@ -187,7 +187,7 @@ async def read_queues(store: Store) -> Queues:
 @translated
 async def counters(store: Store) -> dict[str, int]:
     """The deployment's counters (`<prefix>:stats`: webhook deliveries by outcome, ...)."""
-    raw = await store.redis.hgetall(store.keys.stats)
+    raw = await store.client.hgetall(store.keys.stats)
     return {s(k): int(s(v)) for k, v in (raw or {}).items() if s(v).lstrip("-").isdigit()}
 
 
@@ -195,7 +195,7 @@ async def counters(store: Store) -> dict[str, int]:
 async def oldest_queued_ms(store: Store, queues: Queues) -> dict[str, int | None]:
     """Per stage, the creation ms of the oldest task no worker has read yet (over the cells; None: none)."""
     keys, order = store.keys, store.pipeline.order
-    pipe = store.redis.pipeline(transaction=False)
+    pipe = store.client.pipeline(transaction=False)
     for name in order:
         for cell, queue in zip(keys.all_cells, queues.stages[name]):
             pipe.xrange(keys.tasks(name, cell), f"({s(queue.group.get('last-delivered-id')) or '0-0'}", "+",
@@ -214,7 +214,7 @@ async def stuck(store: Store) -> dict[str, Any]:
     deadline sweep ends them within a sweep interval), and the creation ms of the oldest pending and
     the oldest running one (None: none), over the cells."""
     keys, now = store.keys, now_ms()
-    pipe = store.redis.pipeline(transaction=False)
+    pipe = store.client.pipeline(transaction=False)
     for cell in keys.all_cells:
         pipe.zcount(keys.inflight(cell), "-inf", now)
         for live in (WorkflowState.PENDING, WorkflowState.RUNNING):
@@ -281,7 +281,7 @@ async def collect_stats(store: Store) -> dict[str, Any]:
 async def created_since(store: Store, after_ms: dict[int, int], *, limit: int) -> list[tuple[int, str, int]]:
     """(cell, id, creation ms) of up to `limit` workflows per cell created after `after_ms[cell]`
     (exclusive; a cell not in it: from the first), oldest first, every cell in one round trip."""
-    pipe = store.redis.pipeline(transaction=False)
+    pipe = store.client.pipeline(transaction=False)
     for cell in store.keys.all_cells:
         low = f"({after_ms[cell]}" if cell in after_ms else "-inf"
         pipe.zrangebyscore(store.keys.all_wf(cell), low, "+inf", start=0, num=limit, withscores=True)
@@ -294,7 +294,7 @@ async def workflow_states(store: Store, ids: list[str]) -> list[str]:
     """The state of each workflow ('' for one that is gone)."""
     if not ids:
         return []
-    pipe = store.redis.pipeline(transaction=False)
+    pipe = store.client.pipeline(transaction=False)
     for wf_id in ids:
         pipe.hget(store.keys.wf(wf_id), "state")
     return [s(x) for x in await pipe.execute()]
@@ -340,7 +340,7 @@ async def stage_times(store: Store, ids: list[str], *, log_scan: int) -> list[St
     entries of its log (first outputs, every audio chunk)."""
     if not ids:
         return []
-    pipe = store.redis.pipeline(transaction=False)
+    pipe = store.client.pipeline(transaction=False)
     for wf_id in ids:
         pipe.hmget(store.keys.wf(wf_id), *RECORD_FIELDS)
         pipe.hgetall(store.keys.stages(wf_id))
@@ -400,10 +400,10 @@ def _json_object(raw: Any, worker_id: str, name: str) -> dict[str, Any]:
 @translated
 async def worker_reports(store: Store) -> list[WorkerReport]:
     """Every worker holding a lease entry (live, or dead and not reaped yet): its published counters."""
-    ids = [s(x) for x in await store.redis.zrange(store.keys.workers, 0, -1)]
+    ids = [s(x) for x in await store.client.zrange(store.keys.workers, 0, -1)]
     if not ids:
         return []
-    pipe = store.redis.pipeline(transaction=False)
+    pipe = store.client.pipeline(transaction=False)
     for worker_id in ids:
         pipe.hmget(store.keys.worker_info(worker_id), "stage", "stats", "serving")
     return [WorkerReport(id=worker_id, label=s(label), stats=_json_object(stats, worker_id, "stats"),

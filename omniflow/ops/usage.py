@@ -41,7 +41,7 @@ def _names(names: Iterable[str]) -> str:
 @translated
 async def known_tenants(store: Store) -> set[str]:
     """Every tenant that has submitted a workflow still indexed (the cells' tenant sets)."""
-    pipe = store.redis.pipeline(transaction=False)
+    pipe = store.client.pipeline(transaction=False)
     for cell in store.keys.all_cells:
         pipe.smembers(store.keys.tenants(cell))
     return {s(name) for members in await pipe.execute() for name in members}
@@ -70,7 +70,7 @@ async def read_usage(store: Store, *, tenant: str | None = None, pipeline: str |
     counts: dict[tuple[str, str, str], dict[str, int]] = {}
     skipped = 0
     for i in range(0, len(hashes), PIPELINE_CHUNK):
-        pipe = store.redis.pipeline(transaction=False)
+        pipe = store.client.pipeline(transaction=False)
         for cell, bucket in hashes[i:i + PIPELINE_CHUNK]:
             pipe.hgetall(store.keys.usage(cell, bucket))
         for raw in await pipe.execute():

@@ -20,9 +20,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from redis.asyncio import Redis
+from omniflow.storage.client import RedisClient
 
-from omniflow.storage import redisio, scripts
+from omniflow.storage import redisio
 from omniflow.errors import RedisRefused
 from omniflow.runtime import Backoff
 
@@ -39,7 +39,7 @@ Command = tuple[Any, ...] | Callable[[], tuple[Any, ...]]
 class Batcher:
     """Auto-pipelining front for one Redis client."""
 
-    def __init__(self, redis: Redis, *, max_batch: int = DEFAULT_MAX_BATCH,
+    def __init__(self, redis: RedisClient, *, max_batch: int = DEFAULT_MAX_BATCH,
                  refused_retry_s: float = DEFAULT_REFUSED_RETRY_S) -> None:
         self._redis = redis
         self._max_batch = max_batch
@@ -71,9 +71,6 @@ class Batcher:
         # No shield needed: a cancelled caller cancels only its future; the command is
         # already queued and goes out anyway (the flusher skips futures that are done).
         return await self.send(*command)
-
-    async def script(self, name: str, keys: list[str], args: list[Any], *, retry_refused: bool = True) -> Any:
-        return await self.send(*scripts.evalsha_args(name, keys, args), retry_refused=retry_refused)
 
     async def drain(self) -> None:
         """Wait until everything queued so far has been written."""

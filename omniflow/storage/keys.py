@@ -12,6 +12,7 @@ never touched by a script together with a cell key; the worker registry shares i
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,14 +29,21 @@ TASK_GROUP = "workers"
 EVENT_GROUP = "reconciler"
 NOTIFY_GROUP = "webhooks"
 DLQ_EVENTS = "events"           # the dead-letter stream of malformed events (`Keys.dlq`; not a stage)
+#: a payload key (`Keys.blob`): `<prefix>:{<cell tag>}:wf:<id>:blob:<src>:<dst>:<attempt>:<seq>`
+BLOB_KEY = re.compile(r"[^{}]+:\{[^}]+\}:wf:[^:{}]+:blob:[^{}]+")
 
 
-def finalize_suffixes(pipeline: Pipeline) -> tuple[str, ...]:
-    """The keys of a workflow that `finalize` (_lib.lua) may touch, as suffixes of its base key
-    (`Keys.wf`): stages, log, done, the payload registry, the final stages' outputs and every edge
-    log. Computed once per pipeline; `Keys.finalize_keys` adds the cell's keys."""
-    return (":stages", ":log", ":done", ":blobs", *(f":out:{st}" for st in pipeline.finals),
-            *(f":edge:{e.src}:{e.dst}" for st in pipeline.order for e in pipeline.outputs[st]))
+@dataclass(frozen=True, slots=True)
+class FinalizePlan:
+    """What of a pipeline's workflows `finalize` (_lib.lua) may touch: its final stages' outputs and
+    every edge log (`finalize_plan`, computed once per pipeline; `Keys.finalize_keys` names them)."""
+    finals: tuple[str, ...]
+    edges: tuple[tuple[str, str], ...]
+
+
+def finalize_plan(pipeline: Pipeline) -> FinalizePlan:
+    return FinalizePlan(tuple(pipeline.finals),
+                        tuple((e.src, e.dst) for st in pipeline.order for e in pipeline.outputs[st]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,12 +114,36 @@ class Keys:
         where = self.idem_cell(tenant, key) if cell is None else cell
         return f"{self.cell(where)}:idem:{len(tenant)}:{tenant}:{key}"
 
-    def finalize_keys(self, wf_id: str, suffixes: tuple[str, ...]) -> list[str]:
+    def finalize_keys(self, wf_id: str, plan: FinalizePlan) -> list[str]:
         """Every key `finalize` (_lib.lua) may touch besides the workflow's base key and its cell's
-        in-flight set: the workflow's keys (`suffixes`, from `finalize_suffixes`), its tombstone,
-        its cell's notify stream and state indexes. Every script that may end a workflow declares them."""
-        wf, cell = self.wf(wf_id), cell_of(wf_id)
-        return [self.tomb(wf_id), self.notify(cell), *self.state_indexes(cell), *(wf + suffix for suffix in suffixes)]
+        in-flight set: its tombstone, its cell's notify stream and state indexes, its stages, log,
+        done and payload registry, its final stages' outputs and its edge logs (`plan`). Every
+        script that may end a workflow declares them."""
+        cell = cell_of(wf_id)
+        return [self.tomb(wf_id), self.notify(cell), *self.state_indexes(cell), self.stages(wf_id), self.log(wf_id),
+                self.done(wf_id), self.blobs(wf_id), *(self.out(wf_id, st) for st in plan.finals),
+                *(self.edge(wf_id, a, b) for a, b in plan.edges)]
+
+    def webhook_keys(self, wf_id: str) -> list[str]:
+        """A workflow's webhook records (their own slot: never in a script with its cell's keys)."""
+        return [self.webhook(wf_id), self.webhook_attempts(wf_id)]
+
+    def registry_of_blob(self, blob_key: str) -> str:
+        """The payload registry (`blobs`) a payload key (`blob`) is listed in."""
+        wf, sep, _ = blob_key.partition(":blob:")
+        if not sep:
+            raise ValueError(f"{blob_key!r} is not a payload key")
+        return f"{wf}:blobs"
+
+    def is_blob_of(self, key: str, wf_id: str | None) -> bool:
+        """Is `key` a payload key of workflow `wf_id` (None: of any workflow of any cell)?"""
+        if wf_id is not None:
+            return key.startswith(f"{self.wf(wf_id)}:blob:")
+        return BLOB_KEY.fullmatch(key) is not None and key.startswith(f"{self.prefix}:{{")
+
+    def blob_pattern(self, wf_id: str | None) -> str:
+        """How a payload key of `wf_id` (or of any workflow) reads, for messages."""
+        return f"{self.wf(wf_id or '<id>')}:blob:*"
 
     # --- one cell -------------------------------------------------------------
     def tasks(self, stage: str, cell: int) -> str:

@@ -27,16 +27,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from redis.asyncio import Redis
+from omniflow.storage.client import RedisClient
 
-from omniflow.storage import scripts
+from omniflow.storage import redisio
 from omniflow.storage.keys import Keys
 from omniflow.models import WorkflowState
-from omniflow.storage.schema import csv, s
+from omniflow.storage.schema import RecordField, WorkflowRecord, csv, s
+from omniflow.storage.transitions.listing import list_scan, list_scan_result
 
 DEFAULT_MAX_SCAN = 100_000     # records one query may read to fill a page (then: next_offset)
 SCAN_STEP = 2_000              # records one list_scan.lua call reads (bounds how long it holds the server)
-FIELDS = ("state", "tenant", "created_ms", "finished_ms", "finals", "stages", "error", "error_stage", "request_id")
+FIELDS = (RecordField.STATE, RecordField.TENANT, RecordField.CREATED_MS, RecordField.FINISHED_MS, RecordField.FINALS,
+          RecordField.STAGES, RecordField.ERROR, RecordField.ERROR_STAGE, RecordField.REQUEST_ID)
 STATES = tuple(x.value for x in WorkflowState)
 
 
@@ -61,11 +63,11 @@ class ListPage:
 
 def summary(wf_id: str, values: list[Any]) -> dict[str, Any]:
     """One listing row from the record fields `FIELDS`."""
-    state, tenant, created, finished, finals, stages, error, error_stage, rid = (s(v) for v in values)
-    return {"id": wf_id, "state": state, "tenant": tenant or None, "created_at": int(created or 0) / 1000,
-            "finished_at": int(finished) / 1000 if finished else None, "final_stages": csv(finals),
-            "stages": csv(stages), "error": error or None, "error_stage": error_stage or None,
-            "request_id": rid or None}
+    rec = WorkflowRecord.decode(wf_id, {name: s(v) for name, v in zip(FIELDS, values) if v is not None})
+    return {"id": wf_id, "state": rec.state, "tenant": rec.tenant or None, "created_at": rec.created_ms / 1000,
+            "finished_at": rec.finished_ms / 1000 if rec.finished_ms else None, "final_stages": rec.finals,
+            "stages": rec.stages, "error": rec.error or None, "error_stage": rec.error_stage or None,
+            "request_id": rec.request_id or None}
 
 
 def _candidates(keys: Keys, flt: ListFilter, cell: int) -> list[str]:
@@ -76,7 +78,7 @@ def _candidates(keys: Keys, flt: ListFilter, cell: int) -> list[str]:
     return candidates or [keys.all_wf(cell)]
 
 
-async def _pick_index(redis: Redis, keys: Keys, flt: ListFilter) -> tuple[list[str], int, bool]:
+async def _pick_index(redis: RedisClient, keys: Keys, flt: ListFilter) -> tuple[list[str], int, bool]:
     """(the chosen index, one key per cell; its entries in range over the cells; whether the index
     alone answers every filter)."""
     per_cell = [_candidates(keys, flt, cell) for cell in keys.all_cells]
@@ -93,7 +95,7 @@ async def _pick_index(redis: Redis, keys: Keys, flt: ListFilter) -> tuple[list[s
     return [candidates[best] for candidates in per_cell], totals[best], exact
 
 
-async def query(redis: Redis, keys: Keys, flt: ListFilter, *, offset: int = 0, limit: int = 50,
+async def query(redis: RedisClient, keys: Keys, flt: ListFilter, *, offset: int = 0, limit: int = 50,
                 max_scan: int = DEFAULT_MAX_SCAN) -> ListPage:
     """One page of workflows matching `flt`, newest first, starting at rank `offset` of the walked index."""
     indexes, end, exact = await _pick_index(redis, keys, flt)
@@ -110,7 +112,7 @@ async def query(redis: Redis, keys: Keys, flt: ListFilter, *, offset: int = 0, l
     return await _page(redis, keys, ids, pos, end, exact, scanned)
 
 
-async def _page(redis: Redis, keys: Keys, ids: list[str], pos: int, end: int, exact: bool, scanned: int) -> ListPage:
+async def _page(redis: RedisClient, keys: Keys, ids: list[str], pos: int, end: int, exact: bool, scanned: int) -> ListPage:
     rows: list[dict[str, Any]] = []
     if ids:
         pipe = redis.pipeline(transaction=False)
@@ -122,7 +124,7 @@ async def _page(redis: Redis, keys: Keys, ids: list[str], pos: int, end: int, ex
                     scanned=scanned)
 
 
-async def _merged(redis: Redis, indexes: list[str], low: Any, start: int, count: int) -> list[str]:
+async def _merged(redis: RedisClient, indexes: list[str], low: Any, start: int, count: int) -> list[str]:
     """The ids at merged ranks start..start+count-1, newest first, of one index over every cell."""
     pipe = redis.pipeline(transaction=False)
     for key in indexes:
@@ -138,7 +140,7 @@ def _matches(flt: ListFilter, values: list[Any]) -> bool:
         and (not flt.stage or flt.stage in csv(stages)) and (not flt.request_id or flt.request_id in rid)
 
 
-async def _walk_cells(redis: Redis, keys: Keys, indexes: list[str], flt: ListFilter, pos: int, end: int, limit: int,
+async def _walk_cells(redis: RedisClient, keys: Keys, indexes: list[str], flt: ListFilter, pos: int, end: int, limit: int,
                       max_scan: int, *, exact: bool) -> tuple[list[str], int, int]:
     """`_scan` over the merged indexes of several cells, the records checked here (bounded steps)."""
     low = "-inf" if flt.since_ms is None else flt.since_ms
@@ -167,25 +169,28 @@ async def _walk_cells(redis: Redis, keys: Keys, indexes: list[str], flt: ListFil
     return ids, pos, scanned
 
 
-async def _scan(redis: Redis, keys: Keys, index: str, flt: ListFilter, pos: int, end: int, limit: int,
+async def _scan(redis: RedisClient, keys: Keys, index: str, flt: ListFilter, pos: int, end: int, limit: int,
                 max_scan: int) -> tuple[list[str], int, int]:
     """Matching ids from rank `pos` on, checked server-side by `list_scan.lua` in bounded steps."""
     ids: list[str] = []
     scanned = 0
     while len(ids) < limit and pos < end and scanned < max_scan:
         step = min(SCAN_STEP, max_scan - scanned)
-        reply = await scripts.call(redis, "list_scan", [index], [
-            keys.cell(0), pos, end, step, limit - len(ids), flt.state or "",
-            "1" if flt.tenant is not None else "0", flt.tenant or "", flt.stage or "", flt.request_id or ""])
-        pos, read = int(reply[0]), int(reply[1])
+        chunk = [s(x) for x in await redis.zrevrange(index, pos, min(end, pos + step) - 1)]
+        if not chunk:
+            break
+        found, read = list_scan_result(chunk, await redisio.call(redis, *list_scan(
+            keys, chunk, want=limit - len(ids), state=flt.state or "", tenant=flt.tenant, stage=flt.stage or "",
+            request_id=flt.request_id or "")))
+        pos += read
         scanned += read
-        ids.extend(s(x) for x in reply[2:])
+        ids.extend(found)
         if read == 0:
             break
     return ids, pos, scanned
 
 
-async def state_counts(redis: Redis, keys: Keys) -> dict[str, int]:
+async def state_counts(redis: RedisClient, keys: Keys) -> dict[str, int]:
     """Workflows per state (ZCARD of each state index of each cell: O(1) each)."""
     pipe = redis.pipeline(transaction=False)
     for cell in keys.all_cells:
@@ -195,7 +200,7 @@ async def state_counts(redis: Redis, keys: Keys) -> dict[str, int]:
     return {state: sum(counts[i::len(STATES)]) for i, state in enumerate(STATES)}
 
 
-async def finished_before(redis: Redis, keys: Keys, states: tuple[str, ...], cutoff_ms: int, *,
+async def finished_before(redis: RedisClient, keys: Keys, states: tuple[str, ...], cutoff_ms: int, *,
                           count: int = 500) -> list[str]:
     """Up to `count` ids of workflows in `states` created before `cutoff_ms`, oldest first."""
     pipe = redis.pipeline(transaction=False)
@@ -207,7 +212,7 @@ async def finished_before(redis: Redis, keys: Keys, states: tuple[str, ...], cut
     return [wf_id for _, wf_id in found[:count]]
 
 
-async def trim(redis: Redis, keys: Keys, cutoff_ms: int) -> None:
+async def trim(redis: RedisClient, keys: Keys, cutoff_ms: int) -> None:
     """Drop index entries created before `cutoff_ms` (their records have expired by then)."""
     pipe = redis.pipeline(transaction=False)
     for cell in keys.all_cells:
@@ -218,12 +223,3 @@ async def trim(redis: Redis, keys: Keys, cutoff_ms: int) -> None:
         for key in (keys.all_wf(cell), *keys.state_indexes(cell), *(keys.tenant_index(t, cell) for t in tenants[cell])):
             pipe.zremrangebyscore(key, "-inf", f"({cutoff_ms}")
     await pipe.execute()
-
-
-def unindex(pipe: Any, keys: Keys, wf_id: str, tenant: str) -> None:
-    """Queue the removal of one workflow from every index of its cell on `pipe` (purge)."""
-    cell = keys.cell_of(wf_id)
-    pipe.zrem(keys.all_wf(cell), wf_id)
-    for key in keys.state_indexes(cell):
-        pipe.zrem(key, wf_id)
-    pipe.zrem(keys.tenant_index(tenant, cell), wf_id)

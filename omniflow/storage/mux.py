@@ -13,7 +13,7 @@ import logging
 import uuid
 from typing import Any
 
-from redis.asyncio import Redis
+from omniflow.storage.client import RedisClient
 
 from omniflow.storage.keys import Keys
 from omniflow.storage.redisio import REDIS_ERRORS, translate
@@ -27,7 +27,7 @@ WAKE_TTL_S = 3600
 
 
 class StreamMux:
-    def __init__(self, redis: Redis, keys: Keys, *, owner_id: str | None = None, block_ms: int = 5_000,
+    def __init__(self, redis: RedisClient, keys: Keys, *, owner_id: str | None = None, block_ms: int = 5_000,
                  count: int = 512, cell: int = 0) -> None:
         """Watched streams must all be in the slot of `cell` on a cluster (one mux per cell there)."""
         self._redis = redis

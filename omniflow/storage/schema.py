@@ -1,8 +1,14 @@
-"""Field values as Redis returns them: the decoding every reader of records, stage hashes and
-stream entries shares (replies are bytes; lists are comma-separated; times are epoch ms)."""
+"""The schema of what omniflow keeps in Redis: the field names of a workflow's stage hash
+(`StageField`) and the decoding every reader of records, stage hashes and stream entries shares
+(replies are bytes; lists are comma-separated; times are epoch ms).
+
+The Lua scripts write the same names (`omniflow/storage/lua/`); nothing else in Python spells them.
+"""
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -26,3 +32,167 @@ def csv(value: Any) -> list[str]:
 def decode_fields(fields: dict[bytes, bytes]) -> dict[str, str]:
     """A log entry's fields as text (binary payload fields left out)."""
     return {s(k): s(v) for k, v in fields.items() if k not in (b"pcm", b"d")}
+
+
+class StageField:
+    """Field names of a workflow's stage hash (`Keys.stages`): one group per stage, named after it.
+
+    The stage's own field (`status`, the stage's name) holds its `StageStatus`."""
+
+    @staticmethod
+    def status(stage: str) -> str:
+        return stage
+
+    @staticmethod
+    def attempt(stage: str) -> str:
+        return f"{stage}:attempt"
+
+    @staticmethod
+    def seq(stage: str) -> str:
+        """How many output steps the current attempt has stored."""
+        return f"{stage}:seq"
+
+    @staticmethod
+    def replica(stage: str) -> str:
+        """The worker the current attempt is bound to."""
+        return f"{stage}:replica"
+
+    @staticmethod
+    def checkpoint(stage: str) -> str:
+        return f"{stage}:ckpt"
+
+    @staticmethod
+    def sample_rate(stage: str) -> str:
+        return f"{stage}:sr"
+
+    @staticmethod
+    def samples(stage: str) -> str:
+        return f"{stage}:samples"
+
+    @staticmethod
+    def usage(stage: str) -> str:
+        return f"{stage}:usage"
+
+    @staticmethod
+    def error(stage: str) -> str:
+        return f"{stage}:error"
+
+    @staticmethod
+    def compute_ms(stage: str) -> str:
+        return f"{stage}:compute_ms"
+
+    @staticmethod
+    def time(stage: str, event: str) -> str:
+        """When the stage was submitted, started or ended (`event`: submit, start, end), epoch ms."""
+        return f"{stage}:t_{event}"
+
+    @staticmethod
+    def read_pos(dst: str, src: str) -> str:
+        """How far the consuming stage `dst` has read the output of `src` (backpressure)."""
+        return f"{dst}:rd:{src}"
+
+
+def _int(value: str | None) -> int:
+    return int(value or 0)
+
+
+def _seconds(ms: str | None) -> float | None:
+    """An epoch-ms field as epoch seconds; None when absent."""
+    return int(ms) / 1000 if ms else None
+
+
+@dataclass(frozen=True, slots=True)
+class StageRecord:
+    """One stage of a workflow, decoded from its stage hash (`StageField` names)."""
+
+    name: str
+    status: str
+    attempt: int
+    replica: str | None
+    seq: int                    # output steps the current attempt stored
+    submitted_at: float | None  # epoch seconds
+    started_at: float | None
+    finished_at: float | None
+    usage: Any                  # the executor's usage (JSON), None before it is done
+    error: str | None
+    sample_rate: int
+    samples: int
+    compute_ms: int
+
+    @classmethod
+    def decode(cls, name: str, st: dict[str, str]) -> StageRecord:
+        """Stage `name` of the decoded stage hash `st`."""
+        raw_usage = st.get(StageField.usage(name))
+        return cls(
+            name=name, status=st.get(StageField.status(name), "pending"), attempt=_int(st.get(StageField.attempt(name))),
+            replica=st.get(StageField.replica(name)) or None, seq=_int(st.get(StageField.seq(name))),
+            submitted_at=_seconds(st.get(StageField.time(name, "submit"))),
+            started_at=_seconds(st.get(StageField.time(name, "start"))),
+            finished_at=_seconds(st.get(StageField.time(name, "end"))),
+            usage=json.loads(raw_usage) if raw_usage else None, error=st.get(StageField.error(name)) or None,
+            sample_rate=_int(st.get(StageField.sample_rate(name))), samples=_int(st.get(StageField.samples(name))),
+            compute_ms=_int(st.get(StageField.compute_ms(name))))
+
+
+class RecordField:
+    """Field names of a workflow's record (`Keys.wf`), written by `submit.lua` and the transitions."""
+
+    ID = "id"
+    STATE = "state"
+    TENANT = "tenant"
+    REQUEST_ID = "request_id"
+    INPUT = "input"
+    PARAMS = "params"
+    WEBHOOK = "webhook"
+    PIPELINE = "pipeline"
+    STAGES = "stages"           # csv: the plan's stages
+    FINALS = "finals"           # csv: its final stages
+    KINDS = "kinds"             # csv of `<final stage>=<text|audio>`
+    CREATED_MS = "created_ms"
+    FINISHED_MS = "finished_ms"
+    DEADLINE_MS = "deadline_ms"
+    ERROR = "error"
+    ERROR_STAGE = "error_stage"
+    BODY_HASH = "body_hash"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkflowRecord:
+    """A workflow's record, decoded (what the document, the listing and a retry read)."""
+
+    id: str
+    state: str
+    tenant: str
+    request_id: str
+    input: str                  # the request's input, JSON
+    params: str                 # the stages' params, JSON
+    webhook: str
+    pipeline: str
+    stages: list[str]
+    finals: list[str]
+    kinds: dict[str, str]       # final stage -> `text` or `audio`
+    created_ms: int
+    finished_ms: int | None
+    deadline_ms: int
+    error: str
+    error_stage: str
+
+    @classmethod
+    def decode(cls, wf_id: str, rec: dict[str, str]) -> WorkflowRecord:
+        """The record of `wf_id` from its decoded hash (absent fields read as empty)."""
+        g = rec.get
+        return cls(
+            id=g(RecordField.ID) or wf_id, state=g(RecordField.STATE) or "", tenant=g(RecordField.TENANT) or "",
+            request_id=g(RecordField.REQUEST_ID) or "", input=g(RecordField.INPUT) or "",
+            params=g(RecordField.PARAMS) or "", webhook=g(RecordField.WEBHOOK) or "",
+            pipeline=g(RecordField.PIPELINE) or "", stages=csv(g(RecordField.STAGES)),
+            finals=csv(g(RecordField.FINALS)),
+            kinds=dict(x.split("=", 1) for x in csv(g(RecordField.KINDS))),
+            created_ms=_int(g(RecordField.CREATED_MS)),
+            finished_ms=int(g(RecordField.FINISHED_MS) or 0) or None, deadline_ms=_int(g(RecordField.DEADLINE_MS)),
+            error=g(RecordField.ERROR) or "", error_stage=g(RecordField.ERROR_STAGE) or "")
+
+    @classmethod
+    def decode_raw(cls, wf_id: str, raw: dict[Any, Any]) -> WorkflowRecord:
+        """From the hash as Redis returns it (bytes)."""
+        return cls.decode(wf_id, {s(k): s(v) for k, v in raw.items()})

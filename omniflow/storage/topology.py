@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 import hiredis
@@ -62,16 +62,16 @@ class FastPacking:
         return [b"".join(pack(tuple(cmd))[0] for cmd in commands)]
 
 
-class FastConnection(FastPacking, Connection):  # type: ignore[misc]  # redis is Any to mypy (pyproject.toml)
+class FastConnection(FastPacking, Connection):
     """redis-py's asyncio connection packs commands in pure Python (its sync twin uses
     hiredis); packing was the largest single cost per workflow. hiredis packs in C."""
 
 
-class FastSentinelConnection(FastPacking, SentinelManagedConnection):  # type: ignore[misc]  # redis is Any
+class FastSentinelConnection(FastPacking, SentinelManagedConnection):
     """A sentinel-managed connection (it finds the current primary) with hiredis packing."""
 
 
-class FastSentinelSSLConnection(FastPacking, SentinelManagedSSLConnection):  # type: ignore[misc]
+class FastSentinelSSLConnection(FastPacking, SentinelManagedSSLConnection):
     """The TLS twin of `FastSentinelConnection`."""
 
 
@@ -144,7 +144,7 @@ def server_kind(url: str) -> ServerKind:
 
 
 # ---------------------------------------------------------------- clients
-class ClusterClient(RedisCluster):  # type: ignore[misc]  # redis is Any to mypy (pyproject.toml)
+class ClusterClient(RedisCluster):
     """redis-py's asyncio cluster client, with the three things omniflow needs added:
 
     - XREAD/XREADGROUP are routed by the keys after STREAMS; redis-py would ask a server
@@ -183,8 +183,9 @@ class ClusterClient(RedisCluster):  # type: ignore[misc]  # redis is Any to mypy
 
 
 def is_cluster(client: Any) -> bool:
-    """Is this client a cluster client (one slot per multi-key command, no pub/sub)?"""
-    return isinstance(client, RedisCluster)
+    """Is this client (redis-py's, or a `RedisClient` around one) a cluster client (one slot per
+    multi-key command, no pub/sub)?"""
+    return isinstance(getattr(client, "raw", client), RedisCluster)
 
 
 def _sentinel(cls: Any, spec: SentinelURL) -> Any:
@@ -201,13 +202,13 @@ def open_client(url: str, **kwargs: Any) -> Redis:
     options = {"decode_responses": False, "socket_keepalive": True, **kwargs}
     if kind is ServerKind.SENTINEL:
         spec = parse_sentinel_url(url)
-        return _sentinel(Sentinel, spec).master_for(
+        return cast(Redis, _sentinel(Sentinel, spec).master_for(
             spec.service, db=spec.db, ssl=spec.ssl,
-            connection_class=FastSentinelSSLConnection if spec.ssl else FastSentinelConnection, **options)
+            connection_class=FastSentinelSSLConnection if spec.ssl else FastSentinelConnection, **options))
     if kind is ServerKind.CLUSTER:
         for unsupported in ("single_connection_client", "health_check_interval"):
             options.pop(unsupported, None)
-        client: Redis = ClusterClient.from_url(url, **options)
+        client = cast(Redis, ClusterClient.from_url(url, **options))   # the command surface both share
         return client
     standalone: Redis = Redis.from_url(url, connection_class=FastConnection, **options)
     return standalone
@@ -219,7 +220,8 @@ def open_sync_client(url: str, **kwargs: Any) -> SyncRedis:
     options = {"decode_responses": False, "socket_keepalive": True, **kwargs}
     if kind is ServerKind.SENTINEL:
         spec = parse_sentinel_url(url)
-        return _sentinel(SyncSentinel, spec).master_for(spec.service, db=spec.db, ssl=spec.ssl, **options)
+        return cast(SyncRedis, _sentinel(SyncSentinel, spec).master_for(spec.service, db=spec.db, ssl=spec.ssl,
+                                                                         **options))
     if kind is ServerKind.CLUSTER:
         client: SyncRedis = SyncRedisCluster.from_url(url, **options)
         return client
@@ -243,8 +245,8 @@ def pubsub_client(client: Redis) -> Redis:
     `client`."""
     if not is_cluster(client):
         return client
-    node = client.get_random_node()
+    node = cast(RedisCluster, client).get_random_node()
     kwargs = {k: v for k, v in node.connection_kwargs.items()
               if k in ("username", "password", "socket_timeout", "socket_connect_timeout")}
-    standalone: Redis = Redis(host=node.host, port=node.port, decode_responses=False, **kwargs)
+    standalone: Redis = Redis(host=node.host, port=int(node.port), decode_responses=False, **kwargs)
     return standalone

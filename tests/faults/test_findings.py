@@ -17,6 +17,7 @@ from omniflow.errors import RedisUnavailable, ScriptError
 from omniflow.storage.keys import EVENT_GROUP, TASK_GROUP
 from omniflow.engine.reconciler import Reconciler, backoff_ms
 from omniflow.storage.schema import now_ms, s
+from omniflow.storage.transitions.emit import EMIT_LOG
 
 from conftest import toy_spec
 from helpers import eventually, expected_text, log_entries, request, run_to_end, text_steps
@@ -37,7 +38,7 @@ def steps_of(command: tuple[Any, ...]) -> list[int]:
     if command[0] != "EVALSHA" or command[1] != scripts.SCRIPTS["emit"].sha:
         return []
     nkeys = command[2]
-    packed = command[3 + nkeys + 6]
+    packed = command[3 + nkeys + 5]
     return [step[0] for step in msgpack.unpackb(packed, raw=True)]
 
 
@@ -86,7 +87,7 @@ async def test_finding1_finish_with_steps_missing_is_a_retryable_failure(engine_
         step = msgpack.packb([[1, "T", "a", ""]], use_bin_type=False)
         fin = msgpack.packb([TASK_GROUP, s(entry_id), "done", "{}", "1", 2, ""], use_bin_type=False)
         reply = await redisio.script(eng.redis, "emit", emit_keys(eng, sub.id),
-                                     ["thinker", 1, "", now_ms(), eng.settings.prefix, sub.id, step, fin])
+                                     ["thinker", 1, "", now_ms(), sub.id, step, fin])
         assert s(reply) == "gap"
         st = await eng.redis.hgetall(eng.store.keys.stages(sub.id))
         assert st[b"thinker"] == b"failed" and b"were not stored" in st[b"thinker:error"]
@@ -124,7 +125,7 @@ async def test_finding3_a_refused_close_never_leaks_the_task_on_a_live_worker(en
         async def refusing(commands: list[tuple[Any, ...]]) -> list[Any]:
             # the first emit carrying a finish (its 8th argument) fails with a script error, unapplied
             hit = next((i for i, c in enumerate(commands) if not failed and c[0] == "EVALSHA"
-                        and c[1] == scripts.SCRIPTS["emit"].sha and len(c) == 3 + c[2] + 8), None)
+                        and c[1] == scripts.SCRIPTS["emit"].sha and len(c) == 3 + c[2] + 7), None)
             if hit is None:
                 return await real_run(commands)
             failed.append(hit)
@@ -228,14 +229,14 @@ async def test_finding8_emit_with_a_malformed_step_writes_nothing(engine_factory
 
         def call(steps: list[Any]) -> Any:
             return redisio.script(eng.redis, "emit", emit_keys(eng, sub.id),
-                                  ["thinker", 1, "running", now_ms(), eng.settings.prefix, sub.id,
+                                  ["thinker", 1, "running", now_ms(), sub.id,
                                    msgpack.packb(steps, use_bin_type=False)])
 
         good = [1, "T", "a", ""]
         with pytest.raises(ScriptError, match="unknown op"):
             await call([good, [2, "Z", "x", ""]])
         with pytest.raises(ScriptError, match="field pairs"):
-            await call([good, [2, "X", ":log", ["t"]]])
+            await call([good, [2, "X", EMIT_LOG, ["t"]]])
         assert await eng.store.text(sub.id, "thinker") == ""
         assert s(await eng.redis.hget(eng.store.keys.stages(sub.id), "thinker:seq")) == "0"
         assert [f for f in await log_entries(eng.store, sub.id) if f.get("t") == "text"] == []

@@ -6,12 +6,12 @@ import os
 import random
 import uuid
 
-from redis.asyncio import Redis
+from omniflow.storage.client import RedisClient
 
 from omniflow.config import Settings
 from omniflow.dataplane import DataPlane
 from omniflow.pipeline import Pipeline
-from omniflow.storage.keys import Keys, finalize_suffixes
+from omniflow.storage.keys import Keys, finalize_plan
 
 #: what a reconciler counts (`omniflow stats`, tests)
 COUNT_NAMES = ("events", "completed", "failed", "retry", "ignored", "lost", "deadline", "dead_letters",
@@ -32,9 +32,9 @@ class ReconcilerContext:
         self.rng = random.Random()
         self.started = asyncio.Event()
         self.redis_ok_at = 0.0          # monotonic time of the last event read that Redis answered
-        self.final_suffixes = finalize_suffixes(pipeline)
+        self.finalize_plan = finalize_plan(pipeline)
         self.counts: dict[str, int] = dict.fromkeys(COUNT_NAMES, 0)
         # connections, made by `Reconciler._setup`
-        self.redis: Redis
-        self.blocking: Redis
+        self.redis: RedisClient
+        self.blocking: RedisClient
         self.plane: DataPlane

@@ -14,10 +14,10 @@ from omniflow.errors import MalformedEntry, RedisError, RedisUnavailable
 from omniflow.runtime import Backoff
 from omniflow.storage import redisio
 from omniflow.storage.entries import EventKind, event
-from omniflow.storage.keys import DLQ_EVENTS, EVENT_GROUP, TASK_GROUP
+from omniflow.storage.keys import DLQ_EVENTS, EVENT_GROUP
 from omniflow.storage.redisio import ensure_group
 from omniflow.storage.schema import now_ms, s
-from omniflow.storage.scripts import evalsha_args
+from omniflow.storage.transitions import reconcile
 
 logger = logging.getLogger(__name__)
 
@@ -77,11 +77,7 @@ class Events:
 
     def stage_event_keys(self, wf_id: str, stage: str) -> list[str]:
         """KEYS of a `stage_event.lua` call (see its header): all of `wf_id`'s cell."""
-        keys = self.ctx.keys
-        wf, cell = keys.wf(wf_id), keys.cell_of(wf_id)
-        return [wf, keys.inflight(cell), keys.retries(cell), keys.events(cell), keys.dlq(stage, cell),
-                *(keys.tasks(st, cell) for st in self.ctx.pipeline.order),
-                *keys.finalize_keys(wf_id, self.ctx.final_suffixes)]
+        return reconcile.stage_event_keys(self.ctx.keys, self.ctx.finalize_plan, self.ctx.pipeline.order, wf_id, stage)
 
     def _event_call(self, entry_id: bytes | str, fields: dict[bytes, bytes] | None, now: int,
                     cell: int) -> tuple[Any, ...]:
@@ -107,18 +103,16 @@ class Events:
         """A `stage_event.lua` call (ARGV: see its header): `task` is the (stream, entry) a `lost`
         session's task is acknowledged in, `event_id` the event entry it applies ('' for a sweep's)."""
         settings = self.ctx.settings
-        stream, entry = task
-        return evalsha_args(
-            "stage_event", self.stage_event_keys(wf_id, stage),
-            [settings.prefix, kind, stage, attempt, now, detail, "1" if retryable else "0",
-             self.ctx.pipeline.stages[stage].retry.max_attempts, due_ms, settings.tombstone_ttl_s,
-             settings.result_ttl_s, stream, entry, TASK_GROUP if stream else "", EVENT_GROUP, event_id,
-             settings.dlq_max_len])
+        return reconcile.stage_event(
+            self.ctx.keys, self.ctx.finalize_plan, self.ctx.pipeline.order, wf_id, stage, kind, attempt, now_ms=now,
+            detail=detail, retryable=retryable, max_attempts=self.ctx.pipeline.stages[stage].retry.max_attempts,
+            due_ms=due_ms, tombstone_ttl_s=settings.tombstone_ttl_s, result_ttl_s=settings.result_ttl_s,
+            dlq_max_len=settings.dlq_max_len, task=task, event_id=event_id)
 
     def _dead_letter_call(self, entry_id: bytes | str, fields: dict[bytes, bytes] | None, reason: str,
                           cell: int) -> tuple[Any, ...]:
         keys = self.ctx.keys
-        return redisio.dead_letter_call(keys.dlq(DLQ_EVENTS, cell), keys.events(cell), EVENT_GROUP, entry_id,
+        return reconcile.dead_letter(keys.dlq(DLQ_EVENTS, cell), keys.events(cell), EVENT_GROUP, entry_id,
                                         fields, reason, max_len=self.ctx.settings.dlq_max_len)
 
     async def apply(self, entries: list[tuple[bytes, dict[bytes, bytes] | None]], cell: int = 0) -> list[str]:
@@ -158,7 +152,7 @@ class Events:
                 poison.append(self._dead_letter_call(entry_id, fields, f"stage_event failed: {result}", cell))
                 code = "dead_letter"
             elif code is None:
-                code = s(result[0])
+                code = reconcile.event_code(result).value
             ctx.counts[code] = ctx.counts.get(code, 0) + 1
             out.append(code)
         ctx.counts["events"] += len(entries)

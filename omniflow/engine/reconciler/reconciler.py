@@ -8,7 +8,7 @@ import logging
 import time
 from typing import Any
 
-from redis.asyncio import Redis
+from omniflow.storage.client import RedisClient
 
 from omniflow.config import Settings
 from omniflow.dataplane import DataPlane
@@ -21,7 +21,7 @@ from omniflow.runtime import check_eviction_policy, check_layout, forever, when_
 from omniflow.storage import redisio
 from omniflow.storage.keys import EVENT_GROUP, TASK_GROUP, Keys
 from omniflow.storage.redisio import connect, ensure_group
-from omniflow.storage.scripts import evalsha_args
+from omniflow.storage.transitions.housekeeping import reap_consumer
 from omniflow.storage.topology import read_groups
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class Reconciler:
         self.settings, self.pipeline, self.redis_url, self.id = settings, pipeline, redis_url, ctx.id
         self.events = Events(ctx)
         self.sweeps = Sweeps(ctx, self.events)
-        self._clients: list[Redis] = []
+        self._clients: list[RedisClient] = []
 
     # ------------------------------------------------------------ what others see
     @property
@@ -57,11 +57,11 @@ class Reconciler:
         self.ctx.keys = keys
 
     @property
-    def redis(self) -> Redis:
+    def redis(self) -> RedisClient:
         return self.ctx.redis
 
     @redis.setter
-    def redis(self, client: Redis) -> None:       # a test's own connection, without `run`
+    def redis(self, client: RedisClient) -> None:       # a test's own connection, without `run`
         self.ctx.redis = client
 
     async def apply(self, entries: list[tuple[bytes, dict[bytes, bytes] | None]], cell: int = 0) -> list[str]:
@@ -129,8 +129,8 @@ class Reconciler:
         consumer is deleted by the sweeps once it has been idle long enough)."""
         ctx = self.ctx
         try:
-            await redisio.execute(ctx.redis, [evalsha_args("reap_consumer", [ctx.keys.events(cell)],
-                                                           [EVENT_GROUP, self.id]) for cell in ctx.keys.all_cells])
+            await redisio.execute(ctx.redis, [reap_consumer(ctx.keys.events(cell), EVENT_GROUP, self.id)
+                                              for cell in ctx.keys.all_cells])
         except RedisError as exc:
             logger.warning("reconciler %s: could not leave the event group: %s", self.id, exc)
 

@@ -10,7 +10,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from omniflow.client.store import abort_call
 from omniflow.engine.reconciler.context import ReconcilerContext
 from omniflow.engine.reconciler.events import EVENT_BATCH, Events
 from omniflow.errors import MalformedEntry, RedisError, ScriptError
@@ -20,7 +19,8 @@ from omniflow.storage.entries import EventKind, retry_member
 from omniflow.storage.entries import task as task_entry
 from omniflow.storage.keys import EVENT_GROUP, TASK_GROUP
 from omniflow.storage.schema import csv, now_ms, s
-from omniflow.storage.scripts import evalsha_args
+from omniflow.storage.transitions import admission, housekeeping, reconcile
+from omniflow.storage.transitions.admission import AbortResult
 from omniflow.storage.topology import is_cluster
 
 logger = logging.getLogger(__name__)
@@ -63,12 +63,8 @@ class Sweeps:
     @redisio.translated
     async def _lead(self) -> bool:
         ttl_ms = int(self.ctx.settings.sweep_interval_s * 3000)
-        if await self.ctx.redis.set(self.ctx.keys.leader, self.ctx.id, nx=True, px=ttl_ms):
-            return True
-        if s(await self.ctx.redis.get(self.ctx.keys.leader)) == self.ctx.id:
-            await self.ctx.redis.pexpire(self.ctx.keys.leader, ttl_ms)
-            return True
-        return False
+        reply = await redisio.call(self.ctx.redis, *housekeeping.leader_lease(self.ctx.keys, self.ctx.id, ttl_ms=ttl_ms))
+        return housekeeping.lease_code(reply) is not housekeeping.LeaseResult.HELD
 
     @redisio.translated
     async def _reclaim_events(self) -> None:
@@ -124,10 +120,10 @@ class Sweeps:
                 # entries, and a worker declared dead may still be alive (SIGSTOP, a long GC pause)
                 # and have read new tasks since we listed them. Such a worker re-registers with its
                 # next heartbeat; its stale sessions are fenced by attempt.
-                reaped = await self._run_scripts([evalsha_args("reap_consumer", [self.ctx.keys.tasks(name, cell)],
-                                                               [TASK_GROUP, worker_id])
+                reaped = await self._run_scripts([housekeeping.reap_consumer(self.ctx.keys.tasks(name, cell), TASK_GROUP,
+                                                                             worker_id)
                                                   for name in stages for cell in self.ctx.keys.all_cells])
-                if all(r == 1 for r in reaped):
+                if all(r == housekeeping.ReapResult.GONE for r in reaped):
                     pipe = self.ctx.redis.pipeline(transaction=False)
                     pipe.zrem(self.ctx.keys.workers, worker_id)
                     pipe.delete(self.ctx.keys.worker_info(worker_id))
@@ -189,14 +185,13 @@ class Sweeps:
             try:
                 task = task_entry(fields, stage=stage)
             except MalformedEntry as exc:
-                calls.append(redisio.dead_letter_call(self.ctx.keys.dlq(stage, cell), stream, TASK_GROUP, entry_id, fields,
-                                                      f"malformed task entry: {exc}",
-                                                      max_len=self.ctx.settings.dlq_max_len))
+                calls.append(reconcile.dead_letter(self.ctx.keys.dlq(stage, cell), stream, TASK_GROUP, entry_id, fields,
+                                                   f"malformed task entry: {exc}", max_len=self.ctx.settings.dlq_max_len))
                 continue
             if self.ctx.keys.cell_of(task.wf_id) != cell:
-                calls.append(redisio.dead_letter_call(self.ctx.keys.dlq(stage, cell), stream, TASK_GROUP, entry_id, fields,
-                                                      f"task of workflow {task.wf_id} in cell {cell}",
-                                                      max_len=self.ctx.settings.dlq_max_len))
+                calls.append(reconcile.dead_letter(self.ctx.keys.dlq(stage, cell), stream, TASK_GROUP, entry_id, fields,
+                                                   f"task of workflow {task.wf_id} in cell {cell}",
+                                                   max_len=self.ctx.settings.dlq_max_len))
                 continue
             calls.append(self.events.stage_event_call(task.wf_id, stage, EventKind.LOST.value, task.attempt, now,
                                                 f"worker {worker_id} stopped heartbeating", retryable=True,
@@ -229,10 +224,7 @@ class Sweeps:
                 except MalformedEntry as exc:
                     poison.append((cell, member, str(exc)))
                     continue
-                wf = self.ctx.keys.wf(wf_id)
-                calls.append(evalsha_args(
-                    "retry_due", [wf, self.ctx.keys.retries(cell), f"{wf}:stages", self.ctx.keys.tasks(stage, cell)],
-                    [self.ctx.settings.prefix, member, stage, attempt]))
+                calls.append(reconcile.retry_due(self.ctx.keys, wf_id, stage, attempt, member))
         await self._run_scripts(calls)
         for cell, member, reason in poison:
             pipe = self.ctx.redis.pipeline(transaction=not is_cluster(self.ctx.redis))    # one slot: both of the cell
@@ -248,12 +240,14 @@ class Sweeps:
         if not late:
             return 0
         results = await self._run_scripts([
-            abort_call(self.ctx.keys, self.ctx.settings, self.ctx.final_suffixes, wf_id, state=WorkflowState.FAILED,
-                       reason="deadline exceeded") for _cell, wf_id in late])
+            admission.abort(self.ctx.keys, self.ctx.finalize_plan, wf_id, now_ms=now_ms(), state=WorkflowState.FAILED,
+                            reason="deadline exceeded", stage="", tombstone_ttl_s=self.ctx.settings.tombstone_ttl_s,
+                            result_ttl_s=self.ctx.settings.result_ttl_s) for _cell, wf_id in late])
         # A record that expired or vanished ('gone') must not pin an admission slot; one whose abort
         # failed (e.g. NOSCRIPT twice) stays, so that the next sweep fails it properly.
         stray = [(cell, wf_id) for (cell, wf_id), r in zip(late, results)
-                 if not isinstance(r, Exception) and s(r[0]) in ("gone", "terminal")]
+                 if not isinstance(r, Exception)
+                 and admission.abort_code(r) in (AbortResult.GONE, AbortResult.TERMINAL)]
         for cell, wf_id in stray:
             await self.ctx.redis.zrem(self.ctx.keys.inflight(cell), wf_id)
         self.ctx.counts["deadline"] += len(late)
@@ -267,8 +261,8 @@ class Sweeps:
         reaped = 0
         for cell in self.ctx.keys.all_cells:
             try:
-                reaped += await redisio.reap_idle_consumers(self.ctx.redis, self.ctx.keys.events(cell), EVENT_GROUP,
-                                                            idle_ms=idle_ms, keep=self.ctx.id)
+                reaped += await housekeeping.reap_idle_consumers(self.ctx.redis, self.ctx.keys.events(cell), EVENT_GROUP,
+                                                                 idle_ms=idle_ms, keep=self.ctx.id)
             except ScriptError:             # no such group yet
                 continue
         return reaped

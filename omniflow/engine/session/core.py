@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from omniflow.dataplane.backpressure import EdgeWindow, WaitStats
     from omniflow.dataplane.base import Ref
     from omniflow.dataplane.plane import DataPlane
+    from omniflow.engine.session.consumers import Consumers
     from omniflow.storage.batcher import Batcher
     from omniflow.storage.keys import Keys
 
@@ -52,6 +53,8 @@ class SessionCore:
     _status: str
     _finish: tuple[list[str], bytes] | None
     _emit_keys: list[str] | None
+    _consumers: Consumers  # which replicas consume which stage (the inboxes its emits declare)
+    _consumers_seen: int  # the `Consumers.version` its `_emit_keys` were built with
     _open: asyncio.Future[Any] | None  # the queued write that is not built yet (takes more steps)
     _last_in: dict[str, int]
     _write_error: BaseException | None

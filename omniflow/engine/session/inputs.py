@@ -14,6 +14,7 @@ from omniflow.executor import Chunk
 from omniflow.engine.session.outputs import SessionOutputs
 from omniflow.errors import NonRetryableError
 from omniflow.models import SessionState, StageStatus
+from omniflow.storage.schema import StageField
 
 
 class SessionInputs(SessionOutputs):
@@ -135,7 +136,7 @@ class SessionInputs(SessionOutputs):
         chunks, size = chunks + 1, size + nbytes
         if (s.dataplane_edge_max_chunks > 0 and chunks >= max(1, s.dataplane_edge_max_chunks // 4)) or \
                 (s.dataplane_edge_max_bytes > 0 and size >= max(1, s.dataplane_edge_max_bytes // 4)):
-            self._send_home("HSET", self._keys.stages(self.wf_id), f"{self.stage}:rd:{src}", seq)
+            self._send_home("HSET", self._keys.stages(self.wf_id), StageField.read_pos(self.stage, src), seq)
             chunks, size = 0, 0
         self._unreported[src] = (chunks, size)
 

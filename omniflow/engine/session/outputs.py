@@ -7,7 +7,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgpack
@@ -20,12 +20,15 @@ from omniflow.dataplane.codec import payload_nbytes
 from omniflow.engine.session.core import ACTIVE, SessionCore
 from omniflow.errors import Fenced, NonRetryableError, RedisUnavailable
 from omniflow.models import SessionState, StageStatus
-from omniflow.storage.scripts import EmitResult, evalsha_args
+from omniflow.storage.schema import StageField
+from omniflow.storage.transitions.emit import EMIT_LOG, EMIT_OUT, EmitResult, emit_code, emit_keys, refused_inbox
+from omniflow.storage.transitions.emit import emit as emit_call
 from omniflow.storage.usage import Meter
 
 logger = logging.getLogger(__name__)
 
 MAX_EMITS_IN_FLIGHT = 64
+MAX_INBOX_RESENDS = 8       # a call refused for a consumer's inbox is sent again at most this many times
 DOMAIN_RECHECK_S = 0.5      # how often a producer asks again where a not-yet-claimed consumer runs
 DOMAIN_REFRESH_S = 5.0      # ... and where a claimed one runs (a retry may have moved it to another host)
 
@@ -122,7 +125,7 @@ class SessionOutputs(SessionCore):
         return await self._on_home(self._read_position(dst))
 
     async def _read_position(self, dst: str) -> int:
-        raw = await self._batcher.send("HGET", self._keys.stages(self.wf_id), f"{dst}:rd:{self.stage}")
+        raw = await self._batcher.send("HGET", self._keys.stages(self.wf_id), StageField.read_pos(dst, self.stage))
         return int(raw or 0)
 
     def _payload_fields(self, seq: int, dst: str, payload: Any, step: list[Any], nbytes: int | None) -> list[Any]:
@@ -159,9 +162,9 @@ class SessionOutputs(SessionCore):
             sr = int(sample_rate or 0)
             if sr <= 0:
                 raise NonRetryableError(f"stage {self.stage}: audio needs a positive sample_rate")
-            step += ["X", f":out:{self.stage}", ["seq", seq, "pcm", pcm.astype("<i2").tobytes(), "sr", sr],
-                     "I", f"{self.stage}:samples", int(pcm.size), "H", f"{self.stage}:sr", sr,
-                     "X", ":log", ["t", "audio", "stage", self.stage, "seq", seq, "samples", int(pcm.size), "sr", sr]]
+            step += ["X", EMIT_OUT, ["seq", seq, "pcm", pcm.astype("<i2").tobytes(), "sr", sr],
+                     "I", StageField.samples(self.stage), int(pcm.size), "H", StageField.sample_rate(self.stage), sr,
+                     "X", EMIT_LOG, ["t", "audio", "stage", self.stage, "seq", seq, "samples", int(pcm.size), "sr", sr]]
         payloads = dict(to or {})
         if data is not None:
             payloads.update({dst: data for dst in self.downstream if dst not in payloads})
@@ -184,36 +187,67 @@ class SessionOutputs(SessionCore):
 
     def _schedule(self) -> None:
         if self._open is None:
-            self._open = self._batcher.send_lazy(self._emit_command)
+            self._open = self._send_emit()
             self._track(self._open)
 
-    def _emit_command(self) -> tuple[Any, ...]:
-        """Everything emitted since the last write, as one `emit.lua` call (built at flush time)."""
-        steps, self._steps = self._steps, []
-        status, self._status = self._status, ""
-        self._open = None
-        args = [self.stage, self.attempt, status, int(time.time() * 1000), self._keys.prefix, self.wf_id,
-                msgpack.packb(steps, use_bin_type=False)]
+    def _send_emit(self) -> asyncio.Future[Any]:
+        """Queue one `emit.lua` call, built at flush time from everything emitted until then; its
+        future resolves with the call's reply once it is written. A call refused because a consumer's
+        inbox was not declared wrote nothing: it is sent again, declaring it (`Consumers`)."""
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        taken: list[tuple[list[list[Any]], str, tuple[list[str], bytes] | None]] = []
+
+        def build() -> tuple[Any, ...]:
+            if not taken:       # what the call carries is taken once: a call sent again carries the same
+                steps, self._steps = self._steps, []
+                status, self._status = self._status, ""
+                self._open = None
+                taken.append((steps, status, self._finish))
+            steps, status, finish = taken[0]
+            return emit_call(self._current_emit_keys(), self.wf_id, self.stage, self.attempt, status=status,
+                             now_ms=int(time.time() * 1000), steps=steps, finish=finish)
+
+        self._relay(done, build, self._batcher.send_lazy(build), 0)
+        return done
+
+    def _relay(self, done: asyncio.Future[Any], build: Callable[[], tuple[Any, ...]], sent: asyncio.Future[Any],
+               tries: int) -> None:
+        def settled(fut: asyncio.Future[Any]) -> None:
+            if done.done():
+                return
+            if fut.cancelled():
+                done.cancel()
+                return
+            exc = fut.exception()
+            if exc is not None:
+                done.set_exception(exc)
+                return
+            result = fut.result()
+            if isinstance(result, list) and result and emit_code(result) is EmitResult.INBOX:
+                if tries >= MAX_INBOX_RESENDS:
+                    done.set_exception(RedisUnavailable(
+                        f"stage {self.stage} attempt {self.attempt} of {self.wf_id}: its consumers kept moving"))
+                    return
+                dst, replica = refused_inbox(result)
+                if replica:
+                    self._consumers.learn(dst, self._keys.cell_of(self.wf_id), replica)
+                self._relay(done, build, self._batcher.send_lazy(build), tries + 1)
+                return
+            done.set_result(result)
+
+        sent.add_done_callback(settled)
+
+    def _current_emit_keys(self) -> list[str]:
         keys = self._emit_keys
-        if keys is None:
+        if keys is None or self._consumers_seen != self._consumers.version:
+            self._consumers_seen = self._consumers.version
             keys = self._emit_keys = self.emit_keys()
-        blobs = [keys[0] + step[i + 1] for step in steps for i in range(1, len(step) - 2, 3) if step[i] == "B"]
-        if blobs:       # payload keys this call stores (op 'B'): declared like every other key
-            keys = [*keys, *blobs]
-        if self._finish is None:
-            return evalsha_args("emit", keys, args)
-        # the finish's task and event streams in place of the session's, then its usage key (if metered)
-        finish_keys = self._finish[0]
-        return evalsha_args("emit", [keys[0], *finish_keys[:2], *keys[3:], *finish_keys[2:]],
-                            [*args, self._finish[1]])
+        return keys
 
     def emit_keys(self) -> list[str]:
-        """Every key an `emit.lua` call of this session may touch (see its header): the base key, the
-        task and event streams of the workflow's cell, stages, log, this stage's output, its edges."""
-        keys, wf_id, cell = self._keys, self.wf_id, self._keys.cell_of(self.wf_id)
-        wf = keys.wf(wf_id)
-        return [wf, keys.tasks(self.stage, cell), keys.events(cell), f"{wf}:stages", f"{wf}:log",
-                f"{wf}:out:{self.stage}", f"{wf}:blobs", *(f"{wf}:edge:{self.stage}:{dst}" for dst in self.downstream)]
+        """Every key an `emit.lua` call of this session may touch (`transitions.emit.emit_keys`)."""
+        return emit_keys(self._keys, self.wf_id, self.stage, self.downstream,
+                         self._consumers.of(self.downstream, self._keys.cell_of(self.wf_id)))
 
     async def close(self, *, tasks_key: str, events_key: str, group: str, entry_id: str, outcome: str,
                     detail: str, retryable: bool, meter: Meter | None = None) -> str:
@@ -239,13 +273,12 @@ class SessionOutputs(SessionCore):
         if self._open is not None:
             last = self._open          # the pending write is still in the batcher's queue: the finish rides on it
         else:
-            last = self._open = self._batcher.send_lazy(self._emit_command)
+            last = self._open = self._send_emit()
         earlier = [f for f in self._inflight if f is not last]
         if earlier:
             await asyncio.gather(*earlier, return_exceptions=True)
-        result = await last
-        code = result.decode() if isinstance(result, bytes) else str(result)
-        return code if code in (EmitResult.FENCED, EmitResult.GAP) else EmitResult.OK.value
+        code = emit_code(await last)
+        return code.value if code in (EmitResult.FENCED, EmitResult.GAP) else EmitResult.OK.value
 
     def _track(self, fut: asyncio.Future[Any]) -> None:
         self._inflight.add(fut)
@@ -261,11 +294,10 @@ class SessionOutputs(SessionCore):
             # Sticky: later steps must not be written past the hole this one leaves (chaos suite).
             self._write_error = self._write_error or exc
             return
-        result = fut.result()
-        code = result.decode() if isinstance(result, bytes) else result
-        if code == EmitResult.FENCED:
+        code = emit_code(fut.result())
+        if code is EmitResult.FENCED:
             self.fence()
-        elif code == "gap":     # emit.lua refused steps after a lost write: end this attempt, retry resumes
+        elif code is EmitResult.GAP:     # emit.lua refused steps after a lost write: end this attempt, retry resumes
             self._write_error = self._write_error or RedisUnavailable(
                 f"stage {self.stage} attempt {self.attempt} of {self.wf_id}: an earlier write was lost")
 

@@ -6,6 +6,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from omniflow.engine.session.consumers import Consumers
 from omniflow.engine.session.inputs import SessionInputs
 from omniflow.executor import Session as ExecutorSession
 from omniflow.models import SessionState
@@ -52,6 +53,8 @@ class Session(SessionInputs):
     _status: str = ""
     _finish: tuple[list[str], bytes] | None = None
     _emit_keys: list[str] | None = None
+    _consumers: Consumers = field(default_factory=Consumers)   # the worker's: which inboxes its emits declare
+    _consumers_seen: int = -1
     _open: asyncio.Future[Any] | None = None      # the queued write that is not built yet (takes more steps)
     _last_in: dict[str, int] = field(default_factory=dict)
     _write_error: BaseException | None = None

@@ -10,7 +10,6 @@ from omniflow.engine.worker.context import WorkerContext
 from omniflow.storage import redisio
 from omniflow.storage.redisio import REDIS_ERRORS
 from omniflow.storage.schema import s
-from omniflow.storage.topology import pubsub_client
 
 logger = logging.getLogger(__name__)
 
@@ -26,20 +25,12 @@ class AbortFanout:
     async def listen(self) -> None:
         ctx = self.ctx
         while True:
-            client = pubsub_client(ctx.redis)      # on a cluster: a connection to one of its nodes
-            pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(ctx.keys.abort_channel)
-                async for message in pubsub.listen():
-                    if message.get("type") == "message":
-                        self.cancel_workflow(s(message["data"]))
+                async for data in ctx.redis.listen(ctx.keys.abort_channel):
+                    self.cancel_workflow(s(data))
             except REDIS_ERRORS as exc:
                 logger.warning("worker %s: abort channel lost: %s", ctx.id, redisio.translate(exc))
                 await asyncio.sleep(ABORT_RESUBSCRIBE_S)
-            finally:
-                await pubsub.aclose()
-                if client is not ctx.redis:
-                    await client.aclose()
 
     def cancel_workflow(self, wf_id: str) -> int:
         """Cancel every local session of `wf_id` (abort fan-out); its segments on this host go too."""

@@ -13,16 +13,17 @@ from omniflow.engine.worker.context import WorkerContext
 from omniflow.engine.worker.pool import StagePool
 from omniflow.engine.worker.sessions import SessionRunner
 from omniflow.errors import RedisUnavailable, ScriptError
-from omniflow.models import SessionState, WorkflowState
+from omniflow.models import SessionState
 from omniflow.runtime import Backoff
 from omniflow.storage.keys import TASK_GROUP
 from omniflow.storage.schema import csv, now_ms, s
-from omniflow.storage.scripts import evalsha_args
+from omniflow.storage.transitions import sessions as transitions
+from omniflow.storage.transitions.emit import finish
+from omniflow.storage.transitions.sessions import Claim, ClaimResult, claim_code
 
 logger = logging.getLogger(__name__)
 
 PLAN_CACHE_MAX = 1024
-Claim = tuple[str, str, int]            # (task entry id, workflow id, attempt)
 
 
 class Claims:
@@ -57,7 +58,7 @@ class Claims:
             return
         loop = asyncio.get_running_loop()
         for (entry_id, wf_id, attempt), queue, reply in zip(claims, queues, replies, strict=True):
-            if isinstance(reply, Exception) or s(reply[0]) != "ok":
+            if isinstance(reply, Exception) or claim_code(reply) is not ClaimResult.OK:
                 if isinstance(reply, Exception):    # this task alone cannot be claimed: poison
                     ctx.dead_letter(stage, cell, pool.tasks_keys[cell], TASK_GROUP, entry_id,
                                     {b"wf": wf_id.encode(), b"s": stage.encode(), b"a": str(attempt).encode()},
@@ -82,7 +83,7 @@ class Claims:
                     state=SessionState.WAITING_INPUT if upstream else SessionState.RUNNING,
                     checkpoint=checkpoint, _home=loop if pool.compute is not None else None,
                     _plane=ctx.plane, _domain_of=self.runner.domain_of, _chunk_dsts=pool.chunk_dsts,
-                    _bp=ctx.backpressure,
+                    _bp=ctx.backpressure, _consumers=ctx.consumers,
                 )
             except Exception as exc:  # noqa: BLE001 - a record that does not decode fails its workflow, not us
                 ctx.inputs.pop((wf_id, stage, attempt), None)
@@ -102,17 +103,11 @@ class Claims:
         'ok' again), so transient errors are retried; a batch the script fails on is split, to find
         the task that causes it."""
         ctx = self.ctx
-        args = [ctx.settings.prefix, TASK_GROUP, ctx.id, now_ms(), ",".join(pool.upstream), pool.stage,
-                *(x for claim in claims for x in claim)]
-        keys = [pool.tasks_keys[cell], ctx.keys.state_index(WorkflowState.PENDING.value, cell),
-                ctx.keys.state_index(WorkflowState.RUNNING.value, cell)]
-        for _entry_id, wf_id, _attempt in claims:
-            wf = ctx.keys.wf(wf_id)
-            keys += [wf, f"{wf}:stages", f"{wf}:log", *(f"{wf}:edge:{src}:{pool.stage}" for src in pool.upstream)]
+        call = transitions.claim(ctx.keys, pool.stage, pool.upstream, cell, claims, worker_id=ctx.id, now_ms=now_ms())
         backoff = Backoff()
         while True:
             try:
-                replies = await ctx.batcher.script("claim", keys, args)
+                replies = await ctx.batcher.send(*call)
                 if not isinstance(replies, list) or len(replies) != len(claims):
                     raise ScriptError(f"unexpected claim reply {replies!r:.200}")
                 return replies
@@ -139,9 +134,8 @@ class Claims:
         is not retried: its workflow fails with the reason, its task is acknowledged."""
         ctx = self.ctx
         logger.warning("session %s/%s cannot start: %s", wf_id, pool.stage, why)
-        wf = ctx.keys.wf(wf_id)
-        call = evalsha_args("finish", [wf, pool.tasks_keys[cell], ctx.keys.events(cell), f"{wf}:stages", f"{wf}:log"],
-                            [TASK_GROUP, entry_id, pool.stage, attempt, "failed", why, "0", now_ms(), 0, ""])
+        call = finish(ctx.keys, wf_id, pool.stage, attempt, entry_id=entry_id, outcome="failed", detail=why,
+                      retryable=False, now_ms=now_ms(), seq=0, downstream=())
         await ctx.write_until_done(call, f"failing session {wf_id}/{pool.stage}")
 
     def _plan_of(self, stage: str, raw_stages: bytes, raw_finals: bytes) -> tuple[tuple[str, ...], ...]:

@@ -8,20 +8,21 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
-from redis.asyncio import Redis
+from omniflow.storage.client import RedisClient
 
 from omniflow.config import Settings
 from omniflow.dataplane import DataPlane
 from omniflow.dataplane.backpressure import WaitStats
 from omniflow.engine.session import Session
+from omniflow.engine.session.consumers import Consumers
 from omniflow.engine.window import StageWindow
 from omniflow.engine.worker.pool import StagePool
 from omniflow.errors import RedisError, RedisUnavailable
 from omniflow.pipeline import Pipeline
 from omniflow.runtime import Backoff
-from omniflow.storage import redisio
 from omniflow.storage.batcher import Batcher
 from omniflow.storage.keys import Keys
+from omniflow.storage.transitions.reconcile import dead_letter
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +45,9 @@ class WorkerContext:
         # the layout (how many cells) is known once connected (`Worker._setup_redis`)
         self.keys = Keys(settings.prefix, settings.cells or 1)
         # connections, made by `Worker._setup_redis`
-        self.redis: Redis
-        self.intake_redis: Redis
-        self.inbox_redis: Redis
+        self.redis: RedisClient
+        self.intake_redis: RedisClient
+        self.inbox_redis: RedisClient
         self.batchers: list[Batcher] = []
         self.batcher: Batcher
         self.plane: DataPlane
@@ -56,6 +57,7 @@ class WorkerContext:
         self.held: set[str] = set()     # task entry ids this worker is working on (claim, session, dead letter)
         # (wf, stage, attempt) -> the input queue of that session
         self.inputs: dict[tuple[str, str, int], asyncio.Queue[Any]] = {}
+        self.consumers = Consumers()        # which replicas consume which stage: the inboxes emits declare
         self.slot_free = asyncio.Event()        # a session slot came free (intake waits on it)
         self.undrained = asyncio.Event()        # cleared while an operator drains this worker
         self.undrained.set()
@@ -107,8 +109,8 @@ class WorkerContext:
         until then)."""
         self.stats["dead_letters"] += 1
         logger.warning("worker %s: dead-lettering entry %s of %s: %s", self.id, entry_id, stream, reason)
-        call = redisio.dead_letter_call(self.keys.dlq(dlq_name, cell), stream, group, entry_id, fields, reason,
-                                        max_len=self.settings.dlq_max_len)
+        call = dead_letter(self.keys.dlq(dlq_name, cell), stream, group, entry_id, fields, reason,
+                           max_len=self.settings.dlq_max_len)
         self.spawn(f"dlq:{stream}:{entry_id}", self.write_until_done(call, f"dead-letter {entry_id}"),
                    entry_id=entry_id)
 

@@ -20,6 +20,7 @@ from omniflow.engine.worker.serving import serving_snapshot
 from omniflow.errors import RedisError
 from omniflow.models import WorkerState
 from omniflow.storage import redisio
+from omniflow.storage.transitions.sessions import heartbeat
 from omniflow.storage.schema import now_ms
 
 logger = logging.getLogger(__name__)
@@ -49,14 +50,12 @@ class Liveness:
             "serving": json.dumps(serving_snapshot(ctx)),
         }
 
-    async def _register(self, registry: str, state: WorkerState) -> bytes | None:
-        """`heartbeat.lua` on `registry` (the lease set, or the loading set): score, info, TTL."""
+    async def _register(self, state: WorkerState, *, loading: bool = False) -> bytes | None:
+        """`heartbeat.lua` on the lease set (or the loading set): score, info, TTL."""
         ctx = self.ctx
         expiry = now_ms() + int(ctx.settings.lease_timeout_s * 1000)
-        info = self._info(state)
-        drain: bytes | None = await redisio.script(
-            ctx.redis, "heartbeat", [registry, ctx.keys.worker_info(ctx.id)],
-            [ctx.id, expiry, WORKER_INFO_TTL_S, *(x for kv in info.items() for x in kv)])
+        drain: bytes | None = await redisio.call(ctx.redis, *heartbeat(
+            ctx.keys, ctx.id, loading=loading, expiry_ms=expiry, info_ttl_s=WORKER_INFO_TTL_S, info=self._info(state)))
         return drain
 
     async def announce_loading(self) -> None:
@@ -66,7 +65,7 @@ class Liveness:
         failing = False
         while True:
             try:
-                await self._register(self.ctx.keys.workers_loading, WorkerState.LOADING)
+                await self._register(WorkerState.LOADING, loading=True)
                 failing = False
             except RedisError as exc:
                 if not failing:
@@ -91,7 +90,7 @@ class Liveness:
         ctx.stats["backpressure_wait_s"] = round(ctx.backpressure.wait_s, 3)
         state = (WorkerState.STOPPING if ctx.stopping else WorkerState.DRAINING if ctx.draining
                  else WorkerState.READY)
-        drain = await self._register(ctx.keys.workers, state)
+        drain = await self._register(state)
         self.heartbeat_ok_at = time.monotonic()
         if drain and ctx.undrained.is_set():
             logger.info("worker %s: draining (claims nothing new; %d session(s) held)", ctx.id, len(ctx.sessions))

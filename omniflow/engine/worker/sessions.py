@@ -8,7 +8,6 @@ import asyncio
 import functools
 import logging
 import time
-from typing import Any
 
 from omniflow.dataplane import InputLost
 from omniflow.engine.session import Session
@@ -20,7 +19,8 @@ from omniflow.runtime import Backoff
 from omniflow.storage import redisio
 from omniflow.storage.keys import TASK_GROUP
 from omniflow.storage.redisio import REDIS_ERRORS
-from omniflow.storage.schema import now_ms, s
+from omniflow.storage.schema import StageField, now_ms, s
+from omniflow.storage.transitions.sessions import RestartResult, restart, restart_result
 from omniflow.storage.usage import Meter, bucket_of
 
 logger = logging.getLogger(__name__)
@@ -130,22 +130,18 @@ class SessionRunner:
         stage = lost.src if lost is not None else session.stage
         below = ctx.pipeline.descendants(stage, session.required)
         requeued = below if lost is None else [stage, *below]
-        edges = [f"{st}:{e.dst}" for st in (stage, *below) for e in ctx.pipeline.outputs[st]
-                 if e.dst in session.required]
-        wf, cell = ctx.keys.wf(session.wf_id), ctx.keys.cell_of(session.wf_id)
-        keys = [wf, f"{wf}:stages", f"{wf}:log", *(f"{wf}:edge:{edge}" for edge in edges),
-                *(f"{wf}:out:{st}" for st in (stage, *below)), *(ctx.keys.tasks(st, cell) for st in requeued)]
-        args: list[Any] = [ctx.settings.prefix, stage, "" if lost else session.attempt, now_ms(), ",".join(below),
-                           ",".join(edges)]
-        if lost is not None:
-            args += [session.stage, session.attempt, ctx.pipeline.stages[stage].retry.max_attempts,
-                     str(lost)[:MAX_DETAIL_CHARS]]
-        reply = s(await ctx.batcher_for(session.wf_id).script("restart", keys, args))
-        if reply == "fenced" or (lost is not None and reply == "ok"):
+        edges = [(st, e.dst) for st in (stage, *below) for e in ctx.pipeline.outputs[st] if e.dst in session.required]
+        call = restart(ctx.keys, session.wf_id, stage, attempt="" if lost else session.attempt, below=below,
+                       edges=edges, requeued=requeued, now_ms=now_ms(),
+                       regenerate=None if lost is None else (session.stage, session.attempt,
+                                                             ctx.pipeline.stages[stage].retry.max_attempts,
+                                                             str(lost)[:MAX_DETAIL_CHARS]))
+        reply = restart_result(await ctx.batcher_for(session.wf_id).send(*call))
+        if reply is RestartResult.FENCED or (lost is not None and reply is RestartResult.OK):
             session.fence()
         if lost is None:
             session.resume_seq = 0
-        return reply
+        return reply.value
 
     async def _execute(self, pool: StagePool, session: Session) -> tuple[str, str, bool]:
         """Run the executor; map how it ended to (outcome, detail, retryable)."""
@@ -206,7 +202,7 @@ class SessionRunner:
         """The shared-memory domain of the replica the consuming session `dst` of `wf_id` is bound to
         ('' while it is not claimed, or when that replica publishes none)."""
         ctx = self.ctx
-        replica = await ctx.batcher.send("HGET", ctx.keys.stages(wf_id), f"{dst}:replica")
+        replica = await ctx.batcher.send("HGET", ctx.keys.stages(wf_id), StageField.replica(dst))
         if not replica:
             return ""
         rid = s(replica)

@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from redis.asyncio import Redis
+from omniflow.storage.client import RedisClient
 
 from omniflow.config import Settings
 from omniflow.dataplane import DataPlane
@@ -56,7 +56,7 @@ class Worker:
         self.claims = Claims(ctx, self.runner)
         self.inbox = Inbox(ctx)
         self.abort = AbortFanout(ctx)
-        self._clients: list[Redis] = []
+        self._clients: list[RedisClient] = []
 
     # ------------------------------------------------------------ what others see
     @property
@@ -72,7 +72,7 @@ class Worker:
         return self.ctx.keys
 
     @property
-    def redis(self) -> Redis:
+    def redis(self) -> RedisClient:
         return self.ctx.redis
 
     @property

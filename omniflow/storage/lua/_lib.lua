@@ -1,9 +1,10 @@
 -- Shared helpers, spliced into scripts that say `--@include _lib.lua`.
 -- Every key a script touches is one of its KEYS, and all of them are keys of one cell
--- (`<prefix>:{<cell tag>}:...`, omniflow/keys.py): one cluster slot. Scripts build key names
--- from the workflow's base key (`<cell>:wf:<id>`) or the cell's base, and pass each through
--- `key()`, which refuses (an error naming it) a key the caller did not declare. The one
--- exception is the consuming worker's inbox (`inbox_key`), whose name is data: see there.
+-- (`<prefix>:{<cell tag>}:...`, omniflow/storage/keys.py): one cluster slot. Scripts build key
+-- names from the workflow's base key (`<cell>:wf:<id>`) or the cell's base, and pass each through
+-- `key()`, which refuses (an error naming it) a key the caller did not declare. A consuming
+-- worker's inbox is declared like every other key; a call that would forward to one it did not
+-- declare writes nothing and says which (`unbound_inbox`).
 
 local DECLARED = {}
 for _, k in ipairs(KEYS) do DECLARED[k] = true end
@@ -127,12 +128,34 @@ end
 -- fields wf, ds (dst stage), da (dst attempt), src, m): a worker reads one stream per cell for all
 -- its sessions' inputs.
 --
--- The inbox is the one key a script touches without declaring it: its name is the consuming
--- replica, which only this transition knows (it reads `<dst>:replica`); a producer cannot name it
--- beforehand without a round trip per emit or a protocol to learn it. It is built from the cell's
--- base, so it is in the script's slot on any cluster (Redis and Valkey enforce exactly that).
+-- The inbox's name is the consuming replica, which the producer learns (`omniflow.engine.session
+-- .consumers`): a producer declares the inboxes of the replicas it knows consume each downstream
+-- stage, and a call that would forward to another one is refused before it writes anything
+-- (`unbound_inbox`), telling the producer which replica to declare when it sends the call again.
 local function inbox_key(wf, replica)
   return cell_base(wf) .. ':inbox:' .. replica
+end
+local bound = {}           -- dst -> HMGET of its status, replica, attempt (read once per call)
+
+local function consumer_of(wf, dst)
+  local cur = bound[dst]
+  if cur == nil then
+    cur = redis.call('HMGET', key(wf .. ':stages'), dst, dst .. ':replica', dst .. ':attempt')
+    bound[dst] = cur
+  end
+  return cur
+end
+
+-- Before a call writes anything: is one of the downstream stages `dsts` bound to a replica whose
+-- inbox the caller did not declare? Returns {dst, replica} of the first such, or nil.
+local function unbound_inbox(wf, dsts)
+  for _, dst in ipairs(dsts) do
+    local cur = consumer_of(wf, dst)
+    if (cur[1] == 'waiting_input' or cur[1] == 'running') and cur[2] and not DECLARED[inbox_key(wf, cur[2])] then
+      return {dst, cur[2]}
+    end
+  end
+  return nil
 end
 -- Entries written before the claim are in the edge log, which claim.lua returns (catch-up); after
 -- it, in the inbox. `edge_append` buffers; `flush_edges` writes (once per script call).
@@ -142,10 +165,10 @@ local edge_order = {}
 local function edge_append(wf, id, src, dst, fields)
   local e = edges[dst]
   if e == nil then
-    local cur = redis.call('HMGET', key(wf .. ':stages'), dst, dst .. ':replica', dst .. ':attempt')
+    local cur = consumer_of(wf, dst)
     local inbox = false
     if (cur[1] == 'waiting_input' or cur[1] == 'running') and cur[2] then
-      inbox = inbox_key(wf, cur[2])
+      inbox = key(inbox_key(wf, cur[2]))
     end
     e = {key(wf .. ':edge:' .. src .. ':' .. dst), {}, inbox, cur[3], src, id}
     edges[dst] = e

@@ -1,48 +1,73 @@
 -- emit: write a session's output steps (fenced; idempotent on seq), optionally then finish it.
 -- KEYS[1] wf base key  KEYS[2] the stage's task stream  KEYS[3] events stream (2 and 3: finish only;
--- both of the workflow's cell)  KEYS[4] stage hash  KEYS[5] log; then every other key the steps and
--- the finish name: out:<stage>, edge:<stage>:<dst> of each downstream stage, blobs, any 'X'/'A'/'B' suffix
--- ARGV[1] stage  ARGV[2] attempt  ARGV[3] new stage status or ''  ARGV[4] now_ms
--- ARGV[5] prefix (unused)  ARGV[6] workflow id
--- ARGV[7] msgpack array of steps; a step is {seq, op, ...} with ops applied in order:
---   'X', key suffix, {f1, v1, ..., fn, vn}   XADD <wf><suffix> * fields
+-- both of the workflow's cell)  KEYS[4] stage hash  KEYS[5] log  KEYS[6] out:<stage>  KEYS[7] blobs;
+-- then edge:<stage>:<dst> of each downstream stage, the inbox of each replica the caller knows to
+-- consume one of them (see unbound_inbox in _lib.lua), the finish's usage key (if metered), and last
+-- the payload keys of this call's 'B' ops, one per op, in order (omniflow.storage.transitions.emit)
+-- Ops never name a key by a suffix: 'X' and 'A' name KEYS[5] or KEYS[6] by position, 'B' one of
+-- the payload keys at the end of KEYS.
+-- ARGV[1] stage  ARGV[2] attempt  ARGV[3] new stage status or ''  ARGV[4] now_ms  ARGV[5] workflow id
+-- ARGV[6] msgpack array of steps; a step is {seq, op, ...} with ops applied in order:
+--   'X', key position, {f1, v1, ..., fn, vn} XADD KEYS[position] * fields (the log or the output)
 --   'E', downstream stage, {fields}           append to the edge log (+ forward to the consumer's inbox);
 --                                             all of one call's chunks for one edge form ONE edge entry
 --   'T', text, ''                             a final text delta: the call's deltas are APPENDed to
 --                                             <wf>:out:<stage> and logged as ONE `text` entry
 --                                             {stage, from = first, seq = last step with text, delta = all}
---   'A', key suffix, value                    APPEND <wf><suffix> value
+--   'A', key position, value                  APPEND KEYS[position] value (the log or the output)
 --   'H', field, value                         HSET stages field value
 --   'I', field, increment                     HINCRBY stages field increment
 --   'C', checkpoint, ''                       append to the stage's resume checkpoint (`<stage>:ckpt` in
 --                                             the stages hash; the call's pieces in one HSET)
---   'B', ':blob:<...>', {payload, ttl_ms}     SET <wf>:blob:<...> payload PX ttl_ms and list it in <wf>:blobs
+--   'B', key position, {payload, ttl_ms}      SET KEYS[position] payload PX ttl_ms and list it in blobs
 --                                             (a chunk payload an 'E' op of the step references; stored
 --                                             with the entry, fenced and skipped on replay like it)
 --   Steps whose seq is not above the stage's last written seq are skipped (replays).
 --   Steps must be contiguous: one past a hole (a write lost with a Redis connection) is refused.
--- ARGV[8] optional msgpack finish: {group, entry id, outcome, detail, retryable, last seq, downstream csv
+-- ARGV[7] optional msgpack finish: {group, entry id, outcome, detail, retryable, last seq, downstream csv
 --   [, meter: {usage key, its expiry epoch s, compute ms, prompt tokens, completion tokens}]}
 --   (see finish.lua and finish_session in _lib.lua), applied after the steps; the meter's usage key is
 --   one of KEYS (after the edges).
 -- Returns 'ok' | 'dup' (every step was already written) | 'fenced' (session no longer owns the stage)
 --       | 'gap' (steps after a hole were not written: the attempt must end; a retry resumes)
+--       | {'inbox', dst, replica} (nothing written: stage dst is bound to replica, whose inbox is not in
+--         KEYS; send the call again declaring it. dst and replica are '' for a call sent after such a
+--         refused one and before it was sent again: send it again after that one)
 --       | an error reply, with nothing written, when the steps or the finish are malformed
 --         (Redis never rolls back a script that fails part-way: everything is checked first)
 --@include _lib.lua
 local wf, stage = KEYS[1], ARGV[1]
 local sk = key(wf .. ':stages')
+local log_key, out_key, blobs_key = KEYS[5], KEYS[6], KEYS[7]
 local blobs_flagged = false
 
 -- nil when every step is well-formed, else what is wrong
 local function check_steps(steps)
   if type(steps) ~= 'table' then return 'steps are not an array' end
+  local payloads = 0           -- the payload keys are the last KEYS, one per 'B' op
+  for _, step in ipairs(steps) do
+    if type(step) == 'table' then
+      for i = 2, #step, 3 do
+        if step[i] == 'B' then payloads = payloads + 1 end
+      end
+    end
+  end
+  local first_payload = #KEYS - payloads + 1
+  if payloads > 0 and first_payload <= 7 then return 'payload keys missing from KEYS' end
   for n, step in ipairs(steps) do
     if type(step) ~= 'table' or tonumber(step[1]) == nil then return 'step ' .. n .. ' has no seq' end
     local i = 2
     while i <= #step do
       local op, a, b = step[i], step[i + 1], step[i + 2]
-      if type(a) ~= 'string' then return 'step ' .. n .. ': op ' .. tostring(op) .. ' needs a name' end
+      if op == 'X' or op == 'A' then
+        if (a ~= 5 and a ~= 6) or KEYS[a] == nil then
+          return 'step ' .. n .. ': op ' .. op .. ' names neither the log nor the output'
+        end
+      elseif op == 'B' then
+        if type(a) ~= 'number' or a < first_payload or a > #KEYS then
+          return 'step ' .. n .. ': op B names no payload key'
+        end
+      elseif type(a) ~= 'string' then return 'step ' .. n .. ': op ' .. tostring(op) .. ' needs a name' end
       if op == 'X' or op == 'E' then
         if type(b) ~= 'table' or #b == 0 or #b % 2 ~= 0 then return 'step ' .. n .. ': op ' .. op .. ' needs field pairs' end
         for _, v in ipairs(b) do
@@ -51,7 +76,6 @@ local function check_steps(steps)
       elseif op == 'I' then
         if tonumber(b) == nil then return 'step ' .. n .. ': op I needs a number' end
       elseif op == 'B' then
-        if string.sub(a, 1, 6) ~= ':blob:' then return 'step ' .. n .. ': op B outside :blob:' end
         if type(b) ~= 'table' or type(b[1]) ~= 'string' or tonumber(b[2]) == nil or tonumber(b[2]) <= 0 then
           return 'step ' .. n .. ': op B needs {payload, ttl_ms}'
         end
@@ -66,26 +90,59 @@ local function check_steps(steps)
   return nil
 end
 
-local decoded, steps = pcall(cmsgpack.unpack, ARGV[7])
+local decoded, steps = pcall(cmsgpack.unpack, ARGV[6])
 local bad = (not decoded and 'steps do not decode') or check_steps(steps)
 local fin = nil
-if not bad and ARGV[8] then
+if not bad and ARGV[7] then
   local ok
-  ok, fin = pcall(cmsgpack.unpack, ARGV[8])
+  ok, fin = pcall(cmsgpack.unpack, ARGV[7])
   if not ok or not valid_finish(fin) then bad = 'the finish is malformed' end
 end
 if bad then return redis.error_reply('emit: ' .. bad .. ' (nothing written)') end
 
 local function write_steps()
   if redis.call('HGET', wf, 'state') ~= 'running' then return 'fenced' end
-  local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq')
+  local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':inbox_wait')
   if tostring(cur[2]) ~= ARGV[2] then return 'fenced' end
   if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
+  local last = tonumber(cur[3] or '0')
+  -- every consumer this call forwards to must have its inbox declared: else nothing is written
+  local dsts, seen, first = {}, {}, nil
+  for _, step in ipairs(steps) do
+    if tonumber(step[1]) > last then
+      first = first or tonumber(step[1])
+      for i = 2, #step, 3 do
+        if step[i] == 'E' and not seen[step[i + 1]] then
+          seen[step[i + 1]] = true
+          dsts[#dsts + 1] = step[i + 1]
+        end
+      end
+    end
+  end
+  if fin and fin[3] == 'done' then
+    for _, dst in ipairs(csv(fin[7])) do
+      if not seen[dst] then dsts[#dsts + 1] = dst end
+    end
+  end
+  local unbound = unbound_inbox(wf, dsts)
+  if unbound then
+    redis.call('HSET', sk, stage .. ':inbox_wait', ARGV[2])
+    return {'inbox', unbound[1], unbound[2]}
+  end
+  if cur[4] == ARGV[2] then
+    -- a call refused for its inbox has not been sent again yet: one sent after it waits its turn
+    if first == nil then
+      if fin then return {'inbox', '', ''} end
+    elseif first > last + 1 then
+      return {'inbox', '', ''}
+    else
+      redis.call('HDEL', sk, stage .. ':inbox_wait')
+    end
+  end
   if ARGV[3] ~= '' and cur[1] ~= ARGV[3] then
     redis.call('HSET', sk, stage, ARGV[3])
-    redis.call('XADD', key(wf .. ':log'), '*', 't', 'stage', 'stage', stage, 'status', ARGV[3], 'attempt', ARGV[2])
+    redis.call('XADD', log_key, '*', 't', 'stage', 'stage', stage, 'status', ARGV[3], 'attempt', ARGV[2])
   end
-  local last = tonumber(cur[3] or '0')
   local texts, tfirst, tlast = {}, nil, nil
   local ckpts = {}
   local wrote = 0
@@ -101,14 +158,14 @@ local function write_steps()
       while i <= #step do
         local op = step[i]
         if op == 'X' then
-          redis.call('XADD', key(wf .. step[i + 1]), '*', unpack(step[i + 2]))
+          redis.call('XADD', KEYS[step[i + 1]], '*', unpack(step[i + 2]))
         elseif op == 'E' then
-          edge_append(wf, ARGV[6], stage, step[i + 1], step[i + 2])
+          edge_append(wf, ARGV[5], stage, step[i + 1], step[i + 2])
         elseif op == 'T' then
           texts[#texts + 1] = step[i + 1]
           tfirst, tlast = tfirst or seq, seq
         elseif op == 'A' then
-          redis.call('APPEND', key(wf .. step[i + 1]), step[i + 2])
+          redis.call('APPEND', KEYS[step[i + 1]], step[i + 2])
         elseif op == 'H' then
           redis.call('HSET', sk, step[i + 1], step[i + 2])
         elseif op == 'I' then
@@ -116,13 +173,13 @@ local function write_steps()
         elseif op == 'C' then
           ckpts[#ckpts + 1] = step[i + 1]
         elseif op == 'B' then
-          local blob, ttl = key(wf .. step[i + 1]), step[i + 2][2]
+          local blob, ttl = KEYS[step[i + 1]], step[i + 2][2]
           redis.call('SET', blob, step[i + 2][1], 'PX', ttl)
-          if redis.call('SADD', key(wf .. ':blobs'), blob) == 1 and not blobs_flagged then
+          if redis.call('SADD', blobs_key, blob) == 1 and not blobs_flagged then
             redis.call('HSET', wf, 'blobs', '1')     -- finalize frees them (read with the record)
             blobs_flagged = true
           end
-          redis.call('PEXPIRE', wf .. ':blobs', ttl)
+          redis.call('PEXPIRE', blobs_key, ttl)
         end
         i = i + 3
       end
@@ -132,8 +189,8 @@ local function write_steps()
   end
   if #texts > 0 then
     local delta = table.concat(texts)
-    redis.call('APPEND', key(wf .. ':out:' .. stage), delta)
-    redis.call('XADD', key(wf .. ':log'), '*', 't', 'text', 'stage', stage, 'from', tfirst, 'seq', tlast, 'delta', delta)
+    redis.call('APPEND', out_key, delta)
+    redis.call('XADD', log_key, '*', 't', 'text', 'stage', stage, 'from', tfirst, 'seq', tlast, 'delta', delta)
   end
   if #ckpts > 0 then
     local prev = redis.call('HGET', sk, stage .. ':ckpt') or ''
@@ -150,6 +207,7 @@ local function write_steps()
 end
 
 local res = write_steps()
+if type(res) == 'table' then return res end       -- refused for an inbox: nothing written
 if not fin then
   flush_edges()
   return res

@@ -1,0 +1,761 @@
+"""The Redis boundary: the one client, the one error mapping, the script runner.
+
+Every connection omniflow opens is made by `connect` (the one place a cluster or sentinel client
+plugs in) and is a `RedisClient` (`SyncRedisClient` for the synchronous client's submits): it owns
+the redis-py connection and offers the reads and writes omniflow uses, each with its errors
+translated inside. Besides this module only `omniflow.storage.topology` (which kind of server a URL
+names) and `omniflow.ops.embedded*` (the servers omniflow starts) import redis-py.
+Every redis-py error is translated here, and only here, into the `omniflow.errors` tree, and
+every loop has one rule per class:
+
+| what happened                                        | class              | rule                      |
+|------------------------------------------------------|--------------------|---------------------------|
+| connection lost, refused or timed out                | `RedisUnavailable` | retry with backoff        |
+| the server refused: OOM, READONLY, BUSY, LOADING...  | `RedisRefused`     | retry with backoff (nothing was applied) |
+| NOSCRIPT (server restarted, or `SCRIPT FLUSH`)       | never leaves here  | scripts loaded, call resent |
+| a script or command failed (a bug, bad data)         | `ScriptError`      | dead-letter what caused it |
+| bad credentials, no permission                       | `ConfigError`      | stop with one line        |
+
+`execute` is the one script runner: it sends commands in one round trip (one
+command, or a pipeline), returns each reply in place (an error as its
+translated class), and reloads the scripts and resends on NOSCRIPT. Callers
+that need one reply use `call` / `script`, which raise instead.
+"""
+from __future__ import annotations
+
+import builtins
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, ParamSpec, TypeVar, cast
+
+from redis import Redis as SyncRedis
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline as RawPipeline
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import (
+    AuthenticationError,
+    BusyLoadingError,
+    DataError,
+    ExecAbortError,
+    NoPermissionError,
+    NoScriptError,
+    OutOfMemoryError,
+    RedisClusterException,
+    ReadOnlyError,
+    ResponseError,
+)
+from redis.exceptions import RedisError as ClientError
+
+from omniflow.errors import (
+    ConfigError,
+    OmniflowError,
+    RedisError,
+    RedisRefused,
+    RedisUnavailable,
+    ScriptError,
+)
+from omniflow.storage.scripts import SCRIPTS
+from omniflow.storage.topology import is_cluster, open_client, open_sync_client, pubsub_client
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+#: what a redis-py call raises (its own errors, and socket errors it lets through)
+#: (a cluster client's own errors are not redis-py's RedisError: a slot without a primary during
+#: a failover, a command it cannot route)
+CLIENT_ERRORS: tuple[type[BaseException], ...] = (ClientError, RedisClusterException, OSError)
+#: what a Redis call raises before or after translation: catch it only around Redis calls
+#: (an executor's own OSError is a stage failure, never a Redis loss)
+REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, *CLIENT_ERRORS)
+
+#: error codes of a server that refuses for now: nothing of the command was applied
+REFUSALS = frozenset({"OOM", "READONLY", "BUSY", "LOADING", "MASTERDOWN", "MISCONF", "TRYAGAIN", "CLUSTERDOWN",
+                      "NOREPLICAS", "NOSCRIPT", "EXECABORT", "UNBLOCKED"})
+_REFUSED_CLASSES: tuple[tuple[type[BaseException], str], ...] = (
+    (OutOfMemoryError, "OOM"), (ReadOnlyError, "READONLY"), (NoScriptError, "NOSCRIPT"),
+    (BusyLoadingError, "LOADING"), (ExecAbortError, "EXECABORT"),
+)
+
+
+def connect(url: str, **kwargs: Any) -> RedisClient:
+    """A client with the options omniflow relies on (bytes replies, C packing), for a standalone
+    server, any node of a Redis Cluster, or a `redis+sentinel://` service (`omniflow.storage.topology`).
+
+    Every asyncio connection of omniflow is made here."""
+    try:
+        return RedisClient(open_client(url, **kwargs))
+    except ValueError as exc:
+        raise ConfigError(f"OMNIFLOW_REDIS_URL: {url!r} is not a Redis URL ({exc})") from exc
+
+
+def connect_sync(url: str, **kwargs: Any) -> SyncRedisClient:
+    """The synchronous twin of `connect` (the synchronous client's submits)."""
+    try:
+        return SyncRedisClient(open_sync_client(url, **kwargs))
+    except ValueError as exc:
+        raise ConfigError(f"OMNIFLOW_REDIS_URL: {url!r} is not a Redis URL ({exc})") from exc
+
+
+# ---------------------------------------------------------------- the error mapping
+def translate(exc: BaseException) -> OmniflowError:
+    """The omniflow error a redis-py (or socket) error means."""
+    if isinstance(exc, OmniflowError):
+        return exc
+    if isinstance(exc, (AuthenticationError, NoPermissionError)):
+        return ConfigError(f"Redis refused our credentials or permissions: {exc} (check OMNIFLOW_REDIS_URL)")
+    if isinstance(exc, RedisClusterException):
+        if "same key slot" in str(exc) or "several slots" in str(exc):    # a command built wrong: a bug
+            return ScriptError(f"Redis Cluster: {exc}")
+        return RedisUnavailable(f"Redis Cluster is changing (a failover?): {exc}")
+    for cls, code in _REFUSED_CLASSES:
+        if isinstance(exc, cls):
+            return RedisRefused(f"Redis refused the command ({code}): {exc}", refusal=code)
+    if isinstance(exc, ResponseError):
+        code = str(exc).split(" ", 1)[0]
+        if code in REFUSALS:
+            return RedisRefused(f"Redis refused the command: {exc}", refusal=code)
+        return ScriptError(f"Redis error: {exc}")
+    if isinstance(exc, DataError):
+        return ScriptError(f"bad command arguments: {exc}")
+    return RedisUnavailable(f"Redis unreachable: {exc}")
+
+
+def is_refused(result: Any, code: str) -> bool:
+    return isinstance(result, RedisRefused) and result.refusal == code
+
+
+def is_nogroup(exc: BaseException) -> bool:
+    """The stream or its consumer group does not exist (deleted, or the server lost it)."""
+    return isinstance(exc, ScriptError) and "NOGROUP" in str(exc)
+
+
+@contextmanager
+def boundary() -> Iterator[None]:
+    """Translate redis-py errors raised inside the block: `with boundary(): await redis.xlen(k)`."""
+    try:
+        yield
+    except CLIENT_ERRORS as exc:
+        raise translate(exc) from exc
+
+
+def translated(fn: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
+    """Decorator: an async function whose redis-py errors come out translated."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return await fn(*args, **kwargs)
+        except CLIENT_ERRORS as exc:
+            raise translate(exc) from exc
+
+    return wrapper
+
+
+# ---------------------------------------------------------------- the script runner
+async def load_scripts(client: RedisClient) -> None:
+    """SCRIPT LOAD every script (cheap; idempotent). Called at start and after NOSCRIPT."""
+    redis = client.raw
+    with boundary():
+        if is_cluster(redis):       # one SCRIPT LOAD per script, sent to every primary
+            for source in SCRIPTS.values():
+                await redis.script_load(source.source)
+            return
+        pipe = redis.pipeline(transaction=False)
+        for source in SCRIPTS.values():
+            pipe.script_load(source.source)
+        await pipe.execute()
+
+
+async def execute(redis: RedisClient, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """Send `commands` in one round trip; each reply in place, an error as its translated class.
+
+    Scripts missing on the server (NOSCRIPT) are loaded and those calls sent again. Raises
+    `RedisUnavailable` (or `RedisRefused`) when the round trip itself failed: then nothing can be
+    said of any command."""
+    results = await _send(redis, commands)
+    missing = [i for i, r in enumerate(results) if is_refused(r, "NOSCRIPT")]
+    if missing:
+        await load_scripts(redis)
+        for i, result in zip(missing, await _send(redis, [commands[i] for i in missing])):
+            results[i] = result
+    return results
+
+
+#: commands that write nothing: a round trip of only these needs no replication wait
+READ_ONLY = frozenset({"XREAD", "XREADGROUP", "XRANGE", "XREVRANGE", "XLEN", "XPENDING", "XINFO", "GET", "MGET",
+                       "HGET", "HMGET", "HGETALL", "EXISTS", "ZCARD", "ZRANGE", "ZREVRANGE", "ZRANGEBYSCORE",
+                       "ZSCORE", "TTL", "PTTL", "PING", "INFO", "SCAN", "TYPE"})
+
+
+_HEARTBEAT_SHA = SCRIPTS["heartbeat"].sha
+
+
+def require_replicas(client: RedisClient, replicas: int, timeout_ms: int) -> None:
+    """Make every round trip of `client` that writes wait until `replicas` replicas have its writes
+    (`WAIT`, in the same pipeline: one wait per round trip, whatever it carries; on a cluster one
+    per primary the round trip touched). A round trip not replicated in time counts as lost
+    (`RedisUnavailable`): its writes may or may not survive a failover, and every transition is
+    idempotent, so the caller's retry is safe. 0 replicas: no wait (asynchronous replication)."""
+    client.omniflow_wait = (replicas, timeout_ms) if replicas > 0 else None
+
+
+def _first_key(cmd: tuple[Any, ...]) -> Any:
+    return cmd[3] if str(cmd[0]).upper() in ("EVALSHA", "EVAL") else cmd[1]
+
+
+def _needs_replicas(cmd: tuple[Any, ...]) -> bool:
+    name = str(cmd[0]).split(" ", 1)[0].upper()
+    # a lease renewal is not state to keep: waiting on it would let leases lapse while a replica is away
+    return name not in READ_ONLY and not (name == "EVALSHA" and cmd[1] == _HEARTBEAT_SHA)
+
+
+async def _send(client: RedisClient, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+    wait = client.omniflow_wait
+    redis = client.raw
+    if wait is not None and any(_needs_replicas(c) for c in commands):
+        return await _send_replicated(redis, commands, *wait)
+    try:
+        if len(commands) == 1:
+            try:
+                return [await cast(Any, redis).execute_command(*commands[0])]
+            except ResponseError as exc:         # in place, like a pipeline
+                return [translate(exc)]
+        pipe = redis.pipeline(transaction=False)
+        for cmd in commands:
+            pipe.execute_command(*cmd)
+        results = await pipe.execute(raise_on_error=False)
+    except CLIENT_ERRORS as exc:
+        raise translate(exc) from exc
+    return [translate(r) if isinstance(r, Exception) else r for r in results]
+
+
+async def _send_replicated(redis: Redis, commands: Sequence[tuple[Any, ...]], replicas: int,
+                           timeout_ms: int) -> list[Any]:
+    """`_send` followed by WAIT on every primary it wrote to, in the same round trip."""
+    cluster = is_cluster(redis)
+    try:
+        pipe = redis.pipeline(transaction=False)
+        for cmd in commands:
+            pipe.execute_command(*cmd)
+        nodes = {}
+        if cluster:
+            await redis.initialize()        # the slot map (a no-op once the client knows it)
+            for cmd in commands:
+                node = cast(RedisCluster, redis).get_node_from_key(_first_key(cmd))
+                if node is not None:        # a slot without a primary: the round trip fails on its own
+                    nodes[node.name] = node
+            for node in nodes.values():
+                pipe.execute_command("WAIT", replicas, timeout_ms, target_nodes=node)
+        else:
+            pipe.execute_command("WAIT", replicas, timeout_ms)
+        results = await pipe.execute(raise_on_error=False)
+    except CLIENT_ERRORS as exc:
+        raise translate(exc) from exc
+    replies, acks = results[:len(commands)], results[len(commands):]
+    if any(isinstance(a, Exception) or int(a) < replicas for a in acks):
+        lost = RedisUnavailable(f"writes not confirmed by {replicas} replica(s) within {timeout_ms} ms "
+                                f"(WAIT answered {[a if isinstance(a, int) else str(a) for a in acks]})")
+        return [lost] * len(commands)
+    return [translate(r) if isinstance(r, Exception) else r for r in replies]
+
+
+async def call(redis: RedisClient, *command: Any) -> Any:
+    """One command (NOSCRIPT handled); its reply, or its translated error raised."""
+    (result,) = await execute(redis, [command])
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+async def script(redis: RedisClient, name: str, keys: list[str], args: list[Any]) -> Any:
+    """Call one registered script by name with hand-built KEYS (tests and debugging only: library
+    code builds its calls in `omniflow.storage.transitions`)."""
+    return await call(redis, *SCRIPTS[name].evalsha(keys, args))
+
+
+def call_sync(client: SyncRedisClient, command: tuple[Any, ...]) -> Any:
+    """`call` for a synchronous client: one command (a script's call reloaded after a NOSCRIPT)."""
+    redis = client.raw
+    try:
+        try:
+            return cast(Any, redis).execute_command(*command)
+        except NoScriptError:
+            pipe = redis.pipeline(transaction=False)
+            for source in SCRIPTS.values():
+                pipe.script_load(source.source)
+            pipe.execute()
+            return cast(Any, redis).execute_command(*command)
+    except CLIENT_ERRORS as exc:
+        raise translate(exc) from exc
+
+
+# ---------------------------------------------------------------- streams and groups
+async def ensure_group(redis: RedisClient, stream: str, group: str) -> None:
+    """Create `group` on `stream` (and the stream) unless it exists."""
+    try:
+        await redis.raw.xgroup_create(stream, group, id="0", mkstream=True)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise translate(exc) from exc
+    except CLIENT_ERRORS as exc:
+        raise translate(exc) from exc
+
+
+# ---------------------------------------------------------------- the client
+KeyT = str | bytes
+Entries = list[tuple[bytes, dict[bytes, bytes]]]
+
+
+class Pipeline:
+    """Commands queued for one round trip (`RedisClient.pipeline`): each method queues one command
+    (redis-py's signature) and returns the pipeline; `execute` sends them, errors translated."""
+
+    __slots__ = ("_pipe",)
+
+    def __init__(self, pipe: RawPipeline) -> None:
+        self._pipe = pipe
+
+    async def execute(self, *, raise_on_error: bool = True) -> list[Any]:
+        try:
+            return await self._pipe.execute(raise_on_error=raise_on_error)
+        except CLIENT_ERRORS as exc:
+            raise translate(exc) from exc
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.execute_command(*args, **kwargs)
+        return self
+
+    def hmget(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.hmget(*args, **kwargs)
+        return self
+
+    def hset(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.hset(*args, **kwargs)
+        return self
+
+    def hget(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.hget(*args, **kwargs)
+        return self
+
+    def hgetall(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.hgetall(*args, **kwargs)
+        return self
+
+    def hincrby(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.hincrby(*args, **kwargs)
+        return self
+
+    def hsetnx(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.hsetnx(*args, **kwargs)
+        return self
+
+    def hkeys(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.hkeys(*args, **kwargs)
+        return self
+
+    def hdel(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.hdel(*args, **kwargs)
+        return self
+
+    def xlen(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.xlen(*args, **kwargs)
+        return self
+
+    def xrange(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.xrange(*args, **kwargs)
+        return self
+
+    def xrevrange(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.xrevrange(*args, **kwargs)
+        return self
+
+    def xadd(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.xadd(*args, **kwargs)
+        return self
+
+    def xdel(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.xdel(*args, **kwargs)
+        return self
+
+    def xack(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.xack(*args, **kwargs)
+        return self
+
+    def xpending(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.xpending(*args, **kwargs)
+        return self
+
+    def xinfo_groups(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.xinfo_groups(*args, **kwargs)
+        return self
+
+    def xautoclaim(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.xautoclaim(*args, **kwargs)
+        return self
+
+    def xtrim(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.xtrim(*args, **kwargs)
+        return self
+
+    def expire(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.expire(*args, **kwargs)
+        return self
+
+    def pexpire(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.pexpire(*args, **kwargs)
+        return self
+
+    def zrem(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.zrem(*args, **kwargs)
+        return self
+
+    def zrangebyscore(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.zrangebyscore(*args, **kwargs)
+        return self
+
+    def zrevrangebyscore(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.zrevrangebyscore(*args, **kwargs)
+        return self
+
+    def zremrangebyscore(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.zremrangebyscore(*args, **kwargs)
+        return self
+
+    def zrange(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.zrange(*args, **kwargs)
+        return self
+
+    def zrevrange(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.zrevrange(*args, **kwargs)
+        return self
+
+    def zcount(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.zcount(*args, **kwargs)
+        return self
+
+    def zcard(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.zcard(*args, **kwargs)
+        return self
+
+    def zscore(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.zscore(*args, **kwargs)
+        return self
+
+    def zadd(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.zadd(*args, **kwargs)
+        return self
+
+    def unlink(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.unlink(*args, **kwargs)
+        return self
+
+    def delete(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.delete(*args, **kwargs)
+        return self
+
+    def smembers(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.smembers(*args, **kwargs)
+        return self
+
+    def srem(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.srem(*args, **kwargs)
+        return self
+
+    def sadd(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.sadd(*args, **kwargs)
+        return self
+
+    def rpush(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.rpush(*args, **kwargs)
+        return self
+
+    def ltrim(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.ltrim(*args, **kwargs)
+        return self
+
+    def lrange(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.lrange(*args, **kwargs)
+        return self
+
+    def exists(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.exists(*args, **kwargs)
+        return self
+
+    def get(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.get(*args, **kwargs)
+        return self
+
+    def set(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.set(*args, **kwargs)
+        return self
+
+    def mget(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.mget(*args, **kwargs)
+        return self
+
+    def incr(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.incr(*args, **kwargs)
+        return self
+
+
+class RedisClient:
+    """omniflow's asyncio Redis client: owns one redis-py client (a standalone server's, a
+    cluster's or a sentinel service's) and offers the commands omniflow uses, each returning
+    redis-py's reply (bytes) with its errors translated (`omniflow.errors`)."""
+
+    def __init__(self, raw: Redis) -> None:
+        self._raw = raw
+        #: (replicas, timeout ms) every writing round trip waits for (`require_replicas`)
+        self.omniflow_wait: tuple[int, int] | None = None
+
+    @property
+    def raw(self) -> Redis:
+        """The redis-py client (this boundary's, and `omniflow.storage.topology`'s; tests)."""
+        return self._raw
+
+    @property
+    def cluster(self) -> bool:
+        """Is this a cluster client (one slot per multi-key command, no pub/sub)?"""
+        return is_cluster(self._raw)
+
+    async def _do(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await getattr(self._raw, name)(*args, **kwargs)
+        except CLIENT_ERRORS as exc:
+            raise translate(exc) from exc
+
+    def pipeline(self, *, transaction: bool = False) -> Pipeline:
+        return Pipeline(self._raw.pipeline(transaction=transaction))
+
+    async def aclose(self) -> None:
+        await self._raw.aclose()
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._do("execute_command", *args, **kwargs)
+
+    async def ping(self) -> bool:
+        return bool(await self._do("ping"))
+
+    async def info(self, section: str | None = None) -> dict[str, Any]:
+        return cast("dict[str, Any]", await self._do("info", section) if section else await self._do("info"))
+
+    async def config_get(self, pattern: str) -> dict[Any, Any] | None:
+        """CONFIG GET; None when the server forbids CONFIG (managed Redis, an ACL)."""
+        try:
+            return cast("dict[Any, Any]", await self._raw.config_get(pattern))
+        except ResponseError:
+            return None
+        except CLIENT_ERRORS as exc:
+            raise translate(exc) from exc
+
+    async def config_set(self, name: str, value: Any) -> bool:
+        return bool(await self._do("config_set", name, value))
+
+    async def script_flush(self) -> bool:
+        return bool(await self._do("script_flush"))
+
+    async def dbsize(self) -> int:
+        return int(await self._do("dbsize"))
+
+    async def scan_iter(self, *, match: str, count: int = 1000) -> AsyncIterator[bytes]:
+        try:
+            async for key in self._raw.scan_iter(match=match, count=count):
+                yield key
+        except CLIENT_ERRORS as exc:
+            raise translate(exc) from exc
+
+    # strings and keys
+    async def get(self, key: KeyT) -> bytes | None:
+        return cast("bytes | None", await self._do("get", key))
+
+    async def mget(self, keys: Sequence[KeyT]) -> list[bytes | None]:
+        return cast("list[bytes | None]", await self._do("mget", keys))
+
+    async def set(self, key: KeyT, value: Any, **kwargs: Any) -> Any:
+        return await self._do("set", key, value, **kwargs)
+
+    async def incr(self, key: KeyT, amount: int = 1) -> int:
+        return int(await self._do("incr", key, amount))
+
+    async def exists(self, *keys: KeyT) -> int:
+        return int(await self._do("exists", *keys))
+
+    async def delete(self, *keys: KeyT) -> int:
+        return int(await self._do("delete", *keys))
+
+    async def unlink(self, *keys: KeyT) -> int:
+        return int(await self._do("unlink", *keys))
+
+    async def expire(self, key: KeyT, seconds: int) -> bool:
+        return bool(await self._do("expire", key, seconds))
+
+    async def pexpire(self, key: KeyT, ms: int) -> bool:
+        return bool(await self._do("pexpire", key, ms))
+
+    async def ttl(self, key: KeyT) -> int:
+        return int(await self._do("ttl", key))
+
+    async def pttl(self, key: KeyT) -> int:
+        return int(await self._do("pttl", key))
+
+    async def publish(self, channel: str, message: Any) -> int:
+        return int(await self._do("publish", channel, message))
+
+    # hashes
+    async def hget(self, key: KeyT, field: KeyT) -> bytes | None:
+        return cast("bytes | None", await self._do("hget", key, field))
+
+    async def hmget(self, key: KeyT, fields: KeyT | Sequence[KeyT], *more: KeyT) -> list[bytes | None]:
+        return cast("list[bytes | None]", await self._do("hmget", key, fields, *more))
+
+    async def hgetall(self, key: KeyT) -> dict[bytes, bytes]:
+        return cast("dict[bytes, bytes]", await self._do("hgetall", key))
+
+    async def hset(self, key: KeyT, field: KeyT | None = None, value: Any = None, *,
+                   mapping: Mapping[Any, Any] | None = None) -> int:
+        return int(await self._do("hset", key, field, value, mapping=mapping))
+
+    async def hdel(self, key: KeyT, *fields: KeyT) -> int:
+        return int(await self._do("hdel", key, *fields))
+
+    async def hincrby(self, key: KeyT, field: KeyT, amount: int = 1) -> int:
+        return int(await self._do("hincrby", key, field, amount))
+
+    # sets and lists
+    async def smembers(self, key: KeyT) -> builtins.set[bytes]:
+        return cast("builtins.set[bytes]", await self._do("smembers", key))
+
+    async def sismember(self, key: KeyT, member: Any) -> bool:
+        return bool(await self._do("sismember", key, member))
+
+    async def lrange(self, key: KeyT, start: int, end: int) -> list[bytes]:
+        return cast("list[bytes]", await self._do("lrange", key, start, end))
+
+    # sorted sets
+    async def zadd(self, key: KeyT, mapping: Mapping[Any, float], **kwargs: Any) -> int:
+        return int(await self._do("zadd", key, mapping, **kwargs))
+
+    async def zrem(self, key: KeyT, *members: Any) -> int:
+        return int(await self._do("zrem", key, *members))
+
+    async def zscore(self, key: KeyT, member: Any) -> float | None:
+        return cast("float | None", await self._do("zscore", key, member))
+
+    async def zmscore(self, key: KeyT, members: Sequence[Any]) -> list[float | None]:
+        return cast("list[float | None]", await self._do("zmscore", key, members))
+
+    async def zcard(self, key: KeyT) -> int:
+        return int(await self._do("zcard", key))
+
+    async def zcount(self, key: KeyT, low: Any, high: Any) -> int:
+        return int(await self._do("zcount", key, low, high))
+
+    async def zrange(self, key: KeyT, start: int, end: int, **kwargs: Any) -> list[Any]:
+        return cast("list[Any]", await self._do("zrange", key, start, end, **kwargs))
+
+    async def zrevrange(self, key: KeyT, start: int, end: int, **kwargs: Any) -> list[Any]:
+        return cast("list[Any]", await self._do("zrevrange", key, start, end, **kwargs))
+
+    async def zrangebyscore(self, key: KeyT, low: Any, high: Any, **kwargs: Any) -> list[Any]:
+        return cast("list[Any]", await self._do("zrangebyscore", key, low, high, **kwargs))
+
+    async def zrevrangebyscore(self, key: KeyT, high: Any, low: Any, **kwargs: Any) -> list[Any]:
+        return cast("list[Any]", await self._do("zrevrangebyscore", key, high, low, **kwargs))
+
+    # streams
+    async def xadd(self, key: KeyT, fields: Mapping[Any, Any], **kwargs: Any) -> bytes:
+        return cast("bytes", await self._do("xadd", key, fields, **kwargs))
+
+    async def xlen(self, key: KeyT) -> int:
+        return int(await self._do("xlen", key))
+
+    async def xrange(self, key: KeyT, min: Any = "-", max: Any = "+", count: int | None = None) -> Entries:
+        return cast("Entries", await self._do("xrange", key, min, max, count))
+
+    async def xrevrange(self, key: KeyT, max: Any = "+", min: Any = "-", count: int | None = None) -> Entries:
+        return cast("Entries", await self._do("xrevrange", key, max, min, count))
+
+    async def xread(self, streams: Mapping[Any, Any], count: int | None = None, block: int | None = None) -> list[Any]:
+        return cast("list[Any]", await self._do("xread", streams, count=count, block=block))
+
+    async def xreadgroup(self, group: str, consumer: str, streams: Mapping[Any, Any], count: int | None = None,
+                         block: int | None = None, **kwargs: Any) -> list[Any]:
+        return cast("list[Any]", await self._do("xreadgroup", group, consumer, streams, count=count, block=block,
+                                                **kwargs))
+
+    async def xack(self, key: KeyT, group: str, *ids: Any) -> int:
+        return int(await self._do("xack", key, group, *ids))
+
+    async def xdel(self, key: KeyT, *ids: Any) -> int:
+        return int(await self._do("xdel", key, *ids))
+
+    async def xpending(self, key: KeyT, group: str) -> dict[str, Any]:
+        return cast("dict[str, Any]", await self._do("xpending", key, group))
+
+    async def xpending_range(self, key: KeyT, group: str, **kwargs: Any) -> list[dict[str, Any]]:
+        return cast("list[dict[str, Any]]", await self._do("xpending_range", key, group, **kwargs))
+
+    async def xclaim(self, key: KeyT, group: str, consumer: str, min_idle_time: int, message_ids: Sequence[Any],
+                     **kwargs: Any) -> Any:
+        return await self._do("xclaim", key, group, consumer, min_idle_time, message_ids, **kwargs)
+
+    async def xautoclaim(self, key: KeyT, group: str, consumer: str, min_idle_time: int, **kwargs: Any) -> Any:
+        return await self._do("xautoclaim", key, group, consumer, min_idle_time, **kwargs)
+
+    async def xinfo_consumers(self, key: KeyT, group: str) -> list[dict[str, Any]]:
+        return cast("list[dict[str, Any]]", await self._do("xinfo_consumers", key, group))
+
+    async def xinfo_groups(self, key: KeyT) -> list[dict[str, Any]]:
+        return cast("list[dict[str, Any]]", await self._do("xinfo_groups", key))
+
+    async def xgroup_create(self, key: KeyT, group: str, **kwargs: Any) -> bool:
+        return bool(await self._do("xgroup_create", key, group, **kwargs))
+
+    # pub/sub
+    async def listen(self, channel: str) -> AsyncIterator[bytes]:
+        """The messages published on `channel` (on a cluster, through a connection to one of its
+        nodes: a PUBLISH reaches every node), until cancelled; a lost connection raises (translated)."""
+        client = pubsub_client(self._raw)
+        pubsub = client.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(channel)
+            async for message in pubsub.listen():
+                if message.get("type") == "message":
+                    yield message["data"]
+        except CLIENT_ERRORS as exc:
+            raise translate(exc) from exc
+        finally:
+            await cast(Any, pubsub).aclose()
+            if client is not self._raw:
+                await client.aclose()
+
+
+class SyncRedisClient:
+    """The synchronous twin of `RedisClient`, for the synchronous client's submits."""
+
+    def __init__(self, raw: SyncRedis) -> None:
+        self._raw = raw
+
+    @property
+    def raw(self) -> SyncRedis:
+        return self._raw
+
+    def _do(self, name: str, *args: Any) -> Any:
+        try:
+            return getattr(self._raw, name)(*args)
+        except CLIENT_ERRORS as exc:
+            raise translate(exc) from exc
+
+    def execute_command(self, *args: Any) -> Any:
+        return self._do("execute_command", *args)
+
+    def exists(self, *keys: KeyT) -> int:
+        return int(self._do("exists", *keys))
+
+    def hget(self, key: KeyT, field: KeyT) -> bytes | None:
+        return cast("bytes | None", self._do("hget", key, field))
+
+    def close(self) -> None:
+        self._raw.close()
+

@@ -1,0 +1,74 @@
+"""Sessions and claims: `claim.lua` (bind delivered tasks to a worker), `restart.lua` (an output
+starts over, or a producer runs again), `heartbeat.lua` (a worker's lease and info)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import Enum
+from typing import Any
+
+from omniflow.models import WorkflowState
+from omniflow.storage.keys import TASK_GROUP, Keys
+from omniflow.storage.transitions._base import RETURN_CODES, Call, code_of, returns, script_call
+
+#: one task of a claim: (task entry id, workflow id, attempt)
+Claim = tuple[str, str, int]
+
+
+@returns("claim")
+class ClaimResult(str, Enum):
+    OK = "ok"
+    DROP = "drop"               # acked and deleted: the workflow is gone or over, or the attempt stale
+
+
+@returns("restart")
+class RestartResult(str, Enum):
+    OK = "ok"
+    FENCED = "fenced"
+    EXHAUSTED = "exhausted"     # regenerate: the producer has used its attempts; nothing changed
+
+
+def claim(keys: Keys, stage: str, upstream: Sequence[str], cell: int, claims: Sequence[Claim], *, worker_id: str,
+          now_ms: int) -> Call:
+    """One `claim.lua` call for a batch of tasks of `stage` in `cell` delivered to `worker_id`."""
+    kk = [keys.tasks(stage, cell), keys.state_index(WorkflowState.PENDING.value, cell),
+          keys.state_index(WorkflowState.RUNNING.value, cell)]
+    for _entry_id, wf_id, _attempt in claims:
+        kk += [keys.wf(wf_id), keys.stages(wf_id), keys.log(wf_id), *(keys.edge(wf_id, src, stage) for src in upstream)]
+    return script_call("claim", kk, [keys.prefix, TASK_GROUP, worker_id, now_ms, ",".join(upstream), stage,
+                                     *(x for task in claims for x in task)])
+
+
+def claim_code(reply: Any) -> ClaimResult:
+    """The code of one task's reply of a `claim.lua` call."""
+    return code_of(ClaimResult, reply, "claim")
+
+
+def restart(keys: Keys, wf_id: str, stage: str, *, attempt: int | str, below: Sequence[str], edges: Sequence[tuple[str, str]],
+            requeued: Sequence[str], now_ms: int, regenerate: tuple[str, int, int, str] | None = None) -> Call:
+    """The `restart.lua` call: `stage` (attempt `attempt`; '' to regenerate) and the stages `below`
+    it start over; `edges` (src, dst) are cleared, `requeued` stages re-queued. `regenerate`:
+    (the consuming stage that asks, its attempt, the producer's most attempts, why)."""
+    cell = keys.cell_of(wf_id)
+    kk = [keys.wf(wf_id), keys.stages(wf_id), keys.log(wf_id), *(keys.edge(wf_id, a, b) for a, b in edges),
+          *(keys.out(wf_id, st) for st in (stage, *below)), *(keys.tasks(st, cell) for st in requeued)]
+    args: list[Any] = [keys.prefix, stage, attempt, now_ms, ",".join(below), ",".join(f"{a}:{b}" for a, b in edges)]
+    if regenerate is not None:
+        args += list(regenerate)
+    return script_call("restart", kk, args)
+
+
+def restart_result(reply: Any) -> RestartResult:
+    return code_of(RestartResult, reply, "restart")
+
+
+RETURN_CODES["heartbeat"] = None       # answers the `drain` field
+
+
+def heartbeat(keys: Keys, worker_id: str, *, loading: bool, expiry_ms: int, info_ttl_s: int,
+              info: dict[str, Any]) -> Call:
+    """The `heartbeat.lua` call: renew `worker_id`'s lease (or its loading announcement) and info.
+    Its reply is the info hash's `drain` field (or None)."""
+    registry = keys.workers_loading if loading else keys.workers
+    return script_call("heartbeat", [registry, keys.worker_info(worker_id)],
+                       [worker_id, expiry_ms, info_ttl_s, *(x for kv in info.items() for x in kv)])
+
