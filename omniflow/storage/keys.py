@@ -188,6 +188,18 @@ class Keys:
         return f"{self.prefix}:{{workers}}:@loading"
 
     @property
+    def pipelines(self) -> str:
+        """hash of the pipeline registry: name -> the version (content hash) new workflows of it get
+        (`omniflow.storage.registry`)."""
+        return f"{self.prefix}:{{pipelines}}"
+
+    @property
+    def pipeline_defs(self) -> str:
+        """hash: version -> the canonical definition of that pipeline version (JSON), and when it was
+        first registered; never overwritten, so a workflow can always find the version it started on."""
+        return f"{self.prefix}:{{pipelines}}:defs"
+
+    @property
     def layout(self) -> str:
         """How many cells this deployment has, recorded by its first process (`check_layout`)."""
         return f"{self.prefix}:cells"

@@ -15,7 +15,7 @@ from omniflow.engine.reconciler.context import ReconcilerContext
 from omniflow.engine.reconciler.events import EVENT_BATCH, Events
 from omniflow.errors import MalformedEntry, RedisError, ScriptError
 from omniflow.models import WorkflowState
-from omniflow.storage import listing, redisio
+from omniflow.storage import listing, redisio, registry
 from omniflow.storage.entries import EventKind, retry_member
 from omniflow.storage.entries import task as task_entry
 from omniflow.storage.keys import EVENT_GROUP, TASK_GROUP
@@ -110,8 +110,13 @@ class Sweeps:
         dead = [s(w) for w in await self.ctx.redis.zrangebyscore(self.ctx.keys.workers, "-inf", now_ms(), start=0, num=50)]
         requeued = 0
         for worker_id in dead:
-            served = csv(s(await self.ctx.redis.hget(self.ctx.keys.worker_info(worker_id), "stage")))
-            stages = [x for x in served if x in self.ctx.pipeline.stages] or list(self.ctx.pipeline.order)
+            raw_queues, raw_stages = await self.ctx.redis.hmget(self.ctx.keys.worker_info(worker_id), "queues", "stage")
+            # the queues it claimed from (`<stage>@<version>`); a worker that published none: the
+            # default pipeline's queues of the stages it named (or of every stage)
+            stages = [q for q in csv(s(raw_queues)) if "@" in q] or [
+                self.ctx.pipeline.queue(x) for x in (
+                    [x for x in csv(s(raw_stages)) if x in self.ctx.pipeline.stages] or self.ctx.pipeline.order)]
+            await self.ctx.learn({q.partition("@")[2] for q in stages})
             left = mine = 0
             for name in stages:
                 for cell in self.ctx.keys.all_cells:
@@ -163,8 +168,10 @@ class Sweeps:
         await pipe.execute(raise_on_error=False)
         return len(lapsed)
 
-    async def _requeue_pending(self, stage: str, cell: int, worker_id: str) -> tuple[int, int]:
-        stream = self.ctx.keys.tasks(stage, cell)
+    async def _requeue_pending(self, queue: str, cell: int, worker_id: str) -> tuple[int, int]:
+        stream = self.ctx.keys.tasks(queue, cell)
+        stage, _, version = queue.partition("@")
+        pipeline = self.ctx.pipeline_of(version) or self.ctx.pipeline
         try:
             with redisio.boundary():
                 pending = await self.ctx.redis.xpending_range(stream, TASK_GROUP, min="-", max="+", count=SWEEP_BATCH,
@@ -198,9 +205,11 @@ class Sweeps:
                                                       f"task of workflow {task.wf_id} in cell {cell}",
                                                       max_len=self.ctx.settings.dlq_max_len))
                 continue
+            if stage not in pipeline.stages:     # a version no longer known anywhere: leave it pending
+                continue
             calls.append(self.events.stage_event_call(task.wf_id, stage, EventKind.LOST.value, task.attempt, now,
                                                 f"worker {worker_id} stopped heartbeating", retryable=True,
-                                                due_ms=now, task=(stream, entry_id)))
+                                                due_ms=now, task=(stream, entry_id), pipeline=pipeline))
         results = await self._run_scripts(calls)
         failed = sum(isinstance(r, Exception) for r in results)
         # entries whose script failed are still pending: keep the consumer, try again next sweep
@@ -223,15 +232,16 @@ class Sweeps:
             due_n += len(due)
             for member in due:
                 try:
-                    wf_id, stage, attempt = retry_member(member, stages=self.ctx.pipeline.stages)
+                    wf_id, stage, attempt = retry_member(member)
                     if self.ctx.keys.cell_of(wf_id) != cell:
                         raise MalformedEntry(f"workflow {wf_id} is not in cell {cell}")
                 except MalformedEntry as exc:
                     poison.append((cell, member, str(exc)))
                     continue
                 wf = self.ctx.keys.wf(wf_id)
+                # the task stream is named by the record's pipeline version (retry_due.lua)
                 calls.append(evalsha_args(
-                    "retry_due", [wf, self.ctx.keys.retries(cell), f"{wf}:stages", self.ctx.keys.tasks(stage, cell)],
+                    "retry_due", [wf, self.ctx.keys.retries(cell), f"{wf}:stages"],
                     [self.ctx.settings.prefix, member, stage, attempt]))
         await self._run_scripts(calls)
         for cell, member, reason in poison:
@@ -247,9 +257,10 @@ class Sweeps:
         late = [(cell, wf_id) for cell, ids in await self._due(self.ctx.keys.inflight) for wf_id in ids]
         if not late:
             return 0
+        reasons = await self._deadline_reasons([wf_id for _cell, wf_id in late])
         results = await self._run_scripts([
             abort_call(self.ctx.keys, self.ctx.settings, self.ctx.final_suffixes, wf_id, state=WorkflowState.FAILED,
-                       reason="deadline exceeded") for _cell, wf_id in late])
+                       reason=reason, stage=stage) for (_cell, wf_id), (reason, stage) in zip(late, reasons)])
         # A record that expired or vanished ('gone') must not pin an admission slot; one whose abort
         # failed (e.g. NOSCRIPT twice) stays, so that the next sweep fails it properly.
         stray = [(cell, wf_id) for (cell, wf_id), r in zip(late, results)
@@ -258,6 +269,33 @@ class Sweeps:
             await self.ctx.redis.zrem(self.ctx.keys.inflight(cell), wf_id)
         self.ctx.counts["deadline"] += len(late)
         return len(late)
+
+    async def _deadline_reasons(self, wf_ids: list[str]) -> list[tuple[str, str]]:
+        """Why each late workflow fails, and the stage to blame: 'deadline exceeded', or, when a
+        session of it still waits for a worker and no live worker serves its pipeline version,
+        that (a workflow finishes on the version it started with: docs/architecture.md)."""
+        keys, redis = self.ctx.keys, self.ctx.redis
+        pipe = redis.pipeline(transaction=False)
+        for wf_id in wf_ids:
+            pipe.hmget(keys.wf(wf_id), "pipeline", "pipeline_hash", "stages")
+        records = await pipe.execute()
+        pipe = redis.pipeline(transaction=False)
+        for wf_id, (_name, _version, raw_stages) in zip(wf_ids, records):
+            pipe.hmget(keys.stages(wf_id), *(csv(s(raw_stages)) or ["-"]))
+        statuses = await pipe.execute()
+        served = await registry.served(redis, keys)
+        out: list[tuple[str, str]] = []
+        for (raw_name, raw_version, raw_stages), status in zip(records, statuses):
+            name, version = s(raw_name), s(raw_version)
+            waiting = [st for st, value in zip(csv(s(raw_stages)), status) if s(value) == "pending"
+                       and version and f"{st}@{version}" not in served]
+            if waiting:
+                out.append((f"deadline exceeded: no worker serves pipeline {name!r} version {version} "
+                            f"(stage {waiting[0]} waited for one); a workflow finishes on the version it "
+                            "started with", waiting[0]))
+            else:
+                out.append(("deadline exceeded", ""))
+        return out
 
     async def consumers(self, *, idle_ms: int | None = None) -> int:
         """Delete the consumers crashed reconcilers left in the event group (one per crash, forever

@@ -212,7 +212,7 @@ class SessionOutputs(SessionCore):
         task and event streams of the workflow's cell, stages, log, this stage's output, its edges."""
         keys, wf_id, cell = self._keys, self.wf_id, self._keys.cell_of(self.wf_id)
         wf = keys.wf(wf_id)
-        return [wf, keys.tasks(self.stage, cell), keys.events(cell), f"{wf}:stages", f"{wf}:log",
+        return [wf, keys.tasks(self.queue or self.stage, cell), keys.events(cell), f"{wf}:stages", f"{wf}:log",
                 f"{wf}:out:{self.stage}", f"{wf}:blobs", *(f"{wf}:edge:{self.stage}:{dst}" for dst in self.downstream)]
 
     async def close(self, *, tasks_key: str, events_key: str, group: str, entry_id: str, outcome: str,
