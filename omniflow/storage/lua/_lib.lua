@@ -59,17 +59,18 @@ local NOTIFY_MAX_LEN = 100000
 -- Its name is data (the record's `pipeline_hash`): built from the cell's base, it is in this
 -- script's slot; callers that know the version declare it, the others (a retry, a successor
 -- submitted by the reconciler) need not. A record without a version (made by hand) uses the stage's name.
-local function tasks_key(wf, stage)
-  local version = redis.call('HGET', wf, 'pipeline_hash')
+-- `version`: the record's `pipeline_hash` when the caller has read it already (nil: read here).
+local function tasks_key(wf, stage, version)
+  if version == nil then version = redis.call('HGET', wf, 'pipeline_hash') end
   if version and version ~= '' then
     return cell_base(wf) .. ':stage:' .. stage .. '@' .. version .. ':tasks'
   end
   return cell_base(wf) .. ':stage:' .. stage .. ':tasks'
 end
 
-local function submit_stage(wf, id, stage, attempt, now)
+local function submit_stage(wf, id, stage, attempt, now, version)
   redis.call('HSET', key(wf .. ':stages'), stage, 'pending', stage .. ':attempt', attempt, stage .. ':t_submit', now)
-  redis.call('XADD', tasks_key(wf, stage), '*', 'wf', id, 's', stage, 'a', attempt)
+  redis.call('XADD', tasks_key(wf, stage, version), '*', 'wf', id, 's', stage, 'a', attempt)
 end
 
 -- Move a workflow to a terminal state, once. Callers checked it was live.

@@ -6,9 +6,9 @@
 --@include _lib.lua
 local wf, stage = KEYS[1], ARGV[3]
 if redis.call('ZREM', KEYS[2], ARGV[2]) == 0 then return 'dropped' end
-local rec = redis.call('HMGET', wf, 'state', 'id')
+local rec = redis.call('HMGET', wf, 'state', 'id', 'pipeline_hash')
 if not is_live(rec[1]) then return 'dropped' end
 local cur = redis.call('HMGET', key(wf .. ':stages'), stage, stage .. ':attempt')
 if cur[1] ~= 'pending' or tostring(cur[2]) ~= ARGV[4] then return 'dropped' end
-redis.call('XADD', tasks_key(wf, stage), '*', 'wf', rec[2], 's', stage, 'a', ARGV[4])
+redis.call('XADD', tasks_key(wf, stage, rec[3] or ''), '*', 'wf', rec[2], 's', stage, 'a', ARGV[4])
 return 'queued'

@@ -44,8 +44,12 @@ for _, stage in ipairs(csv(ARGV[7])) do
   end
 end
 redis.call('HSET', key(wf .. ':stages'), unpack(fields))
+local version = ''                -- the record's pipeline_hash, among its fields (ARGV[10..])
+for i = 10, 9 + 2 * nf, 2 do
+  if ARGV[i] == 'pipeline_hash' then version = ARGV[i + 1] end
+end
 for _, stage in ipairs(admit) do
-  redis.call('XADD', tasks_key(wf, stage), '*', 'wf', id, 's', stage, 'a', 1)
+  redis.call('XADD', tasks_key(wf, stage, version), '*', 'wf', id, 's', stage, 'a', 1)
 end
 redis.call('ZADD', KEYS[4], ARGV[4], id)
 redis.call('ZADD', KEYS[7], now, id)
