@@ -78,7 +78,7 @@ class PipelineSpec(BaseModel):
 
     name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     input: list[Literal["text", "audio"]] = Field(
-        default_factory=lambda: ["text"], min_length=1,
+        default_factory=lambda: list[Literal["text", "audio"]](["text"]), min_length=1,
         description="the input modalities the pipeline accepts (what `/v1/models` lists)")
     entry: str | None = Field(None, description="the entry stage (default: the first listed stage without inputs)")
     stages: dict[str, StageSpec]

@@ -56,6 +56,7 @@ def workflow_document(wf_id: str, rec: dict[str, str], st: dict[str, str], texts
         "state": rec.get("state"),
         "tenant": rec.get("tenant"),
         "pipeline": rec.get("pipeline"),
+        "pipeline_version": rec.get("pipeline_hash") or None,
         "final_stages": csv(rec.get("finals")),
         "required_stages": csv(rec.get("stages")),
         "created_at": int(rec.get("created_ms") or 0) / 1000,

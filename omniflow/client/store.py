@@ -32,7 +32,7 @@ from omniflow.pipeline import Pipeline, Plan
 from omniflow.storage.redisio import connect, translated
 from omniflow.client.documents import text_stages, workflow_document
 from omniflow.client.realtime import RealtimeSessions
-from omniflow.storage.schema import csv, decode_fields, now_ms, s
+from omniflow.storage.schema import decode_fields, now_ms, s
 
 if TYPE_CHECKING:
     from omniflow.storage.listing import ListFilter, ListPage
@@ -483,19 +483,15 @@ class Store:
 
     @translated
     async def live_workers(self, *, claiming: bool = False) -> dict[str, int]:
-        """Live workers per stage of the pipeline: members of `<p>:workers` whose lease (score, ms) is
-        in the future. A worker serving several stages (`--stage a,b`, `up --colocate`) counts for each.
+        """Live workers per stage of the pipelines this store serves: members of `<p>:workers` whose
+        lease (score, ms) is in the future and that claim from that stage's queue. A worker serving
+        several stages (`--stage a,b`, `up --colocate`) counts for each. With several pipelines, a
+        stage they share counts the workers of the pipeline that has fewest (each needs one).
         `claiming`: only those that take new work (not drained: readiness)."""
-        ids = await self.redis.zrangebyscore(self.keys.workers, f"({now_ms()}", "+inf")
-        counts = dict.fromkeys(self.pipeline.order, 0)
-        if ids:
-            pipe = self.redis.pipeline(transaction=False)
-            for worker_id in ids:
-                pipe.hmget(self.keys.worker_info(s(worker_id)), "stage", "drain")
-            for served, drain in await pipe.execute():
-                if claiming and drain:
-                    continue
-                for name in csv(served):
-                    if name in counts:
-                        counts[name] += 1
+        served = await registry.served(self.redis, self.keys, claiming=claiming)
+        counts: dict[str, int] = {}
+        for pipe in self.catalog:
+            for name in pipe.order:
+                n = len(served.get(pipe.queue(name), ()))
+                counts[name] = min(counts.get(name, n), n)
         return counts

@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from omniflow.storage import registry
 from omniflow.storage.keys import DLQ_EVENTS, TASK_GROUP
 from omniflow.storage.redisio import translated
 from omniflow.client.store import Store
@@ -212,7 +213,8 @@ async def oldest_queued_ms(store: Store, queues: Queues) -> dict[str, int | None
     out: dict[str, int | None] = {}
     for i, (name, _queue) in enumerate(order):
         found = [entry_ms(f[0][0]) for f in firsts[i * keys.cells:(i + 1) * keys.cells] if isinstance(f, list) and f]
-        out[name] = min([x for x in found if x] + ([out[name]] if out.get(name) else []), default=None)
+        earlier = out.get(name)
+        out[name] = min([x for x in found if x] + ([earlier] if earlier else []), default=None)
     return out
 
 
@@ -281,6 +283,7 @@ async def collect_stats(store: Store) -> dict[str, Any]:
         "workflows": await store.state_counts(),
         "stages": stages,
         "workers": workers,
+        "pipelines": await registry.snapshot(store.redis, keys),
     }
 
 

@@ -36,7 +36,8 @@ from omniflow.storage.schema import csv, s
 
 DEFAULT_MAX_SCAN = 100_000     # records one query may read to fill a page (then: next_offset)
 SCAN_STEP = 2_000              # records one list_scan.lua call reads (bounds how long it holds the server)
-FIELDS = ("state", "tenant", "created_ms", "finished_ms", "finals", "stages", "error", "error_stage", "request_id")
+FIELDS = ("state", "tenant", "created_ms", "finished_ms", "finals", "stages", "error", "error_stage", "request_id",
+          "pipeline", "pipeline_hash")
 STATES = tuple(x.value for x in WorkflowState)
 
 
@@ -61,11 +62,12 @@ class ListPage:
 
 def summary(wf_id: str, values: list[Any]) -> dict[str, Any]:
     """One listing row from the record fields `FIELDS`."""
-    state, tenant, created, finished, finals, stages, error, error_stage, rid = (s(v) for v in values)
+    state, tenant, created, finished, finals, stages, error, error_stage, rid, pipeline, version = (
+        s(v) for v in values)
     return {"id": wf_id, "state": state, "tenant": tenant or None, "created_at": int(created or 0) / 1000,
             "finished_at": int(finished) / 1000 if finished else None, "final_stages": csv(finals),
             "stages": csv(stages), "error": error or None, "error_stage": error_stage or None,
-            "request_id": rid or None}
+            "request_id": rid or None, "pipeline": pipeline or None, "pipeline_version": version or None}
 
 
 def _candidates(keys: Keys, flt: ListFilter, cell: int) -> list[str]:

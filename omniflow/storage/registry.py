@@ -98,14 +98,14 @@ async def listing(redis: Redis, keys: Keys) -> list[Registered]:
     pipe.hgetall(keys.pipeline_defs)
     raw_names, raw_defs = await pipe.execute()
     currents = {s(v) for v in raw_names.values()}
-    live = await served(redis, keys)
+    live_queues = await served(redis, keys)
     by_version: dict[str, dict[str, list[str]]] = {}
-    for queue, workers in live.items():
+    for queue, serving in live_queues.items():
         try:
             stage, version = parse_queue(queue)
         except PipelineError:
             continue
-        by_version.setdefault(version, {})[stage] = workers
+        by_version.setdefault(version, {})[stage] = serving
     out: list[Registered] = []
     for raw_version, raw in raw_defs.items():
         version = s(raw_version)
@@ -116,6 +116,14 @@ async def listing(redis: Redis, keys: Keys) -> list[Registered]:
                               pipeline=loaded, workers=workers))
     out.sort(key=lambda r: (r.name, -r.registered_ms))
     return out
+
+
+async def snapshot(redis: Redis, keys: Keys) -> list[dict[str, Any]]:
+    """The registry as JSON-ready rows (`omniflow pipelines`, `stats`, `GET /v1/admin/pools`)."""
+    return [{"name": r.name, "version": r.version, "current": r.current, "registered_at": r.registered_ms / 1000,
+             "input_modalities": r.pipeline.input_modalities if r.pipeline else [],
+             "output_modalities": r.pipeline.output_modalities if r.pipeline else [],
+             "workers": r.workers} for r in await listing(redis, keys)]
 
 
 def _name_of(raw: bytes | str) -> str:

@@ -21,7 +21,7 @@ from omniflow.engine.worker.context import WorkerContext
 from omniflow.engine.worker.inbox import Inbox
 from omniflow.engine.worker.intake import Intake
 from omniflow.engine.worker.liveness import Liveness
-from omniflow.engine.worker.pool import StagePool, build_pools, new_worker_id, unique_cores
+from omniflow.engine.worker.pool import build_pools, new_worker_id, unique_cores
 from omniflow.engine.worker.sessions import SessionRunner
 from omniflow.errors import RedisError
 from omniflow.catalog import Catalog
