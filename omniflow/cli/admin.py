@@ -22,7 +22,7 @@ from omniflow.cli.common import (
     EXIT_TIMED_OUT,
     EXIT_WORKFLOW_FAILED,
     JsonOpt,
-    _pipeline,
+    _catalog,
     _print_json,
     _run,
     _with_client,
@@ -261,7 +261,7 @@ def _dlq_stage(positional: str | None, option: str | None) -> str | None:
         raise InvalidRequest(f"two stages given: {positional!r} and --stage {option!r}")
     stage = positional or option
     if stage is not None:
-        dlq_names(_pipeline(), stage)
+        dlq_names(_catalog(), stage)
     return stage
 
 

@@ -12,10 +12,11 @@ import time
 from typing import Any
 
 from omniflow.storage import listing
-from omniflow.errors import InvalidRequest, WorkflowNotFound
+from omniflow.errors import InvalidRequest, UnknownPipeline, WorkflowNotFound
 from omniflow.ops.fleet import entry_ms, list_workers
 from omniflow.storage.keys import DLQ_EVENTS
 from omniflow.models import TERMINAL_STATES, SubmitRequest, WorkflowInput, WorkflowState
+from omniflow.catalog import Catalog
 from omniflow.pipeline import Pipeline
 from omniflow.storage.redisio import translated
 from omniflow.client.store import Store
@@ -50,8 +51,10 @@ async def retry_workflow(store: Store, wf_id: str, *, tenant: str | None = None)
         raise InvalidRequest(f"workflow {wf_id} is {rec['state']}; only failed or aborted ones are retried")
     kinds = sorted({k.split("=", 1)[1] for k in csv(rec.get("kinds"))})
     params = json.loads(rec.get("params") or "{}")
+    # on the pipeline of the same name (its current version: a retry is a new workflow)
     req = SubmitRequest(input=WorkflowInput.model_validate_json(rec["input"]), output_modalities=kinds,
-                        stage_params=params, webhook_url=rec.get("webhook") or None)
+                        stage_params=params, webhook_url=rec.get("webhook") or None,
+                        pipeline=rec.get("pipeline") or None)
     return (await store.submit(req, tenant=rec.get("tenant") or "default")).id
 
 
@@ -113,9 +116,16 @@ async def purge_all(store: Store) -> int:
     return n
 
 
-def dlq_names(pipeline: Pipeline, stage: str | None) -> list[str]:
-    """The dead-letter streams meant by `stage` (None: all of them); unknown names are refused."""
-    known = [*pipeline.order, DLQ_EVENTS]
+def dlq_names(pipeline: Pipeline | Store | Catalog, stage: str | None) -> list[str]:
+    """The dead-letter streams meant by `stage` (None: all of them: one per stage name of every
+    pipeline a store knows); unknown names are refused."""
+    if isinstance(pipeline, Store):
+        stages = list(pipeline.stage_queues())
+    elif isinstance(pipeline, Catalog):
+        stages = list(dict.fromkeys(st for p in pipeline for st in p.order))
+    else:
+        stages = list(pipeline.order)
+    known = [*stages, DLQ_EVENTS]
     if stage is None:
         return known
     if stage not in known:
@@ -127,7 +137,7 @@ def dlq_names(pipeline: Pipeline, stage: str | None) -> list[str]:
 async def dlq_entries(store: Store, stage: str | None, limit: int) -> list[dict[str, Any]]:
     """Dead letters, newest first per stream (of one stage, or of all, up to `limit` in total)."""
     rows: list[dict[str, Any]] = []
-    for name in dlq_names(store.pipeline, stage):
+    for name in dlq_names(store, stage):
         for key in _dlq_keys(store, name):
             for eid, fields in await store.redis.xrevrange(key, count=limit):
                 rows.append({"stream": key, "dlq": name, "entry": s(eid), "at": (entry_ms(eid) or 0) / 1000,
@@ -144,7 +154,7 @@ def _dlq_keys(store: Store, name: str) -> list[str]:
 async def dlq_replay(store: Store, stage: str | None, entry: str | None) -> list[dict[str, str]]:
     """Resubmit the workflows of dead letters as new workflows and drop the replayed entries."""
     out = []
-    for name, key in ((n, k) for n in dlq_names(store.pipeline, stage) for k in _dlq_keys(store, n)):
+    for name, key in ((n, k) for n in dlq_names(store, stage) for k in _dlq_keys(store, n)):
         entries = await store.redis.xrange(key, entry, entry) if entry else await store.redis.xrange(key, count=1000)
         for eid, fields in entries:
             row = {"dlq": name, "entry": s(eid), "wf": s(fields.get(b"wf"))}
@@ -153,7 +163,7 @@ async def dlq_replay(store: Store, stage: str | None, entry: str | None) -> list
             else:
                 try:
                     row["new_id"] = await retry_workflow(store, row["wf"])
-                except (WorkflowNotFound, InvalidRequest) as exc:
+                except (WorkflowNotFound, InvalidRequest, UnknownPipeline) as exc:
                     row["skipped"] = str(exc)
             if "new_id" in row:
                 await store.redis.xdel(key, eid)
@@ -165,7 +175,7 @@ async def dlq_replay(store: Store, stage: str | None, entry: str | None) -> list
 async def dlq_count(store: Store, stage: str | None, entry: str | None) -> int:
     """How many dead letters `dlq_drop` would delete."""
     pipe = store.redis.pipeline(transaction=False)
-    for key in (k for name in dlq_names(store.pipeline, stage) for k in _dlq_keys(store, name)):
+    for key in (k for name in dlq_names(store, stage) for k in _dlq_keys(store, name)):
         if entry:
             pipe.xrange(key, entry, entry)
         else:
@@ -177,7 +187,7 @@ async def dlq_count(store: Store, stage: str | None, entry: str | None) -> int:
 async def dlq_drop(store: Store, stage: str | None, entry: str | None) -> int:
     """Delete dead letters (one entry, one stage's, or all); returns how many."""
     n = 0
-    for key in (k for name in dlq_names(store.pipeline, stage) for k in _dlq_keys(store, name)):
+    for key in (k for name in dlq_names(store, stage) for k in _dlq_keys(store, name)):
         if entry:
             n += await store.redis.xdel(key, entry)
         else:

@@ -189,8 +189,8 @@ class FaultRun:
     async def _poison(self, admin: Redis) -> None:
         k = self.keys
         for stage in STAGES:
-            await admin.xadd(k.tasks(stage, 0), {"garbage": "yes"})
-            await admin.xadd(k.tasks(stage, 0), {"wf": "ghost", "s": stage, "a": str(2 ** 70)})
+            await admin.xadd(k.tasks(self.cluster.pipeline.queue(stage), 0), {"garbage": "yes"})
+            await admin.xadd(k.tasks(self.cluster.pipeline.queue(stage), 0), {"wf": "ghost", "s": stage, "a": str(2 ** 70)})
             self.poison_sent[f"dlq:{stage}"] += 2
         await admin.xadd(k.events(0), {"t": "failed", "wf": "ghost", "s": "thinker", "a": str(2 ** 1100)})
         await admin.xadd(k.events(0), {"t": "exploded", "wf": "ghost", "s": "thinker", "a": "1"})
@@ -349,7 +349,7 @@ class FaultRun:
 
     async def _leftovers(self, admin: Redis) -> dict[str, Any]:
         k, left = self.keys, {}
-        for stream, group in [(k.tasks(st, 0), TASK_GROUP) for st in STAGES] + [(k.events(0), EVENT_GROUP),
+        for stream, group in [(k.tasks(self.cluster.pipeline.queue(st), 0), TASK_GROUP) for st in STAGES] + [(k.events(0), EVENT_GROUP),
                                                                                 (k.notify(0), NOTIFY_GROUP)]:
             try:
                 if (n := (await admin.xpending(stream, group))["pending"]):
