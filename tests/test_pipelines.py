@@ -92,6 +92,20 @@ def test_a_catalog_routes_stages_and_names_what_it_serves() -> None:
         Catalog.of([omni, build_pipeline(omni_spec(max_words=3))])
 
 
+def test_up_serves_every_pipeline_given_with_one_worker_pool_per_stage_name(tmp_path: Path) -> None:
+    from omniflow.ops.up import Supervisor
+
+    tts = tts_spec()
+    tts["stages"]["talker"]["replicas"] = 2
+    omni_path, tts_path = tmp_path / "omni.yaml", tmp_path / "tts.yaml"
+    sup = Supervisor(settings=Settings(), pipeline=build_pipeline(omni_spec()), pipeline_path=omni_path,
+                     more=((build_pipeline(tts), tts_path),))
+    workers = [c.name for c in sup.plan_children() if c.name.startswith("worker")]
+    assert workers == ["worker:thinker:0", "worker:talker:0", "worker:talker:1", "worker:code2wav:0"]
+    assert sup.pipeline_env() == f"{omni_path.resolve()},{tts_path.resolve()}"     # what every child loads
+    assert Settings(pipeline=sup.pipeline_env()).pipeline_paths() == [omni_path.resolve(), tts_path.resolve()]
+
+
 # ---------------------------------------------------------------- a real engine
 @pytest.fixture
 async def deployment(valkey_url: str, settings_factory: Callable[..., Settings]) -> AsyncIterator[Callable[..., Any]]:
@@ -219,3 +233,15 @@ async def test_the_cli_lists_pipelines_and_refuses_an_unknown_one(deployment: An
     code, out, err = await omniflow("ls", "--json", env=env)
     assert code == 0, err
     assert [(r["pipeline"], r["pipeline_version"]) for r in json.loads(out)] == [("tts-t", tts.digest)]
+
+
+async def test_bad_pipeline_flags_are_one_line_and_exit_2(tmp_path: Path) -> None:
+    one, other = tmp_path / "one.yaml", tmp_path / "other.yaml"
+    one.write_text(yaml.safe_dump(omni_spec()))
+    other.write_text(yaml.safe_dump(omni_spec(max_words=3)))        # another version under the same name
+    env = {"PATH": "/usr/bin:/bin", "OMNIFLOW_HOME": str(tmp_path / "home"), "OMNIFLOW_REDIS_URL": "redis://127.0.0.1:1/0"}
+    for args, says in [(("up", "--no-api", "--pipeline", str(one), "--pipeline", str(other)), "two pipelines are named"),
+                       (("worker", "--stage", "vocoder", "--pipeline", str(one)), "unknown stage 'vocoder'"),
+                       (("api", "--pipeline", str(tmp_path / "missing.yaml")), "pipeline file not found")]:
+        code, out, err = await omniflow(*args, env=env)
+        assert code == 2 and says in err and len(err.strip().splitlines()) == 1, (args, err)
