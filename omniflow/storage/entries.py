@@ -72,7 +72,7 @@ def one_of(value: str, allowed: Collection[str], what: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Task:
-    """An entry of `<p>:stage:<s>:tasks`: a session to run."""
+    """An entry of `<p>:stage:<s>@<version>:tasks`: a session to run."""
 
     wf_id: str
     stage: str

@@ -115,7 +115,9 @@ class Keys:
 
     # --- one cell -------------------------------------------------------------
     def tasks(self, stage: str, cell: int) -> str:
-        """A stage's task stream in one cell (consumer group `workers`)."""
+        """A task stream in one cell (consumer group `workers`): `stage` is a stage's queue in one
+        pipeline version, `Pipeline.queue(stage)` = `<stage>@<version>` (a bare stage name is what a
+        record without a version uses)."""
         return f"{self.cell(cell)}:stage:{stage}:tasks"
 
     def dlq(self, stage: str, cell: int) -> str:

@@ -6,7 +6,7 @@
 --                       id's cell is the workflow's cell)
 -- KEYS[7] all-ids zset  `<c>:all`
 -- KEYS[8] tenant index  `<c>:idx:tenant:<tenant>`  KEYS[9] tenant names set `<c>:idx:tenants`
--- KEYS[10..] `<c>:stage:<s>:tasks` of each stage in ARGV[8], and `<c>:idx:state:pending`
+-- KEYS[10..] `<c>:stage:<s>@<version>:tasks` of each stage in ARGV[8] (version: the record's pipeline_hash), and `<c>:idx:state:pending`
 -- ARGV[1] prefix  ARGV[2] id  ARGV[3] now_ms  ARGV[4] deadline_ms
 -- ARGV[5] max_in_flight of this cell  ARGV[6] idempotency ttl s (0: no key)
 -- ARGV[7] required stages csv  ARGV[8] stages submitted at admission csv
