@@ -17,8 +17,11 @@ from omniflow.api.limits import BodySizeLimit, RateLimiter
 from omniflow.api.metrics import StageLatency
 from omniflow.api.routes import admin, audio, health, openai, realtime, ui, usage, workflows
 from omniflow.config import Settings
-from omniflow.errors import ConfigError
+from omniflow.catalog import Catalog
+from omniflow.errors import ConfigError, OmniflowError
 from omniflow.pipeline import Pipeline
+from omniflow.storage import registry as pipeline_registry
+from omniflow.storage.redisio import REDIS_ERRORS, translate
 from omniflow.client.store import Store, connect
 
 logger = logging.getLogger(__name__)
@@ -30,18 +33,27 @@ Errors are JSON `{"error": {"code", "message"}}` with a stable `code`.
 Authenticate with `Authorization: Bearer <key>` when the server has keys configured."""
 
 
-def create_app(settings: Settings, pipeline: Pipeline, *, redis_url: str) -> FastAPI:
-    """A FastAPI app serving `pipeline` from the Redis at `redis_url`."""
+def create_app(settings: Settings, pipeline: Pipeline | Catalog, *, redis_url: str) -> FastAPI:
+    """A FastAPI app serving `pipeline` (or every pipeline of a catalog, the first the default) from
+    the Redis at `redis_url`; pipelines other processes register later are served too."""
+    catalog = pipeline if isinstance(pipeline, Catalog) else Catalog.of(pipeline)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redis = connect(redis_url)
-        store = Store(redis, settings, pipeline)
+        store = Store(redis, settings, Catalog.of(list(catalog)))
+        try:
+            for pipe in catalog:
+                await pipeline_registry.register(redis, store.keys, pipe)
+        except OmniflowError as exc:          # Redis not there yet: /readyz says so; the workers register them
+            logger.warning("could not register the pipelines: %s", exc)
+        except REDIS_ERRORS as exc:
+            logger.warning("could not register the pipelines: %s", translate(exc))
         hub = LogHub(store)
         hub.start()
         registry = CollectorRegistry(auto_describe=False)
         app.state.api = ApiState(
-            settings=settings, pipeline=pipeline, redis=redis, store=store, hub=hub,
+            settings=settings, pipeline=catalog.default, redis=redis, store=store, hub=hub,
             api_keys=parse_api_keys(settings.api_keys), admin_keys=parse_admin_keys(settings.admin_keys),
             submit_limiter=RateLimiter(settings.submit_rate_per_s), registry=registry,
             latency=StageLatency(registry),
@@ -78,7 +90,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def serve(settings: Settings, pipeline: Pipeline, redis_url: str, host: str | None = None,
+def serve(settings: Settings, pipeline: Pipeline | Catalog, redis_url: str, host: str | None = None,
           port: int | None = None) -> None:
     """Run the API until interrupted. Without API keys it only binds to loopback."""
     host = host or settings.api_host

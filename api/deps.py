@@ -100,6 +100,20 @@ class ApiState:
         task.add_done_callback(self.background.discard)
 
 
+async def pipeline_for(state: ApiState, model: str | None, *, param: str = "model") -> Pipeline:
+    """The pipeline an OpenAI `model` (or a workflow's `pipeline`) names: `name` or `name@version`;
+    None: the default. One registered since this process started is found too (the registry);
+    an unknown one is `UnknownPipeline` (HTTP 404 naming the known ones)."""
+    if not model:
+        return state.pipeline
+    return await state.store.pipeline_named(model, param=param)
+
+
+def pipeline_ref(pipe: Pipeline) -> str:
+    """What a submit names to run on exactly this version."""
+    return f"{pipe.name}@{pipe.digest}"
+
+
 def get_state(request: Request) -> ApiState:
     state: ApiState = request.app.state.api
     return state

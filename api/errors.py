@@ -25,6 +25,7 @@ from omniflow.errors import (
     NotReady,
     OmniflowError,
     RedisUnavailable,
+    UnknownPipeline,
     WorkflowError,
     WorkflowNotFound,
     WorkflowRetired,
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 STATUS_BY_ERROR: tuple[tuple[type[OmniflowError], int], ...] = (
     (InvalidRequest, 422),
     (WorkflowNotFound, 404),
+    (UnknownPipeline, 404),
     (WorkflowRetired, 409),
     (IdempotencyConflict, 409),
     (NotReady, 409),

@@ -119,7 +119,7 @@ def _age_s(ms: int | None, now: int) -> float:
 
 async def _queue_families(state: ApiState) -> list[Metric]:
     """The gauges of the queues and of workflows in flight (read now)."""
-    store, stages, now = state.store, state.pipeline.order, now_ms()
+    store, stages, now = state.store, list(state.store.stage_queues()), now_ms()
     queues = await fleet.read_queues(store)
     oldest_queued = await fleet.oldest_queued_ms(store, queues)
     stuck = await fleet.stuck(store)
@@ -156,7 +156,7 @@ async def _queue_families(state: ApiState) -> list[Metric]:
 
 async def _worker_families(state: ApiState) -> list[Metric]:
     """The workers: by state, sessions held against capacity, and what their heartbeats counted."""
-    store, stages = state.store, state.pipeline.order
+    store, stages = state.store, list(state.store.stage_queues())
     live_workers = await store.live_workers()
     rows = await fleet.list_workers(store)
     by_state = GaugeMetricFamily("omniflow_workers", "Registered workers by stage served and state (loading: its "
@@ -181,7 +181,7 @@ async def _worker_families(state: ApiState) -> list[Metric]:
 async def render(state: ApiState) -> bytes:
     """The exposition: this process's histograms and counters, and the gauges read now (every read
     goes through `omniflow.ops.fleet` or the store: Redis away or refusing is a 503, like every route)."""
-    store, stages, lat = state.store, state.pipeline.order, state.latency
+    store, lat = state.store, state.latency
     await lat.scan(store)
     active = {x.value: 0.0 for x in (WorkflowState.PENDING, WorkflowState.RUNNING)}
     for wf_state in lat.active.values():
@@ -192,7 +192,7 @@ async def render(state: ApiState) -> bytes:
         finished.add_metric([name], count)
     retries = CounterMetricFamily("omniflow_stage_retries", "Extra attempts of stages of finished workflows",
                                   labels=["pipeline", "stage"])
-    for key in sorted({*lat.retries, *((state.pipeline.name, stage) for stage in stages)}):
+    for key in sorted({*lat.retries, *((p.name, stage) for p in store.catalog for stage in p.order)}):
         retries.add_metric(list(key), lat.retries.get(key, 0))
     webhooks = CounterMetricFamily("omniflow_webhook_deliveries", "Webhook deliveries by outcome (from <prefix>:stats)",
                                    labels=["outcome"])

@@ -99,10 +99,16 @@ class ChatCompletion(BaseModel):
 
 
 class ModelCard(BaseModel):
-    id: str
+    """One pipeline the deployment serves (OpenAI's model object, with what it takes and makes)."""
+
+    id: str = Field(..., description="the pipeline's name: what `model` (and `pipeline`) names")
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "omniflow"
+    version: str | None = Field(None, description="the content hash of the pipeline new workflows run on")
+    input_modalities: list[str] = Field(default_factory=list, description="what it takes: text, audio")
+    output_modalities: list[str] = Field(default_factory=list, description="what it makes: text, audio")
+    stages: list[str] = Field(default_factory=list)
 
 
 class ModelList(BaseModel):

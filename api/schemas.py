@@ -89,7 +89,9 @@ class WorkflowDocument(BaseModel):
     request_id: str | None = None
     state: WorkflowState
     tenant: str | None = None
-    pipeline: str | None = None
+    pipeline: str | None = Field(None, description="the pipeline it runs (`GET /v1/models`)")
+    pipeline_version: str | None = Field(None, description="the version (content hash) of the pipeline it started "
+                                                           "on and finishes on")
     final_stages: list[str]
     required_stages: list[str]
     created_at: float
@@ -113,6 +115,8 @@ class WorkflowSummary(BaseModel):
     error: str | None = None
     error_stage: str | None = None
     request_id: str | None = None
+    pipeline: str | None = None
+    pipeline_version: str | None = None
 
 
 class WorkflowList(BaseModel):
@@ -216,6 +220,18 @@ class StagePool(BaseModel):
     last_minute: LastMinute
 
 
+class PipelineVersion(BaseModel):
+    """One registered pipeline version (`omniflow pipelines`)."""
+
+    name: str
+    version: str = Field(..., description="content hash of its canonical definition")
+    current: bool = Field(..., description="the version its name gives new workflows")
+    registered_at: float
+    input_modalities: list[str]
+    output_modalities: list[str]
+    workers: dict[str, list[str]] = Field(..., description="stage -> the live workers serving it in this version")
+
+
 class Pools(BaseModel):
     """Every stage pool at a glance (the dashboard's top panel, `omniflow stats --json`)."""
 
@@ -228,6 +244,7 @@ class Pools(BaseModel):
     workflows: dict[str, int] = Field(..., description="workflows per state (listing indexes)")
     stages: dict[str, StagePool]
     workers: list[WorkerView]
+    pipelines: list[PipelineVersion] = Field(default_factory=list, description="the pipeline registry")
 
 
 class AbortResponse(BaseModel):

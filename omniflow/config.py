@@ -6,9 +6,10 @@ import socket
 from enum import Enum
 from functools import lru_cache
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from omniflow.errors import ConfigError, RedisNotFound
 
@@ -57,9 +58,11 @@ class Settings(BaseSettings):
                     "(`[\"--maxmemory\", \"2gb\"]`)")
     prefix: str = Field(
         default="of", description="prefix of every Redis key: several deployments can share one Redis")
-    pipeline: Path | None = Field(
-        default=None,
-        description="the pipeline YAML; unset: the toy omni pipeline in `deploy/pipelines/omni-toy.yaml`")
+    pipeline: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list,
+        description="the pipeline YAML, or several separated by commas (`omni-cpu.yaml,tts-cpu.yaml`: one "
+                    "deployment serves them all; the first is the default); what `--pipeline` (repeatable) "
+                    "overrides; unset: the toy omni pipeline in `deploy/pipelines/omni-toy.yaml`")
     host_id: str = Field(
         default="", validate_default=True,
         description="the identity of the host this process runs on (empty: the machine's hostname). Workers "
@@ -253,8 +256,22 @@ class Settings(BaseSettings):
                              "redis+sentinel://host:port,…/service/db)")
         return value or None
 
+    @field_validator("pipeline", mode="before")
+    @classmethod
+    def _pipelines(cls, value: object) -> object:
+        if value is None:
+            return []
+        if isinstance(value, (str, Path)):
+            return [p.strip() for p in str(value).split(",") if p.strip()]
+        return value
+
     def pipeline_path(self) -> Path:
-        return self.pipeline or DEFAULT_PIPELINE
+        """The default pipeline's YAML (the first one given)."""
+        return self.pipeline[0] if self.pipeline else DEFAULT_PIPELINE
+
+    def pipeline_paths(self) -> list[Path]:
+        """Every pipeline YAML this deployment serves (the first is the default)."""
+        return list(self.pipeline) or [DEFAULT_PIPELINE]
 
     def resolve_redis_url(self) -> str:
         """`OMNIFLOW_REDIS_URL`, else the embedded server `omniflow up` started, else a clear error."""

@@ -12,6 +12,7 @@
     ├── WorkflowError          a request about one workflow was refused
     │   ├── InvalidRequest     bad input: unknown modality, bad params, prompt too long (HTTP 422)
     │   ├── WorkflowNotFound   no such workflow, or not visible to this tenant (HTTP 404)
+    │   ├── UnknownPipeline    a request names a pipeline (model) or version this deployment does not serve (HTTP 404)
     │   ├── WorkflowRetired    the id was aborted/failed before: use a fresh id (HTTP 409)
     │   ├── IdempotencyConflict a request_id reused with a different request (HTTP 409)
     │   ├── AdmissionRefused   over `max_in_flight`; carries retry_after_s (HTTP 429)
@@ -87,6 +88,17 @@ class WorkflowNotFound(WorkflowError):
     """No such workflow, or not visible to this tenant (HTTP 404)."""
 
     code = "not_found"
+
+
+class UnknownPipeline(WorkflowError):
+    """A request names a pipeline (an OpenAI `model`) or a version the deployment does not serve (HTTP 404)."""
+
+    code = "model_not_found"
+
+    def __init__(self, message: str, *, known: list[str] | None = None, param: str = "model") -> None:
+        super().__init__(message)
+        self.known = list(known or [])
+        self.param = param          # the request field that named it (HTTP error body)
 
 
 class WorkflowRetired(WorkflowError):

@@ -70,6 +70,10 @@ class SubmitRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input: WorkflowInput
+    pipeline: str | None = Field(
+        None, min_length=1, max_length=96, pattern=r"^[A-Za-z0-9_.-]{1,64}(@[0-9a-f]{16})?$",
+        description="the pipeline to run, by name (`GET /v1/models`), or `name@version` for one version; "
+                    "default: the deployment's first")
     output_modalities: list[str] | None = Field(
         None, description="subset of the pipeline's output kinds, e.g. ['text', 'audio']; default: all"
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -76,6 +77,9 @@ class PipelineSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    input: list[Literal["text", "audio"]] = Field(
+        default_factory=lambda: list[Literal["text", "audio"]](["text"]), min_length=1,
+        description="the input modalities the pipeline accepts (what `/v1/models` lists)")
     entry: str | None = Field(None, description="the entry stage (default: the first listed stage without inputs)")
     stages: dict[str, StageSpec]
     edges: list[EdgeSpec] = Field(default_factory=list)
@@ -112,6 +116,36 @@ class Pipeline:
     @property
     def stages(self) -> dict[str, StageSpec]:
         return self.spec.stages
+
+    @property
+    def version(self) -> str:
+        """The content hash of the canonical definition: what a workflow records and finishes on."""
+        return self.digest
+
+    def queue(self, stage: str) -> str:
+        """The task queue of `stage` in this version of the pipeline (`Keys.tasks`): `<stage>@<digest>`.
+        A session waits in it for a worker that serves this very version."""
+        from omniflow.storage.keys import stage_queue   # the layout's own rule (storage imports pipeline)
+
+        return stage_queue(stage, self.digest)
+
+    def pool_key(self, stage: str) -> str:
+        """Which worker pool serves `stage`: a hash of its executor and its params. Stages that two
+        pipelines (or two versions of one) declare identically share one pool: one executor in one
+        process serves them all (docs/architecture.md, "Several pipelines")."""
+        return pool_key(self.spec.stages[stage])
+
+    def canonical(self) -> dict[str, Any]:
+        """The definition the digest is taken of (what the registry stores)."""
+        return self.spec.model_dump(mode="json", by_alias=True)
+
+    @property
+    def input_modalities(self) -> list[str]:
+        return list(self.spec.input)
+
+    @property
+    def output_modalities(self) -> list[str]:
+        return sorted(self.modalities())
 
     @property
     def finals(self) -> tuple[str, ...]:
@@ -215,8 +249,6 @@ def build_pipeline(raw: Any, *, source: str = "<pipeline>") -> Pipeline:
 
 
 def _validate(spec: PipelineSpec, source: str) -> Pipeline:
-    import re
-
     if not spec.stages:
         raise PipelineError(f"{source}: stages: a pipeline needs at least one stage")
     for name in spec.stages:
@@ -262,7 +294,7 @@ def _validate(spec: PipelineSpec, source: str) -> Pipeline:
             raise PipelineError(
                 f"{source}: stages.{stage}: inputs mix chunk and full edges; split the stage or use one mode"
             )
-    digest = hashlib.sha256(json.dumps(spec.model_dump(mode="json", by_alias=True), sort_keys=True).encode()).hexdigest()[:16]
+    digest = _hash(spec.model_dump(mode="json", by_alias=True))
     return Pipeline(
         spec=spec,
         digest=digest,
@@ -271,6 +303,23 @@ def _validate(spec: PipelineSpec, source: str) -> Pipeline:
         inputs={s: tuple(v) for s, v in inputs.items()},
         outputs={s: tuple(v) for s, v in outputs.items()},
     )
+
+
+def _hash(doc: Any) -> str:
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def pool_key(spec: StageSpec) -> str:
+    """A stage's pool key: the hash of its executor and its params (see `Pipeline.pool_key`)."""
+    return _hash({"executor": spec.executor, "params": spec.params})
+
+
+def parse_queue(queue: str) -> tuple[str, str]:
+    """`<stage>@<digest>` -> (stage, digest); `PipelineError` when it is not one."""
+    stage, sep, digest = queue.partition("@")
+    if not sep or not re.match(STAGE_NAME_PATTERN, stage) or not re.fullmatch(r"[0-9a-f]{16}", digest):
+        raise PipelineError(f"{queue!r} is not a task queue ('<stage>@<pipeline version>')")
+    return stage, digest
 
 
 def _toposort(spec: PipelineSpec, inputs: dict[str, list[EdgeSpec]], outputs: dict[str, list[EdgeSpec]], source: str) -> list[str]:

@@ -97,7 +97,11 @@ def cli_env(eng: Any, tmp_path: Path, **extra: str) -> dict[str, str]:
     from conftest import toy_spec
 
     pipeline = tmp_path / "pipeline.yaml"
-    pipeline.write_text(yaml.safe_dump(toy_spec()))
+    # the engine's own pipeline: a client submits on the version it loads, and only workers of that
+    # version serve it (a workflow finishes on the version it started with)
+    served = getattr(eng, "pipeline", None)
+    default = getattr(served, "default", served)
+    pipeline.write_text(yaml.safe_dump(default.canonical() if hasattr(default, "canonical") else toy_spec()))
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMNIFLOW_")}
     env.update({"OMNIFLOW_REDIS_URL": eng.url, "OMNIFLOW_PREFIX": eng.settings.prefix,
                 "OMNIFLOW_PIPELINE": str(pipeline), "OMNIFLOW_HOME": str(tmp_path / "home"), **extra})

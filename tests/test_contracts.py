@@ -107,7 +107,7 @@ async def test_abort_reaches_all_stages_keeps_partial_outputs_and_wakes_waiters(
         # every worker let go of its session (abort fan-out), so no task is left pending
         async def nothing_pending() -> bool:
             for stage in eng.pipeline.order:
-                info = await eng.redis.xpending(eng.store.keys.tasks(stage, eng.store.keys.cell_of(sub.id)), TASK_GROUP)
+                info = await eng.redis.xpending(eng.store.tasks_key(stage, eng.store.keys.cell_of(sub.id)), TASK_GROUP)
                 if info["pending"]:
                     return False
             return True

@@ -24,26 +24,26 @@ async def store(any_server_url, settings_factory):
     st = Store(redis, settings_factory(any_server_url), build_pipeline(toy_spec()))
     await redisio.load_scripts(redis)
     for stage in st.pipeline.order:
-        await ensure_group(redis, st.keys.tasks(stage, 0), TASK_GROUP)
+        await ensure_group(redis, st.tasks_key(stage, 0), TASK_GROUP)
     yield st
     await redis.aclose()
 
 
 def claim_keys(store: Store, stage: str, wf_id: str, upstream: tuple[str, ...] = ()) -> list[str]:
     wf = store.keys.wf(wf_id)
-    return [store.keys.tasks(stage, 0), store.keys.state_index("pending", 0), store.keys.state_index("running", 0),
+    return [store.tasks_key(stage, 0), store.keys.state_index("pending", 0), store.keys.state_index("running", 0),
             wf, f"{wf}:stages", f"{wf}:log", *(f"{wf}:edge:{u}:{stage}" for u in upstream)]
 
 
 def emit_keys(store: Store, wf_id: str, stage: str, downstream: tuple[str, ...] = ()) -> list[str]:
     """What a session declares (Session.emit_keys): a script touching anything else fails."""
     wf = store.keys.wf(wf_id)
-    return [wf, store.keys.tasks(stage, 0), store.keys.events(0), f"{wf}:stages", f"{wf}:log", f"{wf}:out:{stage}",
+    return [wf, store.tasks_key(stage, 0), store.keys.events(0), f"{wf}:stages", f"{wf}:log", f"{wf}:out:{stage}",
             *(f"{wf}:edge:{stage}:{d}" for d in downstream)]
 
 
 async def claim_next(store: Store, stage: str, worker: str = "w1") -> tuple[str, list]:
-    reply = await store.client.xreadgroup(TASK_GROUP, worker, {store.keys.tasks(stage, 0): ">"}, count=1)
+    reply = await store.client.xreadgroup(TASK_GROUP, worker, {store.tasks_key(stage, 0): ">"}, count=1)
     entry_id, fields = reply[0][1][0]
     res = await redisio.script(store.client, "claim", claim_keys(store, stage, s(fields[b"wf"])),
                              [store.settings.prefix, TASK_GROUP, worker, now_ms(), "", stage,
@@ -61,7 +61,7 @@ async def emit(store: Store, wf_id: str, stage: str, attempt: int, seq: int, tex
 async def test_a_script_refuses_a_key_it_was_not_given(store) -> None:
     """Every key a script touches must be declared (Redis Cluster routes and checks by KEYS)."""
     sub = await store.submit(request())
-    delivered = await store.client.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("talker", 0): ">"}, count=1)
+    delivered = await store.client.xreadgroup(TASK_GROUP, "w1", {store.tasks_key("talker", 0): ">"}, count=1)
     talker_task = s(delivered[0][1][0][0])
     with pytest.raises(Exception, match="undeclared key .*:edge:thinker:talker"):
         await redisio.script(store.client, "claim", claim_keys(store, "talker", sub.id),      # its edge left out
@@ -72,7 +72,7 @@ async def test_a_script_refuses_a_key_it_was_not_given(store) -> None:
 async def test_submit_creates_record_and_presubmits_chunk_stages(store) -> None:
     sub = await store.submit(request())
     for stage in ("thinker", "talker", "code2wav"):
-        assert await store.client.xlen(store.keys.tasks(stage, 0)) == 1
+        assert await store.client.xlen(store.tasks_key(stage, 0)) == 1
     assert await store.client.zscore(store.keys.inflight(0), sub.id) is not None
     assert s(await store.client.hget(store.keys.wf(sub.id), "state")) == "pending"
 
@@ -82,8 +82,8 @@ async def test_claim_drops_tasks_of_tombstoned_workflows(store) -> None:
     await store.abort(sub.id)
     _, res = await claim_next(store, "thinker")
     assert res == ["drop", "aborted"]
-    assert await store.client.xlen(store.keys.tasks("thinker", 0)) == 0       # acked and deleted
-    assert (await store.client.xpending(store.keys.tasks("thinker", 0), TASK_GROUP))["pending"] == 0
+    assert await store.client.xlen(store.tasks_key("thinker", 0)) == 0       # acked and deleted
+    assert (await store.client.xpending(store.tasks_key("thinker", 0), TASK_GROUP))["pending"] == 0
 
 
 async def test_emit_is_idempotent_on_seq_and_fenced_by_attempt(store) -> None:
@@ -113,7 +113,7 @@ async def test_one_emit_call_writes_one_text_entry_and_one_entry_per_edge(store)
     the three chunks; replaying the call writes nothing."""
     sub = await store.submit(request())
     await claim_next(store, "thinker")
-    delivered = await store.client.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("talker", 0): ">"}, count=1)
+    delivered = await store.client.xreadgroup(TASK_GROUP, "w1", {store.tasks_key("talker", 0): ">"}, count=1)
     talker_task = s(delivered[0][1][0][0])
     await redisio.script(store.client, "claim", claim_keys(store, "talker", sub.id, ("thinker",)),
                        [store.settings.prefix, TASK_GROUP, "w1", now_ms(), "thinker", "talker", talker_task, sub.id, "1"])
@@ -147,7 +147,7 @@ async def test_one_emit_call_writes_one_text_entry_and_one_entry_per_edge(store)
 
 async def test_claim_is_idempotent_for_the_same_replica_only(store) -> None:
     sub = await store.submit(request(modalities=["text"]))
-    reply = await store.client.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("thinker", 0): ">"}, count=1)
+    reply = await store.client.xreadgroup(TASK_GROUP, "w1", {store.tasks_key("thinker", 0): ">"}, count=1)
     entry_id = s(reply[0][1][0][0])
     def claim(worker: str):
         return redisio.script(store.client, "claim", claim_keys(store, "thinker", sub.id),
@@ -163,10 +163,10 @@ async def test_finish_of_a_fenced_session_acks_but_reports_nothing(store) -> Non
     await store.abort(sub.id)
     wf = store.keys.wf(sub.id)
     res = await redisio.script(store.client, "finish",
-                             [wf, store.keys.tasks("thinker", 0), store.keys.events(0), f"{wf}:stages", f"{wf}:log"],
+                             [wf, store.tasks_key("thinker", 0), store.keys.events(0), f"{wf}:stages", f"{wf}:log"],
                              [TASK_GROUP, entry_id, "thinker", 1, "done", "{}", "1", now_ms(), 0, ""])
     assert s(res) == "fenced"
-    assert (await store.client.xpending(store.keys.tasks("thinker", 0), TASK_GROUP))["pending"] == 0
+    assert (await store.client.xpending(store.tasks_key("thinker", 0), TASK_GROUP))["pending"] == 0
     assert await store.client.xlen(store.keys.events(0)) == 0
 
 
@@ -193,7 +193,7 @@ async def test_a_session_learns_its_consumers_inbox_and_declares_it_from_then_on
     async def run_thinker(n: int) -> int:
         sub = await store.submit(request())
         await claim_next(store, "thinker")
-        delivered = await store.client.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("talker", 0): ">"}, count=1)
+        delivered = await store.client.xreadgroup(TASK_GROUP, "w1", {store.tasks_key("talker", 0): ">"}, count=1)
         await redisio.script(store.client, "claim", claim_keys(store, "talker", sub.id, ("thinker",)),
                              [store.settings.prefix, TASK_GROUP, "w1", now_ms(), "thinker", "talker",
                               s(delivered[0][1][0][0]), sub.id, "1"])

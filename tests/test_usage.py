@@ -81,7 +81,7 @@ async def store(valkey_url, settings_factory):
     st = Store(redis, settings_factory(valkey_url), build_pipeline(toy_spec()))
     await redisio.load_scripts(redis)
     for stage in st.pipeline.order:
-        await ensure_group(redis, st.keys.tasks(stage, 0), TASK_GROUP)
+        await ensure_group(redis, st.tasks_key(stage, 0), TASK_GROUP)
     yield st
     keys = [k async for k in redis.scan_iter(match=f"{st.settings.prefix}:*")]
     if keys:
@@ -91,10 +91,10 @@ async def store(valkey_url, settings_factory):
 
 async def test_a_finish_sent_again_adds_nothing_and_a_malformed_meter_writes_nothing(store) -> None:
     sub = await store.submit(request("once", ["text"]), tenant="acme")
-    reply = await store.client.xreadgroup(TASK_GROUP, "w1", {store.keys.tasks("thinker", 0): ">"}, count=1)
+    reply = await store.client.xreadgroup(TASK_GROUP, "w1", {store.tasks_key("thinker", 0): ">"}, count=1)
     entry_id = s(reply[0][1][0][0])
     wf = store.keys.wf(sub.id)
-    claimed = await redisio.script(store.client, "claim", [store.keys.tasks("thinker", 0),
+    claimed = await redisio.script(store.client, "claim", [store.tasks_key("thinker", 0),
                                                         store.keys.state_index("pending", 0),
                                                         store.keys.state_index("running", 0), wf, f"{wf}:stages",
                                                         f"{wf}:log"],
@@ -104,7 +104,7 @@ async def test_a_finish_sent_again_adds_nothing_and_a_malformed_meter_writes_not
     usage_key = store.keys.usage(0, bucket)
     meter = Meter.of(usage_key, bucket=bucket, retention_days=7, compute_s=0.25,
                      usage={"prompt_tokens": 1, "completion_tokens": 3.0, "ignored": "x"})
-    keys = [wf, store.keys.tasks("thinker", 0), store.keys.events(0), f"{wf}:stages", f"{wf}:log",
+    keys = [wf, store.tasks_key("thinker", 0), store.keys.events(0), f"{wf}:stages", f"{wf}:log",
             f"{wf}:out:thinker", usage_key]
 
     async def finish(fin_meter: list) -> str:

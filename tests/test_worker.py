@@ -12,7 +12,7 @@ from helpers import eventually, expected_text, log_entries, request, run_to_end
 
 async def test_malformed_task_entry_goes_to_dead_letter_and_worker_keeps_serving(engine_factory) -> None:
     async with engine_factory() as eng:
-        tasks = eng.store.keys.tasks("thinker", 0)
+        tasks = eng.store.tasks_key("thinker", 0)
         await eng.redis.xadd(tasks, {"garbage": "yes"})
         await eng.redis.xadd(tasks, {"wf": "x", "s": "thinker", "a": "not-a-number"})
         await eng.redis.xadd(tasks, {"wf": "x", "s": "talker", "a": "1"})
@@ -119,7 +119,7 @@ async def test_a_task_delivered_but_never_received_is_claimed_again(engine_facto
         sub = await eng.store.submit(request("lost in delivery"))
         worker_id = "thinker-orphan-test"
         # delivered to the thinker worker-to-be, whose read's reply never arrives
-        stream = eng.store.keys.tasks("thinker", eng.store.keys.cell_of(sub.id))
+        stream = eng.store.tasks_key("thinker", eng.store.keys.cell_of(sub.id))
         got = await eng.redis.xreadgroup(TASK_GROUP, worker_id, {stream: ">"}, count=10)
         assert got and len(got[0][1]) == 1
         worker = await eng.add_worker("thinker", worker_id=worker_id)

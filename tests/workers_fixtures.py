@@ -145,3 +145,14 @@ class ModelServerDownTalker(ToyTalker):
         if session.attempt == 1:
             raise ConnectionRefusedError(111, "model server refused the connection")
         return await super().run(session)
+
+
+class RecordingTalker(ToyTalker):
+    """A toy talker that records which executor instance ran each workflow (`ran`: wf id -> id(self)),
+    so a test can see one executor serve the stage of two pipelines."""
+
+    ran: dict[str, int] = {}
+
+    async def run(self, session: Session) -> Mapping[str, Any]:
+        type(self).ran[session.wf_id] = id(self)
+        return await super().run(session)

@@ -118,7 +118,9 @@ class Connection:
                  resume: Resume | None = None) -> None:
         self.ws, self.api, self.session, self.owner, self.resume = ws, api, session, owner, resume
         self.caps: Capabilities = session.caps
-        by_kind = api.pipeline.modalities()
+        # the pipeline the session's model names (`?model=`; the registry knows every one served)
+        self.pipeline = api.store.catalog.find(self.caps.model) or api.pipeline
+        by_kind = self.pipeline.modalities()
         self.text_stage: str | None = by_kind["text"][0] if by_kind.get("text") else None
         self.audio_stage: str | None = by_kind["audio"][0] if by_kind.get("audio") else None
         self._send_lock = asyncio.Lock()
@@ -218,7 +220,8 @@ class Connection:
                                        retry_after_s=wait_s)
             submitted = await self.store.submit(SubmitRequest(
                 input=WorkflowInput(text=response.prompt), output_modalities=self._workflow_modalities(response),
-                stage_params=knobs.stage_params(self.api.pipeline, response.knobs), request_id=response.request_id),
+                stage_params=knobs.stage_params(self.pipeline, response.knobs), request_id=response.request_id,
+                pipeline=f"{self.pipeline.name}@{self.pipeline.digest}"),
                 tenant=tenant)
         except OmniflowError as exc:
             await self._refuse_turn(response, exc)

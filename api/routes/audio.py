@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 from omniflow.api import knobs
 from omniflow.api.audio import AudioFormat, BadAudio, media_type, speech_format
-from omniflow.api.deps import ApiState, PrincipalDep, StateDep, SubmitterDep
+from omniflow.api.deps import ApiState, PrincipalDep, StateDep, SubmitterDep, pipeline_for, pipeline_ref
 from omniflow.api.errors import ApiError
 from omniflow.api.openai_schemas import SpeechRequest, VoiceCard, VoiceList
 from omniflow.api.schemas import AUTH_ERRORS as _AUTH
@@ -27,6 +27,7 @@ from omniflow.api.schemas import ErrorResponse as E
 from omniflow.api.speech import SpeechFailed, SpeechStream
 from omniflow.api.sse import WatchedStreamingResponse
 from omniflow.models import SubmitRequest, WorkflowInput
+from omniflow.pipeline import Pipeline
 from omniflow.workers import voices
 
 logger = logging.getLogger(__name__)
@@ -42,15 +43,14 @@ async def list_voices(_: PrincipalDep) -> VoiceList:
     return VoiceList(data=[VoiceCard.model_validate(v) for v in voices.list_voices()])
 
 
-def _audio_stage(state: ApiState, model: str) -> str:
-    if model != state.pipeline.name:
-        raise ApiError(404, "model_not_found", f"model {model!r} does not exist; this server serves "
-                                               f"{state.pipeline.name!r} (GET /v1/models)", param="model")
-    stages = state.pipeline.modalities().get("audio")
+async def _audio_stage(state: ApiState, model: str) -> tuple[Pipeline, str]:
+    """The pipeline `model` names (404 naming the known ones) and its audio stage (400 when it has none)."""
+    pipeline = await pipeline_for(state, model)
+    stages = pipeline.modalities().get("audio")
     if not stages:
         raise ApiError(400, "unsupported_value", f"model {model!r} makes no audio (its outputs: "
-                                                 f"{sorted(state.pipeline.modalities())})", param="model")
-    return stages[0]
+                                                 f"{sorted(pipeline.modalities())})", param="model")
+    return pipeline, stages[0]
 
 
 def _check(body: SpeechRequest) -> AudioFormat:
@@ -88,12 +88,12 @@ async def _until_disconnect(request: Request) -> None:
     summary="OpenAI-compatible text to speech (streamed)",
 )
 async def speech(body: SpeechRequest, request: Request, state: StateDep, principal: SubmitterDep) -> Any:
-    stage = _audio_stage(state, body.model)
+    pipeline, stage = await _audio_stage(state, body.model)
     fmt = _check(body)
-    stage_params = knobs.stage_params(state.pipeline, {"speed": body.speed if body.speed != 1.0 else None})
+    stage_params = knobs.stage_params(pipeline, {"speed": body.speed if body.speed != 1.0 else None})
     submitted = await state.store.submit(
         SubmitRequest(input=WorkflowInput(text=body.input), output_modalities=["audio"], stage_params=stage_params,
-                      deadline_s=body.deadline_s), tenant=principal.tenant)
+                      deadline_s=body.deadline_s, pipeline=pipeline_ref(pipeline)), tenant=principal.tenant)
     stream = SpeechStream(state.store, state.hub, submitted.id, stage, fmt)
     first = asyncio.ensure_future(stream.first())
     gone = asyncio.ensure_future(_until_disconnect(request))

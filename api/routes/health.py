@@ -23,7 +23,7 @@ async def healthz() -> Health:
             responses={503: {"model": Readiness, "description": "Redis unreachable or a stage has no live worker"}},
             summary="Redis is reachable and every stage has a live worker that is not drained")
 async def readyz(state: StateDep) -> Any:
-    stages = state.pipeline.order
+    stages = list(state.store.stage_queues())      # every stage of every pipeline served
     try:
         await state.store.ping()
         counts = await state.store.live_workers(claiming=True)      # a drained worker takes no new work

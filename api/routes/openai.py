@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from starlette.types import Receive
 
 from omniflow.api.audio import AudioFormat, encode
-from omniflow.api.deps import ApiState, PrincipalDep, StateDep, SubmitterDep
+from omniflow.api.deps import ApiState, PrincipalDep, StateDep, SubmitterDep, pipeline_for, pipeline_ref
 from omniflow.api.errors import ApiError, error_body
 from omniflow.api.openai_schemas import (
     ChatAudio,
@@ -36,6 +36,7 @@ from omniflow.api.schemas import AUTH_ERRORS as _AUTH
 from omniflow.api.schemas import ErrorResponse as E
 from omniflow.api.sse import EventStreamResponse, sse_event
 from omniflow.models import SubmitRequest, WorkflowInput, WorkflowState
+from omniflow.pipeline import Pipeline
 from omniflow.workers import voices
 
 logger = logging.getLogger(__name__)
@@ -58,8 +59,8 @@ def prompt_of(body: ChatRequest) -> str:
     raise ApiError(422, "invalid_request", "messages: no user message with text content")
 
 
-def _stage_of(state: ApiState, kind: str) -> str | None:
-    stages = state.pipeline.modalities().get(kind, [])
+def _stage_of(pipeline: Pipeline, kind: str) -> str | None:
+    stages = pipeline.modalities().get(kind, [])
     return stages[0] if stages else None
 
 
@@ -79,9 +80,13 @@ async def _until_disconnect(receive: Receive) -> None:
         pass
 
 
-@router.get("/models", response_model=ModelList, responses=_AUTH, summary="The pipeline, as a model")
+@router.get("/models", response_model=ModelList, responses=_AUTH,
+            summary="Every pipeline the deployment serves, as a model, with its input and output modalities")
 async def list_models(state: StateDep, _: PrincipalDep) -> ModelList:
-    return ModelList(data=[ModelCard(id=state.pipeline.name, created=int(time.time()))])
+    now = int(time.time())
+    return ModelList(data=[ModelCard(id=p.name, created=now, version=p.digest, input_modalities=p.input_modalities,
+                                     output_modalities=p.output_modalities, stages=list(p.order))
+                           for p in await state.store.pipelines()])
 
 
 @router.post(
@@ -95,28 +100,26 @@ async def list_models(state: StateDep, _: PrincipalDep) -> ModelList:
     summary="OpenAI-compatible chat completion (text and audio)",
 )
 async def chat_completions(body: ChatRequest, request: Request, state: StateDep, principal: SubmitterDep) -> Any:
-    if body.model != state.pipeline.name:
-        raise ApiError(404, "model_not_found", f"model {body.model!r} does not exist; this server serves "
-                                               f"{state.pipeline.name!r} (GET /v1/models)")
+    pipeline = await pipeline_for(state, body.model)        # unknown: 404 naming the models served
     if body.audio is not None:
         try:
             voices.resolve(body.audio.voice)
         except voices.UnknownVoice as exc:
             raise ApiError(400, "invalid_value", f"audio.voice: {exc}", param="audio.voice") from None
     modalities = list(dict.fromkeys(body.modalities or ["text"]))
-    if "audio" in modalities and "text" not in modalities and _stage_of(state, "text"):
+    if "audio" in modalities and "text" not in modalities and _stage_of(pipeline, "text"):
         modalities.insert(0, "text")          # the transcript comes from the text stage
     submitted = await state.store.submit(
         SubmitRequest(input=WorkflowInput(text=prompt_of(body)), output_modalities=modalities,
-                      stage_params=body.stage_params, deadline_s=body.deadline_s),
+                      stage_params=body.stage_params, deadline_s=body.deadline_s, pipeline=pipeline_ref(pipeline)),
         tenant=principal.tenant)
     fmt = body.audio.format if body.audio else AudioFormat.WAV
     if body.stream:
-        return EventStreamResponse(_stream(state, body, submitted.id, modalities))
-    return await _complete(state, body, request, submitted.id, modalities, fmt)
+        return EventStreamResponse(_stream(state, pipeline, body, submitted.id, modalities))
+    return await _complete(state, pipeline, body, request, submitted.id, modalities, fmt)
 
 
-async def _complete(state: ApiState, body: ChatRequest, request: Request, wf_id: str,
+async def _complete(state: ApiState, pipeline: Pipeline, body: ChatRequest, request: Request, wf_id: str,
                     modalities: list[str], fmt: AudioFormat) -> ChatCompletion:
     waiter = asyncio.ensure_future(_wait_terminal(state, wf_id))
     gone = asyncio.ensure_future(_until_disconnect(request.receive))
@@ -131,7 +134,7 @@ async def _complete(state: ApiState, body: ChatRequest, request: Request, wf_id:
     doc = await state.store.document(wf_id)
     if doc["state"] != WorkflowState.COMPLETED.value:
         raise _failure(doc)
-    text_stage, audio_stage = _stage_of(state, "text"), _stage_of(state, "audio")
+    text_stage, audio_stage = _stage_of(pipeline, "text"), _stage_of(pipeline, "audio")
     text = doc["outputs"].get(text_stage or "", {}).get("text", "")
     audio = None
     if "audio" in modalities and audio_stage:
@@ -165,9 +168,10 @@ def _chunk(wf_id: str, model: str, created: int, delta: dict[str, Any], finish: 
     return sse_event(json.dumps(payload))
 
 
-async def _stream(state: ApiState, body: ChatRequest, wf_id: str, modalities: list[str]) -> AsyncIterator[bytes]:
+async def _stream(state: ApiState, pipeline: Pipeline, body: ChatRequest, wf_id: str,
+                  modalities: list[str]) -> AsyncIterator[bytes]:
     created = int(time.time())
-    text_stage, audio_stage = _stage_of(state, "text"), _stage_of(state, "audio")
+    text_stage, audio_stage = _stage_of(pipeline, "text"), _stage_of(pipeline, "audio")
     want_audio = "audio" in modalities and audio_stage is not None
     out_cursor = "-"
     transcript: list[str] = []

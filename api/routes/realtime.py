@@ -20,12 +20,13 @@ from fastapi import APIRouter, WebSocket
 from starlette.responses import Response as HttpResponse
 
 from omniflow.api import knobs
-from omniflow.api.deps import ApiState, Principal, principal_for
+from omniflow.api.deps import ApiState, Principal, pipeline_for, principal_for
 from omniflow.api.errors import ApiError, error_response
 from omniflow.api.realtime.config import PCM_RATE, Capabilities
 from omniflow.api.realtime.connection import Connection, Resume
 from omniflow.api.realtime.state import RealtimeSession, SessionState
-from omniflow.errors import OmniflowError
+from omniflow.errors import OmniflowError, UnknownPipeline
+from omniflow.pipeline import Pipeline
 from omniflow.workers import voices
 
 logger = logging.getLogger(__name__)
@@ -35,9 +36,9 @@ KEY_SUBPROTOCOL = "openai-insecure-api-key."
 SUBPROTOCOL = "realtime"
 
 
-def capabilities(state: ApiState) -> Capabilities:
-    """What the served pipeline offers a realtime session."""
-    pipeline = state.pipeline
+def capabilities(state: ApiState, pipeline: Pipeline | None = None) -> Capabilities:
+    """What a served pipeline (default: the default one) offers a realtime session."""
+    pipeline = pipeline or state.pipeline
     return Capabilities(
         model=pipeline.name, outputs=frozenset(pipeline.modalities()),
         voices={v["id"]: v["voice"] for v in voices.list_voices()},
@@ -65,11 +66,12 @@ async def _refuse(ws: WebSocket, err: ApiError) -> None:
 
 
 async def _open(ws: WebSocket, state: ApiState, principal: Principal, owner: str) -> RealtimeSession:
-    caps = capabilities(state)
     model = ws.query_params.get("model")
-    if model is not None and model != caps.model:
-        raise ApiError(404, "model_not_found", f"model {model!r} does not exist; this server serves {caps.model!r} "
-                       "(GET /v1/models)", param="model")
+    try:
+        pipeline = await pipeline_for(state, model)     # `?model=` picks the pipeline (404 when unknown)
+    except UnknownPipeline as exc:
+        raise ApiError(404, exc.code, str(exc), param="model") from None
+    caps = capabilities(state, pipeline)
     session_id = ws.query_params.get("session_id")
     if session_id is None:
         session = RealtimeSession.new(caps, tenant=principal.tenant)
@@ -82,6 +84,11 @@ async def _open(ws: WebSocket, state: ApiState, principal: Principal, owner: str
                        f"are kept {state.settings.realtime_session_ttl_s} s after their last change)",
                        param="session_id")
     restored = SessionState.model_validate(raw)
+    if model is None and restored.model != caps.model:      # a reconnect without ?model= resumes its own
+        try:
+            caps = capabilities(state, await pipeline_for(state, restored.model))
+        except UnknownPipeline:
+            pass
     if restored.model != caps.model:
         raise ApiError(404, "session_not_found", f"session {session_id!r} belongs to model {restored.model!r}",
                        param="session_id")

@@ -62,6 +62,7 @@ def links(request: Request, wf_id: str) -> Links:
     responses={200: {"model": SubmitResponse, "description": "request_id matched an existing workflow"},
                409: {"model": E, "description": "`retired`: the id or request_id belongs to a retired workflow; "
                                                 "`idempotency_conflict`: the request_id was used with a different body"},
+               404: {"model": E, "description": "`model_not_found`: `pipeline` names no pipeline (or version) served"},
                413: {"model": E, "description": "body too large"},
                422: {"model": E, "description": "bad input (field-level messages)"},
                429: {"model": E, "description": "over admission or the tenant's submit rate; see Retry-After"},

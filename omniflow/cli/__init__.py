@@ -22,6 +22,7 @@ from omniflow.cli.common import (
     EXIT_TIMED_OUT,
     EXIT_WORKFLOW_FAILED,
     JsonOpt,
+    _catalog,
     _pipeline,
     _print_json,
     _run,
@@ -33,7 +34,7 @@ from omniflow.cli.common import (
     print_result,
     print_rows,
 )
-from omniflow.errors import InvalidRequest, PipelineError
+from omniflow.errors import InvalidRequest, PipelineError, UnknownPipeline
 from omniflow.models import SubmitRequest, WorkflowInput
 from omniflow.pipeline import Pipeline, load_pipeline
 
@@ -46,10 +47,18 @@ ARG_NAMES = {"input.text": "TEXT", "text": "TEXT", "output_modalities": "--modal
              "deadline_s": "--deadline"}
 
 
+PIPELINES_HELP = ("a pipeline YAML; repeat it to serve several in one deployment (the first is the default; "
+                  "default: OMNIFLOW_PIPELINE, else the toy omni pipeline)")
+
+
+def _pipelines_opt() -> Any:
+    return typer.Option(None, "--pipeline", help=PIPELINES_HELP)
+
+
 # ---------------------------------------------------------------- processes
 @app.command()
 @handle_errors
-def up(pipeline: Path = typer.Option(None, "--pipeline", help="pipeline YAML (default: the toy omni pipeline)"),
+def up(pipeline: list[Path] = _pipelines_opt(),  # noqa: B008 - typer's way
        api: bool = typer.Option(True, "--api/--no-api", help="also serve the HTTP API"),
        host: str = typer.Option("127.0.0.1", "--host"), port: int = typer.Option(8000, "--port"),
        fsync: str = typer.Option("everysec", "--fsync", help="embedded Valkey appendfsync: always|everysec"),
@@ -63,36 +72,42 @@ def up(pipeline: Path = typer.Option(None, "--pipeline", help="pipeline YAML (de
         raise InvalidRequest("--fsync must be 'always' or 'everysec'")
     setup_logging()
     settings = _settings()
-    path = pipeline or settings.pipeline_path()
-    sup = Supervisor(settings=settings, pipeline=load_pipeline(path), pipeline_path=Path(path), api=api,
-                     host=host, port=port, fsync=fsync, colocate=colocate)
+    paths = list(pipeline or ()) or settings.pipeline_paths()
+    catalog = _catalog(paths)           # every YAML valid, no two with one name: before anything starts
+    loaded = [(load_pipeline(p), Path(p)) for p in paths]
+    sup = Supervisor(settings=settings, pipeline=catalog.default, pipeline_path=Path(paths[0]), api=api,
+                     host=host, port=port, fsync=fsync, colocate=colocate, more=tuple(loaded[1:]))
     raise typer.Exit(sup.run())
 
 
 @app.command()
 @handle_errors
 def worker(stage: str = typer.Option(..., "--stage",
-                                     help="the stage this process serves; several that share a device: "
-                                          "`thinker,talker`, or `all`"),
-           replicas: int = typer.Option(1, "--replicas", min=1, help="worker processes to run")) -> None:
-    """Serve one stage, or several stages that share one device, in one process per replica."""
+                                     help="the stage this process serves (in every pipeline that has it); "
+                                          "several that share a device: `thinker,talker`, or `all`"),
+           replicas: int = typer.Option(1, "--replicas", min=1, help="worker processes to run"),
+           pipeline: list[Path] = _pipelines_opt()) -> None:  # noqa: B008
+    """Serve one stage, or several stages that share one device, in one process per replica. With
+    several pipelines, a stage two of them declare identically is served by one executor."""
     from omniflow.runtime import setup_logging
-    from omniflow.engine.worker import parse_stages, run_worker
+    from omniflow.engine.worker import run_worker
 
     setup_logging()
     settings = _settings()
-    pipe = _pipeline()
+    catalog = _catalog(pipeline)
     try:
-        stages = parse_stages(stage, pipe)
+        routes = catalog.routes(stage)
     except PipelineError as exc:
         raise InvalidRequest(f"--stage: {exc}") from None
+    stages = list(dict.fromkeys(st for _p, st in routes))
     url = settings.resolve_redis_url()
     if replicas == 1:
-        run_worker(settings, pipe, stages, url)
+        run_worker(settings, catalog, stages, url)
         return
     import subprocess
 
-    procs = [subprocess.Popen([sys.executable, "-m", "omniflow.cli", "worker", "--stage", ",".join(stages)])
+    given = [x for p in (pipeline or ()) for x in ("--pipeline", str(p))]
+    procs = [subprocess.Popen([sys.executable, "-m", "omniflow.cli", "worker", "--stage", ",".join(stages), *given])
              for _ in range(replicas)]
     try:
         for proc in procs:
@@ -106,26 +121,29 @@ def worker(stage: str = typer.Option(..., "--stage",
 
 @app.command()
 @handle_errors
-def reconciler() -> None:
-    """Advance workflow state: consume stage events, retry, expire, sweep."""
+def reconciler(pipeline: list[Path] = _pipelines_opt()) -> None:  # noqa: B008
+    """Advance workflow state: consume stage events, retry, expire, sweep (for every pipeline: the
+    ones given, and every version the registry holds)."""
     from omniflow.engine.reconciler import run_reconciler
     from omniflow.runtime import setup_logging
 
     setup_logging()
     settings = _settings()
-    run_reconciler(settings, _pipeline(), settings.resolve_redis_url())
+    run_reconciler(settings, _catalog(pipeline), settings.resolve_redis_url())
 
 
 @app.command("api")
 @handle_errors
-def api_cmd(host: str = typer.Option(None, "--host"), port: int = typer.Option(None, "--port")) -> None:
-    """Serve the HTTP API (FastAPI on uvicorn)."""
+def api_cmd(host: str = typer.Option(None, "--host"), port: int = typer.Option(None, "--port"),
+            pipeline: list[Path] = _pipelines_opt()) -> None:  # noqa: B008
+    """Serve the HTTP API (FastAPI on uvicorn): every pipeline given, and those registered later."""
     from omniflow.api.app import serve
     from omniflow.runtime import setup_logging
 
     setup_logging()
     settings = _settings()
-    serve(settings, _pipeline(), settings.resolve_redis_url(), host or settings.api_host, port or settings.api_port)
+    serve(settings, _catalog(pipeline), settings.resolve_redis_url(), host or settings.api_host,
+          port or settings.api_port)
 
 
 # ---------------------------------------------------------------- client commands
@@ -165,6 +183,17 @@ def submit_request(pipe: Pipeline, text: str, *, modalities: str | None, request
     return req
 
 
+async def _named_pipeline(client: Any, ref: str) -> Pipeline:
+    """The pipeline `--pipeline` names (one this deployment serves or the registry has; else one line, exit 2)."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}(@[0-9a-f]{16})?", ref):
+        raise InvalidRequest(f"--pipeline: {ref!r} is not a pipeline name (or NAME@VERSION)")
+    try:
+        found: Pipeline = await client.store.pipeline_named(ref, param="pipeline")
+    except UnknownPipeline as exc:
+        raise InvalidRequest(f"--pipeline: {exc}") from None
+    return found
+
+
 def _output_line(stage: str, output: dict[str, Any], audio_file: str | None) -> str:
     if output["type"] == "text":
         return f"[bold]{stage}[/bold]: {output['text']}" + (" [dim](partial)[/dim]" if output.get("partial") else "")
@@ -183,12 +212,18 @@ def submit(text: str = typer.Argument(..., help="the prompt"),
            request_id: str = typer.Option(None, "--request-id", help="idempotency key"),
            deadline: float = typer.Option(None, "--deadline", help="seconds until the workflow fails"),
            timeout: float = typer.Option(None, "--timeout", help="seconds to wait at most (then exit 4)"),
+           pipeline: str = typer.Option(None, "--pipeline",
+                                        help="the pipeline to run, by name (`omniflow pipelines`), or NAME@VERSION; "
+                                             "default: the deployment's first"),
            as_json: bool = JsonOpt) -> None:
     """Submit one request; with --wait print its outputs and exit 0 (completed), 1 (failed or
     aborted) or 4 (still running when --timeout ran out)."""
     if timeout is not None and not timeout > 0:
         raise InvalidRequest(f"--timeout: {timeout:g} is not a positive number of seconds")
-    req = submit_request(_pipeline(), text, modalities=modalities, request_id=request_id, deadline=deadline, out=out)
+    pipe = _pipeline() if pipeline is None else _run(_with_client, _named_pipeline, pipeline)
+    req = submit_request(pipe, text, modalities=modalities, request_id=request_id, deadline=deadline, out=out)
+    if pipeline is not None:
+        req = req.model_copy(update={"pipeline": f"{pipe.name}@{pipe.digest}"})
 
     async def go(client: Any) -> dict[str, Any]:
         wf_id = (await client.store.submit(req, tenant=client.tenant)).id
@@ -257,9 +292,9 @@ def ls_cmd(state: str = typer.Option(None, "--state", help="pending|running|comp
 
     if state is not None and state not in {s.value for s in WorkflowState}:
         raise InvalidRequest(f"--state: {state!r} is not one of {[s.value for s in WorkflowState]}")
-    pipe = _pipeline()
-    if stage is not None and stage not in pipe.stages:
-        raise InvalidRequest(f"--stage: unknown stage {stage!r}; stages are {list(pipe.order)}")
+    known = sorted({st for p in _catalog() for st in p.stages})
+    if stage is not None and stage not in known:
+        raise InvalidRequest(f"--stage: unknown stage {stage!r}; stages are {known}")
     flt = ListFilter(state=state, tenant=tenant, stage=stage, request_id=request_id or None,
                      since_ms=since_ms(parse_duration(since)) if since is not None else None)
 
@@ -268,8 +303,10 @@ def ls_cmd(state: str = typer.Option(None, "--state", help="pending|running|comp
 
     import datetime as dt
 
-    print_rows(_run(_with_client, go), ("id", "request id", "state", "tenant", "created", "stages", "error"),
-               lambda row: [row["id"], row["request_id"] or "", row["state"], row["tenant"] or "",
+    print_rows(_run(_with_client, go), ("id", "request id", "pipeline", "state", "tenant", "created", "stages",
+                                        "error"),
+               lambda row: [row["id"], row["request_id"] or "", row.get("pipeline") or "", row["state"],
+                            row["tenant"] or "",
                             dt.datetime.fromtimestamp(row["created_at"]).strftime("%m-%d %H:%M:%S"),
                             ",".join(row["stages"]),
                             (f"{row['error_stage']}: " if row["error_stage"] else "") + (row["error"] or "")],

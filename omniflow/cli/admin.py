@@ -22,7 +22,7 @@ from omniflow.cli.common import (
     EXIT_TIMED_OUT,
     EXIT_WORKFLOW_FAILED,
     JsonOpt,
-    _pipeline,
+    _catalog,
     _print_json,
     _run,
     _with_client,
@@ -77,7 +77,32 @@ def stats_view(data: dict[str, Any]) -> Group:
                       f"{st['active_sessions']}/{st['capacity']}", str(st["queued"]), str(st["lag"]),
                       str(st["pending"]), _age(st["oldest_pending_age_s"]), str(lm["done"]), _age(lm["p50_s"]),
                       _age(lm["p99_s"]), str(lm["failed"]), str(lm["retries"]), str(st["dlq"]))
-    return Group(table, workers_table(data["workers"]))
+    return Group(table, workers_table(data["workers"]), pipelines_table(data.get("pipelines", [])))
+
+
+def pipelines_table(rows: list[dict[str, Any]]) -> Table:
+    """The pipeline registry: every version, whether new workflows get it, who serves each stage."""
+    table = Table(title=f"pipelines ({len({r['name'] for r in rows})} names, {len(rows)} versions)")
+    for col in ("pipeline", "version", "in → out", "serving (stage: workers)"):
+        table.add_column(col)
+    for r in rows:
+        serving = ", ".join(f"{st}: {len(ws)}" if ws else f"{st}: [red]0[/red]" for st, ws in r["workers"].items())
+        table.add_row(r["name"], r["version"] + ("" if r["current"] else " [dim](older)[/dim]"),
+                      f"{','.join(r['input_modalities'])} → {','.join(r['output_modalities'])}", serving)
+    return table
+
+
+@handle_errors
+def pipelines(as_json: bool = JsonOpt) -> None:
+    """The pipeline registry: every pipeline (and version) this deployment serves, what it takes and
+    makes, and the live workers serving each of its stages."""
+    from omniflow.storage import registry
+
+    rows = _run(_with_client, lambda client: registry.snapshot(client.store.client, client.store.keys))
+    if as_json:
+        _print_json(rows)
+    else:
+        console.print(pipelines_table(rows))
 
 
 #: how `workers` shows each worker state (rich markup)
@@ -236,7 +261,7 @@ def _dlq_stage(positional: str | None, option: str | None) -> str | None:
         raise InvalidRequest(f"two stages given: {positional!r} and --stage {option!r}")
     stage = positional or option
     if stage is not None:
-        dlq_names(_pipeline(), stage)
+        dlq_names(_catalog(), stage)
     return stage
 
 
@@ -310,6 +335,7 @@ def dlq_drop(stage: str = StageArg, stage_opt: str = StageOpt,
 def register(app: typer.Typer) -> None:
     """Add these commands to the `omniflow` app."""
     app.command("stats")(stats)
+    app.command("pipelines")(pipelines)
     app.command("workers")(workers)
     app.command("drain")(drain)
     app.command("undrain")(undrain)

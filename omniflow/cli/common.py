@@ -5,7 +5,7 @@ import asyncio
 import functools
 import json
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,6 +26,7 @@ from omniflow.errors import (
     WorkflowNotFound,
     WorkflowRetired,
 )
+from omniflow.catalog import Catalog
 from omniflow.pipeline import Pipeline, load_pipeline
 
 T = TypeVar("T")
@@ -77,6 +78,11 @@ def _pipeline(path: Path | None = None) -> Pipeline:
     return load_pipeline(path or settings.pipeline_path())
 
 
+def _catalog(paths: Sequence[Path] | None = None) -> Catalog:
+    """The pipelines this command serves: `--pipeline` (repeatable), else `OMNIFLOW_PIPELINE`."""
+    return Catalog.load(list(paths or ()) or _settings().pipeline_paths())
+
+
 def _run(coro_fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
     """Run one coroutine with a client bound to this loop (redis-py errors come out translated)."""
     from omniflow.storage.redisio import boundary
@@ -88,7 +94,7 @@ def _run(coro_fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
 async def _with_client(fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
     from omniflow.client import AsyncClient
 
-    async with AsyncClient(settings=_settings(), pipeline=_pipeline()) as client:
+    async with AsyncClient(settings=_settings(), pipeline=_catalog()) as client:
         return await fn(client, *args)
 
 

@@ -20,6 +20,7 @@ from omniflow.storage import redisio
 from omniflow.config import Settings, get_settings
 from omniflow.errors import RedisRefused
 from omniflow.models import SubmitRequest, WorkflowInput
+from omniflow.catalog import Catalog
 from omniflow.pipeline import Pipeline, load_pipeline
 from omniflow.storage.redisio import connect, connect_sync
 from omniflow.storage.transitions.admission import SubmitResult
@@ -29,13 +30,15 @@ from omniflow.storage.schema import s
 
 class AsyncClient:
     def __init__(self, redis_url: str | None = None, *, settings: Settings | None = None,
-                 pipeline: Pipeline | None = None, tenant: str = "default") -> None:
+                 pipeline: Pipeline | Catalog | None = None, tenant: str = "default") -> None:
         self.settings = settings or get_settings()
         self.redis_url = redis_url or self.settings.resolve_redis_url()
-        self.pipeline = pipeline or load_pipeline(self.settings.pipeline_path())
+        catalog = pipeline if isinstance(pipeline, Catalog) else Catalog.of(
+            pipeline or load_pipeline(self.settings.pipeline_path()))
+        self.pipeline = catalog.default
         self.tenant = tenant
         self.redis = connect(self.redis_url)
-        self.store = Store(self.redis, self.settings, self.pipeline)
+        self.store = Store(self.redis, self.settings, catalog)
 
     async def __aenter__(self) -> AsyncClient:
         return self

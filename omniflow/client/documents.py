@@ -52,6 +52,7 @@ def workflow_document(wf_id: str, rec: dict[str, str], st: dict[str, str], texts
         "state": rec.get(RecordField.STATE),
         "tenant": rec.get(RecordField.TENANT),
         "pipeline": rec.get(RecordField.PIPELINE),
+        "pipeline_version": rec.get(RecordField.PIPELINE_HASH) or None,
         "final_stages": record.finals,
         "required_stages": record.stages,
         "created_at": record.created_ms / 1000,

@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from omniflow.storage.client import RedisClient
 
-from omniflow.storage import cells, redisio
+from omniflow.catalog import Catalog
+from omniflow.storage import cells, redisio, registry
 from omniflow.storage.batcher import Batcher
 from omniflow.config import Settings
 from omniflow.errors import (AdmissionRefused, ConfigError, IdempotencyConflict, InvalidRequest, NotReady, RedisRefused,
+                             UnknownPipeline,
                              ScriptError, WorkflowNotFound, WorkflowRetired)
 from omniflow.storage.keys import FinalizePlan, Keys, finalize_plan
 from omniflow.models import TERMINAL_STATES, SubmitRequest, Submitted, WorkflowState
@@ -30,7 +32,7 @@ from omniflow.pipeline import Pipeline, Plan
 from omniflow.storage.redisio import connect, translated
 from omniflow.client.documents import text_stages, workflow_document
 from omniflow.client.realtime import RealtimeSessions
-from omniflow.storage.schema import csv, decode_fields, now_ms, s
+from omniflow.storage.schema import decode_fields, now_ms, s
 from omniflow.storage.transitions import Call, admission
 from omniflow.storage.transitions.admission import SubmitResult
 
@@ -83,19 +85,22 @@ class _PlanParts:
 class Store:
     """Client-side operations on workflows (used by the client, API, CLI and batch runner)."""
 
-    def __init__(self, redis: RedisClient, settings: Settings, pipeline: Pipeline, *, batcher: Batcher | None = None) -> None:
-        self._plans: dict[tuple[str, ...] | None, _PlanParts] = {}
+    def __init__(self, redis: RedisClient, settings: Settings, pipeline: Pipeline | Catalog, *,
+                 batcher: Batcher | None = None) -> None:
+        self._plans: dict[tuple[str, tuple[str, ...] | None], _PlanParts] = {}
         self._egress: Any = None        # the webhook egress policy, built on first use
         self._redis = redis
         self.batcher = batcher          # when set, submits are group-committed (many callers, few round trips)
         self.settings = settings
-        self.pipeline = pipeline
+        # the pipelines it submits to (the first is the default); others registered later are learnt
+        self.catalog = pipeline if isinstance(pipeline, Catalog) else Catalog.of(pipeline)
+        self.pipeline = self.catalog.default
         self.keys = Keys.of(settings, redis)
         redisio.require_replicas(redis, settings.wait_replicas, settings.wait_timeout_ms)
         if settings.max_in_flight < self.keys.cells:
             raise ConfigError(f"OMNIFLOW_MAX_IN_FLIGHT={settings.max_in_flight} is below the number of cells "
                               f"({self.keys.cells}): every cell must admit at least one workflow")
-        self._finalize_plan = finalize_plan(pipeline)
+        self._finalize_plan = finalize_plan(self.pipeline)
         self.realtime = RealtimeSessions(redis, self.keys, ttl_s=settings.realtime_session_ttl_s)
 
     @property
@@ -109,6 +114,8 @@ class Store:
         """Create, admit and pre-submit a workflow (one `submit.lua` call).
 
         A server out of memory refuses it like admission control does: `AdmissionRefused` (busy)."""
+        if req.pipeline and self.catalog.find(req.pipeline) is None:
+            await self.pipeline_named(req.pipeline, param="pipeline")
         call, tried = self.submit_call(req, tenant=tenant, wf_id=wf_id)
         try:
             reply = await self._submit_script(call)
@@ -147,12 +154,14 @@ class Store:
     def submit_call(self, req: SubmitRequest, *, tenant: str = "default",
                     wf_id: str | None = None) -> tuple[Call, str]:
         """Validate a request and build its `submit.lua` call (no I/O); the call and the id it submits."""
-        parts = self._plan_parts(tuple(req.output_modalities) if req.output_modalities is not None else None)
+        pipeline = self.catalog.resolve(req.pipeline, param="pipeline")
+        parts = self._plan_parts(pipeline, tuple(req.output_modalities) if req.output_modalities is not None else None)
         if len(req.input.text) > self.settings.max_prompt_chars:
             raise InvalidRequest(f"input.text: {len(req.input.text)} characters; the limit is {self.settings.max_prompt_chars}")
-        unknown = sorted(set(req.stage_params) - set(self.pipeline.stages))
+        unknown = sorted(set(req.stage_params) - set(pipeline.stages))
         if unknown:
-            raise InvalidRequest(f"stage_params: unknown stage(s) {unknown}; stages are {list(self.pipeline.order)}")
+            raise InvalidRequest(f"stage_params: unknown stage(s) {unknown}; stages of {pipeline.name} are "
+                                 f"{list(pipeline.order)}")
         deadline_s = req.deadline_s or self.settings.default_deadline_s
         if deadline_s > self.settings.max_deadline_s:
             raise InvalidRequest(f"deadline_s: {deadline_s} is over the limit of {self.settings.max_deadline_s}")
@@ -164,7 +173,7 @@ class Store:
         cell = cells.cell_of(wf_id)
         now = now_ms()
         if req.stage_params:
-            params = json.dumps({st: {**self.pipeline.stages[st].params, **req.stage_params.get(st, {})}
+            params = json.dumps({st: {**pipeline.stages[st].params, **req.stage_params.get(st, {})}
                                  for st in parts.plan.stages})
         else:
             params = parts.params
@@ -181,7 +190,8 @@ class Store:
         if req.request_id:     # what a reuse of the key is compared with (409 idempotency_conflict)
             record += ["body_hash", body_hash(req)]
         call = admission.submit(
-            self.keys, wf_id, tenant=tenant, request_id=req.request_id or "", admit=tuple(parts.plan.admit),
+            self.keys, wf_id, tenant=tenant, request_id=req.request_id or "",
+            admit=tuple(pipeline.queue(st) for st in parts.plan.admit),
             now_ms=now, deadline_ms=now + int(deadline_s * 1000),
             cell_limit=cells.cell_limit(self.settings.max_in_flight, self.keys.cells, cell),
             idempotency_ttl_s=self.settings.idempotency_ttl_s if req.request_id else 0,
@@ -199,22 +209,68 @@ class Store:
         except EgressRefused as exc:
             raise InvalidRequest(f"webhook_url: {exc}") from None
 
-    def _plan_parts(self, modalities: tuple[str, ...] | None) -> _PlanParts:
+    def _plan_parts(self, pipeline: Pipeline, modalities: tuple[str, ...] | None) -> _PlanParts:
         """What a submit writes that depends only on the pipeline and the requested modalities
-        (computed once per modality set: submits are the one hot call a client makes)."""
-        parts = self._plans.get(modalities)
+        (computed once per pipeline and modality set: submits are the one hot call a client makes)."""
+        parts = self._plans.get((pipeline.digest, modalities))
         if parts is None:
-            plan = self.pipeline.plan(modalities)
-            edges = [f"{e.src}:{e.dst}" for st in plan.stages for e in self.pipeline.upstream(st, plan.stages)]
-            kinds = [f"{st}={self.pipeline.stages[st].final_output}" for st in plan.finals]
-            fields = ("pipeline", self.pipeline.name, "pipeline_hash", self.pipeline.digest,
+            plan = pipeline.plan(modalities)
+            edges = [f"{e.src}:{e.dst}" for st in plan.stages for e in pipeline.upstream(st, plan.stages)]
+            kinds = [f"{st}={pipeline.stages[st].final_output}" for st in plan.finals]
+            fields = ("pipeline", pipeline.name, "pipeline_hash", pipeline.digest,
                       "stages", ",".join(plan.stages), "finals", ",".join(plan.finals), "kinds", ",".join(kinds),
                       "edges", ",".join(edges), "groups", plan.record_groups())
             parts = _PlanParts(plan=plan, fields=fields, stages=",".join(plan.stages), admit=",".join(plan.admit),
-                               params=json.dumps({st: dict(self.pipeline.stages[st].params) for st in plan.stages}))
+                               params=json.dumps({st: dict(pipeline.stages[st].params) for st in plan.stages}))
             if len(self._plans) < 64:
-                self._plans[modalities] = parts
+                self._plans[(pipeline.digest, modalities)] = parts
         return parts
+
+    @translated
+    async def pipeline_named(self, ref: str | None, *, param: str = "model") -> Pipeline:
+        """The pipeline `ref` names (`name` or `name@version`): one this store was given, else one
+        the registry has (a pipeline added to the running deployment: learnt for next time), else
+        `UnknownPipeline` naming every pipeline known."""
+        found = self.catalog.find(ref)
+        if found is not None:
+            return found
+        assert ref
+        name, _, version = ref.partition("@")
+        pipe = (await registry.fetch(self._redis, self.keys, version) if version
+                else await registry.current(self._redis, self.keys, name))
+        if pipe is None or pipe.name != name:
+            known = sorted(set(self.catalog.names) | set(await registry.names(self._redis, self.keys)))
+            what = f"pipeline {name!r} version {version}" if version else f"pipeline {name!r}"
+            raise UnknownPipeline(f"unknown {what}; this deployment serves {known}", known=known, param=param)
+        self.catalog.add(pipe, serve_name=not version)
+        return pipe
+
+    async def pipelines(self) -> list[Pipeline]:
+        """Every pipeline new workflows can name: this store's, then those only the registry has
+        (registered by processes started since), in that order."""
+        out = list(self.catalog)
+        for name, version in (await registry.names(self._redis, self.keys)).items():
+            if name not in self.catalog.pipelines:
+                pipe = self.catalog.version(version) or await registry.fetch(self._redis, self.keys, version)
+                if pipe is not None:
+                    self.catalog.add(pipe)
+                    out.append(pipe)
+        return out
+
+    def tasks_key(self, stage: str, cell: int, pipeline: Pipeline | None = None) -> str:
+        """The task stream of `stage` of `pipeline` (default: the default pipeline) in `cell`."""
+        return self.keys.tasks((pipeline or self.pipeline).queue(stage), cell)
+
+    def stage_queues(self) -> dict[str, list[str]]:
+        """Stage name -> its task queues in every pipeline version this store knows (`Pipeline.queue`),
+        stage names in the order the pipelines list them: what `stats` adds up per stage."""
+        out: dict[str, list[str]] = {}
+        for pipe in [*self.catalog, *self.catalog.versions.values()]:
+            for stage in pipe.order:
+                queues = out.setdefault(stage, [])
+                if pipe.queue(stage) not in queues:
+                    queues.append(pipe.queue(stage))
+        return out
 
     @staticmethod
     def refused(exc: RedisRefused) -> Exception:
@@ -423,19 +479,15 @@ class Store:
 
     @translated
     async def live_workers(self, *, claiming: bool = False) -> dict[str, int]:
-        """Live workers per stage of the pipeline: members of `<p>:workers` whose lease (score, ms) is
-        in the future. A worker serving several stages (`--stage a,b`, `up --colocate`) counts for each.
+        """Live workers per stage of the pipelines this store serves: members of `<p>:workers` whose
+        lease (score, ms) is in the future and that claim from that stage's queue. A worker serving
+        several stages (`--stage a,b`, `up --colocate`) counts for each. With several pipelines, a
+        stage they share counts the workers of the pipeline that has fewest (each needs one).
         `claiming`: only those that take new work (not drained: readiness)."""
-        ids = await self._redis.zrangebyscore(self.keys.workers, f"({now_ms()}", "+inf")
-        counts = dict.fromkeys(self.pipeline.order, 0)
-        if ids:
-            pipe = self._redis.pipeline(transaction=False)
-            for worker_id in ids:
-                pipe.hmget(self.keys.worker_info(s(worker_id)), "stage", "drain")
-            for served, drain in await pipe.execute():
-                if claiming and drain:
-                    continue
-                for name in csv(served):
-                    if name in counts:
-                        counts[name] += 1
+        served = await registry.served(self._redis, self.keys, claiming=claiming)
+        counts: dict[str, int] = {}
+        for pipe in self.catalog:
+            for name in pipe.order:
+                n = len(served.get(pipe.queue(name), ()))
+                counts[name] = min(counts.get(name, n), n)
         return counts

@@ -12,10 +12,11 @@ import time
 from typing import Any
 
 from omniflow.storage import listing
-from omniflow.errors import InvalidRequest, WorkflowNotFound
+from omniflow.errors import InvalidRequest, UnknownPipeline, WorkflowNotFound
 from omniflow.ops.fleet import entry_ms, list_workers
 from omniflow.storage.keys import DLQ_EVENTS
 from omniflow.models import TERMINAL_STATES, SubmitRequest, WorkflowInput, WorkflowState
+from omniflow.catalog import Catalog
 from omniflow.pipeline import Pipeline
 from omniflow.storage import redisio
 from omniflow.storage.redisio import translated
@@ -52,8 +53,9 @@ async def retry_workflow(store: Store, wf_id: str, *, tenant: str | None = None)
         raise InvalidRequest(f"workflow {wf_id} is {rec.state}; only failed or aborted ones are retried")
     kinds = sorted(set(rec.kinds.values()))
     params = json.loads(rec.params or "{}")
+    # on the pipeline of the same name (its current version: a retry is a new workflow)
     req = SubmitRequest(input=WorkflowInput.model_validate_json(rec.input), output_modalities=kinds,
-                        stage_params=params, webhook_url=rec.webhook or None)
+                        stage_params=params, webhook_url=rec.webhook or None, pipeline=rec.pipeline or None)
     return (await store.submit(req, tenant=rec.tenant or "default")).id
 
 
@@ -116,9 +118,16 @@ async def purge_all(store: Store) -> int:
     return n
 
 
-def dlq_names(pipeline: Pipeline, stage: str | None) -> list[str]:
-    """The dead-letter streams meant by `stage` (None: all of them); unknown names are refused."""
-    known = [*pipeline.order, DLQ_EVENTS]
+def dlq_names(pipeline: Pipeline | Store | Catalog, stage: str | None) -> list[str]:
+    """The dead-letter streams meant by `stage` (None: all of them: one per stage name of every
+    pipeline a store knows); unknown names are refused."""
+    if isinstance(pipeline, Store):
+        stages = list(pipeline.stage_queues())
+    elif isinstance(pipeline, Catalog):
+        stages = list(dict.fromkeys(st for p in pipeline for st in p.order))
+    else:
+        stages = list(pipeline.order)
+    known = [*stages, DLQ_EVENTS]
     if stage is None:
         return known
     if stage not in known:
@@ -130,7 +139,7 @@ def dlq_names(pipeline: Pipeline, stage: str | None) -> list[str]:
 async def dlq_entries(store: Store, stage: str | None, limit: int) -> list[dict[str, Any]]:
     """Dead letters, newest first per stream (of one stage, or of all, up to `limit` in total)."""
     rows: list[dict[str, Any]] = []
-    for name in dlq_names(store.pipeline, stage):
+    for name in dlq_names(store, stage):
         for key in _dlq_keys(store, name):
             for eid, fields in await store.client.xrevrange(key, count=limit):
                 rows.append({"stream": key, "dlq": name, "entry": s(eid), "at": (entry_ms(eid) or 0) / 1000,
@@ -147,7 +156,7 @@ def _dlq_keys(store: Store, name: str) -> list[str]:
 async def dlq_replay(store: Store, stage: str | None, entry: str | None) -> list[dict[str, str]]:
     """Resubmit the workflows of dead letters as new workflows and drop the replayed entries."""
     out = []
-    for name, key in ((n, k) for n in dlq_names(store.pipeline, stage) for k in _dlq_keys(store, n)):
+    for name, key in ((n, k) for n in dlq_names(store, stage) for k in _dlq_keys(store, n)):
         entries = await store.client.xrange(key, entry, entry) if entry else await store.client.xrange(key, count=1000)
         for eid, fields in entries:
             row = {"dlq": name, "entry": s(eid), "wf": s(fields.get(b"wf"))}
@@ -156,7 +165,7 @@ async def dlq_replay(store: Store, stage: str | None, entry: str | None) -> list
             else:
                 try:
                     row["new_id"] = await retry_workflow(store, row["wf"])
-                except (WorkflowNotFound, InvalidRequest) as exc:
+                except (WorkflowNotFound, InvalidRequest, UnknownPipeline) as exc:
                     row["skipped"] = str(exc)
             if "new_id" in row:
                 await store.client.xdel(key, eid)
@@ -168,7 +177,7 @@ async def dlq_replay(store: Store, stage: str | None, entry: str | None) -> list
 async def dlq_count(store: Store, stage: str | None, entry: str | None) -> int:
     """How many dead letters `dlq_drop` would delete."""
     pipe = store.client.pipeline(transaction=False)
-    for key in (k for name in dlq_names(store.pipeline, stage) for k in _dlq_keys(store, name)):
+    for key in (k for name in dlq_names(store, stage) for k in _dlq_keys(store, name)):
         if entry:
             pipe.xrange(key, entry, entry)
         else:
@@ -180,7 +189,7 @@ async def dlq_count(store: Store, stage: str | None, entry: str | None) -> int:
 async def dlq_drop(store: Store, stage: str | None, entry: str | None) -> int:
     """Delete dead letters (one entry, one stage's, or all); returns how many."""
     n = 0
-    for key in (k for name in dlq_names(store.pipeline, stage) for k in _dlq_keys(store, name)):
+    for key in (k for name in dlq_names(store, stage) for k in _dlq_keys(store, name)):
         if entry:
             n += await store.client.xdel(key, entry)
         else:

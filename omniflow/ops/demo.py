@@ -56,7 +56,10 @@ async def ask(question: str, redis_url: str) -> dict[str, object]:
     """Submit, print the answer as it streams, time first text and first audio, save the WAV."""
     from omniflow.client import AsyncClient
 
-    async with AsyncClient(redis_url) as client:
+    from omniflow.pipeline import load_pipeline
+
+    # the pipeline `up` serves: a client submits on the version it names (a workflow finishes on it)
+    async with AsyncClient(redis_url, pipeline=load_pipeline(PIPELINE)) as client:
         started = time.monotonic()
         wf_id = await client.submit(question, modalities=["text", "audio"])
         first_text = first_audio = None

@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from omniflow.storage import registry
 from omniflow.storage.keys import DLQ_EVENTS, TASK_GROUP
 from omniflow.storage.redisio import translated
 from omniflow.client.store import Store
@@ -153,14 +154,19 @@ class Queues:
 @translated
 async def read_queues(store: Store) -> Queues:
     """Every cell's task streams, dead letters and sets, in one round trip."""
-    redis, keys, order = store.client, store.keys, store.pipeline.order
+    redis, keys = store.client, store.keys
+    by_stage = store.stage_queues()         # a stage of several pipelines (versions): the sum of its queues
+    order = [(name, queue) for name, queues in by_stage.items() for queue in queues]
     pipe = redis.pipeline(transaction=False)
     for cell in keys.all_cells:
-        for name in order:
-            pipe.xlen(keys.tasks(name, cell))
-            pipe.xinfo_groups(keys.tasks(name, cell))
-            pipe.xpending(keys.tasks(name, cell), TASK_GROUP)
-            pipe.xlen(keys.dlq(name, cell))
+        for name, queue in order:
+            pipe.xlen(keys.tasks(queue, cell))
+            pipe.xinfo_groups(keys.tasks(queue, cell))
+            pipe.xpending(keys.tasks(queue, cell), TASK_GROUP)
+            if queue == by_stage[name][0]:      # dead letters are per stage name: counted once
+                pipe.xlen(keys.dlq(name, cell))
+            else:
+                pipe.echo("0")
         pipe.xlen(keys.dlq(DLQ_EVENTS, cell))
         pipe.zcard(keys.inflight(cell))
         pipe.zcard(keys.retries(cell))
@@ -170,8 +176,8 @@ async def read_queues(store: Store) -> Queues:
     width = 4 * len(order) + 5
     per_cell = [replies[width * i: width * (i + 1)] for i in keys.all_cells]
     stages: dict[str, list[StageQueue]] = {}
-    for i, name in enumerate(order):
-        stages[name] = []
+    for i, (name, _queue) in enumerate(order):
+        stages.setdefault(name, [])
         for row in per_cell:
             length, groups, pending, dlq = row[4 * i: 4 * i + 4]
             group: dict[Any, Any] = next(
@@ -194,17 +200,21 @@ async def counters(store: Store) -> dict[str, int]:
 @translated
 async def oldest_queued_ms(store: Store, queues: Queues) -> dict[str, int | None]:
     """Per stage, the creation ms of the oldest task no worker has read yet (over the cells; None: none)."""
-    keys, order = store.keys, store.pipeline.order
+    keys = store.keys
+    order = [(name, queue) for name, queues in store.stage_queues().items() for queue in queues]
+    rows = {name: iter(queues.stages[name]) for name, _q in order}
     pipe = store.client.pipeline(transaction=False)
-    for name in order:
-        for cell, queue in zip(keys.all_cells, queues.stages[name]):
-            pipe.xrange(keys.tasks(name, cell), f"({s(queue.group.get('last-delivered-id')) or '0-0'}", "+",
+    for name, queue in order:
+        # read_queues lists a stage's rows queue by queue, each queue cell by cell
+        for cell, row in zip(keys.all_cells, [next(rows[name]) for _ in keys.all_cells]):
+            pipe.xrange(keys.tasks(queue, cell), f"({s(row.group.get('last-delivered-id')) or '0-0'}", "+",
                         count=1)
     firsts = await pipe.execute(raise_on_error=False)
     out: dict[str, int | None] = {}
-    for i, name in enumerate(order):
+    for i, (name, _queue) in enumerate(order):
         found = [entry_ms(f[0][0]) for f in firsts[i * keys.cells:(i + 1) * keys.cells] if isinstance(f, list) and f]
-        out[name] = min((x for x in found if x), default=None)
+        earlier = out.get(name)
+        out[name] = min([x for x in found if x] + ([earlier] if earlier else []), default=None)
     return out
 
 
@@ -231,7 +241,7 @@ async def stuck(store: Store) -> dict[str, Any]:
 @translated
 async def collect_stats(store: Store) -> dict[str, Any]:
     """The pools snapshot (`omniflow stats`, `GET /v1/admin/pools`, the dashboard)."""
-    keys, order = store.keys, store.pipeline.order
+    keys, order = store.keys, list(store.stage_queues())
     workers = await list_workers(store)
     now = now_ms()
     # every figure is over the cells: each has its own task streams, sets and dead letters
@@ -273,6 +283,7 @@ async def collect_stats(store: Store) -> dict[str, Any]:
         "workflows": await store.state_counts(),
         "stages": stages,
         "workers": workers,
+        "pipelines": await registry.snapshot(store.client, keys),
     }
 
 

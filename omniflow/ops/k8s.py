@@ -114,16 +114,18 @@ def worker_pdb(stage: str) -> dict[str, Any]:
 
 
 def scaled_object(stage: str, *, max_sessions: int, keys: Keys, cluster: bool = False,
-                  max_replicas: int = DEFAULT_MAX_REPLICAS) -> dict[str, Any]:
+                  max_replicas: int = DEFAULT_MAX_REPLICAS, queue: str | None = None) -> dict[str, Any]:
     """The KEDA ScaledObject of a stage's pool. Each cell has its own task stream: two triggers per
     cell (`pending_c<N>`, `lag_c<N>`), added up by the formula. On a cluster the scaler type is
     `redis-cluster-streams` and reads the node list from `REDIS_ADDRESSES`."""
     triggers: list[dict[str, Any]] = []
     for cell in keys.all_cells:
         if cluster:
-            base = {"addressesFromEnv": "REDIS_ADDRESSES", "stream": keys.tasks(stage, cell), "consumerGroup": TASK_GROUP}
+            base = {"addressesFromEnv": "REDIS_ADDRESSES", "stream": keys.tasks(queue or stage, cell),
+                    "consumerGroup": TASK_GROUP}
         else:
-            base = {"addressFromEnv": "REDIS_ADDRESS", "stream": keys.tasks(stage, cell), "consumerGroup": TASK_GROUP}
+            base = {"addressFromEnv": "REDIS_ADDRESS", "stream": keys.tasks(queue or stage, cell),
+                    "consumerGroup": TASK_GROUP}
         kind = "redis-cluster-streams" if cluster else "redis-streams"
         triggers += [
             {"type": kind, "name": f"pending_c{cell}", "metadata": {**base, "pendingEntriesCount": str(max_sessions)}},
@@ -155,7 +157,8 @@ def worker_manifests(pipeline: Pipeline) -> list[dict[str, Any]]:
 def scaled_objects(pipeline: Pipeline, *, prefix: str, cells: int = 1, cluster: bool = False) -> list[dict[str, Any]]:
     """The ScaledObject of every pool, for a deployment with `cells` cells."""
     keys = Keys(prefix, cells)
-    return [scaled_object(stage, max_sessions=pipeline.stages[stage].max_sessions, keys=keys, cluster=cluster)
+    return [scaled_object(stage, max_sessions=pipeline.stages[stage].max_sessions, keys=keys, cluster=cluster,
+                          queue=pipeline.queue(stage))
             for stage in pipeline.order]
 
 

@@ -130,6 +130,8 @@ class Supervisor:
     port: int = 8000
     fsync: str = "everysec"
     colocate: bool = False       # one worker process per replica serving every stage (one small box)
+    # more pipelines served beside `pipeline` (`--pipeline a.yaml --pipeline b.yaml`): (pipeline, its YAML)
+    more: tuple[tuple[Pipeline, Path], ...] = ()
     children: list[Child] = field(default_factory=list)
     server: EmbeddedServer | None = None
     _stop: bool = False
@@ -165,16 +167,30 @@ class Supervisor:
         progress.done()
         return True
 
+    @property
+    def pipelines(self) -> list[Pipeline]:
+        return [self.pipeline, *(p for p, _ in self.more)]
+
+    def pipeline_env(self) -> str:
+        """`OMNIFLOW_PIPELINE` for the children: every YAML, the default first."""
+        return ",".join(str(path.resolve()) for path in [self.pipeline_path, *(p for _, p in self.more)])
+
     def plan_children(self) -> list[Child]:
         exe = [sys.executable, "-m", "omniflow.cli"]
         children = [Child("reconciler", [*exe, "reconciler"]), Child("jobs", [*exe, "jobs"])]
+        specs = [(st, p.stages[st]) for p in self.pipelines for st in p.order]
         if self.colocate:
             # the widest stage sets how many: each process serves every stage (DESIGN §1: a stage is not a GPU)
-            for i in range(max(spec.replicas for spec in self.pipeline.stages.values())):
+            for i in range(max(spec.replicas for _st, spec in specs)):
                 children.append(Child(f"worker:all:{i}", [*exe, "worker", "--stage", "all"]))
         else:
-            for stage in self.pipeline.order:
-                for i in range(self.pipeline.stages[stage].replicas):
+            # one pool of processes per stage name: `--stage talker` serves the talker of every pipeline
+            # given, and the identical ones (one pool key) with one executor (docs/architecture.md)
+            replicas: dict[str, int] = {}
+            for stage, spec in specs:
+                replicas[stage] = max(replicas.get(stage, 0), spec.replicas)
+            for stage, count in replicas.items():
+                for i in range(count):
                     children.append(Child(f"worker:{stage}:{i}", [*exe, "worker", "--stage", stage]))
         if self.api:
             children.append(Child("api", [*exe, "api", "--host", self.host, "--port", str(self.port)]))
@@ -192,7 +208,7 @@ class Supervisor:
                 return 0
             self._lock.note(f"pid {os.getpid()}, Redis {url}")
             env = {**os.environ, "OMNIFLOW_REDIS_URL": url,
-                   "OMNIFLOW_PIPELINE": str(self.pipeline_path.resolve()), "OMNIFLOW_PREFIX": self.settings.prefix}
+                   "OMNIFLOW_PIPELINE": self.pipeline_env(), "OMNIFLOW_PREFIX": self.settings.prefix}
             self.children = self.plan_children()
             if self.api and _answers(self.host, self.port):
                 raise ConfigError(f"--port: {self.host}:{self.port} is already taken by another process")
@@ -202,7 +218,9 @@ class Supervisor:
             if self._stop:
                 return 0
             where = f"API on http://{self.host}:{self.port}" if self.api else "no API"
-            print(f"omniflow is up: pipeline {self.pipeline.name}, Redis {url}, {where}. Ctrl-C stops it.",
+            names = ", ".join(p.name for p in self.pipelines)
+            print(f"omniflow is up: pipeline{'s' if self.more else ''} {names}, Redis {url}, {where}. "
+                  "Ctrl-C stops it.",
                   flush=True)
             while not self._stop:
                 time.sleep(POLL_S)

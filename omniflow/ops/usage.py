@@ -85,7 +85,7 @@ async def read_usage(store: Store, *, tenant: str | None = None, pipeline: str |
     if skipped:
         logger.warning("usage: %d field(s) that are not usage counters skipped", skipped)
     check_filter("tenant", tenant, {*tenants, *(await known_tenants(store)), *(k[0] for k in counts)})
-    check_filter("pipeline", pipeline, {*pipelines, store.pipeline.name, *(k[1] for k in counts)})
+    check_filter("pipeline", pipeline, {*pipelines, *store.catalog.names, *(k[1] for k in counts)})
     rows = [{"tenant": who, "pipeline": pipe_name, "stage": stage, **_served(metrics)}
             for (who, pipe_name, stage), metrics in sorted(counts.items())
             if (tenant is None or who == tenant) and (pipeline is None or pipe_name == pipeline)]

@@ -330,6 +330,10 @@ class Pipeline:
         self._pipe.hmget(*args, **kwargs)
         return self
 
+    def echo(self, *args: Any, **kwargs: Any) -> Pipeline:
+        self._pipe.echo(*args, **kwargs)
+        return self
+
     def hset(self, *args: Any, **kwargs: Any) -> Pipeline:
         self._pipe.hset(*args, **kwargs)
         return self
@@ -618,6 +622,12 @@ class RedisClient:
 
     async def hdel(self, key: KeyT, *fields: KeyT) -> int:
         return int(await self._do("hdel", key, *fields))
+
+    async def hsetnx(self, key: KeyT, field: KeyT, value: Any) -> bool:
+        return bool(await self._do("hsetnx", key, field, value))
+
+    async def hexists(self, key: KeyT, field: KeyT) -> bool:
+        return bool(await self._do("hexists", key, field))
 
     async def hincrby(self, key: KeyT, field: KeyT, amount: int = 1) -> int:
         return int(await self._do("hincrby", key, field, amount))

@@ -9,11 +9,13 @@ and crash-looped every reconciler).
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Collection
 from dataclasses import dataclass
 from enum import Enum
 
 from omniflow.errors import MalformedEntry
+from omniflow.pipeline import STAGE_NAME_PATTERN
 
 MAX_ATTEMPT = 10_000          # RetryPolicy.max_attempts is at most 100; restarts of upstream stages add some
 MAX_ID_CHARS = 256
@@ -70,7 +72,7 @@ def one_of(value: str, allowed: Collection[str], what: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Task:
-    """An entry of `<p>:stage:<s>:tasks`: a session to run."""
+    """An entry of `<p>:stage:<s>@<version>:tasks`: a session to run."""
 
     wf_id: str
     stage: str
@@ -87,6 +89,13 @@ def task(fields: Fields | None, *, stage: str) -> Task:
     return Task(wf_id=text(fields, b"wf"), stage=stage, attempt=integer(fields, b"a", low=1, high=MAX_ATTEMPT))
 
 
+def stage_name(value: str) -> str:
+    """A well-formed stage name (`MalformedEntry` otherwise)."""
+    if not re.match(STAGE_NAME_PATTERN, value):
+        raise MalformedEntry(f"stage {value[:40]!r} is not a stage name")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class Event:
     """An entry of `<p>:events`: a stage report the reconciler applies."""
@@ -98,21 +107,24 @@ class Event:
     detail: str
     retryable: bool
     task_entry: str               # 'lost' only: the task entry to acknowledge
+    version: str = ""             # the workflow's pipeline version ('': not said, the default pipeline)
 
 
-def event(fields: Fields | None, *, stages: Collection[str]) -> Event:
-    """An event entry; `stages` are the pipeline's stage names."""
+def event(fields: Fields | None, *, stages: Collection[str] | None = None) -> Event:
+    """An event entry; `stages`: the stage names it may name (None: any well-formed name; the
+    reconciler checks it against the stages of the event's pipeline version)."""
     if not fields:
         raise MalformedEntry("empty event entry")
     kind = EventKind(one_of(text(fields, b"t"), [k.value for k in EventKind], "event type"))
     return Event(
         kind=kind,
         wf_id=text(fields, b"wf"),
-        stage=one_of(text(fields, b"s"), stages, "stage"),
+        stage=one_of(text(fields, b"s"), stages, "stage") if stages is not None else stage_name(text(fields, b"s")),
         attempt=integer(fields, b"a", low=1, high=MAX_ATTEMPT),
         detail=text(fields, b"d", max_chars=MAX_DETAIL_BYTES, required=False),
         retryable=text(fields, b"r", max_chars=1, required=False) == "1",
         task_entry=text(fields, b"e", max_chars=64, required=False),
+        version=text(fields, b"p", max_chars=64, required=False),
     )
 
 
@@ -153,13 +165,16 @@ def notification(fields: Fields | None) -> Notification:
     return Notification(wf_id=text(fields, b"wf"), state=state)
 
 
-def retry_member(member: str, *, stages: Collection[str]) -> tuple[str, str, int]:
+def retry_member(member: str, *, stages: Collection[str] | None = None) -> tuple[str, str, int]:
     """A member of `<p>:retries` (`<id>|<stage>|<attempt>`)."""
     parts = member.rsplit("|", 2)
     if len(parts) != 3 or not parts[0] or len(parts[0]) > MAX_ID_CHARS:
         raise MalformedEntry(f"retry member {member[:80]!r} is not '<id>|<stage>|<attempt>'")
     wf_id, stage, raw = parts
-    one_of(stage, stages, "stage")
+    if stages is None:
+        stage_name(stage)
+    else:
+        one_of(stage, stages, "stage")
     try:
         attempt = int(raw)
     except ValueError as exc:

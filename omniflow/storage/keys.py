@@ -41,6 +41,12 @@ class FinalizePlan:
     edges: tuple[tuple[str, str], ...]
 
 
+def stage_queue(stage: str, version: str) -> str:
+    """The task queue of `stage` in the pipeline version `version` (`Keys.tasks` takes it): `<stage>@<version>`;
+    the stage's own name for a record of no version (written before versions)."""
+    return f"{stage}@{version}" if version else stage
+
+
 def finalize_plan(pipeline: Pipeline) -> FinalizePlan:
     return FinalizePlan(tuple(pipeline.finals),
                         tuple((e.src, e.dst) for st in pipeline.order for e in pipeline.outputs[st]))
@@ -147,7 +153,9 @@ class Keys:
 
     # --- one cell -------------------------------------------------------------
     def tasks(self, stage: str, cell: int) -> str:
-        """A stage's task stream in one cell (consumer group `workers`)."""
+        """A task stream in one cell (consumer group `workers`): `stage` is a stage's queue in one
+        pipeline version, `Pipeline.queue(stage)` = `<stage>@<version>` (a bare stage name is what a
+        record without a version uses)."""
         return f"{self.cell(cell)}:stage:{stage}:tasks"
 
     def dlq(self, stage: str, cell: int) -> str:
@@ -218,6 +226,18 @@ class Keys:
         """zset of the workers still loading their models (no lease yet), scored by the expiry (ms) of
         their announcement; '@' is in no worker id, so no worker's info hash can take this name."""
         return f"{self.prefix}:{{workers}}:@loading"
+
+    @property
+    def pipelines(self) -> str:
+        """hash of the pipeline registry: name -> the version (content hash) new workflows of it get
+        (`omniflow.storage.registry`)."""
+        return f"{self.prefix}:{{pipelines}}"
+
+    @property
+    def pipeline_defs(self) -> str:
+        """hash: version -> the canonical definition of that pipeline version (JSON), and when it was
+        first registered; never overwritten, so a workflow can always find the version it started on."""
+        return f"{self.prefix}:{{pipelines}}:defs"
 
     @property
     def layout(self) -> str:

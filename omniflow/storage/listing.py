@@ -38,7 +38,8 @@ from omniflow.storage.transitions.listing import list_scan, list_scan_result
 DEFAULT_MAX_SCAN = 100_000     # records one query may read to fill a page (then: next_offset)
 SCAN_STEP = 2_000              # records one list_scan.lua call reads (bounds how long it holds the server)
 FIELDS = (RecordField.STATE, RecordField.TENANT, RecordField.CREATED_MS, RecordField.FINISHED_MS, RecordField.FINALS,
-          RecordField.STAGES, RecordField.ERROR, RecordField.ERROR_STAGE, RecordField.REQUEST_ID)
+          RecordField.STAGES, RecordField.ERROR, RecordField.ERROR_STAGE, RecordField.REQUEST_ID, RecordField.PIPELINE,
+          RecordField.PIPELINE_HASH)
 STATES = tuple(x.value for x in WorkflowState)
 
 
@@ -67,7 +68,8 @@ def summary(wf_id: str, values: list[Any]) -> dict[str, Any]:
     return {"id": wf_id, "state": rec.state, "tenant": rec.tenant or None, "created_at": rec.created_ms / 1000,
             "finished_at": rec.finished_ms / 1000 if rec.finished_ms else None, "final_stages": rec.finals,
             "stages": rec.stages, "error": rec.error or None, "error_stage": rec.error_stage or None,
-            "request_id": rec.request_id or None}
+            "request_id": rec.request_id or None, "pipeline": rec.pipeline or None,
+            "pipeline_version": rec.pipeline_version or None}
 
 
 def _candidates(keys: Keys, flt: ListFilter, cell: int) -> list[str]:

@@ -145,6 +145,7 @@ class RecordField:
     PARAMS = "params"
     WEBHOOK = "webhook"
     PIPELINE = "pipeline"
+    PIPELINE_HASH = "pipeline_hash"   # the version of the pipeline it runs on (its content hash)
     STAGES = "stages"           # csv: the plan's stages
     FINALS = "finals"           # csv: its final stages
     KINDS = "kinds"             # csv of `<final stage>=<text|audio>`
@@ -168,6 +169,7 @@ class WorkflowRecord:
     params: str                 # the stages' params, JSON
     webhook: str
     pipeline: str
+    pipeline_version: str       # its content hash (`Pipeline.digest`); '' for a record of before versions
     stages: list[str]
     finals: list[str]
     kinds: dict[str, str]       # final stage -> `text` or `audio`
@@ -185,7 +187,8 @@ class WorkflowRecord:
             id=g(RecordField.ID) or wf_id, state=g(RecordField.STATE) or "", tenant=g(RecordField.TENANT) or "",
             request_id=g(RecordField.REQUEST_ID) or "", input=g(RecordField.INPUT) or "",
             params=g(RecordField.PARAMS) or "", webhook=g(RecordField.WEBHOOK) or "",
-            pipeline=g(RecordField.PIPELINE) or "", stages=csv(g(RecordField.STAGES)),
+            pipeline=g(RecordField.PIPELINE) or "", pipeline_version=g(RecordField.PIPELINE_HASH) or "",
+            stages=csv(g(RecordField.STAGES)),
             finals=csv(g(RecordField.FINALS)),
             kinds=dict(x.split("=", 1) for x in csv(g(RecordField.KINDS))),
             created_ms=_int(g(RecordField.CREATED_MS)),

@@ -534,7 +534,7 @@ class ChaosRun:
 
     async def _pending_counts(self, redis: Redis) -> dict[str, int]:
         out = {}
-        streams = [(self.keys.tasks(st, c), TASK_GROUP) for st in STAGES for c in self.keys.all_cells] + \
+        streams = [(self.keys.tasks(self.cluster.pipeline.queue(st), c), TASK_GROUP) for st in STAGES for c in self.keys.all_cells] + \
             [(self.keys.events(c), EVENT_GROUP) for c in self.keys.all_cells]
         for stream, group in streams:
             try:
@@ -640,7 +640,7 @@ class ChaosRun:
         left: dict[str, Any] = dict(await self._pending_counts(redis))
         for c in self.keys.all_cells:
             for st in STAGES:
-                if n := await redis.xlen(self.keys.tasks(st, c)):
+                if n := await redis.xlen(self.keys.tasks(self.cluster.pipeline.queue(st), c)):
                     left[f"XLEN tasks:{st} cell {c}"] = n
             if n := await redis.xlen(self.keys.events(c)):
                 left[f"XLEN events cell {c}"] = n

@@ -218,7 +218,7 @@ async def _pending_owned(url: str, run: ChaosRun, consumers: list[str]) -> dict[
     try:
         owned: dict[str, int] = {}
         for stage, cell in ((st, c) for st in ("thinker", "talker", "code2wav") for c in run.keys.all_cells):
-            for info in await redis.xinfo_consumers(run.keys.tasks(stage, cell), "workers"):
+            for info in await redis.xinfo_consumers(run.keys.tasks(run.cluster.pipeline.queue(stage), cell), "workers"):
                 name = s(info["name"])
                 if name in consumers and info["pending"]:
                     owned[f"{stage}/{name}"] = info["pending"]

@@ -145,7 +145,7 @@ class FaultRun:
             await admin.replicaof("NO", "ONE")
         elif fault == "busy":
             await admin.config_set("busy-reply-threshold", 50)
-            runner = connect(self.server.url)
+            runner = Redis.from_url(self.server.url)     # raw redis-py: a script of its own (EVAL)
             try:
                 await runner.eval(BUSY_SCRIPT, 0, hold_ms)
             finally:
@@ -170,7 +170,7 @@ class FaultRun:
         """Make the server a replica of the spare, which first copies everything it holds (writes are
         paused until the spare has caught up: nothing acknowledged is lost). Returns when the
         server started refusing writes."""
-        spare = connect(self.spare.url)
+        spare = Redis.from_url(self.spare.url)          # raw redis-py: REPLICAOF is an admin command
         try:
             await admin.config_set("repl-diskless-sync-delay", 0)
             await spare.replicaof("127.0.0.1", self.server.port)
@@ -189,8 +189,8 @@ class FaultRun:
     async def _poison(self, admin: Redis) -> None:
         k = self.keys
         for stage in STAGES:
-            await admin.xadd(k.tasks(stage, 0), {"garbage": "yes"})
-            await admin.xadd(k.tasks(stage, 0), {"wf": "ghost", "s": stage, "a": str(2 ** 70)})
+            await admin.xadd(k.tasks(self.cluster.pipeline.queue(stage), 0), {"garbage": "yes"})
+            await admin.xadd(k.tasks(self.cluster.pipeline.queue(stage), 0), {"wf": "ghost", "s": stage, "a": str(2 ** 70)})
             self.poison_sent[f"dlq:{stage}"] += 2
         await admin.xadd(k.events(0), {"t": "failed", "wf": "ghost", "s": "thinker", "a": str(2 ** 1100)})
         await admin.xadd(k.events(0), {"t": "exploded", "wf": "ghost", "s": "thinker", "a": "1"})
@@ -203,9 +203,12 @@ class FaultRun:
         await admin.xadd(k.inbox(worker, 0), {"wf": "ghost", "da": "x", "m": b"\xc1"})
         self.poison_sent["dlq:inbox"] += 1
         # one workflow's edge log (and the inbox copy its bound consumer reads): a malformed chunk
-        store = Store(admin, self.cluster.settings, self.cluster.pipeline)
-        sub = await store.submit(SubmitRequest(input=WorkflowInput(text=POISON_PROMPT),
-                                               stage_params={"thinker": {"token_delay_s": 0.3}}))
+        poisoner = connect(self.server.url)
+        try:
+            sub = await Store(poisoner, self.cluster.settings, self.cluster.pipeline).submit(
+                SubmitRequest(input=WorkflowInput(text=POISON_PROMPT), stage_params={"thinker": {"token_delay_s": 0.3}}))
+        finally:
+            await poisoner.aclose()
         self.poisoned_wf = sub.id
         sk = k.stages(sub.id)
 
@@ -223,7 +226,7 @@ class FaultRun:
     # ------------------------------------------------------------ run
     async def run(self, faults: tuple[str, ...] = FAULTS) -> FaultReport:
         t0 = time.monotonic()
-        admin = connect(self.server.url, socket_timeout=30)
+        admin = Redis.from_url(self.server.url, socket_timeout=30)      # raw redis-py: admin commands (REPLICAOF, CLIENT PAUSE)
         client = connect(self.server.url, socket_timeout=10)
         store = Store(client, self.cluster.settings, self.cluster.pipeline)
         load = asyncio.create_task(self.submit_steadily(store))
@@ -349,7 +352,7 @@ class FaultRun:
 
     async def _leftovers(self, admin: Redis) -> dict[str, Any]:
         k, left = self.keys, {}
-        for stream, group in [(k.tasks(st, 0), TASK_GROUP) for st in STAGES] + [(k.events(0), EVENT_GROUP),
+        for stream, group in [(k.tasks(self.cluster.pipeline.queue(st), 0), TASK_GROUP) for st in STAGES] + [(k.events(0), EVENT_GROUP),
                                                                                 (k.notify(0), NOTIFY_GROUP)]:
             try:
                 if (n := (await admin.xpending(stream, group))["pending"]):

@@ -71,7 +71,7 @@ async def _claimed_thinker(eng: Any, text: str) -> tuple[Any, bytes]:
     """A text-only workflow whose thinker task consumer `w1` has read and claimed by hand (claim.lua,
     attempt 1): the workflow and the task's entry id."""
     sub = await eng.store.submit(request(text, modalities=["text"]))
-    tasks = eng.store.keys.tasks("thinker", 0)
+    tasks = eng.store.tasks_key("thinker", 0)
     await redisio.ensure_group(eng.redis, tasks, TASK_GROUP)
     entry_id, _ = (await eng.redis.xreadgroup(TASK_GROUP, "w1", {tasks: ">"}, count=1))[0][1][0]
     await redisio.script(eng.redis, "claim", claim_keys(eng, tasks, sub.id),
@@ -139,7 +139,7 @@ async def test_finding3_a_refused_close_never_leaks_the_task_on_a_live_worker(en
         assert doc["state"] == "completed"
         assert doc["outputs"]["thinker"]["text"] == expected_text("close me")
         for stage in eng.pipeline.order:
-            assert (await eng.redis.xpending(eng.store.keys.tasks(stage, 0), TASK_GROUP))["pending"] == 0
+            assert (await eng.redis.xpending(eng.store.tasks_key(stage, 0), TASK_GROUP))["pending"] == 0
 
 
 def _response_error(message: str) -> Exception:
@@ -198,17 +198,17 @@ async def test_finding6_restart_requeues_a_downstream_stage_that_already_finishe
         await eng.redis.hset(wf, mapping={"state": "running", "finished": "talker"})
         await eng.redis.hset(sk, mapping={"thinker": "running", "thinker:attempt": 2, "talker": "done",
                                           "code2wav": "waiting_input"})
-        before = await eng.redis.xlen(eng.store.keys.tasks("talker", 0))
+        before = await eng.redis.xlen(eng.store.tasks_key("talker", 0))
         keys = [wf, sk, f"{wf}:log", f"{wf}:edge:thinker:talker", f"{wf}:edge:talker:code2wav",
                 *(f"{wf}:out:{st}" for st in ("thinker", "talker", "code2wav")),
-                eng.store.keys.tasks("talker", 0), eng.store.keys.tasks("code2wav", 0)]
+                eng.store.tasks_key("talker", 0), eng.store.tasks_key("code2wav", 0)]
         reply = await redisio.script(eng.redis, "restart", keys, [eng.settings.prefix, "thinker", 2, now_ms(),
                                                                   "talker,code2wav", "thinker:talker,talker:code2wav"])
         assert s(reply) == "ok"
         st = {s(k): s(v) for k, v in (await eng.redis.hgetall(sk)).items()}
         assert st["talker"] == "pending" and st["talker:attempt"] == "2"
         assert st["code2wav"] == "pending" and st["code2wav:attempt"] == "2"
-        assert await eng.redis.xlen(eng.store.keys.tasks("talker", 0)) == before + 1
+        assert await eng.redis.xlen(eng.store.tasks_key("talker", 0)) == before + 1
         assert s(await eng.redis.hget(wf, "finished")) == ""
 
 
@@ -247,7 +247,7 @@ async def test_finding8_emit_with_a_malformed_step_writes_nothing(engine_factory
 # ---------------------------------------------------------------- finding 9
 async def test_finding9_a_huge_attempt_never_stalls_the_worker(engine_factory) -> None:
     async with engine_factory() as eng:
-        tasks = eng.store.keys.tasks("thinker", 0)
+        tasks = eng.store.tasks_key("thinker", 0)
         await eng.redis.xadd(tasks, {"wf": "ghost", "s": "thinker", "a": str(10 ** 12)})
         await eng.redis.xadd(tasks, {"wf": "ghost", "s": "thinker", "a": "9999"})     # in bounds: claimed, dropped
         dlq = eng.store.keys.dlq("thinker", 0)
@@ -261,7 +261,7 @@ async def test_finding9_a_huge_attempt_never_stalls_the_worker(engine_factory) -
 # ---------------------------------------------------------------- finding 10
 async def test_finding10_dead_letters_are_capped_and_dead_consumers_are_reaped(engine_factory) -> None:
     async with engine_factory(dlq_max_len=10) as eng:
-        tasks, dlq = eng.store.keys.tasks("thinker", 0), eng.store.keys.dlq("thinker", 0)
+        tasks, dlq = eng.store.tasks_key("thinker", 0), eng.store.keys.dlq("thinker", 0)
         for _ in range(300):
             await eng.redis.xadd(tasks, {"garbage": "1"})
         await eventually(lambda: _xlen_is(eng.redis, tasks, 0), timeout_s=20)
@@ -336,5 +336,5 @@ def claim_keys(eng: Any, tasks: str, wf_id: str) -> list[str]:
 def emit_keys(eng: Any, wf_id: str) -> list[str]:
     """KEYS of a thinker's `emit.lua` call, as its session declares them (`Session.emit_keys`)."""
     wf, keys = eng.store.keys.wf(wf_id), eng.store.keys
-    return [wf, keys.tasks("thinker", 0), keys.events(0), f"{wf}:stages", f"{wf}:log", f"{wf}:out:thinker",
+    return [wf, eng.store.tasks_key("thinker", 0), keys.events(0), f"{wf}:stages", f"{wf}:log", f"{wf}:out:thinker",
             f"{wf}:edge:thinker:talker"]

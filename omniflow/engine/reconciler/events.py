@@ -14,7 +14,8 @@ from omniflow.errors import MalformedEntry, RedisError, RedisUnavailable
 from omniflow.runtime import Backoff
 from omniflow.storage import redisio
 from omniflow.storage.entries import EventKind, event
-from omniflow.storage.keys import DLQ_EVENTS, EVENT_GROUP
+from omniflow.pipeline import Pipeline
+from omniflow.storage.keys import DLQ_EVENTS, EVENT_GROUP, finalize_plan
 from omniflow.storage.redisio import ensure_group
 from omniflow.storage.schema import now_ms, s
 from omniflow.storage.transitions import reconcile
@@ -75,37 +76,47 @@ class Events:
                         exc = again
                 await backoff.wait(logger, f"reconciler {ctx.id}: reading events failed", exc)
 
-    def stage_event_keys(self, wf_id: str, stage: str) -> list[str]:
+    def stage_event_keys(self, wf_id: str, stage: str, pipeline: Pipeline | None = None) -> list[str]:
         """KEYS of a `stage_event.lua` call (see its header): all of `wf_id`'s cell."""
-        return reconcile.stage_event_keys(self.ctx.keys, self.ctx.finalize_plan, self.ctx.pipeline.order, wf_id, stage)
+        pipe = pipeline or self.ctx.pipeline
+        plan = self.ctx.finalize_plan if pipe is self.ctx.pipeline else finalize_plan(pipe)
+        return reconcile.stage_event_keys(self.ctx.keys, plan, [pipe.queue(st) for st in pipe.order], wf_id, stage)
 
     def _event_call(self, entry_id: bytes | str, fields: dict[bytes, bytes] | None, now: int,
                     cell: int) -> tuple[Any, ...]:
         """The `stage_event.lua` call of one event entry of `cell`; `MalformedEntry` when it does not
         decode (or names a workflow of another cell)."""
         ctx = self.ctx
-        ev = event(fields, stages=ctx.pipeline.stages)
+        ev = event(fields)
         if ctx.keys.cell_of(ev.wf_id) != cell:
             raise MalformedEntry(f"workflow {ev.wf_id} is not in cell {cell}")
-        retry = ctx.pipeline.stages[ev.stage].retry
+        pipe = ctx.pipeline_of(ev.version)
+        if pipe is None:
+            raise MalformedEntry(f"pipeline version {ev.version!r} is not registered")
+        if ev.stage not in pipe.stages:
+            raise MalformedEntry(f"stage {ev.stage!r} is not a stage of pipeline {pipe.name}@{pipe.digest}")
+        retry = pipe.stages[ev.stage].retry
         due, task = now, ("", "")
         if ev.kind is EventKind.FAILED:   # only a failure waits before its retry
             due += backoff_ms(ev.attempt, base_s=retry.backoff_s, cap_s=retry.backoff_max_s,
                               jitter=retry.jitter, rng=ctx.rng)
         elif ev.kind is EventKind.LOST:   # a live worker lost Redis mid-session: ack its task, retry it at once
-            task = (ctx.keys.tasks(ev.stage, cell), ev.task_entry)
+            task = (ctx.keys.tasks(pipe.queue(ev.stage), cell), ev.task_entry)
         return self.stage_event_call(ev.wf_id, ev.stage, ev.kind.value, ev.attempt, now, ev.detail,
-                                     retryable=ev.retryable, due_ms=due, task=task, event_id=entry_id)
+                                     retryable=ev.retryable, due_ms=due, task=task, event_id=entry_id,
+                                     pipeline=pipe)
 
     def stage_event_call(self, wf_id: str, stage: str, kind: str, attempt: int, now: int, detail: str, *,
                          retryable: bool, due_ms: int, task: tuple[str, bytes | str] = ("", ""),
-                         event_id: bytes | str = "") -> tuple[Any, ...]:
+                         event_id: bytes | str = "", pipeline: Pipeline | None = None) -> tuple[Any, ...]:
         """A `stage_event.lua` call (ARGV: see its header): `task` is the (stream, entry) a `lost`
         session's task is acknowledged in, `event_id` the event entry it applies ('' for a sweep's)."""
         settings = self.ctx.settings
+        pipe = pipeline or self.ctx.pipeline
+        plan = self.ctx.finalize_plan if pipe is self.ctx.pipeline else finalize_plan(pipe)
         return reconcile.stage_event(
-            self.ctx.keys, self.ctx.finalize_plan, self.ctx.pipeline.order, wf_id, stage, kind, attempt, now_ms=now,
-            detail=detail, retryable=retryable, max_attempts=self.ctx.pipeline.stages[stage].retry.max_attempts,
+            self.ctx.keys, plan, [pipe.queue(st) for st in pipe.order], wf_id, stage, kind, attempt, now_ms=now,
+            detail=detail, retryable=retryable, max_attempts=pipe.stages[stage].retry.max_attempts,
             due_ms=due_ms, tombstone_ttl_s=settings.tombstone_ttl_s, result_ttl_s=settings.result_ttl_s,
             dlq_max_len=settings.dlq_max_len, task=task, event_id=event_id)
 
@@ -126,6 +137,13 @@ class Events:
         now = now_ms()
         calls: list[tuple[Any, ...]] = []
         codes: list[str | None] = []
+        unknown = {s(fields.get(b"p", b"")) for _, fields in entries if fields} - set(ctx.catalog.versions)
+        if unknown - {""}:
+            try:
+                await ctx.learn(unknown)
+            except RedisError as exc:
+                logger.warning("reconciler %s: looking up pipeline versions failed: %s", ctx.id, exc)
+                return [PENDING] * len(entries)
         for entry_id, fields in entries:
             if not fields:                 # deleted while pending (an old reconciler's XDEL): just un-pend it
                 calls.append(("XACK", ctx.keys.events(cell), EVENT_GROUP, entry_id))

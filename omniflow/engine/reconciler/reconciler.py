@@ -16,9 +16,10 @@ from omniflow.engine.reconciler.context import ReconcilerContext
 from omniflow.engine.reconciler.events import Events
 from omniflow.engine.reconciler.sweeps import Sweeps
 from omniflow.errors import RedisError
+from omniflow.catalog import Catalog
 from omniflow.pipeline import Pipeline
 from omniflow.runtime import check_eviction_policy, check_layout, forever, when_redis_answers
-from omniflow.storage import redisio
+from omniflow.storage import redisio, registry
 from omniflow.storage.keys import EVENT_GROUP, TASK_GROUP, Keys
 from omniflow.storage.redisio import connect, ensure_group
 from omniflow.storage.transitions.housekeeping import reap_consumer
@@ -30,11 +31,11 @@ logger = logging.getLogger(__name__)
 class Reconciler:
     """One reconciler process (see the package docstring)."""
 
-    def __init__(self, *, settings: Settings, pipeline: Pipeline, redis_url: str,
+    def __init__(self, *, settings: Settings, pipeline: Pipeline | Catalog, redis_url: str,
                  reconciler_id: str | None = None) -> None:
         self.ctx = ctx = ReconcilerContext(settings=settings, pipeline=pipeline, redis_url=redis_url,
                                            reconciler_id=reconciler_id)
-        self.settings, self.pipeline, self.redis_url, self.id = settings, pipeline, redis_url, ctx.id
+        self.settings, self.pipeline, self.redis_url, self.id = settings, ctx.pipeline, redis_url, ctx.id
         self.events = Events(ctx)
         self.sweeps = Sweeps(ctx, self.events)
         self._clients: list[RedisClient] = []
@@ -121,8 +122,11 @@ class Reconciler:
         await redisio.load_scripts(ctx.redis)
         for cell in ctx.keys.all_cells:
             await ensure_group(ctx.redis, ctx.keys.events(cell), EVENT_GROUP)
-            for stage in self.pipeline.order:
-                await ensure_group(ctx.redis, ctx.keys.tasks(stage, cell), TASK_GROUP)
+            for pipe in ctx.catalog:
+                for stage in pipe.order:
+                    await ensure_group(ctx.redis, ctx.keys.tasks(pipe.queue(stage), cell), TASK_GROUP)
+        for pipe in ctx.catalog:
+            await registry.register(ctx.redis, ctx.keys, pipe)
 
     async def _leave(self) -> None:
         """Delete our consumer from the event group if it holds nothing (a crashed reconciler's
@@ -135,7 +139,7 @@ class Reconciler:
             logger.warning("reconciler %s: could not leave the event group: %s", self.id, exc)
 
 
-def run_reconciler(settings: Settings, pipeline: Pipeline, redis_url: str) -> None:
+def run_reconciler(settings: Settings, pipeline: Pipeline | Catalog, redis_url: str) -> None:
     from omniflow.engine.health import with_health
     from omniflow.runtime import run_until_signal
 

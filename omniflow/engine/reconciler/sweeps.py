@@ -14,11 +14,12 @@ from omniflow.engine.reconciler.context import ReconcilerContext
 from omniflow.engine.reconciler.events import EVENT_BATCH, Events
 from omniflow.errors import MalformedEntry, RedisError, ScriptError
 from omniflow.models import WorkflowState
-from omniflow.storage import listing, redisio
+from omniflow.storage import listing, redisio, registry
 from omniflow.storage.entries import EventKind, retry_member
 from omniflow.storage.entries import task as task_entry
 from omniflow.storage.keys import EVENT_GROUP, TASK_GROUP
-from omniflow.storage.schema import csv, now_ms, s
+from omniflow.storage.keys import stage_queue
+from omniflow.storage.schema import RecordField, csv, now_ms, s
 from omniflow.storage.transitions import admission, housekeeping, reconcile
 from omniflow.storage.transitions.admission import AbortResult
 from omniflow.storage.topology import is_cluster
@@ -106,8 +107,13 @@ class Sweeps:
         dead = [s(w) for w in await self.ctx.redis.zrangebyscore(self.ctx.keys.workers, "-inf", now_ms(), start=0, num=50)]
         requeued = 0
         for worker_id in dead:
-            served = csv(s(await self.ctx.redis.hget(self.ctx.keys.worker_info(worker_id), "stage")))
-            stages = [x for x in served if x in self.ctx.pipeline.stages] or list(self.ctx.pipeline.order)
+            raw_queues, raw_stages = await self.ctx.redis.hmget(self.ctx.keys.worker_info(worker_id), "queues", "stage")
+            # the queues it claimed from (`<stage>@<version>`); a worker that published none: the
+            # default pipeline's queues of the stages it named (or of every stage)
+            stages = [q for q in csv(s(raw_queues)) if "@" in q] or [
+                self.ctx.pipeline.queue(x) for x in (
+                    [x for x in csv(s(raw_stages)) if x in self.ctx.pipeline.stages] or self.ctx.pipeline.order)]
+            await self.ctx.learn({q.partition("@")[2] for q in stages})
             left = mine = 0
             for name in stages:
                 for cell in self.ctx.keys.all_cells:
@@ -159,8 +165,10 @@ class Sweeps:
         await pipe.execute(raise_on_error=False)
         return len(lapsed)
 
-    async def _requeue_pending(self, stage: str, cell: int, worker_id: str) -> tuple[int, int]:
-        stream = self.ctx.keys.tasks(stage, cell)
+    async def _requeue_pending(self, queue: str, cell: int, worker_id: str) -> tuple[int, int]:
+        stream = self.ctx.keys.tasks(queue, cell)
+        stage, _, version = queue.partition("@")
+        pipeline = self.ctx.pipeline_of(version) or self.ctx.pipeline
         try:
             with redisio.boundary():
                 pending = await self.ctx.redis.xpending_range(stream, TASK_GROUP, min="-", max="+", count=SWEEP_BATCH,
@@ -193,9 +201,11 @@ class Sweeps:
                                                    f"task of workflow {task.wf_id} in cell {cell}",
                                                    max_len=self.ctx.settings.dlq_max_len))
                 continue
+            if stage not in pipeline.stages:     # a version no longer known anywhere: leave it pending
+                continue
             calls.append(self.events.stage_event_call(task.wf_id, stage, EventKind.LOST.value, task.attempt, now,
                                                 f"worker {worker_id} stopped heartbeating", retryable=True,
-                                                due_ms=now, task=(stream, entry_id)))
+                                                due_ms=now, task=(stream, entry_id), pipeline=pipeline))
         results = await self._run_scripts(calls)
         failed = sum(isinstance(r, Exception) for r in results)
         # entries whose script failed are still pending: keep the consumer, try again next sweep
@@ -213,18 +223,28 @@ class Sweeps:
     async def retries(self) -> int:
         calls: list[tuple[Any, ...]] = []
         poison: list[tuple[int, str, str]] = []
+        due_retries: list[tuple[str, str, int, str]] = []
         due_n = 0
         for cell, due in await self._due(self.ctx.keys.retries):
             due_n += len(due)
             for member in due:
                 try:
-                    wf_id, stage, attempt = retry_member(member, stages=self.ctx.pipeline.stages)
+                    wf_id, stage, attempt = retry_member(member)
                     if self.ctx.keys.cell_of(wf_id) != cell:
                         raise MalformedEntry(f"workflow {wf_id} is not in cell {cell}")
                 except MalformedEntry as exc:
                     poison.append((cell, member, str(exc)))
                     continue
-                calls.append(reconcile.retry_due(self.ctx.keys, wf_id, stage, attempt, member))
+                due_retries.append((wf_id, stage, attempt, member))
+        if due_retries:
+            # the task stream is named by the record's pipeline version: read it, so that the script
+            # declares the stream it writes (retries are off the happy path: one pipelined read a sweep)
+            pipe = self.ctx.redis.pipeline(transaction=False)
+            for wf_id, *_ in due_retries:
+                pipe.hget(self.ctx.keys.wf(wf_id), RecordField.PIPELINE_HASH)
+            versions = await pipe.execute()
+            calls = [reconcile.retry_due(self.ctx.keys, wf_id, stage, attempt, member, version=s(version or b""))
+                     for (wf_id, stage, attempt, member), version in zip(due_retries, versions)]
         await self._run_scripts(calls)
         for cell, member, reason in poison:
             pipe = self.ctx.redis.pipeline(transaction=not is_cluster(self.ctx.redis))    # one slot: both of the cell
@@ -239,10 +259,12 @@ class Sweeps:
         late = [(cell, wf_id) for cell, ids in await self._due(self.ctx.keys.inflight) for wf_id in ids]
         if not late:
             return 0
+        reasons = await self._deadline_reasons([wf_id for _cell, wf_id in late])
         results = await self._run_scripts([
             admission.abort(self.ctx.keys, self.ctx.finalize_plan, wf_id, now_ms=now_ms(), state=WorkflowState.FAILED,
-                            reason="deadline exceeded", stage="", tombstone_ttl_s=self.ctx.settings.tombstone_ttl_s,
-                            result_ttl_s=self.ctx.settings.result_ttl_s) for _cell, wf_id in late])
+                            reason=reason, stage=stage, tombstone_ttl_s=self.ctx.settings.tombstone_ttl_s,
+                            result_ttl_s=self.ctx.settings.result_ttl_s)
+            for (_cell, wf_id), (reason, stage) in zip(late, reasons)])
         # A record that expired or vanished ('gone') must not pin an admission slot; one whose abort
         # failed (e.g. NOSCRIPT twice) stays, so that the next sweep fails it properly.
         stray = [(cell, wf_id) for (cell, wf_id), r in zip(late, results)
@@ -252,6 +274,33 @@ class Sweeps:
             await self.ctx.redis.zrem(self.ctx.keys.inflight(cell), wf_id)
         self.ctx.counts["deadline"] += len(late)
         return len(late)
+
+    async def _deadline_reasons(self, wf_ids: list[str]) -> list[tuple[str, str]]:
+        """Why each late workflow fails, and the stage to blame: 'deadline exceeded', or, when a
+        session of it still waits for a worker and no live worker serves its pipeline version,
+        that (a workflow finishes on the version it started with: docs/architecture.md)."""
+        keys, redis = self.ctx.keys, self.ctx.redis
+        pipe = redis.pipeline(transaction=False)
+        for wf_id in wf_ids:
+            pipe.hmget(keys.wf(wf_id), RecordField.PIPELINE, RecordField.PIPELINE_HASH, RecordField.STAGES)
+        records = await pipe.execute()
+        pipe = redis.pipeline(transaction=False)
+        for wf_id, (_name, _version, raw_stages) in zip(wf_ids, records):
+            pipe.hmget(keys.stages(wf_id), *(csv(s(raw_stages)) or ["-"]))
+        statuses = await pipe.execute()
+        served = await registry.served(redis, keys)
+        out: list[tuple[str, str]] = []
+        for (raw_name, raw_version, raw_stages), status in zip(records, statuses):
+            name, version = s(raw_name), s(raw_version)
+            waiting = [st for st, value in zip(csv(s(raw_stages)), status) if s(value) == "pending"
+                       and version and stage_queue(st, version) not in served]
+            if waiting:
+                out.append((f"deadline exceeded: no worker serves pipeline {name!r} version {version} "
+                            f"(stage {waiting[0]} waited for one); a workflow finishes on the version it "
+                            "started with", waiting[0]))
+            else:
+                out.append(("deadline exceeded", ""))
+        return out
 
     async def consumers(self, *, idle_ms: int | None = None) -> int:
         """Delete the consumers crashed reconcilers left in the event group (one per crash, forever

@@ -58,6 +58,7 @@ class SessionCore:
     _open: asyncio.Future[Any] | None  # the queued write that is not built yet (takes more steps)
     _last_in: dict[str, int]
     _write_error: BaseException | None
+    queue: str  # the task queue it was claimed from ('': the stage's name)
     checkpoint: str  # what earlier attempts checkpointed (resume), see emit(checkpoint=)
     _home: asyncio.AbstractEventLoop | None  # the worker's loop (None: always called from it)
     _waiter: asyncio.Task[Any] | None  # the task waiting for input (the watchdog interrupts it)

@@ -247,7 +247,7 @@ class SessionOutputs(SessionCore):
     def emit_keys(self) -> list[str]:
         """Every key an `emit.lua` call of this session may touch (`transitions.emit.emit_keys`)."""
         return emit_keys(self._keys, self.wf_id, self.stage, self.downstream,
-                         self._consumers.of(self.downstream, self._keys.cell_of(self.wf_id)))
+                         self._consumers.of(self.downstream, self._keys.cell_of(self.wf_id)), queue=self.queue)
 
     async def close(self, *, tasks_key: str, events_key: str, group: str, entry_id: str, outcome: str,
                     detail: str, retryable: bool, meter: Meter | None = None) -> str:

@@ -67,6 +67,7 @@ class Session(SessionInputs):
     _chunk_dsts: frozenset[str] = frozenset()        # downstream stages fed by `chunk` edges (bounded)
     _bp: WaitStats | None = None
     held: list[Ref] = field(default_factory=list)   # payload references read: released when done
+    queue: str = ""     # the task queue it was claimed from (`Pipeline.queue`; '': the stage's name)
     _domains: dict[str, tuple[str, float]] = field(default_factory=dict)   # dst -> (domain, looked up at)
     _windows: dict[str, EdgeWindow] = field(default_factory=dict)
     _unreported: dict[str, tuple[int, int]] = field(default_factory=dict)  # src -> chunks, bytes read unreported

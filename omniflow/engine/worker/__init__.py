@@ -4,7 +4,7 @@ is not a GPU). Each stage served keeps its own executor, session slots and task
 stream; the process shares one intake read, one inbox, one group-commit
 connection and one heartbeat between them.
 
-- intake: one XREADGROUP on `<p>:stage:<name>:tasks` of every stage served
+- intake: one XREADGROUP on `<p>:stage:<name>@<version>:tasks` of every stage (of every pipeline version) served
   (group `workers`, consumer = worker id), only as many tasks as free session
   slots (backpressure; a stage with no free slot is left out of the read);
 - claim: `claim.lua` per task, group-committed; drops tasks of retired workflows;

@@ -72,7 +72,7 @@ class Claims:
                 checkpoint = s(reply[7]) if len(reply) > 7 else ""
                 catchup = [(s(src), chunk) for src, entries in reply[6] for entry in entries
                            for chunk in chunk_fields(fields_dict(entry[1]))] if upstream else []
-                required, finals, downstream = self._plan_of(stage, raw_stages, raw_finals)
+                required, finals, downstream = self._plan_of(pool, raw_stages, raw_finals)
                 session = Session(
                     wf_id=wf_id, stage=stage, attempt=attempt,
                     input=json.loads(raw_input), params=self._params_of(raw_params, stage),
@@ -83,7 +83,7 @@ class Claims:
                     state=SessionState.WAITING_INPUT if upstream else SessionState.RUNNING,
                     checkpoint=checkpoint, _home=loop if pool.compute is not None else None,
                     _plane=ctx.plane, _domain_of=self.runner.domain_of, _chunk_dsts=pool.chunk_dsts,
-                    _bp=ctx.backpressure, _consumers=ctx.consumers,
+                    _bp=ctx.backpressure, _consumers=ctx.consumers, queue=pool.queue,
                 )
             except Exception as exc:  # noqa: BLE001 - a record that does not decode fails its workflow, not us
                 ctx.inputs.pop((wf_id, stage, attempt), None)
@@ -103,7 +103,8 @@ class Claims:
         'ok' again), so transient errors are retried; a batch the script fails on is split, to find
         the task that causes it."""
         ctx = self.ctx
-        call = transitions.claim(ctx.keys, pool.stage, pool.upstream, cell, claims, worker_id=ctx.id, now_ms=now_ms())
+        call = transitions.claim(ctx.keys, pool.stage, pool.upstream, cell, claims, worker_id=ctx.id, now_ms=now_ms(),
+                                 queue=pool.queue)
         backoff = Backoff()
         while True:
             try:
@@ -135,17 +136,17 @@ class Claims:
         ctx = self.ctx
         logger.warning("session %s/%s cannot start: %s", wf_id, pool.stage, why)
         call = finish(ctx.keys, wf_id, pool.stage, attempt, entry_id=entry_id, outcome="failed", detail=why,
-                      retryable=False, now_ms=now_ms(), seq=0, downstream=())
+                      retryable=False, now_ms=now_ms(), seq=0, downstream=(), queue=pool.queue)
         await ctx.write_until_done(call, f"failing session {wf_id}/{pool.stage}")
 
-    def _plan_of(self, stage: str, raw_stages: bytes, raw_finals: bytes) -> tuple[tuple[str, ...], ...]:
+    def _plan_of(self, pool: StagePool, raw_stages: bytes, raw_finals: bytes) -> tuple[tuple[str, ...], ...]:
         """(required stages, finals, this stage's downstream) of a workflow, from its record's csv
         fields; the same few combinations recur for every workflow, so they are decoded once."""
-        key = (stage, raw_stages, raw_finals)
+        key = (pool.queue, raw_stages, raw_finals)
         plan = self._plans.get(key)
         if plan is None:
             required = tuple(csv(raw_stages))
-            plan = (required, tuple(csv(raw_finals)), tuple(self.ctx.pipeline.downstream(stage, required)))
+            plan = (required, tuple(csv(raw_finals)), tuple(pool.pipeline.downstream(pool.stage, required)))
             if len(self._plans) < PLAN_CACHE_MAX:
                 self._plans[key] = plan
         return plan

@@ -18,6 +18,7 @@ from omniflow.engine.session.consumers import Consumers
 from omniflow.engine.window import StageWindow
 from omniflow.engine.worker.pool import StagePool
 from omniflow.errors import RedisError, RedisUnavailable
+from omniflow.catalog import Catalog
 from omniflow.pipeline import Pipeline
 from omniflow.runtime import Backoff
 from omniflow.storage.batcher import Batcher
@@ -35,12 +36,13 @@ class WorkerContext:
     """The shared state of one worker process (see the module docstring)."""
 
     def __init__(self, *, settings: Settings, pipeline: Pipeline, worker_id: str, label: str,
-                 pools: dict[str, StagePool], redis_url: str) -> None:
+                 pools: dict[str, StagePool], redis_url: str, catalog: Catalog | None = None) -> None:
         self.settings = settings
-        self.pipeline = pipeline
+        self.pipeline = pipeline                # the default pipeline (each pool knows its own)
+        self.catalog = catalog or Catalog.of(pipeline)
         self.id = worker_id
         self.label = label                      # the stages served, comma-separated (heartbeat, logs)
-        self.pools = pools
+        self.pools = pools                      # by queue (`Pipeline.queue`): one per (pipeline version, stage)
         self.redis_url = redis_url
         # the layout (how many cells) is known once connected (`Worker._setup_redis`)
         self.keys = Keys(settings.prefix, settings.cells or 1)
@@ -66,7 +68,16 @@ class WorkerContext:
         self.stats: dict[str, float] = {name: 0 for name in STAT_NAMES}
         self.stats["backpressure_wait_s"] = 0.0
         self.backpressure = WaitStats()
-        self.window = StageWindow(pools)
+        self.window = StageWindow(dict.fromkeys(p.stage for p in pools.values()))
+
+    def by_stage(self) -> dict[str, list[StagePool]]:
+        """The pools of each stage name served, one per distinct pool (heartbeat fields, `/metrics`)."""
+        out: dict[str, list[StagePool]] = {}
+        for pool in self.pools.values():
+            group = out.setdefault(pool.stage, [])
+            if all(p.core is not pool.core for p in group):
+                group.append(pool)
+        return out
 
     @property
     def draining(self) -> bool:

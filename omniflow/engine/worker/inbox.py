@@ -30,7 +30,7 @@ class Inbox:
         last: dict[str, bytes | str] = {ctx.inbox_keys[cell]: "0-0" for cell in cells}
         cell_of_key = {ctx.inbox_keys[cell]: cell for cell in cells}
         untrimmed = dict.fromkeys(last, 0)
-        only = next(iter(ctx.pools)) if len(ctx.pools) == 1 else None
+        only = next(iter(ctx.pools.values())).stage if len(ctx.pools) == 1 else None
         backoff = Backoff()
         while True:
             try:

@@ -62,7 +62,8 @@ class Intake:
                     self.starved -= 1
                 continue
             share = len(cells) * self.loops
-            count = max(1, min(ctx.settings.read_batch, *(pool.free // share for pool in ready)))
+            # a pool that serves several queues (stages of several pipelines) splits its room between them
+            count = max(1, min(ctx.settings.read_batch, *(pool.free // (share * pool.core.routes) for pool in ready)))
             # A stage left out because it was full is not in the blocking read (nor are the slots
             # other loops wait for): come back soon to add it when its slots free up (a blocking read
             # cannot be interrupted without losing what it may already have delivered).

@@ -43,8 +43,10 @@ class Liveness:
         return {
             # per stage served, in the same order: "thinker,talker" / "8,4" / "3,1"
             "stage": ctx.label, "host": ctx.settings.host_id, "shm": ctx.plane.domain, "pid": os.getpid(),
-            "capacity": ",".join(str(p.max_sessions) for p in ctx.pools.values()),
-            "active": ",".join(str(p.active) for p in ctx.pools.values()), "seen_ms": now_ms(),
+            "capacity": ",".join(str(sum(p.max_sessions for p in g)) for g in ctx.by_stage().values()),
+            "active": ",".join(str(sum(p.active for p in g)) for g in ctx.by_stage().values()), "seen_ms": now_ms(),
+            # the task queues (`<stage>@<pipeline version>`) it claims from: which versions it serves
+            "queues": ",".join(ctx.pools),
             "state": state.value, "since_ms": self.since_ms,
             "stats": json.dumps(ctx.stats), "window": json.dumps(ctx.window.snapshot()),
             "serving": json.dumps(serving_snapshot(ctx)),
@@ -135,7 +137,7 @@ class Liveness:
             now = time.monotonic()
             for session, _task in list(self.ctx.sessions.values()):
                 if session is not None and session.waiting_since and \
-                        now - session.waiting_since > pools[session.stage].spec.retry.input_timeout_s:
+                        now - session.waiting_since > session._input_timeout_s:
                     session.input_timed_out = True
                     if session._waiter is not None:      # the wait itself (on this loop, whoever awaits it)
                         session._waiter.cancel()

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from omniflow.engine.compute import ComputeThread
 from omniflow.errors import PipelineError
-from omniflow.pipeline import EdgeMode, Pipeline, import_executor
+from omniflow.pipeline import EdgeMode, Pipeline, StageSpec, import_executor, pool_key
 from omniflow.storage.keys import Keys
 from omniflow.executor import Executor
 
@@ -20,53 +20,135 @@ def new_worker_id(stage: str, host_id: str) -> str:
     return f"{stage}-{host_id}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-class StagePool:
-    """One stage served by a worker: its executor, its session slots, its task stream."""
+class PoolCore:
+    """What the stages of one pool share: one executor (built from the first stage declared), its
+    compute thread and its session slots. Stages two pipelines declare identically (same pool key:
+    `Pipeline.pool_key`) are one pool, so one model in one process serves them all."""
 
-    def __init__(self, pipeline: Pipeline, stage: str, *, executor: Executor | None,
-                 max_sessions: int | None) -> None:
-        self.stage = stage
-        self.spec = pipeline.stages[stage]
-        self.tasks_keys: dict[int, str] = {}      # cell -> the stage's task stream there (see `bind`)
-        self.upstream = tuple(e.src for e in pipeline.inputs[stage])
-        # downstream stages that run while we produce (backpressure applies to these edges only)
-        self.chunk_dsts = frozenset(e.dst for e in pipeline.outputs[stage] if e.mode is EdgeMode.CHUNK)
-        self.max_sessions = max_sessions or self.spec.max_sessions
-        self.executor = executor or import_executor(self.spec.executor)(stage=stage, params=self.spec.params)
+    def __init__(self, stage: str, spec: StageSpec, *, executor: Executor | None, max_sessions: int | None) -> None:
+        self.key = pool_key(spec)
+        self.max_sessions = max_sessions or spec.max_sessions
+        self.executor = executor or import_executor(spec.executor)(stage=stage, params=spec.params)
         # At most max_sessions run the executor at once (the GPU's batch slots); up to `prefetch` more
         # are claimed and wait for a slot, so a freed slot starts the next session without a round trip.
-        prefetch = self.spec.prefetch if self.spec.prefetch is not None else max(1, self.max_sessions // 4)
+        prefetch = spec.prefetch if spec.prefetch is not None else max(1, self.max_sessions // 4)
         self.capacity = self.max_sessions + prefetch
         self.slots = asyncio.Semaphore(self.max_sessions)
         self.active = 0             # sessions held (running or waiting for a slot)
         self.claiming = 0           # tasks read but not yet claimed (they hold session slots too)
         self.compute: ComputeThread | None = None    # where the executor runs (runs_on == "thread")
+        self.routes = 0             # stages (of pipelines and versions) this pool serves
+        self.stage = stage
+
+
+class StagePool:
+    """One stage of one pipeline version served by a worker: its task streams (the stage's queue,
+    `Pipeline.queue`), its place in the DAG, and the pool (`PoolCore`: executor and slots) that runs it."""
+
+    def __init__(self, pipeline: Pipeline, stage: str, *, executor: Executor | None = None,
+                 max_sessions: int | None = None, core: PoolCore | None = None) -> None:
+        self.stage = stage
+        self.pipeline = pipeline
+        self.queue = pipeline.queue(stage)
+        self.spec = pipeline.stages[stage]
+        self.tasks_keys: dict[int, str] = {}      # cell -> the stage's task stream there (see `bind`)
+        self.upstream = tuple(e.src for e in pipeline.inputs[stage])
+        # downstream stages that run while we produce (backpressure applies to these edges only)
+        self.chunk_dsts = frozenset(e.dst for e in pipeline.outputs[stage] if e.mode is EdgeMode.CHUNK)
+        self.core = core or PoolCore(stage, self.spec, executor=executor, max_sessions=max_sessions)
+        self.core.routes += 1
+
+    # the pool's shared parts
+    @property
+    def executor(self) -> Executor:
+        return self.core.executor
+
+    @property
+    def max_sessions(self) -> int:
+        return self.core.max_sessions
+
+    @property
+    def capacity(self) -> int:
+        return self.core.capacity
+
+    @property
+    def slots(self) -> asyncio.Semaphore:
+        return self.core.slots
+
+    @property
+    def compute(self) -> ComputeThread | None:
+        return self.core.compute
+
+    @property
+    def active(self) -> int:
+        return self.core.active
+
+    @active.setter
+    def active(self, value: int) -> None:
+        self.core.active = value
+
+    @property
+    def claiming(self) -> int:
+        return self.core.claiming
+
+    @claiming.setter
+    def claiming(self, value: int) -> None:
+        self.core.claiming = value
 
     def bind(self, keys: Keys) -> None:
         """Learn the task stream of every cell (once the deployment's layout is known)."""
-        self.tasks_keys = {cell: keys.tasks(self.stage, cell) for cell in keys.all_cells}
+        self.tasks_keys = {cell: keys.tasks(self.queue, cell) for cell in keys.all_cells}
 
     def start_compute(self) -> None:
-        if self.executor.runs_on == "thread" and self.compute is None:
-            self.compute = ComputeThread(self.stage)
+        if self.executor.runs_on == "thread" and self.core.compute is None:
+            self.core.compute = ComputeThread(self.stage)
 
     async def call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run one of the executor's coroutines where it runs (its compute thread, or this loop)."""
-        if self.compute is None:
+        if self.core.compute is None:
             return await coro
-        return await self.compute.run(coro)
+        return await self.core.compute.run(coro)
 
     async def close_executor(self) -> None:
         try:
             await self.call(self.executor.close())
         finally:
-            if self.compute is not None:
-                self.compute.stop()
-                self.compute = None
+            if self.core.compute is not None:
+                self.core.compute.stop()
+                self.core.compute = None
 
     @property
     def free(self) -> int:
         return self.capacity - self.active - self.claiming
+
+
+def build_pools(routes: Sequence[tuple[Pipeline, str]], *, executor: Executor | None = None,
+                max_sessions: int | None = None) -> dict[str, StagePool]:
+    """The `StagePool` of every (pipeline, stage) a worker serves, by queue; stages with one pool key
+    share one `PoolCore` (one executor). Its capacity is the largest any of them declares."""
+    cores: dict[str, PoolCore] = {}
+    pools: dict[str, StagePool] = {}
+    for pipe, stage in routes:
+        spec = pipe.stages[stage]
+        key = pool_key(spec)
+        core = cores.get(key)
+        if core is None:
+            core = cores[key] = PoolCore(stage, spec, executor=executor, max_sessions=max_sessions)
+        elif max_sessions is None and spec.max_sessions > core.max_sessions:
+            core.max_sessions = spec.max_sessions
+            prefetch = spec.prefetch if spec.prefetch is not None else max(1, spec.max_sessions // 4)
+            core.capacity = max(core.capacity, spec.max_sessions + prefetch)
+            core.slots = asyncio.Semaphore(spec.max_sessions)
+        pools[pipe.queue(stage)] = StagePool(pipe, stage, core=core)
+    return pools
+
+
+def unique_cores(pools: dict[str, StagePool]) -> list[StagePool]:
+    """One `StagePool` per pool (what sets up and closes each executor once)."""
+    seen: dict[int, StagePool] = {}
+    for pool in pools.values():
+        seen.setdefault(id(pool.core), pool)
+    return list(seen.values())
 
 
 def parse_stages(value: str | Sequence[str], pipeline: Pipeline) -> list[str]:

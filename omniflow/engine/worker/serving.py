@@ -16,10 +16,11 @@ def serving_snapshot(ctx: WorkerContext) -> dict[str, dict[str, Any]]:
     [chunks, bytes]}} (JSON-ready)."""
     traffic = ctx.plane.traffic.snapshot()
     out: dict[str, dict[str, Any]] = {}
-    for name, pool in ctx.pools.items():
+    for name, group in ctx.by_stage().items():
         entry: dict[str, Any] = {"dataplane": traffic.get(name, {})}
-        executor = pool.executor
-        if isinstance(executor, BatchedExecutor) and executor.step_loop is not None:
-            entry["batch"] = executor.step_loop.stats.snapshot()
+        for pool in group:
+            executor = pool.executor
+            if isinstance(executor, BatchedExecutor) and executor.step_loop is not None:
+                entry["batch"] = executor.step_loop.stats.snapshot()
         out[name] = entry
     return out

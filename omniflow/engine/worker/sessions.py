@@ -97,10 +97,12 @@ class SessionRunner:
                 await backoff.wait(logger, f"session {session.wf_id}/{session.stage}: finish failed", exc)
             except RedisError as exc:   # the finish itself fails (a bug, a record it cannot take)
                 await self._report_lost(entry_id, session.wf_id, session.stage, session.attempt,
-                                        f"worker {ctx.id} could not finish the session: {exc}"[:MAX_DETAIL_CHARS])
+                                        f"worker {ctx.id} could not finish the session: {exc}"[:MAX_DETAIL_CHARS],
+                                        version=pool.pipeline.digest)
                 return None
 
-    async def _report_lost(self, entry_id: str, wf_id: str, stage: str, attempt: int, why: str) -> None:
+    async def _report_lost(self, entry_id: str, wf_id: str, stage: str, attempt: int, why: str, *,
+                           version: str = "") -> None:
         """Tell the reconciler this session is lost (it acks the task and retries with attempt + 1),
         retrying until Redis takes the report: a task must never stay pending on a live worker."""
         ctx = self.ctx
@@ -110,7 +112,7 @@ class SessionRunner:
                 with redisio.boundary():
                     await ctx.redis.xadd(ctx.keys.events(ctx.keys.cell_of(wf_id)),
                                          {"t": "lost", "wf": wf_id, "s": stage, "a": attempt, "d": why, "r": "1",
-                                          "e": entry_id})
+                                          "e": entry_id, "p": version})
                 return
             except RedisError as exc:
                 if ctx.stopping:
@@ -128,13 +130,15 @@ class SessionRunner:
         producer that has used its attempts, 'exhausted'."""
         ctx = self.ctx
         stage = lost.src if lost is not None else session.stage
-        below = ctx.pipeline.descendants(stage, session.required)
+        pool = ctx.pools.get(session.queue)
+        pipeline = pool.pipeline if pool is not None else ctx.pipeline
+        below = pipeline.descendants(stage, session.required)
         requeued = below if lost is None else [stage, *below]
-        edges = [(st, e.dst) for st in (stage, *below) for e in ctx.pipeline.outputs[st] if e.dst in session.required]
+        edges = [(st, e.dst) for st in (stage, *below) for e in pipeline.outputs[st] if e.dst in session.required]
         call = restart(ctx.keys, session.wf_id, stage, attempt="" if lost else session.attempt, below=below,
-                       edges=edges, requeued=requeued, now_ms=now_ms(),
+                       edges=edges, requeued=[pipeline.queue(st) for st in requeued], now_ms=now_ms(),
                        regenerate=None if lost is None else (session.stage, session.attempt,
-                                                             ctx.pipeline.stages[stage].retry.max_attempts,
+                                                             pipeline.stages[stage].retry.max_attempts,
                                                              str(lost)[:MAX_DETAIL_CHARS]))
         reply = restart_result(await ctx.batcher_for(session.wf_id).send(*call))
         if reply is RestartResult.FENCED or (lost is not None and reply is RestartResult.OK):

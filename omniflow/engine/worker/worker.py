@@ -21,12 +21,13 @@ from omniflow.engine.worker.context import WorkerContext
 from omniflow.engine.worker.inbox import Inbox
 from omniflow.engine.worker.intake import Intake
 from omniflow.engine.worker.liveness import Liveness
-from omniflow.engine.worker.pool import StagePool, new_worker_id, parse_stages
+from omniflow.engine.worker.pool import build_pools, new_worker_id, unique_cores
 from omniflow.engine.worker.sessions import SessionRunner
 from omniflow.errors import RedisError
+from omniflow.catalog import Catalog
 from omniflow.pipeline import Pipeline
 from omniflow.runtime import check_eviction_policy, check_layout, forever, when_redis_answers
-from omniflow.storage import redisio
+from omniflow.storage import redisio, registry
 from omniflow.storage.batcher import Batcher
 from omniflow.storage.keys import TASK_GROUP, Keys
 from omniflow.storage.redisio import REDIS_ERRORS, connect, ensure_group
@@ -39,18 +40,22 @@ logger = logging.getLogger(__name__)
 class Worker:
     """A worker process's runtime (see the package docstring)."""
 
-    def __init__(self, *, settings: Settings, pipeline: Pipeline, stage: str | Sequence[str], redis_url: str,
-                 worker_id: str | None = None, executor: Executor | None = None,
-                 max_sessions: int | None = None) -> None:
-        stages = parse_stages(stage, pipeline)
-        if executor is not None and len(stages) > 1:
-            raise ValueError("an executor instance can serve one stage only")
-        pools = {name: StagePool(pipeline, name, executor=executor, max_sessions=max_sessions) for name in stages}
+    def __init__(self, *, settings: Settings, pipeline: Pipeline | Catalog | Sequence[Pipeline],
+                 stage: str | Sequence[str], redis_url: str, worker_id: str | None = None,
+                 executor: Executor | None = None, max_sessions: int | None = None) -> None:
+        catalog = pipeline if isinstance(pipeline, Catalog) else Catalog.of(pipeline)
+        routes = catalog.routes(stage)
+        pools = build_pools(routes, executor=executor, max_sessions=max_sessions)
+        if executor is not None and len(unique_cores(pools)) > 1:
+            raise ValueError("an executor instance can serve one stage (one pool) only")
+        stages = list(dict.fromkeys(st for _p, st in routes))
         label = ",".join(stages)          # what this worker serves (heartbeat, logs)
         self.id = worker_id or new_worker_id("+".join(stages) if len(stages) < 3 else "multi", settings.host_id)
-        self.ctx = ctx = WorkerContext(settings=settings, pipeline=pipeline, worker_id=self.id, label=label,
-                                       pools=pools, redis_url=redis_url)
-        self.settings, self.pipeline, self.pools, self.stage, self.redis_url = settings, pipeline, pools, label, redis_url
+        self.ctx = ctx = WorkerContext(settings=settings, pipeline=catalog.default, worker_id=self.id, label=label,
+                                       pools=pools, redis_url=redis_url, catalog=catalog)
+        self.catalog = catalog
+        self.settings, self.pipeline, self.pools, self.stage, self.redis_url = \
+            settings, catalog.default, pools, label, redis_url
         self.liveness = Liveness(ctx)
         self.runner = SessionRunner(ctx)
         self.claims = Claims(ctx, self.runner)
@@ -132,7 +137,7 @@ class Worker:
             announcer = asyncio.create_task(self.liveness.announce_loading(), name="announce-loading")
             loaded = False
             try:
-                for pool in self.pools.values():
+                for pool in unique_cores(self.pools):
                     pool.start_compute()
                     await pool.call(pool.executor.setup())
                 loaded = True
@@ -160,7 +165,8 @@ class Worker:
                           for name, loop in loops]
             self.started.set()
             logger.info("worker %s serving %s", self.id,
-                        ", ".join(f"{p.stage} (max_sessions={p.max_sessions})" for p in self.pools.values()))
+                        ", ".join(f"{p.stage} of {p.pipeline.name}@{p.pipeline.digest} (pool {p.core.key}, "
+                                  f"max_sessions={p.max_sessions})" for p in self.pools.values()))
             stopper = asyncio.create_task(stop.wait())
             await asyncio.wait([stopper, *background], return_when=asyncio.FIRST_COMPLETED)
             for task in background:
@@ -170,7 +176,7 @@ class Worker:
             await self._shutdown(background[:len(groups)], background[len(groups):],
                                  self.settings.shutdown_grace_s if grace_s is None else grace_s)
         finally:
-            for pool in self.pools.values():
+            for pool in unique_cores(self.pools):
                 await pool.close_executor()
             plane: DataPlane | None = getattr(ctx, "plane", None)     # made once connected
             if plane is not None:
@@ -198,6 +204,8 @@ class Worker:
         await check_eviction_policy(ctx.redis)
         await check_layout(ctx.redis, ctx.keys)
         await redisio.load_scripts(ctx.redis)
+        for pipe in self.catalog:       # a new pipeline (or version) joins the deployment with its first worker
+            await registry.register(ctx.redis, ctx.keys, pipe)
         for pool in self.pools.values():
             for key in pool.tasks_keys.values():
                 await ensure_group(ctx.redis, key, TASK_GROUP)
@@ -229,7 +237,7 @@ class Worker:
             logger.warning("worker %s: could not deregister: %s", self.id, exc)
 
 
-def run_worker(settings: Settings, pipeline: Pipeline, stage: str | Sequence[str], redis_url: str) -> None:
+def run_worker(settings: Settings, pipeline: Pipeline | Catalog, stage: str | Sequence[str], redis_url: str) -> None:
     """Blocking entry point used by the CLI: runs until SIGINT/SIGTERM."""
     from omniflow.engine.health import with_health
     from omniflow.runtime import run_until_signal

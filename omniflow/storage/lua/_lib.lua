@@ -55,13 +55,23 @@ end
 -- `<prefix>:notify` keeps at most about this many entries (`omniflow jobs` reads and deletes them)
 local NOTIFY_MAX_LEN = 100000
 
-local function tasks_key(wf, stage)
-  return key(cell_base(wf) .. ':stage:' .. stage .. ':tasks')
+-- A stage's task stream is its queue in the workflow's pipeline version: `<c>:stage:<stage>@<version>:tasks`
+-- (omniflow/pipeline.py `Pipeline.queue`), so a session waits for a worker that serves that version.
+-- Its name is data (the record's `pipeline_hash`): built from the cell's base, it is in this
+-- script's slot; callers that know the version declare it, the others (a retry, a successor
+-- submitted by the reconciler) need not. A record without a version (made by hand) uses the stage's name.
+-- `version`: the record's `pipeline_hash` when the caller has read it already (nil: read here).
+local function tasks_key(wf, stage, version)
+  if version == nil then version = redis.call('HGET', wf, 'pipeline_hash') end
+  if version and version ~= '' then
+    return cell_base(wf) .. ':stage:' .. stage .. '@' .. version .. ':tasks'
+  end
+  return cell_base(wf) .. ':stage:' .. stage .. ':tasks'
 end
 
-local function submit_stage(wf, id, stage, attempt, now)
+local function submit_stage(wf, id, stage, attempt, now, version)
   redis.call('HSET', key(wf .. ':stages'), stage, 'pending', stage .. ':attempt', attempt, stage .. ':t_submit', now)
-  redis.call('XADD', tasks_key(wf, stage), '*', 'wf', id, 's', stage, 'a', attempt)
+  redis.call('XADD', tasks_key(wf, stage, version), '*', 'wf', id, 's', stage, 'a', attempt)
 end
 
 -- Move a workflow to a terminal state, once. Callers checked it was live.
@@ -92,8 +102,11 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
     redis.call('PUBLISH', prefix .. ':abort', id)     -- a channel, not a key: reaches every node
   end
   redis.call('ZREM', key(inflight_key), id)
+  -- the edge logs and outputs are named by the record (its pipeline version's edges and finals):
+  -- under this workflow's base key, so in this script's slot whether or not the caller declared them
+  -- (one that ends a workflow by id alone, an abort or a deadline, need not know its pipeline)
   for _, edge in ipairs(csv(rec[2])) do
-    redis.call('UNLINK', key(wf .. ':edge:' .. edge))
+    redis.call('UNLINK', wf .. ':edge:' .. edge)
   end
   -- chunk payloads too large for their edge entries (omniflow.dataplane): nothing reads them any more.
   -- Their names are the set's members (data, written by the emits that stored them): not declared
@@ -113,7 +126,7 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
   redis.call('EXPIRE', sk, result_ttl)
   redis.call('EXPIRE', wf .. ':log', result_ttl)
   for _, stage in ipairs(csv(rec[3])) do
-    redis.call('EXPIRE', key(wf .. ':out:' .. stage), result_ttl)
+    redis.call('EXPIRE', wf .. ':out:' .. stage, result_ttl)
   end
   if rec[4] and rec[4] ~= '' then
     -- bounded: without a jobs runner reading it, the oldest notifications go first
@@ -264,7 +277,7 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
   redis.call('XACK', key(tasks_key), group, entry_id)
   redis.call('XDEL', tasks_key, entry_id)
   local rec = redis.call('HMGET', key(wf), 'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub',
-    'tenant', 'pipeline')
+    'tenant', 'pipeline', 'pipeline_hash')
   local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':samples', stage .. ':sr')
   if not is_live(rec[1]) or tostring(cur[2]) ~= tostring(attempt) then return 'fenced' end
   if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
@@ -297,7 +310,7 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
   redis.call('XADD', key(wf .. ':log'), '*', 't', 'stage', 'stage', stage, 'status', outcome, 'attempt', attempt)
   if report then
     redis.call('XADD', key(events_key), '*', 't', outcome, 'wf', rec[2], 's', stage, 'a', attempt, 'd', detail,
-      'r', retryable)
+      'r', retryable, 'p', rec[10] or '')
   end
   return res
 end

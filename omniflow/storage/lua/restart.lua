@@ -18,7 +18,7 @@
 local wf, stage, now = KEYS[1], ARGV[2], ARGV[4]
 local by = ARGV[7] or ''
 local sk = key(wf .. ':stages')
-local rec = redis.call('HMGET', wf, 'state', 'id', 'finished')
+local rec = redis.call('HMGET', wf, 'state', 'id', 'finished', 'pipeline_hash')
 local cur = redis.call('HMGET', sk, stage, stage .. ':attempt')
 if not is_live(rec[1]) then return 'fenced' end
 local fence = by ~= '' and redis.call('HMGET', sk, by, by .. ':attempt') or cur
@@ -43,7 +43,7 @@ for i = (by ~= '' and 1 or 2), #cleared do
   local s = cleared[i]
   local attempt = tonumber(redis.call('HGET', sk, s .. ':attempt')) or 0
   if attempt > 0 then
-    submit_stage(wf, id, s, attempt + 1, now)
+    submit_stage(wf, id, s, attempt + 1, now, rec[4] or '')
     local reason = i == 1 and ('its output cannot be read by ' .. by .. ': ' .. (ARGV[10] or ''))
       or ('upstream ' .. stage .. ' restarted')
     redis.call('XADD', key(wf .. ':log'), '*', 't', 'retry', 'stage', s, 'attempt', tostring(attempt + 1),

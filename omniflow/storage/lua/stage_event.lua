@@ -21,7 +21,8 @@ local function apply()
     redis.call('XACK', key(ARGV[12]), ARGV[14], ARGV[13])
     redis.call('XDEL', ARGV[12], ARGV[13])
   end
-  local rec = redis.call('HMGET', wf, 'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub')
+  local rec = redis.call('HMGET', wf, 'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub',
+    'pipeline_hash')
   if not is_live(rec[1]) then return {'ignored', rec[1] or 'gone'} end
   local id = rec[2]
   local cur = redis.call('HMGET', sk, stage, stage .. ':attempt')
@@ -42,7 +43,7 @@ local function apply()
           if not contains(finished, dep) then ready = false end
         end
         if ready then
-          for _, s in ipairs(g['stages']) do submit_stage(wf, id, s, 1, now) end
+          for _, s in ipairs(g['stages']) do submit_stage(wf, id, s, 1, now, rec[8] or '') end
           gsub[#gsub + 1] = tostring(i)
           redis.call('HSET', wf, 'gsub', table.concat(gsub, ','))
         end
@@ -63,7 +64,7 @@ local function apply()
     redis.call('XADD', key(wf .. ':log'), '*', 't', 'retry', 'stage', stage, 'attempt', tostring(nxt),
       'reason', kind .. ': ' .. ARGV[6])
     if tonumber(ARGV[9]) <= tonumber(now) then
-      redis.call('XADD', tasks_key(wf, stage), '*', 'wf', id, 's', stage, 'a', nxt)
+      redis.call('XADD', tasks_key(wf, stage, rec[8] or ''), '*', 'wf', id, 's', stage, 'a', nxt)
     else
       redis.call('ZADD', KEYS[3], ARGV[9], id .. '|' .. stage .. '|' .. nxt)
     end

@@ -6,7 +6,7 @@
 --                       id's cell is the workflow's cell)
 -- KEYS[7] all-ids zset  `<c>:all`
 -- KEYS[8] tenant index  `<c>:idx:tenant:<tenant>`  KEYS[9] tenant names set `<c>:idx:tenants`
--- KEYS[10..] `<c>:stage:<s>:tasks` of each stage in ARGV[8], and `<c>:idx:state:pending`
+-- KEYS[10..] `<c>:stage:<s>@<version>:tasks` of each stage in ARGV[8] (version: the record's pipeline_hash), and `<c>:idx:state:pending`
 -- ARGV[1] prefix  ARGV[2] id  ARGV[3] now_ms  ARGV[4] deadline_ms
 -- ARGV[5] max_in_flight of this cell  ARGV[6] idempotency ttl s (0: no key)
 -- ARGV[7] required stages csv  ARGV[8] stages submitted at admission csv
@@ -44,8 +44,12 @@ for _, stage in ipairs(csv(ARGV[7])) do
   end
 end
 redis.call('HSET', key(wf .. ':stages'), unpack(fields))
+local version = ''                -- the record's pipeline_hash, among its fields (ARGV[10..])
+for i = 10, 9 + 2 * nf, 2 do
+  if ARGV[i] == 'pipeline_hash' then version = ARGV[i + 1] end
+end
 for _, stage in ipairs(admit) do
-  redis.call('XADD', tasks_key(wf, stage), '*', 'wf', id, 's', stage, 'a', 1)
+  redis.call('XADD', tasks_key(wf, stage, version), '*', 'wf', id, 's', stage, 'a', 1)
 end
 redis.call('ZADD', KEYS[4], ARGV[4], id)
 redis.call('ZADD', KEYS[7], now, id)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from enum import Enum, IntEnum
 from typing import Any
 
-from omniflow.storage.keys import EVENT_GROUP, TASK_GROUP, FinalizePlan, Keys
+from omniflow.storage.keys import EVENT_GROUP, TASK_GROUP, FinalizePlan, Keys, stage_queue
 from omniflow.storage.transitions._base import Call, code_of, returns, script_call
 
 DEAD_LETTER_MAX_FIELDS = 32
@@ -57,10 +57,12 @@ def event_code(reply: Any) -> EventResult:
     return code_of(EventResult, reply, "stage_event")
 
 
-def retry_due(keys: Keys, wf_id: str, stage: str, attempt: int, member: str) -> Call:
-    """The `retry_due.lua` call moving the scheduled retry `member` onto its stage's task stream."""
+def retry_due(keys: Keys, wf_id: str, stage: str, attempt: int, member: str, *, version: str = "") -> Call:
+    """The `retry_due.lua` call moving the scheduled retry `member` onto its stage's task stream (the
+    queue of the workflow's pipeline `version`: `stage_queue`)."""
     cell = keys.cell_of(wf_id)
-    return script_call("retry_due", [keys.wf(wf_id), keys.retries(cell), keys.stages(wf_id), keys.tasks(stage, cell)],
+    return script_call("retry_due", [keys.wf(wf_id), keys.retries(cell), keys.stages(wf_id),
+                                     keys.tasks(stage_queue(stage, version), cell)],
                        [keys.prefix, member, stage, attempt])
 
 
