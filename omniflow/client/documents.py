@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from omniflow.storage.schema import csv
+from omniflow.tracing import trace_id_of
 
 
 def output_kinds(rec: dict[str, str]) -> dict[str, str]:
@@ -66,4 +67,5 @@ def workflow_document(wf_id: str, rec: dict[str, str], st: dict[str, str], texts
         "error": rec.get("error") or None,
         "error_stage": rec.get("error_stage") or None,
         "webhook": webhook,
+        "trace_id": trace_id_of(rec.get("trace")),
     }

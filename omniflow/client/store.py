@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from redis.asyncio import Redis
 
+from omniflow import tracing
 from omniflow.storage import cells, redisio, scripts
 from omniflow.storage.batcher import Batcher
 from omniflow.config import Settings
@@ -174,6 +175,8 @@ class Store:
             self._check_webhook(req.webhook_url)
         if req.request_id:     # what a reuse of the key is compared with (409 idempotency_conflict)
             record += ["body_hash", body_hash(req)]
+        if tracing.tracer is not None:     # the request's trace, continued by every process (omniflow.tracing)
+            record += tracing.record_fields(wf_id)
         idem_key = self.keys.idem(tenant, req.request_id or "-", cell)
         wf = self.keys.wf(wf_id)
         keys = [wf, f"{wf}:stages", f"{wf}:log", self.keys.inflight(cell), self.keys.tomb(wf_id), idem_key,

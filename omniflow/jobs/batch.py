@@ -35,6 +35,7 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from omniflow import tracing
 from omniflow.config import Settings
 from omniflow.errors import AdmissionRefused, InvalidRequest, RedisUnavailable, WorkflowError, WorkflowNotFound
 from omniflow.storage.keys import Keys
@@ -280,7 +281,8 @@ async def run_batch_chunk(ctx: dict[str, Any], *, batch_id: str, lines: list[int
             if chunk.left_s() <= 0:
                 return False
             try:
-                return await chunk.run_line(n)
+                with tracing.span("batch line", attributes={"batch.id": batch_id, "batch.line": n}):
+                    return await chunk.run_line(n)
             except (RedisUnavailable, RedisError, OSError):
                 raise
             except Exception as exc:    # noqa: BLE001 - one broken line never kills the batch

@@ -45,7 +45,8 @@ def timeline_rows(entries: list[tuple[str, dict[str, str]]], created_ms: int) ->
 
 
 def timeline_table(doc: dict[str, Any], rows: list[dict[str, Any]]) -> Table:
-    table = Table(title=f"workflow {doc['id']} — {doc['state']}", show_lines=False)
+    trace = f" · trace {doc['trace_id']}" if doc.get("trace_id") else ""
+    table = Table(title=f"workflow {doc['id']} — {doc['state']}{trace}", show_lines=False)
     for col, justify in (("t (ms)", "right"), ("event", "left"), ("stage", "left"), ("detail", "left")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for row in rows:

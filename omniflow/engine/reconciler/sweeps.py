@@ -10,9 +10,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from omniflow import tracing
 from omniflow.client.store import abort_call
 from omniflow.engine.reconciler.context import ReconcilerContext
-from omniflow.engine.reconciler.events import EVENT_BATCH, Events
+from omniflow.engine.reconciler.events import EVENT_BATCH, Events, trace_decision
 from omniflow.errors import MalformedEntry, RedisError, ScriptError
 from omniflow.models import WorkflowState
 from omniflow.storage import listing, redisio
@@ -182,6 +183,7 @@ class Sweeps:
         if gone:    # the entry was deleted (its session finished or was dropped): just un-pend it
             await self.ctx.redis.xack(stream, TASK_GROUP, *gone)
         calls = []
+        lost: list[tuple[int, str, int]] = []     # (its call, workflow, attempt) of each lost session
         for p, rows in zip(pending, found):
             if not rows:
                 continue
@@ -201,7 +203,13 @@ class Sweeps:
             calls.append(self.events.stage_event_call(task.wf_id, stage, EventKind.LOST.value, task.attempt, now,
                                                 f"worker {worker_id} stopped heartbeating", retryable=True,
                                                 due_ms=now, task=(stream, entry_id)))
+            lost.append((len(calls) - 1, task.wf_id, task.attempt))
+        begun = tracing.now_ns() if tracing.tracer is not None else 0
         results = await self._run_scripts(calls)
+        if begun and len(results) == len(calls):
+            for i, wf_id, attempt in lost:
+                trace_decision(results[i], begun, reconciler=self.ctx.id, wf_id=wf_id, stage=stage, attempt=attempt,
+                               kind=EventKind.LOST.value, detail=f"worker {worker_id} stopped heartbeating")
         failed = sum(isinstance(r, Exception) for r in results)
         # entries whose script failed are still pending: keep the consumer, try again next sweep
         return len(results) - failed, int(len(pending) == SWEEP_BATCH or failed > 0)
@@ -247,9 +255,15 @@ class Sweeps:
         late = [(cell, wf_id) for cell, ids in await self._due(self.ctx.keys.inflight) for wf_id in ids]
         if not late:
             return 0
+        begun = tracing.now_ns() if tracing.tracer is not None else 0
         results = await self._run_scripts([
             abort_call(self.ctx.keys, self.ctx.settings, self.ctx.final_suffixes, wf_id, state=WorkflowState.FAILED,
                        reason="deadline exceeded") for _cell, wf_id in late])
+        if begun:
+            for (_cell, wf_id), r in zip(late, results):
+                if not isinstance(r, Exception) and s(r[0]) == "ok":
+                    tracing.decision("abort", traceparent=s(r[-1]), start_ns=begun, error="deadline exceeded",
+                                     **{"workflow.id": wf_id, "reconciler": self.ctx.id})
         # A record that expired or vanished ('gone') must not pin an admission slot; one whose abort
         # failed (e.g. NOSCRIPT twice) stays, so that the next sweep fails it properly.
         stray = [(cell, wf_id) for (cell, wf_id), r in zip(late, results)
