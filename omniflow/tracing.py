@@ -45,7 +45,7 @@ __all__ = ["TraceMiddleware", "decision", "end_session", "setup", "shutdown", "s
 tracer: Tracer | None = None
 _provider: TracerProvider | None = None
 
-TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
+TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 #: request paths that get no span (scraped or polled by machines, never part of a request's story)
 UNTRACED_PATHS = ("/metrics", "/healthz", "/readyz", "/ui", "/favicon.ico")
 EXPORTERS = ("otlp", "console", "none")
@@ -119,13 +119,18 @@ def trace_id_of(traceparent: str | None) -> str | None:
 
 
 def _parent(traceparent: str, tracestate: str = "") -> Context | None:
-    """The context a stored `traceparent` continues (None: none, or malformed)."""
-    if not traceparent:
+    """The context a stored `traceparent` continues (None: none, or malformed). Records hold only
+    what `record_fields` wrote, so this is a plain parse (the W3C propagator, for what callers
+    send, is `TraceMiddleware`'s)."""
+    m = TRACEPARENT.match(traceparent)
+    if m is None or m.group(1) == "0" * 32:
         return None
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    from opentelemetry import trace
 
-    carrier = {"traceparent": traceparent, "tracestate": tracestate} if tracestate else {"traceparent": traceparent}
-    return TraceContextTextMapPropagator().extract(carrier)
+    state = trace.TraceState.from_header([tracestate]) if tracestate else None
+    ctx = trace.SpanContext(int(m.group(1), 16), int(m.group(2), 16), is_remote=True,
+                            trace_flags=trace.TraceFlags(int(m.group(3), 16)), trace_state=state)
+    return trace.set_span_in_context(trace.NonRecordingSpan(ctx))
 
 
 def record_fields(wf_id: str) -> list[str]:
@@ -136,10 +141,11 @@ def record_fields(wf_id: str) -> list[str]:
 
     assert tracer is not None
     current = trace.get_current_span()
-    if not current.get_span_context().is_valid:
-        current = tracer.start_span("submit", kind=trace.SpanKind.PRODUCER)
+    if current.get_span_context().is_valid:
+        current.set_attribute("omniflow.workflow.id", wf_id)
+    else:
+        current = tracer.start_span("submit", kind=trace.SpanKind.PRODUCER, attributes={"omniflow.workflow.id": wf_id})
         current.end()
-    current.set_attribute("omniflow.workflow.id", wf_id)
     ctx = current.get_span_context()
     fields = ["trace", f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"]
     if ctx.trace_state:
