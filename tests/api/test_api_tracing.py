@@ -222,3 +222,26 @@ def test_tracing_configuration_is_checked():
         tracing.exporter_names({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
     assert tracing.trace_id_of(f"00-{TRACE_ID}-{PARENT_ID}-01") == TRACE_ID
     assert tracing.trace_id_of("") is None and tracing.trace_id_of("nope") is None
+
+
+async def test_a_realtime_connection_continues_the_callers_trace_in_every_turn(api_factory, receiver):
+    import websockets
+
+    async with api_factory() as (engine, server):
+        ws_url = server.url.replace("http", "ws", 1) + f"/v1/realtime?model={engine.pipeline.name}"
+        async with websockets.connect(ws_url, additional_headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"}) as ws:
+            await ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime",
+                                                                            "output_modalities": ["text"]}}))
+            await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "traced turn"}]}}))
+            await ws.send(json.dumps({"type": "response.create"}))
+            while json.loads(await ws.recv())["type"] != "response.done":
+                pass
+        wf = (await engine.store.list())[0]
+        assert (await engine.store.document(wf["id"]))["trace_id"] == TRACE_ID
+        spans = await spans_of(receiver, TRACE_ID, until=lambda got: any(sp["name"] == "WEBSOCKET /v1/realtime"
+                                                                         for sp in got))
+        conn = next(sp for sp in spans if sp["name"] == "WEBSOCKET /v1/realtime")
+        assert conn["parent"] == PARENT_ID and conn["kind"] == 2
+        thinker = next(sp for sp in spans if sp["name"] == "session thinker")
+        assert thinker["parent"] == conn["span_id"] and thinker["attrs"]["omniflow.workflow.id"] == wf["id"]
