@@ -171,8 +171,9 @@ def span(name: str, *, traceparent: str = "", tracestate: str = "", kind: str = 
 def decision(name: str, *, traceparent: str, start_ns: int | None = None, error: str = "",
              **attributes: Any) -> None:
     """A reconciler decision (`completed`, `retry`, `failed`, `abort`, `dead_letter`) as a span of
-    the workflow's trace, from `start_ns` (when the reconciler began applying it) to now."""
-    if tracer is None:
+    the workflow's trace, from `start_ns` (when the reconciler began applying it) to now. A workflow
+    submitted untraced gets none; an entry that names no readable workflow (`dead_letter`) is a root."""
+    if tracer is None or (not traceparent and name != "dead_letter"):
         return
     from opentelemetry.trace import Status, StatusCode
 

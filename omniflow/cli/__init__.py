@@ -189,6 +189,9 @@ def submit(text: str = typer.Argument(..., help="the prompt"),
     if timeout is not None and not timeout > 0:
         raise InvalidRequest(f"--timeout: {timeout:g} is not a positive number of seconds")
     req = submit_request(_pipeline(), text, modalities=modalities, request_id=request_id, deadline=deadline, out=out)
+    from omniflow import tracing
+
+    tracing.setup("cli")        # OTEL_TRACES_EXPORTER set: the workflow's trace starts with a `submit` span here
 
     async def go(client: Any) -> dict[str, Any]:
         wf_id = (await client.store.submit(req, tenant=client.tenant)).id

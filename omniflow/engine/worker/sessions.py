@@ -42,7 +42,7 @@ class SessionRunner:
         wf_id, stage, attempt = session.wf_id, session.stage, session.attempt
         started = time.monotonic()
         outcome, detail, retryable = "failed", "aborted", False
-        if tracing.tracer is not None:
+        if tracing.tracer is not None and session.trace[0]:     # a workflow submitted untraced stays so
             session._span = tracing.session_span(wf_id=wf_id, stage=stage, attempt=attempt, worker=ctx.id,
                                                  pool=pool.stage, traceparent=session.trace[0],
                                                  tracestate=session.trace[1])
