@@ -50,11 +50,9 @@ def trace_decision(result: Any, begun_ns: int, *, reconciler: str, wf_id: str, s
     if code not in TRACED:
         return
     if code == "retry":
-        attrs["next_attempt"] = int(s(result[1]))
-    if code == "failed":
-        attrs["dlq"] = True
-    if code == "retry":
-        attrs["reason"] = detail[:200]
+        attrs.update(next_attempt=int(s(result[1])), reason=detail[:200])
+    elif code == "failed":
+        attrs["dlq"] = True         # stage_event.lua dead-lettered the stage's task
     tracing.decision(code, traceparent=s(result[-1]), start_ns=begun_ns, error=detail[:200] if code == "failed" else "",
                      **attrs)
 
