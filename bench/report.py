@@ -243,11 +243,17 @@ def dataplane_section(result: dict | None) -> list[str]:
 def splice_dataplane(path: Path, result: dict) -> None:
     """`--only dataplane`: replace the data-plane section of an existing docs/benchmarks.md (between its
     markers, or before the failed runs / at the end), leaving the other sections as they were generated."""
+    splice_section(path, DP_BEGIN, DP_END, dataplane_section(result))
+
+
+def splice_section(path: Path, begin: str, end: str, lines: list[str]) -> None:
+    """Replace one generated section (between its markers `begin` and `end`) of an existing
+    docs/benchmarks.md, or add it before bench/notes.md's text / the failed runs / at the end."""
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = "\n".join(dataplane_section(result))
-    if DP_BEGIN in text and DP_END in text:
-        head, rest = text.split(DP_BEGIN, 1)
-        text = head + section.rstrip("\n") + rest.split(DP_END, 1)[1]
+    section = "\n".join(lines)
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + section.rstrip("\n") + rest.split(end, 1)[1]
     else:
         notes = REPO_ROOT / "bench" / "notes.md"
         first = next((ln for ln in notes.read_text().splitlines() if ln.strip()), None) if notes.exists() else None
@@ -358,6 +364,9 @@ def write_markdown(path: Path, results: list[Result], failures: list[str], args,
 
     md += realtime.markdown()
     md += dataplane_section(dataplane_result)
+    from bench import tracing_bench  # what traces cost, from bench/out/tracing.json when that group ran
+
+    md += tracing_bench.markdown()
     notes = REPO_ROOT / "bench" / "notes.md"
     if notes.exists():
         md += [notes.read_text().rstrip(), ""]

@@ -32,7 +32,7 @@ from bench.common import (
     start_server,
 )
 from bench.report import (
-    DOCS, command_breakdown, plot, ratio_lines, splice_dataplane, tracing_lines, user_lines, write_markdown,
+    DOCS, command_breakdown, plot, ratio_lines, splice_dataplane, splice_section, tracing_lines, user_lines, write_markdown,
 )
 
 CELERY_VENV = REPO_ROOT / ".venv-bench-celery"
@@ -388,8 +388,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED: {f}")
     print(f"wall time: {wall:.0f}s")
 
-    # a data-plane-only run keeps the last full run's results (what --render renders)
-    if args.only != {"dataplane"}:
+    if "tracing" in args.only:
+        from bench import tracing_bench
+
+        tracing_bench.save(results, list(os.getloadavg()))
+    # a data-plane-only (or tracing-only) run keeps the last full run's results (what --render renders)
+    if args.only not in ({"dataplane"}, {"tracing"}):
         (OUT_DIR / "results.json").write_text(json.dumps([r.to_dict() for r in results], indent=1, default=str))
         (OUT_DIR / "run.json").write_text(json.dumps({"wall_s": wall, "repeats": args.repeats,
                                                       "only": sorted(args.only), "failures": failures,
@@ -399,7 +403,12 @@ def main(argv: list[str] | None = None) -> int:
         if breakdown:
             (OUT_DIR / "commands.md").write_text("\n".join(["# omniflow user path: Redis commands per workflow", "",
                                                             *breakdown]))
-    if not args.no_docs and args.only == {"dataplane"}:
+    if not args.no_docs and args.only == {"tracing"}:
+        from bench import tracing_bench
+
+        splice_section(DOCS / "benchmarks.md", tracing_bench.BEGIN, tracing_bench.END, tracing_bench.markdown())
+        print(f"updated the tracing section of {DOCS / 'benchmarks.md'}")
+    elif not args.no_docs and args.only == {"dataplane"}:
         if dp_result:
             from bench import dataplane
 

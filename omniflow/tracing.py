@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TraceMiddleware", "decision", "end_session", "setup", "shutdown", "span", "trace_id_of", "tracer"]
+__all__ = ["TraceMiddleware", "chunk_event", "decision", "end_session", "exporter_names", "flush", "now_ns",
+           "record_fields", "session_span", "setup", "shutdown", "span", "trace_id_of", "tracer"]
 
 #: the process's tracer: None while tracing is off (the one check every call site makes)
 tracer: Tracer | None = None

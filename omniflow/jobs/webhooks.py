@@ -158,6 +158,8 @@ async def deliver_webhook(ctx: dict[str, Any], *, wf_id: str, state: str) -> str
         # a span of the workflow's trace per delivery attempt (an attempt that is retried ends in error)
         store: Store = ctx["store"]
         trace = s(await store.redis.hget(Keys(store.settings.prefix).wf(wf_id), "trace"))
+        if not trace:           # submitted untraced: stays so
+            return await _deliver(ctx, wf_id, state)
         with tracing.span("webhook deliver", traceparent=trace, kind="client",
                           attributes={"workflow.id": wf_id, "state": state,
                                       "attempt": int(ctx.get("job_try") or 1)}) as sp:
