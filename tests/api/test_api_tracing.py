@@ -3,107 +3,22 @@ traceparent is continued by the API span, every stage session span (real workers
 reconciler's decisions; a malformed traceparent starts a new trace; off by default."""
 from __future__ import annotations
 
-import gzip
 import json
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
-                                                                       ExportTraceServiceResponse)
 
 from apiserver import api_factory  # noqa: F401 - fixture
 from conftest import toy_spec
-from helpers import cli_env, eventually, omniflow
+from helpers import cli_env, eventually, omniflow, request
+from jobs_support import FAST, http_receiver, jobs_runner
+from otlp_support import receiver, spans_of  # noqa: F401 - fixture
 
 from omniflow import tracing
 from omniflow.errors import ConfigError
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
-
-
-class Receiver:
-    """An OTLP/HTTP trace receiver on a free loopback port: every span it is sent, decoded."""
-
-    def __init__(self) -> None:
-        self.spans: list[dict[str, Any]] = []
-        self.requests = 0
-        lock = threading.Lock()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
-                body = self.rfile.read(int(self.headers.get("content-length") or 0))
-                if self.headers.get("content-encoding") == "gzip":
-                    body = gzip.decompress(body)
-                req = ExportTraceServiceRequest.FromString(body)
-                with lock:
-                    receiver.requests += 1
-                    for rs in req.resource_spans:
-                        resource = {a.key: a.value.string_value for a in rs.resource.attributes}
-                        for ss in rs.scope_spans:
-                            for sp in ss.spans:
-                                receiver.spans.append(decode(sp, resource))
-                out = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200 if self.path == "/v1/traces" else 404)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def of_trace(self, trace_id: str) -> list[dict[str, Any]]:
-        return [sp for sp in list(self.spans) if sp["trace_id"] == trace_id]
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def value(v: Any) -> Any:
-    kind = v.WhichOneof("value")
-    return getattr(v, kind) if kind else None
-
-
-def decode(sp: Any, resource: dict[str, str]) -> dict[str, Any]:
-    return {"trace_id": sp.trace_id.hex(), "span_id": sp.span_id.hex(), "parent": sp.parent_span_id.hex(),
-            "name": sp.name, "kind": sp.kind, "attrs": {a.key: value(a.value) for a in sp.attributes},
-            "events": [(e.name, {a.key: value(a.value) for a in e.attributes}) for e in sp.events],
-            "status": sp.status.code, "service": resource.get("service.name")}
-
-
-@pytest.fixture
-def receiver(monkeypatch: pytest.MonkeyPatch) -> Iterator[Receiver]:
-    """Tracing on in this process (the in-process engine and API), exporting to a fresh receiver."""
-    rec = Receiver()
-    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", rec.url)
-    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
-    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
-    monkeypatch.delenv("OTEL_TRACES_SAMPLER", raising=False)
-    assert tracing.setup("test")
-    try:
-        yield rec
-    finally:
-        tracing.shutdown()
-        rec.close()
-
-
-async def spans_of(rec: Receiver, trace_id: str, *, until: Any) -> list[dict[str, Any]]:
-    """The trace's spans once `until(spans)` holds (exported in batches: flushed, then waited for)."""
-    tracing.flush()
-    return await eventually(lambda: (lambda got: got if until(got) else None)(rec.of_trace(trace_id)),
-                            timeout_s=15)
 
 
 async def test_a_traceparent_is_continued_by_the_api_every_stage_session_and_the_reconciler(api_factory, receiver,
@@ -245,3 +160,22 @@ async def test_a_realtime_connection_continues_the_callers_trace_in_every_turn(a
         assert conn["parent"] == PARENT_ID and conn["kind"] == 2
         thinker = next(sp for sp in spans if sp["name"] == "session thinker")
         assert thinker["parent"] == conn["span_id"] and thinker["attrs"]["omniflow.workflow.id"] == wf["id"]
+
+
+async def test_webhook_deliveries_are_spans_of_the_workflows_trace(engine_factory, receiver):
+    # no span is current here: the submit starts the trace with a `submit` span; the first delivery
+    # attempt is refused (HTTP 500) and retried
+    with http_receiver([500]) as hook:
+        async with engine_factory(**FAST) as eng, jobs_runner(eng):
+            sub = await eng.store.submit(request("hook me", ["text"], webhook_url=hook.url()))
+            doc = await eng.store.wait(sub.id, timeout_s=10)
+            trace_id = doc["trace_id"]
+            spans = await spans_of(receiver, trace_id, until=lambda got: any(
+                sp["name"] == "webhook deliver" and sp["attrs"].get("omniflow.outcome") == "delivered" for sp in got))
+    root = next(sp for sp in spans if sp["name"] == "submit")
+    assert root["parent"] == "" and root["attrs"]["omniflow.workflow.id"] == sub.id
+    deliveries = sorted((sp for sp in spans if sp["name"] == "webhook deliver"), key=lambda sp: sp["attrs"]["omniflow.attempt"])
+    assert [sp["attrs"]["omniflow.attempt"] for sp in deliveries] == [1, 2]
+    assert all(sp["parent"] == root["span_id"] and sp["kind"] == 3 for sp in deliveries)      # CLIENT
+    assert deliveries[0]["status"] == 2 and deliveries[1]["attrs"]["omniflow.outcome"] == "delivered"
+    assert any(sp["name"] == "session thinker" and sp["parent"] == root["span_id"] for sp in spans)
