@@ -179,3 +179,32 @@ async def test_webhook_deliveries_are_spans_of_the_workflows_trace(engine_factor
     assert all(sp["parent"] == root["span_id"] and sp["kind"] == 3 for sp in deliveries)      # CLIENT
     assert deliveries[0]["status"] == 2 and deliveries[1]["attrs"]["omniflow.outcome"] == "delivered"
     assert any(sp["name"] == "session thinker" and sp["parent"] == root["span_id"] for sp in spans)
+
+
+async def test_batch_lines_are_spans_and_a_failed_stage_is_a_failed_decision(engine_factory, receiver, tmp_path):
+    from omniflow.jobs.batch import parse_batch_file, submit_batch, wait_batch
+    from omniflow.jobs.queue import create_job_pool
+
+    path = tmp_path / "b.jsonl"
+    path.write_text(json.dumps({"text": "line one"}) + "\n" + json.dumps(
+        {"text": "line two", "stage_params": {"talker": {"fail_at_step": 1, "fail_retryable": False}}}) + "\n")
+    async with engine_factory(**FAST) as eng, jobs_runner(eng):
+        pool = await create_job_pool(eng.url, eng.settings)
+        try:
+            created = await submit_batch(eng.store, pool, parse_batch_file(path, eng.pipeline, eng.settings))
+        finally:
+            await pool.aclose()
+        doc = await wait_batch(eng.store, created["id"], timeout_s=20)
+        lines = {row["line"]: row for row in doc["lines"]}
+        assert lines[1]["state"] == "completed" and lines[2]["state"] == "failed"
+        traces = {n: (await eng.store.document(lines[n]["workflow_id"]))["trace_id"] for n in (1, 2)}
+        assert traces[1] and traces[2] and traces[1] != traces[2]          # a trace per line
+        done = await spans_of(receiver, traces[1], until=lambda got: any(sp["name"] == "reconcile completed" for sp in got))
+        failed = await spans_of(receiver, traces[2], until=lambda got: any(sp["name"] == "reconcile failed" for sp in got))
+    line = next(sp for sp in done if sp["name"] == "batch line")
+    assert line["attrs"]["omniflow.batch.id"] == created["id"] and line["attrs"]["omniflow.batch.line"] == 1
+    assert line["attrs"]["omniflow.workflow.id"] == lines[1]["workflow_id"]
+    assert all(sp["parent"] == line["span_id"] for sp in done if sp["name"].startswith(("session ", "reconcile ")))
+    decision = next(sp for sp in failed if sp["name"] == "reconcile failed")
+    assert decision["attrs"]["omniflow.stage"] == "talker" and decision["attrs"]["omniflow.dlq"] is True
+    assert decision["status"] == 2 and "injected failure" in decision["message"]
