@@ -208,3 +208,15 @@ async def test_batch_lines_are_spans_and_a_failed_stage_is_a_failed_decision(eng
     decision = next(sp for sp in failed if sp["name"] == "reconcile failed")
     assert decision["attrs"]["omniflow.stage"] == "talker" and decision["attrs"]["omniflow.dlq"] is True
     assert decision["status"] == 2 and "injected failure" in decision["message"]
+
+
+async def test_a_deadline_abort_is_a_decision_span(engine_factory, receiver):
+    async with engine_factory(toy_spec(thinker={"token_delay_s": 0.2})) as eng:
+        sub = await eng.store.submit(request("too slow", ["text"], deadline_s=0.3))
+        doc = await eng.store.wait(sub.id, timeout_s=15)
+        assert doc["state"] == "failed" and "deadline" in doc["error"]
+        spans = await spans_of(receiver, doc["trace_id"], until=lambda got: any(sp["name"] == "reconcile abort" for sp in got))
+    root = next(sp for sp in spans if sp["name"] == "submit")
+    abort = next(sp for sp in spans if sp["name"] == "reconcile abort")
+    assert abort["parent"] == root["span_id"] and abort["attrs"]["omniflow.workflow.id"] == sub.id
+    assert abort["status"] == 2 and abort["message"] == "deadline exceeded"
