@@ -4,6 +4,9 @@ reconciler's decisions; a malformed traceparent starts a new trace; off by defau
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -220,3 +223,15 @@ async def test_a_deadline_abort_is_a_decision_span(engine_factory, receiver):
     abort = next(sp for sp in spans if sp["name"] == "reconcile abort")
     assert abort["parent"] == root["span_id"] and abort["attrs"]["omniflow.workflow.id"] == sub.id
     assert abort["status"] == 2 and abort["message"] == "deadline exceeded"
+
+
+def test_with_tracing_off_the_sdk_is_never_imported():
+    code = ("import sys\n"
+            "from omniflow import tracing\n"
+            "import omniflow.engine.worker, omniflow.engine.reconciler, omniflow.client.store, omniflow.api.app\n"
+            "assert not tracing.setup('worker')\n"
+            "print([m for m in sys.modules if m.startswith('opentelemetry.sdk')])\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
