@@ -161,8 +161,10 @@ async def test_a_realtime_connection_continues_the_callers_trace_in_every_turn(a
                                                                          for sp in got))
         conn = next(sp for sp in spans if sp["name"] == "WEBSOCKET /v1/realtime")
         assert conn["parent"] == PARENT_ID and conn["kind"] == 2
+        turn = next(sp for sp in spans if sp["name"] == "realtime turn")
+        assert turn["parent"] == conn["span_id"] and turn["attrs"]["omniflow.workflow.id"] == wf["id"]
         thinker = next(sp for sp in spans if sp["name"] == "session thinker")
-        assert thinker["parent"] == conn["span_id"] and thinker["attrs"]["omniflow.workflow.id"] == wf["id"]
+        assert thinker["parent"] == turn["span_id"] and thinker["attrs"]["omniflow.workflow.id"] == wf["id"]
 
 
 async def test_webhook_deliveries_are_spans_of_the_workflows_trace(engine_factory, receiver):
