@@ -237,3 +237,35 @@ def test_with_tracing_off_the_sdk_is_never_imported():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.slow
+async def test_worker_and_reconciler_processes_continue_the_trace(engine_factory, receiver, tmp_path):
+    """Real `omniflow worker` and `omniflow reconciler` processes, configured only by the standard
+    OTEL_* variables, export their spans into the trace the submitting process started."""
+    import asyncio
+    import signal
+
+    async with engine_factory(workers=False, reconciler=False) as eng:
+        env = {**cli_env(eng, tmp_path), "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
+               "OTEL_BSP_SCHEDULE_DELAY": "100"}
+        procs = [await asyncio.create_subprocess_exec(sys.executable, "-m", "omniflow.cli", *argv, env=env,
+                                                      stderr=asyncio.subprocess.PIPE)
+                 for argv in (("worker", "--stage", "all"), ("reconciler",))]
+        try:
+            sub = await eng.store.submit(request("across processes", ["text"]))
+            doc = await eng.store.wait(sub.id, timeout_s=30)
+            assert doc["state"] == "completed"
+            spans = await spans_of(receiver, doc["trace_id"], until=lambda got: {sp["service"] for sp in got} >= {
+                "omniflow-test", "omniflow-worker", "omniflow-reconciler"} and any(sp["name"] == "reconcile completed"
+                                                                                 for sp in got))
+        finally:
+            for proc in procs:
+                proc.send_signal(signal.SIGTERM)
+            errs = [(await asyncio.wait_for(proc.communicate(), 30))[1] for proc in procs]
+        assert all(proc.returncode == 0 for proc in procs), errs
+    root = next(sp for sp in spans if sp["name"] == "submit")
+    thinker = next(sp for sp in spans if sp["name"] == "session thinker")
+    completed = next(sp for sp in spans if sp["name"] == "reconcile completed")
+    assert thinker["service"] == "omniflow-worker" and completed["service"] == "omniflow-reconciler"
+    assert thinker["parent"] == completed["parent"] == root["span_id"]
