@@ -55,9 +55,10 @@ async def test_a_traceparent_is_continued_by_the_api_every_stage_session_and_the
         assert api_span["attrs"]["omniflow.workflow.id"] == wf_id
         assert api_span["attrs"]["http.response.status_code"] == 202
         sessions = [sp for sp in spans if sp["name"].startswith("session ")]
+        assert api_span["trace_state"] == "vendor=opaque"          # the caller's tracestate travels too
         for sp in sessions:
             attrs = sp["attrs"]
-            assert sp["parent"] == api_span["span_id"], sp
+            assert sp["parent"] == api_span["span_id"] and sp["trace_state"] == "vendor=opaque", sp
             assert attrs["omniflow.workflow.id"] == wf_id and attrs["omniflow.stage"] == sp["name"].split()[1]
             assert attrs["omniflow.worker.id"] and attrs["omniflow.pool"] == attrs["omniflow.stage"]
         by_stage = {(sp["attrs"]["omniflow.stage"], sp["attrs"]["omniflow.attempt"]): sp for sp in sessions}
