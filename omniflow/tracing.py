@@ -115,7 +115,9 @@ def shutdown() -> None:
 # ---------------------------------------------------------------- context
 def trace_id_of(traceparent: str | None) -> str | None:
     """The trace id a stored `traceparent` names (None when there is none); needs no SDK."""
-    m = TRACEPARENT.match(traceparent or "")
+    if not traceparent:
+        return None
+    m = TRACEPARENT.match(traceparent)
     return m.group(1) if m and m.group(1) != "0" * 32 else None
 
 
