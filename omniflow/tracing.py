@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TraceMiddleware", "chunk_event", "decision", "end_session", "exporter_names", "flush", "now_ns",
+__all__ = ["TraceMiddleware", "aborted", "chunk_event", "decision", "end_session", "exporter_names", "flush", "now_ns",
            "record_fields", "session_span", "setup", "shutdown", "span", "trace_id_of", "tracer"]
 
 #: the process's tracer: None while tracing is off (the one check every call site makes)
@@ -185,6 +185,24 @@ def decision(name: str, *, traceparent: str, start_ns: int | None = None, error:
                                        **{f"omniflow.{k}": v for k, v in attributes.items() if v is not None}})
     if error:
         sp.set_status(Status(StatusCode.ERROR, error))
+    sp.end()
+
+
+def aborted(wf_id: str, *, traceparent: str, reason: str) -> None:
+    """A client's abort of workflow `wf_id` as an `abort` span of the workflow's trace, linked to
+    the span that asked for it (the abort request's, in a trace of its own)."""
+    if tracer is None or not traceparent:
+        return
+    from opentelemetry import trace
+    from opentelemetry.trace import Status, StatusCode
+
+    current = trace.get_current_span()
+    asked = current.get_span_context()
+    if asked.is_valid:
+        current.set_attribute("omniflow.workflow.id", wf_id)
+    sp = tracer.start_span("abort", context=_parent(traceparent), links=[trace.Link(asked)] if asked.is_valid else None,
+                           attributes={"omniflow.workflow.id": wf_id, "omniflow.reason": reason})
+    sp.set_status(Status(StatusCode.ERROR, reason))
     sp.end()
 
 

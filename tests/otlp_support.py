@@ -72,7 +72,8 @@ def decode(sp: Any, resource: dict[str, str]) -> dict[str, Any]:
     return {"trace_id": sp.trace_id.hex(), "span_id": sp.span_id.hex(), "parent": sp.parent_span_id.hex(),
             "name": sp.name, "trace_state": sp.trace_state, "kind": sp.kind, "attrs": {a.key: value(a.value) for a in sp.attributes},
             "events": [(e.name, {a.key: value(a.value) for a in e.attributes}) for e in sp.events],
-            "status": sp.status.code, "message": sp.status.message, "service": resource.get("service.name")}
+            "status": sp.status.code, "message": sp.status.message,
+            "links": [(link.trace_id.hex(), link.span_id.hex()) for link in sp.links], "service": resource.get("service.name")}
 
 
 @pytest.fixture

@@ -265,6 +265,8 @@ class Store:
         code = s(reply[0])
         if code == "gone":
             raise WorkflowNotFound(f"no workflow {wf_id}")
+        if code == "ok" and tracing.tracer is not None:
+            tracing.aborted(wf_id, traceparent=s(reply[-1]), reason=reason)
         return state.value if code == "ok" else s(reply[1])
 
     async def _check_tenant(self, wf_id: str, tenant: str) -> None:

@@ -270,3 +270,23 @@ async def test_worker_and_reconciler_processes_continue_the_trace(engine_factory
     completed = next(sp for sp in spans if sp["name"] == "reconcile completed")
     assert thinker["service"] == "omniflow-worker" and completed["service"] == "omniflow-reconciler"
     assert thinker["parent"] == completed["parent"] == root["span_id"]
+
+
+async def test_a_clients_abort_is_a_span_of_the_workflows_trace_linked_to_the_abort_request(api_factory, receiver):
+    async with api_factory(toy_spec(thinker={"token_delay_s": 0.2})) as (_engine, server), server.client() as http:
+        r = await http.post("/v1/workflows", headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"},
+                            json={"input": {"text": "stop me"}})
+        wf_id = r.json()["id"]
+        r = await http.post(f"/v1/workflows/{wf_id}/abort")         # no traceparent: a trace of its own
+        assert r.status_code == 200 and r.json()["state"] == "aborted"
+        spans = await spans_of(receiver, TRACE_ID, until=lambda got: any(sp["name"] == "abort" for sp in got) and any(
+            sp["name"] == "session thinker" for sp in got))
+        request_span = await eventually(lambda: next((sp for sp in receiver.spans
+                                                      if sp["name"] == "POST /v1/workflows/{wf_id}/abort"), None))
+    api = next(sp for sp in spans if sp["name"] == "POST /v1/workflows")
+    abort = next(sp for sp in spans if sp["name"] == "abort")
+    assert abort["parent"] == api["span_id"] and abort["status"] == 2 and abort["attrs"]["omniflow.workflow.id"] == wf_id
+    assert request_span["trace_id"] != TRACE_ID and request_span["attrs"]["omniflow.workflow.id"] == wf_id
+    assert abort["links"] == [(request_span["trace_id"], request_span["span_id"])]
+    thinker = next(sp for sp in spans if sp["name"] == "session thinker")
+    assert thinker["status"] == 2 and thinker["attrs"]["omniflow.outcome"] != "done"
