@@ -283,6 +283,9 @@ def ls_cmd(state: str = typer.Option(None, "--state", help="pending|running|comp
 @handle_errors
 def abort(wf_id: str = typer.Argument(..., metavar="ID"), as_json: bool = JsonOpt) -> None:
     """Abort a workflow: every stage stops, partial outputs stay, the id is retired."""
+    from omniflow import tracing
+
+    tracing.setup("cli")        # OTEL_TRACES_EXPORTER set: an `abort` span joins the workflow's trace
 
     async def go(client: Any) -> str:
         return await client.abort(wf_id, reason="aborted by operator")  # type: ignore[no-any-return]
