@@ -10,6 +10,7 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+from omniflow import tracing
 from omniflow.api import errors
 from omniflow.api.deps import ApiState, parse_admin_keys, parse_api_keys
 from omniflow.api.hub import LogHub
@@ -70,6 +71,8 @@ def create_app(settings: Settings, pipeline: Pipeline | Catalog, *, redis_url: s
     app = FastAPI(title="omniflow", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
     errors.install(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    if tracing.tracer is not None:     # outermost: the request's span covers everything below
+        app.add_middleware(tracing.TraceMiddleware)
     app.include_router(workflows.router)
     app.include_router(openai.router)
     app.include_router(audio.router)
@@ -101,5 +104,6 @@ def serve(settings: Settings, pipeline: Pipeline | Catalog, redis_url: str, host
                 f"refusing to bind {host}: no API keys are configured (set OMNIFLOW_API_KEYS='key:tenant' "
                 "or bind 127.0.0.1)")
         logger.warning("no API keys configured: authentication is off, serving on loopback %s:%d only", host, port)
+    tracing.setup("api")
     app = create_app(settings, pipeline, redis_url=redis_url)
     uvicorn.run(app, host=host, port=port, log_level="info", proxy_headers=False, timeout_graceful_shutdown=5)

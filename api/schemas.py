@@ -102,6 +102,8 @@ class WorkflowDocument(BaseModel):
     error: str | None = None
     error_stage: str | None = None
     webhook: WebhookView | None = Field(None, description="delivery attempts, when the workflow has a webhook_url")
+    trace_id: str | None = Field(None, description="the OpenTelemetry trace id of the request that made it "
+                                 "(32 hex digits), when tracing is on (docs/operations.md, Traces)")
 
 
 class WorkflowSummary(BaseModel):

@@ -28,7 +28,8 @@ def ratios(results: list[Result]) -> dict[str, object]:
     rows are compared with each other. (The user path and BullMQ, both c=8, are in `user_lines`.)"""
     thr = [r for r in measured(results) if r.mode == "throughput" and r.extra.get("server") != "AOF everysec"
            and "utilization" not in r.extra]
-    omni = [r for r in thr if r.system == "omniflow" and r.extra.get("submit_mode", "single") == "single"]
+    omni = [r for r in thr if r.system == "omniflow" and r.extra.get("submit_mode", "single") == "single"
+            and "tracing" not in r.extra]
     peers = [r for r in thr if r.system in QUEUE_PEERS]
     raw = [r for r in thr if r.system == "raw-streams"]
     out: dict[str, object] = {}
@@ -78,6 +79,25 @@ def ratio_lines(results: list[Result], omni_missing: bool, selected: bool = True
         op, ceiling = rt["omni_pipelined"], rt["raw_ceiling"]
         lines.append(f"(pipelined submits on both sides: omniflow {op.procs} proc/stage {op.workflows_per_s:,.0f} wf/s "
                      f"vs raw streams {ceiling.workflows_per_s:,.0f} wf/s: {rt['vs_raw_ceiling']:.0f}%)")
+    return lines
+
+
+def tracing_lines(results: list[Result]) -> list[str]:
+    """What OpenTelemetry traces cost (bench/tracing_bench.py): each traced row against the row with
+    tracing off, measured in the same run (round-robin), as throughput and engine CPU per workflow."""
+    rows = {r.extra.get("tracing"): r for r in measured(results) if r.mode == "throughput" and r.extra.get("tracing")}
+    off = rows.get("off")
+    if off is None:
+        return []
+    lines = []
+    for mode, label in (("unsampled", "nothing sampled"), ("exported", "every span exported")):
+        on = rows.get(mode)
+        if on is None:
+            continue
+        cpu_off, cpu_on = off.extra.get("cpu_us_per_wf_total"), on.extra.get("cpu_us_per_wf_total")
+        cpu = f"; engine CPU per workflow {cpu_on / cpu_off:.2f}× ({cpu_off} → {cpu_on} µs)" if cpu_off and cpu_on else ""
+        lines.append(f"tracing on ({label}) vs off: {on.workflows_per_s / off.workflows_per_s:.2f}× throughput "
+                     f"({off.workflows_per_s:,.0f} → {on.workflows_per_s:,.0f} wf/s{cpu})")
     return lines
 
 
@@ -223,11 +243,17 @@ def dataplane_section(result: dict | None) -> list[str]:
 def splice_dataplane(path: Path, result: dict) -> None:
     """`--only dataplane`: replace the data-plane section of an existing docs/benchmarks.md (between its
     markers, or before the failed runs / at the end), leaving the other sections as they were generated."""
+    splice_section(path, DP_BEGIN, DP_END, dataplane_section(result))
+
+
+def splice_section(path: Path, begin: str, end: str, lines: list[str]) -> None:
+    """Replace one generated section (between its markers `begin` and `end`) of an existing
+    docs/benchmarks.md, or add it before bench/notes.md's text / the failed runs / at the end."""
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = "\n".join(dataplane_section(result))
-    if DP_BEGIN in text and DP_END in text:
-        head, rest = text.split(DP_BEGIN, 1)
-        text = head + section.rstrip("\n") + rest.split(DP_END, 1)[1]
+    section = "\n".join(lines)
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + section.rstrip("\n") + rest.split(end, 1)[1]
     else:
         notes = REPO_ROOT / "bench" / "notes.md"
         first = next((ln for ln in notes.read_text().splitlines() if ln.strip()), None) if notes.exists() else None
@@ -266,7 +292,7 @@ def write_markdown(path: Path, results: list[Result], failures: list[str], args,
           "`wait` returning the document); BullMQ's and the user path's burst clients run 8 concurrent submitters "
           "and see every workflow finish. `reference` rows: the loop-run stages, completion from the in-flight "
           "set (what `make bench` measured before).", ""]
-    for line in user_lines(results) + ratio_lines(results, omni_missing, "omniflow" in args.only):
+    for line in user_lines(results) + ratio_lines(results, omni_missing, "omniflow" in args.only) + tracing_lines(results):
         md += [line, ""]        # one paragraph each: exact lines, greppable
     md += ["## Throughput", "", format_table(thr), ""]
     md += ["## Low-load latency (one workflow at a time)", "", format_table(lat), ""]
@@ -338,6 +364,9 @@ def write_markdown(path: Path, results: list[Result], failures: list[str], args,
 
     md += realtime.markdown()
     md += dataplane_section(dataplane_result)
+    from bench import tracing_bench  # what traces cost, from bench/out/tracing.json when that group ran
+
+    md += tracing_bench.markdown()
     notes = REPO_ROOT / "bench" / "notes.md"
     if notes.exists():
         md += [notes.read_text().rstrip(), ""]

@@ -32,14 +32,15 @@ from bench.common import (
     start_server,
 )
 from bench.report import (
-    DOCS, command_breakdown, plot, ratio_lines, splice_dataplane, user_lines, write_markdown,
+    DOCS, command_breakdown, plot, ratio_lines, splice_dataplane, splice_section, tracing_lines, user_lines, write_markdown,
 )
 
 CELERY_VENV = REPO_ROOT / ".venv-bench-celery"
 # pipeline: bench/pipeline.py; user: omniflow as a user meets it (bench/omniflow_user.py); http: bench/api_latency.py
 # realtime: bench/realtime.py (/v1/realtime barge-in and first deltas)
+# tracing: bench/tracing_bench.py (the cost of OpenTelemetry traces: off, on unsampled, on exported)
 GROUPS = ["raw", "inproc", "arq", "dramatiq", "celery", "bullmq", "omniflow", "user", "http", "pipeline", "dataplane",
-          "realtime"]
+          "realtime", "tracing"]
 BULLMQ_CONCURRENCY = (1, 8, 32)
 
 
@@ -142,6 +143,12 @@ def build_specs(args: argparse.Namespace, omni, user=None) -> list[Spec]:
         add(Spec("omniflow", "omniflow latency", lambda u: omni.run_latency(u, lat_n), mode="latency"))
         add(Spec("omniflow", "omniflow latency, stages co-located",
                  lambda u: omni.run_latency(u, lat_n, colocated=True), mode="latency"))
+        # what traces cost: the co-located row (the engine's CPU bounds it) off, on unsampled, on exported
+        from bench import tracing_bench
+
+        for mode, label in tracing_bench.MODES.items():
+            add(Spec("tracing", f"omniflow 1 proc, stages co-located, {label}",
+                     lambda u, m=mode: tracing_bench.run(u, n, m)))
         if hasattr(omni, "run_extra"):
             # Optional: extra omniflow rows (e.g. the simulated-GPU run) -> list[Result].
             add(Spec("omniflow", "omniflow extra rows", lambda u: omni.run_extra(u, quick=args.quick),
@@ -321,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     (OUT_DIR / "errors.log").write_text("")
     t_start = time.monotonic()
     load_start = list(os.getloadavg())
-    omni = load_omniflow() if "omniflow" in args.only else None
+    omni = load_omniflow() if args.only & {"omniflow", "tracing"} else None
     omni_missing = "omniflow" in args.only and omni is None
     user = load_omniflow("bench.omniflow_user") if "user" in args.only else None
     if "celery" in args.only:
@@ -371,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(dataplane.table(dp_result)))
         print("\n".join(dp_result["lines"]))
     print()
-    for line in user_lines(results) + ratio_lines(results, omni_missing, "omniflow" in args.only):
+    for line in user_lines(results) + ratio_lines(results, omni_missing, "omniflow" in args.only) + tracing_lines(results):
         print(line)
     print(f"load average at the start {' / '.join(f'{x:.1f}' for x in load_start)}, at the end "
           f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} (1/5/15 min, {os.cpu_count()} CPUs)")
@@ -381,8 +388,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED: {f}")
     print(f"wall time: {wall:.0f}s")
 
-    # a data-plane-only run keeps the last full run's results (what --render renders)
-    if args.only != {"dataplane"}:
+    if "tracing" in args.only:
+        from bench import tracing_bench
+
+        tracing_bench.save(results, list(os.getloadavg()))
+    # a data-plane-only (or tracing-only) run keeps the last full run's results (what --render renders)
+    if args.only not in ({"dataplane"}, {"tracing"}):
         (OUT_DIR / "results.json").write_text(json.dumps([r.to_dict() for r in results], indent=1, default=str))
         (OUT_DIR / "run.json").write_text(json.dumps({"wall_s": wall, "repeats": args.repeats,
                                                       "only": sorted(args.only), "failures": failures,
@@ -392,7 +403,12 @@ def main(argv: list[str] | None = None) -> int:
         if breakdown:
             (OUT_DIR / "commands.md").write_text("\n".join(["# omniflow user path: Redis commands per workflow", "",
                                                             *breakdown]))
-    if not args.no_docs and args.only == {"dataplane"}:
+    if not args.no_docs and args.only == {"tracing"}:
+        from bench import tracing_bench
+
+        splice_section(DOCS / "benchmarks.md", tracing_bench.BEGIN, tracing_bench.END, tracing_bench.markdown())
+        print(f"updated the tracing section of {DOCS / 'benchmarks.md'}")
+    elif not args.no_docs and args.only == {"dataplane"}:
         if dp_result:
             from bench import dataplane
 

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from starlette.websockets import WebSocket
 
+from omniflow import tracing
 from omniflow.api import knobs
 from omniflow.api.deps import ApiState
 from omniflow.api.realtime.config import PCM_RATE, Capabilities
@@ -218,11 +219,12 @@ class Connection:
             if wait_s > 0:
                 raise AdmissionRefused(f"tenant {tenant!r} is over its submit rate; retry in {wait_s:.2f}s",
                                        retry_after_s=wait_s)
-            submitted = await self.store.submit(SubmitRequest(
-                input=WorkflowInput(text=response.prompt), output_modalities=self._workflow_modalities(response),
-                stage_params=knobs.stage_params(self.pipeline, response.knobs), request_id=response.request_id,
-                pipeline=f"{self.pipeline.name}@{self.pipeline.digest}"),
-                tenant=tenant)
+            # a span per turn (tracing on): the turn's workflow is its child, the connection its parent
+            with tracing.span("realtime turn", attributes={"realtime.response.id": response.id}):
+                submitted = await self.store.submit(SubmitRequest(
+                    input=WorkflowInput(text=response.prompt), output_modalities=self._workflow_modalities(response),
+                    stage_params=knobs.stage_params(self.pipeline, response.knobs), request_id=response.request_id,
+                    pipeline=f"{self.pipeline.name}@{self.pipeline.digest}"), tenant=tenant)
         except OmniflowError as exc:
             await self._refuse_turn(response, exc)
             return

@@ -202,7 +202,7 @@ function renderDetail(doc, tl) {
   $("#d-id").textContent = doc.id;
   const st = $("#d-state"); st.textContent = doc.state; st.className = `state ${doc.state}`;
   $("#d-meta").textContent = [`tenant ${doc.tenant}`, doc.request_id ? `request ${doc.request_id}` : null,
-    `pipeline ${doc.pipeline}`, `created ${new Date(doc.created_at * 1000).toLocaleString()}`,
+    `pipeline ${doc.pipeline}`, doc.trace_id ? `trace ${doc.trace_id}` : null, `created ${new Date(doc.created_at * 1000).toLocaleString()}`,
     doc.finished_at ? `took ${fmtS(doc.finished_at - doc.created_at)}` : "still running"].filter(Boolean).join(" · ");
   $("#abort").disabled = !LIVE.has(doc.state);
   $("#retry").disabled = !(doc.state === "failed" || doc.state === "aborted");

@@ -224,6 +224,9 @@ def submit(text: str = typer.Argument(..., help="the prompt"),
     req = submit_request(pipe, text, modalities=modalities, request_id=request_id, deadline=deadline, out=out)
     if pipeline is not None:
         req = req.model_copy(update={"pipeline": f"{pipe.name}@{pipe.digest}"})
+    from omniflow import tracing
+
+    tracing.setup("cli")        # OTEL_TRACES_EXPORTER set: the workflow's trace starts with a `submit` span here
 
     async def go(client: Any) -> dict[str, Any]:
         wf_id = (await client.store.submit(req, tenant=client.tenant)).id
@@ -317,6 +320,9 @@ def ls_cmd(state: str = typer.Option(None, "--state", help="pending|running|comp
 @handle_errors
 def abort(wf_id: str = typer.Argument(..., metavar="ID"), as_json: bool = JsonOpt) -> None:
     """Abort a workflow: every stage stops, partial outputs stay, the id is retired."""
+    from omniflow import tracing
+
+    tracing.setup("cli")        # OTEL_TRACES_EXPORTER set: an `abort` span joins the workflow's trace
 
     async def go(client: Any) -> str:
         return await client.abort(wf_id, reason="aborted by operator")  # type: ignore[no-any-return]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from omniflow.storage.schema import RecordField, StageRecord, WorkflowRecord, csv
+from omniflow.tracing import trace_id_of
 
 
 def output_kinds(rec: dict[str, str]) -> dict[str, str]:
@@ -63,4 +64,5 @@ def workflow_document(wf_id: str, rec: dict[str, str], st: dict[str, str], texts
         "error": record.error or None,
         "error_stage": record.error_stage or None,
         "webhook": webhook,
+        "trace_id": trace_id_of(rec.get("trace")),
     }

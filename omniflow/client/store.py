@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from omniflow.storage.client import RedisClient
 
+from omniflow import tracing
 from omniflow.catalog import Catalog
 from omniflow.storage import cells, redisio, registry
 from omniflow.storage.batcher import Batcher
@@ -34,7 +35,7 @@ from omniflow.client.documents import text_stages, workflow_document
 from omniflow.client.realtime import RealtimeSessions
 from omniflow.storage.schema import decode_fields, now_ms, s
 from omniflow.storage.transitions import Call, admission
-from omniflow.storage.transitions.admission import SubmitResult
+from omniflow.storage.transitions.admission import AbortResult, SubmitResult
 
 if TYPE_CHECKING:
     from omniflow.storage.listing import ListFilter, ListPage
@@ -189,6 +190,8 @@ class Store:
             self._check_webhook(req.webhook_url)
         if req.request_id:     # what a reuse of the key is compared with (409 idempotency_conflict)
             record += ["body_hash", body_hash(req)]
+        if tracing.tracer is not None:     # the request's trace, continued by every process (omniflow.tracing)
+            record += tracing.record_fields(wf_id)
         call = admission.submit(
             self.keys, wf_id, tenant=tenant, request_id=req.request_id or "",
             admit=tuple(pipeline.queue(st) for st in parts.plan.admit),
@@ -313,6 +316,8 @@ class Store:
             await self._check_tenant(wf_id, tenant)
         reply = await redisio.call(self._redis, *abort_call(self.keys, self.settings, self._finalize_plan, wf_id,
                                                            state=state, reason=reason, stage=stage))
+        if tracing.tracer is not None and admission.abort_code(reply) is AbortResult.OK:
+            tracing.aborted(wf_id, traceparent=s(reply[-1]), reason=reason)
         return admission.abort_result(wf_id, reply, state)
 
     async def _check_tenant(self, wf_id: str, tenant: str) -> None:

@@ -34,6 +34,7 @@ from arq.connections import ArqRedis
 from pydantic import ValidationError
 from omniflow.storage.client import REDIS_ERRORS, RedisClient
 
+from omniflow import tracing
 from omniflow.config import Settings
 from omniflow.errors import AdmissionRefused, InvalidRequest, WorkflowError, WorkflowNotFound
 from omniflow.storage.keys import Keys
@@ -279,7 +280,8 @@ async def run_batch_chunk(ctx: dict[str, Any], *, batch_id: str, lines: list[int
             if chunk.left_s() <= 0:
                 return False
             try:
-                return await chunk.run_line(n)
+                with tracing.span("batch line", attributes={"batch.id": batch_id, "batch.line": n}):
+                    return await chunk.run_line(n)
             except REDIS_ERRORS:
                 raise
             except Exception as exc:    # noqa: BLE001 - one broken line never kills the batch

@@ -171,8 +171,10 @@ async def _again_and_again(name: str, run: Callable[[], Coroutine[Any, Any, None
 def run_jobs(settings: Settings, pipeline: Pipeline, redis_url: str) -> None:
     """Run the job runner until SIGINT/SIGTERM (blocking)."""
     from omniflow.engine.health import with_health
+    from omniflow import tracing
     from omniflow.runtime import run_until_signal
 
+    tracing.setup("jobs")
     runner = JobsRunner(settings=settings, pipeline=pipeline, redis_url=redis_url)
     run_until_signal(with_health(runner.run, port=settings.health_port,
                                  ready=lambda: (runner.started.is_set(), "starting")))

@@ -33,6 +33,7 @@ from arq.connections import ArqRedis
 from omniflow.storage.client import RedisClient
 from standardwebhooks import Webhook
 
+from omniflow import tracing
 from omniflow.storage import redisio
 from omniflow.config import Settings
 from omniflow.jobs.egress import EgressPolicy, EgressRefused, check_url, split_url
@@ -152,7 +153,20 @@ async def record(redis: RedisClient, keys: Keys, wf_id: str, outcome: DeliveryOu
 async def deliver_webhook(ctx: dict[str, Any], *, wf_id: str, state: str) -> str:
     """arq job: POST the document of workflow `wf_id` (ended in `state`) to its webhook URL."""
     try:
-        return await _deliver(ctx, wf_id, state)
+        if tracing.tracer is None:
+            return await _deliver(ctx, wf_id, state)
+        # a span of the workflow's trace per delivery attempt (an attempt that is retried ends in error)
+        store: Store = ctx["store"]
+        trace = s(await store.client.hget(store.keys.wf(wf_id), "trace"))
+        if not trace:           # submitted untraced: stays so
+            return await _deliver(ctx, wf_id, state)
+        with tracing.span("webhook deliver", traceparent=trace, kind="client",
+                          attributes={"workflow.id": wf_id, "state": state,
+                                      "attempt": int(ctx.get("job_try") or 1)}) as sp:
+            outcome = await _deliver(ctx, wf_id, state)
+            if sp is not None:
+                sp.set_attribute("omniflow.outcome", outcome)
+            return outcome
     except redisio.REDIS_ERRORS as exc:
         logger.warning("webhook for workflow %s: Redis error %s; trying again in %.0fs", wf_id, exc, ERROR_PAUSE_S)
         raise Retry(defer=ERROR_PAUSE_S) from exc

@@ -45,8 +45,13 @@ def timeline_rows(entries: list[tuple[str, dict[str, str]]], created_ms: int) ->
 
 
 def timeline_table(doc: dict[str, Any], rows: list[dict[str, Any]]) -> Table:
-    on = f" — pipeline {doc['pipeline']}@{doc.get('pipeline_version') or '?'}" if doc.get("pipeline") else ""
-    table = Table(title=f"workflow {doc['id']} — {doc['state']}{on}", show_lines=False)
+    # one line each (a long title wraps at the table's width, cutting an id in two)
+    lines = [f"workflow {doc['id']} — {doc['state']}"]
+    if doc.get("pipeline"):
+        lines.append(f"pipeline {doc['pipeline']}@{doc.get('pipeline_version') or '?'}")
+    if doc.get("trace_id"):
+        lines.append(f"trace {doc['trace_id']}")
+    table = Table(title="\n".join(lines), show_lines=False)
     for col, justify in (("t (ms)", "right"), ("event", "left"), ("stage", "left"), ("detail", "left")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for row in rows:

@@ -9,6 +9,7 @@ import random
 import time
 from typing import Any
 
+from omniflow import tracing
 from omniflow.engine.reconciler.context import ReconcilerContext
 from omniflow.errors import MalformedEntry, RedisError, RedisUnavailable
 from omniflow.runtime import Backoff
@@ -31,6 +32,30 @@ def backoff_ms(attempt: int, *, base_s: float, cap_s: float, jitter: float, rng:
     """Exponential backoff with jitter and a cap, for the retry after `attempt` failed."""
     delay = min(cap_s, base_s * (2 ** min(MAX_BACKOFF_DOUBLINGS, max(0, attempt - 1))))
     return int(delay * (1 + rng.uniform(-jitter, jitter)) * 1000)
+
+
+TRACED = frozenset({"completed", "retry", "failed"})
+
+
+def trace_decision(result: Any, begun_ns: int, *, reconciler: str, wf_id: str, stage: str, attempt: int, kind: str,
+                   detail: str) -> None:
+    """One `stage_event.lua` reply as a decision span (completed, retry, failed: the stage's DLQ;
+    see its header: the last item is the workflow's traceparent), or as an error span when the
+    script failed on it."""
+    attrs: dict[str, Any] = {"workflow.id": wf_id, "stage": stage, "attempt": attempt, "event": kind,
+                             "reconciler": reconciler}
+    if isinstance(result, Exception):
+        tracing.decision("dead_letter", traceparent="", start_ns=begun_ns, error=f"stage_event failed: {result}", **attrs)
+        return
+    code = s(result[0]) if isinstance(result, list) and result else ""
+    if code not in TRACED:
+        return
+    if code == "retry":
+        attrs.update(next_attempt=int(s(result[1])), reason=detail[:200])
+    elif code == "failed":
+        attrs["dlq"] = True         # stage_event.lua dead-lettered the stage's task
+    tracing.decision(code, traceparent=s(result[-1]), start_ns=begun_ns, error=detail[:200] if code == "failed" else "",
+                     **attrs)
 
 
 class Events:
@@ -126,6 +151,22 @@ class Events:
         return reconcile.dead_letter(keys.dlq(DLQ_EVENTS, cell), keys.events(cell), EVENT_GROUP, entry_id,
                                         fields, reason, max_len=self.ctx.settings.dlq_max_len)
 
+    def trace_decisions(self, entries: list[tuple[bytes, dict[bytes, bytes] | None]], results: list[Any],
+                        begun_ns: int) -> None:
+        """The decisions `stage_event.lua` took on these events (retry, failed: the DLQ, completed) and
+        the events dead-lettered, as spans of their workflows' traces (tracing on only)."""
+        for (_entry_id, fields), result in zip(entries, results):
+            if not fields:
+                continue
+            try:
+                ev = event(fields, stages=self.ctx.pipeline.stages)
+            except MalformedEntry as exc:
+                tracing.decision("dead_letter", traceparent="", start_ns=begun_ns, error=f"malformed event: {exc}",
+                                 reconciler=self.ctx.id)
+                continue
+            trace_decision(result, begun_ns, reconciler=self.ctx.id, wf_id=ev.wf_id, stage=ev.stage,
+                           attempt=ev.attempt, kind=ev.kind.value, detail=ev.detail)
+
     async def apply(self, entries: list[tuple[bytes, dict[bytes, bytes] | None]], cell: int = 0) -> list[str]:
         """Apply a batch of events in one round trip; returns each result code.
 
@@ -155,11 +196,14 @@ class Events:
             except MalformedEntry as exc:
                 calls.append(self._dead_letter_call(entry_id, fields, f"malformed event: {exc}", cell))
                 codes.append("dead_letter")
+        begun = tracing.now_ns() if tracing.tracer is not None else 0
         try:
             results = await redisio.execute(ctx.redis, calls)
         except RedisUnavailable as exc:
             logger.warning("reconciler %s: applying %d event(s) failed: %s", ctx.id, len(entries), exc)
             return [PENDING] * len(entries)
+        if begun:
+            self.trace_decisions(entries, results, begun)
         out: list[str] = []
         poison: list[tuple[Any, ...]] = []
         for (entry_id, fields), code, result in zip(entries, codes, results):

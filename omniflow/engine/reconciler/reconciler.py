@@ -141,7 +141,9 @@ class Reconciler:
 
 def run_reconciler(settings: Settings, pipeline: Pipeline | Catalog, redis_url: str) -> None:
     from omniflow.engine.health import with_health
+    from omniflow import tracing
     from omniflow.runtime import run_until_signal
 
+    tracing.setup("reconciler")
     rec = Reconciler(settings=settings, pipeline=pipeline, redis_url=redis_url)
     run_until_signal(with_health(rec.run, port=settings.health_port, ready=rec.ready))

@@ -10,8 +10,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from omniflow import tracing
 from omniflow.engine.reconciler.context import ReconcilerContext
-from omniflow.engine.reconciler.events import EVENT_BATCH, Events
+from omniflow.engine.reconciler.events import EVENT_BATCH, Events, trace_decision
 from omniflow.errors import MalformedEntry, RedisError, ScriptError
 from omniflow.models import WorkflowState
 from omniflow.storage import listing, redisio, registry
@@ -186,6 +187,7 @@ class Sweeps:
         if gone:    # the entry was deleted (its session finished or was dropped): just un-pend it
             await self.ctx.redis.xack(stream, TASK_GROUP, *gone)
         calls = []
+        lost: list[tuple[int, str, int]] = []     # (its call, workflow, attempt) of each lost session
         for p, rows in zip(pending, found):
             if not rows:
                 continue
@@ -206,7 +208,13 @@ class Sweeps:
             calls.append(self.events.stage_event_call(task.wf_id, stage, EventKind.LOST.value, task.attempt, now,
                                                 f"worker {worker_id} stopped heartbeating", retryable=True,
                                                 due_ms=now, task=(stream, entry_id), pipeline=pipeline))
+            lost.append((len(calls) - 1, task.wf_id, task.attempt))
+        begun = tracing.now_ns() if tracing.tracer is not None else 0
         results = await self._run_scripts(calls)
+        if begun and len(results) == len(calls):
+            for i, wf_id, attempt in lost:
+                trace_decision(results[i], begun, reconciler=self.ctx.id, wf_id=wf_id, stage=stage, attempt=attempt,
+                               kind=EventKind.LOST.value, detail=f"worker {worker_id} stopped heartbeating")
         failed = sum(isinstance(r, Exception) for r in results)
         # entries whose script failed are still pending: keep the consumer, try again next sweep
         return len(results) - failed, int(len(pending) == SWEEP_BATCH or failed > 0)
@@ -260,11 +268,17 @@ class Sweeps:
         if not late:
             return 0
         reasons = await self._deadline_reasons([wf_id for _cell, wf_id in late])
+        begun = tracing.now_ns() if tracing.tracer is not None else 0
         results = await self._run_scripts([
             admission.abort(self.ctx.keys, self.ctx.finalize_plan, wf_id, now_ms=now_ms(), state=WorkflowState.FAILED,
                             reason=reason, stage=stage, tombstone_ttl_s=self.ctx.settings.tombstone_ttl_s,
                             result_ttl_s=self.ctx.settings.result_ttl_s)
             for (_cell, wf_id), (reason, stage) in zip(late, reasons)])
+        if begun:
+            for (_cell, wf_id), (reason, _stage), r in zip(late, reasons, results):
+                if not isinstance(r, Exception) and admission.abort_code(r) is AbortResult.OK:
+                    tracing.decision("abort", traceparent=s(r[-1]), start_ns=begun, error=reason,
+                                     **{"workflow.id": wf_id, "reconciler": self.ctx.id})
         # A record that expired or vanished ('gone') must not pin an admission slot; one whose abort
         # failed (e.g. NOSCRIPT twice) stays, so that the next sweep fails it properly.
         stray = [(cell, wf_id) for (cell, wf_id), r in zip(late, results)

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from omniflow.models import SessionState
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
     from omniflow.dataplane.backpressure import EdgeWindow, WaitStats
     from omniflow.dataplane.base import Ref
     from omniflow.dataplane.plane import DataPlane
@@ -71,6 +73,8 @@ class SessionCore:
     _domains: dict[str, tuple[str, float]]  # dst -> (domain, looked up at)
     _windows: dict[str, EdgeWindow]
     _unreported: dict[str, tuple[int, int]]  # src -> chunks, bytes read unreported
+    trace: tuple[str, str]  # the workflow's W3C (traceparent, tracestate)
+    _span: Span | None  # this session's span while tracing is on (omniflow.tracing)
 
 
     @property

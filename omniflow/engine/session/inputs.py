@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from omniflow import tracing
 from omniflow.dataplane import codec
 from omniflow.dataplane.base import InputLost, PayloadMissing, Ref, TransportKind, WrongHost
 from omniflow.executor import Chunk
@@ -40,6 +41,8 @@ class SessionInputs(SessionOutputs):
             chunk = self._decode_inline(src, seq, fields) or await self._decode(src, seq, fields)
             self._last_in[src] = chunk.seq
             self._note_read(src, chunk.seq, fields)
+            if self._span is not None:
+                tracing.chunk_event(self._span, "in", src, chunk.seq)
             yield chunk
 
     def _next_ready(self) -> tuple[str, dict[bytes, bytes]] | None:

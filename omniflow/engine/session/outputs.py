@@ -13,6 +13,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from omniflow import tracing
 from omniflow.dataplane import codec
 from omniflow.dataplane.backpressure import EdgeWindow, WaitStats, wait_for_room
 from omniflow.dataplane.base import TransportKind
@@ -64,6 +65,10 @@ class SessionOutputs(SessionCore):
             if must_wait:
                 await self._admit(sizes)
         step = self._build_step(self.seq, text, audio, sample_rate, data, to, checkpoint, sizes)
+        if self._span is not None and (data is not None or to):
+            for dst in self.downstream:
+                if data is not None or dst in (to or {}):
+                    tracing.chunk_event(self._span, "out", dst, self.seq, sizes.get(dst))
         for dst, nbytes in sizes.items():
             window = self._windows.get(dst)
             if window is not None:

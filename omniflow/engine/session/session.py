@@ -12,6 +12,8 @@ from omniflow.executor import Session as ExecutorSession
 from omniflow.models import SessionState
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
     from omniflow.dataplane.backpressure import EdgeWindow, WaitStats
     from omniflow.dataplane.base import Ref
     from omniflow.dataplane.plane import DataPlane
@@ -71,6 +73,8 @@ class Session(SessionInputs):
     _domains: dict[str, tuple[str, float]] = field(default_factory=dict)   # dst -> (domain, looked up at)
     _windows: dict[str, EdgeWindow] = field(default_factory=dict)
     _unreported: dict[str, tuple[int, int]] = field(default_factory=dict)  # src -> chunks, bytes read unreported
+    trace: tuple[str, str] = ("", "")   # the workflow's W3C (traceparent, tracestate), from its record
+    _span: Span | None = None           # this session's span while tracing is on (omniflow.tracing)
 
 
 # mypy checks here that this class is what the executor contract promises (and

@@ -7,6 +7,7 @@ import json
 import logging
 from typing import Any
 
+from omniflow import tracing
 from omniflow.engine.session import Session
 from omniflow.engine.worker.chunks import MAX_DETAIL_CHARS, chunk_fields, fields_dict
 from omniflow.engine.worker.context import WorkerContext
@@ -70,6 +71,7 @@ class Claims:
             try:
                 _, raw_input, raw_params, raw_stages, raw_finals, seq = reply[:6]
                 checkpoint = s(reply[7]) if len(reply) > 7 else ""
+                trace = (s(reply[8]), s(reply[9])) if tracing.tracer is not None and len(reply) > 9 else ("", "")
                 catchup = [(s(src), chunk) for src, entries in reply[6] for entry in entries
                            for chunk in chunk_fields(fields_dict(entry[1]))] if upstream else []
                 required, finals, downstream = self._plan_of(pool, raw_stages, raw_finals)
@@ -83,7 +85,7 @@ class Claims:
                     state=SessionState.WAITING_INPUT if upstream else SessionState.RUNNING,
                     checkpoint=checkpoint, _home=loop if pool.compute is not None else None,
                     _plane=ctx.plane, _domain_of=self.runner.domain_of, _chunk_dsts=pool.chunk_dsts,
-                    _bp=ctx.backpressure, _consumers=ctx.consumers, queue=pool.queue,
+                    _bp=ctx.backpressure, _consumers=ctx.consumers, queue=pool.queue, trace=trace,
                 )
             except Exception as exc:  # noqa: BLE001 - a record that does not decode fails its workflow, not us
                 ctx.inputs.pop((wf_id, stage, attempt), None)

@@ -9,6 +9,7 @@ import functools
 import logging
 import time
 
+from omniflow import tracing
 from omniflow.dataplane import InputLost
 from omniflow.engine.session import Session
 from omniflow.engine.worker.chunks import MAX_DETAIL_CHARS, usage_json
@@ -41,6 +42,10 @@ class SessionRunner:
         wf_id, stage, attempt = session.wf_id, session.stage, session.attempt
         started = time.monotonic()
         outcome, detail, retryable = "failed", "aborted", False
+        if tracing.tracer is not None and session.trace[0]:     # a workflow submitted untraced stays so
+            session._span = tracing.session_span(wf_id=wf_id, stage=stage, attempt=attempt, worker=ctx.id,
+                                                 pool=pool.stage, traceparent=session.trace[0],
+                                                 tracestate=session.trace[1])
         try:
             if session.resume_seq and not pool.executor.resumable:
                 await self.restart(session)
@@ -58,6 +63,9 @@ class SessionRunner:
         finally:
             ctx.inputs.pop((wf_id, stage, attempt), None)
         code = await self._close(pool, cell, entry_id, session, outcome, detail, retryable)
+        if session._span is not None:
+            tracing.end_session(session._span, outcome=outcome, detail=detail, code=code, steps=session.seq,
+                                usage=session.reported_usage)
         if session.held and code == "ok" and outcome == "done":
             # done for good: no retry of this session will replay these payloads
             await self._release_inputs(session)

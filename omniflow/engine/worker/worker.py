@@ -240,7 +240,9 @@ class Worker:
 def run_worker(settings: Settings, pipeline: Pipeline | Catalog, stage: str | Sequence[str], redis_url: str) -> None:
     """Blocking entry point used by the CLI: runs until SIGINT/SIGTERM."""
     from omniflow.engine.health import with_health
+    from omniflow import tracing
     from omniflow.runtime import run_until_signal
 
+    tracing.setup("worker")
     worker = Worker(settings=settings, pipeline=pipeline, stage=stage, redis_url=redis_url)
     run_until_signal(with_health(worker.run, port=settings.health_port, ready=worker.ready))

@@ -6,10 +6,12 @@
 -- ARGV[5] upstream stages csv ('' for the entry stage)  ARGV[6] stage
 -- ARGV[7..] triples: task entry id, workflow id, attempt
 -- Returns one reply per task, in order:
---   {'ok', input, params, stages csv, finals csv, emitted seq, catch-up, checkpoint}
+--   {'ok', input, params, stages csv, finals csv, emitted seq, catch-up, checkpoint, trace, tracestate}
 --       catch-up: for each upstream stage, {src, entries of its edge log so far}; entries written
 --       after this call reach the worker's inbox instead (see edge_append in _lib.lua)
 --       checkpoint: what earlier attempts checkpointed with their steps (emit.lua op 'C'), '' if none
+--       trace, tracestate: the W3C context of the request that made the workflow ('' if none;
+--       omniflow.tracing)
 --   {'drop', reason}   (task acked and deleted: workflow gone/terminal/tombstoned, or stale attempt)
 -- Claiming again a task this replica already holds answers 'ok' again (a retried call is harmless).
 --@include _lib.lua
@@ -23,7 +25,8 @@ for i = 7, #ARGV, 3 do
   local entry_id, id, attempt = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   local wf = KEYS[4 + (i - 7) / 3 * per_task]
   local sk = key(wf .. ':stages')
-  local rec = redis.call('HMGET', wf, 'state', 'input', 'params', 'stages', 'finals', 'created_ms')
+  local rec = redis.call('HMGET', wf, 'state', 'input', 'params', 'stages', 'finals', 'created_ms', 'trace',
+    'tracestate')
   local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':replica',
     stage .. ':ckpt')
   local why = nil
@@ -55,7 +58,8 @@ for i = 7, #ARGV, 3 do
     for _, src in ipairs(upstream) do
       catchup[#catchup + 1] = {src, redis.call('XRANGE', key(wf .. ':edge:' .. src .. ':' .. stage), '-', '+')}
     end
-    out[#out + 1] = {'ok', rec[2], rec[3], rec[4], rec[5], cur[3] or '0', catchup, cur[5] or ''}
+    out[#out + 1] = {'ok', rec[2], rec[3], rec[4], rec[5], cur[3] or '0', catchup, cur[5] or '',
+      rec[7] or '', rec[8] or ''}
   end
 end
 return out

@@ -11,7 +11,8 @@
 -- 'lost' is a session whose worker died: its task is acked here, then it is retried like a failure.
 -- The event is acked and deleted here, after it was applied, in the same atomic step: an event
 -- whose call was refused (OOM, READONLY...) or failed stays pending and is applied later.
--- Returns {'ignored', why} | {'advanced'} | {'completed'} | {'retry', attempt} | {'failed'}
+-- Returns {'ignored', why} | {'advanced'} | {'completed', trace} | {'retry', attempt, trace} | {'failed', trace}
+--   trace: the workflow's W3C traceparent ('' if none), the parent of the decision's span (omniflow.tracing)
 --@include _lib.lua
 local wf, prefix, kind, stage, now = KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[5]
 local sk = key(wf .. ':stages')
@@ -22,9 +23,9 @@ local function apply()
     redis.call('XDEL', ARGV[12], ARGV[13])
   end
   local rec = redis.call('HMGET', wf, 'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub',
-    'pipeline_hash')
+    'pipeline_hash', 'trace')
   if not is_live(rec[1]) then return {'ignored', rec[1] or 'gone'} end
-  local id = rec[2]
+  local id, trace = rec[2], rec[9] or ''
   local cur = redis.call('HMGET', sk, stage, stage .. ':attempt')
   if tostring(cur[2]) ~= ARGV[4] then return {'ignored', 'stale attempt'} end
   local finished = csv(rec[5])
@@ -51,7 +52,7 @@ local function apply()
     end
     if not terminal_set_complete(sk, finished, rec[4], rec[3]) then return {'advanced'} end
     finalize(wf, KEYS[2], prefix, id, 'completed', nil, nil, now, ARGV[10], ARGV[11])
-    return {'completed'}
+    return {'completed', trace}
   end
 
   -- failed or lost
@@ -68,14 +69,14 @@ local function apply()
     else
       redis.call('ZADD', KEYS[3], ARGV[9], id .. '|' .. stage .. '|' .. nxt)
     end
-    return {'retry', tostring(nxt)}
+    return {'retry', tostring(nxt), trace}
   end
   local why = ARGV[6]
   if kind == 'lost' then why = 'worker lost ' .. attempt .. ' time(s): ' .. why end
   redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[17] or '10000', '*', 'wf', id, 's', stage,
     'a', ARGV[4], 'error', why, 'ms', now)
   finalize(wf, KEYS[2], prefix, id, 'failed', 'stage ' .. stage .. ' failed: ' .. why, stage, now, ARGV[10], ARGV[11])
-  return {'failed'}
+  return {'failed', trace}
 end
 
 local res = apply()
