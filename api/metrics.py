@@ -28,7 +28,7 @@ from omniflow.client.store import Store
 from omniflow.models import TERMINAL_STATES, WorkflowState
 from omniflow.ops import fleet
 from omniflow.storage.keys import DLQ_EVENTS
-from omniflow.storage.schema import now_ms
+from omniflow.storage.schema import StatsField, now_ms
 
 if TYPE_CHECKING:
     from omniflow.api.deps import ApiState
@@ -197,8 +197,9 @@ async def render(state: ApiState) -> bytes:
     webhooks = CounterMetricFamily("omniflow_webhook_deliveries", "Webhook deliveries by outcome (from <prefix>:stats)",
                                    labels=["outcome"])
     for field, value in (await fleet.counters(store)).items():
-        if field.startswith("webhook:"):
-            webhooks.add_metric([field.split(":", 1)[1]], value)
+        outcome = StatsField.webhook_outcome(field)
+        if outcome is not None:
+            webhooks.add_metric([outcome], value)
     families: list[Metric] = [
         _gauge("omniflow_workflows", "Non-terminal workflows by state", active, label="state"),
         finished, retries, webhooks,

@@ -97,3 +97,44 @@ async def test_a_refusal_outlasting_the_patience_fails_the_write(engine_factory)
                 await batcher.call("XADD", f"{eng.settings.prefix}:never", "*", "f", "v")
         finally:
             await eng.redis.config_set("maxmemory", 0)
+
+
+async def test_the_client_translates_errors_of_commands_and_pipelines(valkey_url) -> None:
+    """`RedisClient` is the boundary: a command or a pipeline that fails raises `omniflow.errors`,
+    never a redis-py error; a server that is not there is `RedisUnavailable` already at `connect`."""
+    redis = redisio.connect(valkey_url)
+    try:
+        await redis.set("t-client:str", "v")
+        with pytest.raises(ScriptError, match="WRONGTYPE"):
+            await redis.hget("t-client:str", "f")
+        pipe = redis.pipeline()
+        pipe.hget("t-client:str", "f")
+        with pytest.raises(ScriptError, match="WRONGTYPE"):
+            await pipe.execute()
+        pipe = redis.pipeline()
+        pipe.get("t-client:str").hget("t-client:str", "f")
+        got, err = await pipe.execute(raise_on_error=False)
+        assert got == b"v" and "WRONGTYPE" in str(err)
+    finally:
+        await redis.delete("t-client:str")
+        await redis.aclose()
+    with pytest.raises(RedisUnavailable):
+        redisio.connect("redis://127.0.0.1:1/0")
+
+
+async def test_the_leader_lease_is_taken_renewed_and_held_in_one_step(valkey_url) -> None:
+    from omniflow.storage.keys import Keys
+    from omniflow.storage.transitions.housekeeping import LeaseResult, lease_code, leader_lease
+
+    redis, keys = redisio.connect(valkey_url), Keys("t-lease")
+    try:
+        await redis.delete(keys.leader)
+        assert lease_code(await redisio.call(redis, *leader_lease(keys, "a", ttl_ms=60_000))) is LeaseResult.TAKEN
+        await redis.pexpire(keys.leader, 1_000)
+        assert lease_code(await redisio.call(redis, *leader_lease(keys, "a", ttl_ms=60_000))) is LeaseResult.RENEWED
+        assert await redis.pttl(keys.leader) > 1_000              # renewed: the new ttl
+        assert lease_code(await redisio.call(redis, *leader_lease(keys, "b", ttl_ms=60_000))) is LeaseResult.HELD
+        assert await redis.get(keys.leader) == b"a"
+    finally:
+        await redis.delete(keys.leader)
+        await redis.aclose()

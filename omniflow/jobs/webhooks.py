@@ -45,7 +45,7 @@ from omniflow.storage.keys import NOTIFY_GROUP, Keys
 from omniflow.storage.transitions.housekeeping import reap_consumer, reap_idle_consumers
 from omniflow.storage.transitions.reconcile import dead_letter
 from omniflow.client.store import Store
-from omniflow.storage.schema import s
+from omniflow.storage.schema import StatsField, s
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ async def record(redis: RedisClient, keys: Keys, wf_id: str, outcome: DeliveryOu
     pipe.rpush(keys.webhook_attempts(wf_id), json.dumps(attempt))
     pipe.ltrim(keys.webhook_attempts(wf_id), -MAX_RECORDED_ATTEMPTS, -1)
     pipe.expire(keys.webhook_attempts(wf_id), ttl_s)
-    pipe.hincrby(keys.stats, f"webhook:{outcome.value}", 1)
+    pipe.hincrby(keys.stats, StatsField.webhook(outcome.value), 1)
     await pipe.execute()
 
 

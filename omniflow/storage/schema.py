@@ -92,6 +92,22 @@ class StageField:
         return f"{dst}:rd:{src}"
 
 
+class StatsField:
+    """Field names of the deployment's counters (`Keys.stats`)."""
+
+    WEBHOOK_PREFIX = "webhook:"
+
+    @staticmethod
+    def webhook(outcome: str) -> str:
+        """Webhook deliveries that ended with `outcome`."""
+        return f"{StatsField.WEBHOOK_PREFIX}{outcome}"
+
+    @staticmethod
+    def webhook_outcome(field: str) -> str | None:
+        """The outcome a `webhook` field counts; None for another field."""
+        return field.removeprefix(StatsField.WEBHOOK_PREFIX) if field.startswith(StatsField.WEBHOOK_PREFIX) else None
+
+
 def _int(value: str | None) -> int:
     return int(value or 0)
 

@@ -3,7 +3,9 @@
 
 An executor reads `inputs()` (first the catch-up the claim returned, then the
 chunks forwarded to the worker's inbox; de-duplicated on `(stage, seq)`, ending
-at every upstream's end-of-stream) and calls `emit()` for each output step.
+at every upstream's end-of-stream) and calls `emit()` for each output step. A producer's emits
+declare the inboxes of the replicas its worker knows consume its downstream stages (`consumers`):
+a call refused because the consumer is bound elsewhere wrote nothing and is sent again, declaring it.
 Emits are queued on the worker's group-commit batcher as one lazily built
 `emit.lua` call: steps emitted while the previous write is on the wire join the
 next call, and the session's finish (`close()`) rides on its last one. `emit()`

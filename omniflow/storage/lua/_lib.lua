@@ -4,7 +4,8 @@
 -- names from the workflow's base key (`<cell>:wf:<id>`) or the cell's base, and pass each through
 -- `key()`, which refuses (an error naming it) a key the caller did not declare. A consuming
 -- worker's inbox is declared like every other key; a call that would forward to one it did not
--- declare writes nothing and says which (`unbound_inbox`).
+-- declare writes nothing and says which (`unbound_inbox`). The one key a script touches without
+-- declaring it: the payload keys `finalize` unlinks (see there).
 
 local DECLARED = {}
 for _, k in ipairs(KEYS) do DECLARED[k] = true end
