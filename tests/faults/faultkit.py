@@ -1,4 +1,4 @@
-"""Fault injection against a real server: Redis says no (issue 9).
+"""Fault injection against a real server: RedisClient says no (issue 9).
 
 The engine runs as real processes (`tests.chaos.driver.Cluster`: workers, a reconciler, a jobs
 runner) under a steady load of workflows, while `FaultRun` makes the server refuse in every way
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
-from redis.asyncio import Redis
+from omniflow.storage.client import RedisClient
 
 from omniflow.ops.embedded import EmbeddedServer
 from omniflow.errors import AdmissionRefused, OmniflowError
@@ -131,7 +131,7 @@ class FaultRun:
             i += 1
 
     # ------------------------------------------------------------ faults
-    async def inject(self, admin: Redis, fault: str) -> Window:
+    async def inject(self, admin: RedisClient, fault: str) -> Window:
         window = Window(fault, now_ms())
         hold_ms = int(self.hold_s * 1000)
         # each `sleep(self.hold_s)` below is how long the fault lasts (part of the fault, not a wait)
@@ -142,12 +142,12 @@ class FaultRun:
         elif fault == "readonly":
             window.start_ms = await self._fail_over(admin)
             await asyncio.sleep(self.hold_s)
-            await admin.replicaof("NO", "ONE")
+            await admin.raw.replicaof("NO", "ONE")
         elif fault == "busy":
             await admin.config_set("busy-reply-threshold", 50)
             runner = Redis.from_url(self.server.url)     # raw redis-py: a script of its own (EVAL)
             try:
-                await runner.eval(BUSY_SCRIPT, 0, hold_ms)
+                await runner.raw.eval(BUSY_SCRIPT, 0, hold_ms)
             finally:
                 await runner.aclose()
             await admin.config_set("busy-reply-threshold", 5000)
@@ -166,27 +166,27 @@ class FaultRun:
         window.end_ms = now_ms()
         return window
 
-    async def _fail_over(self, admin: Redis) -> int:
+    async def _fail_over(self, admin: RedisClient) -> int:
         """Make the server a replica of the spare, which first copies everything it holds (writes are
         paused until the spare has caught up: nothing acknowledged is lost). Returns when the
         server started refusing writes."""
         spare = Redis.from_url(self.spare.url)          # raw redis-py: REPLICAOF is an admin command
         try:
             await admin.config_set("repl-diskless-sync-delay", 0)
-            await spare.replicaof("127.0.0.1", self.server.port)
+            await spare.raw.replicaof("127.0.0.1", self.server.port)
             await eventually(lambda: _link_up(spare), timeout_s=30, interval_s=0.05, what="the spare's replication link")
             await admin.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
             await eventually(lambda: _caught_up(admin, spare), timeout_s=10, interval_s=0.05,
                              what="the spare caught up")
-            await spare.replicaof("NO", "ONE")
-            await admin.replicaof("127.0.0.1", self.spare.port)
+            await spare.raw.replicaof("NO", "ONE")
+            await admin.raw.replicaof("127.0.0.1", self.spare.port)
             started = now_ms()
             await admin.execute_command("CLIENT", "UNPAUSE")
             return started
         finally:
             await spare.aclose()
 
-    async def _poison(self, admin: Redis) -> None:
+    async def _poison(self, admin: RedisClient) -> None:
         k = self.keys
         for stage in STAGES:
             await admin.xadd(k.tasks(self.cluster.pipeline.queue(stage), 0), {"garbage": "yes"})
@@ -251,7 +251,7 @@ class FaultRun:
             await client.aclose()
         return self.report
 
-    async def _quiesce(self, admin: Redis, timeout_s: float = 120.0) -> None:
+    async def _quiesce(self, admin: RedisClient, timeout_s: float = 120.0) -> None:
         ids = [x.wf_id for x in self.submits if x.wf_id] + ([self.poisoned_wf] if self.poisoned_wf else [])
         deadline = time.monotonic() + timeout_s
         while ids and time.monotonic() < deadline:
@@ -265,7 +265,7 @@ class FaultRun:
             await asyncio.sleep(0.25)
 
     # ------------------------------------------------------------ checks
-    async def verify(self, admin: Redis, baseline: dict[str, int]) -> None:
+    async def verify(self, admin: RedisClient, baseline: dict[str, int]) -> None:
         rep = self.report
         rep.crashed = self.cluster.crash_report()
         if rep.crashed:
@@ -299,7 +299,7 @@ class FaultRun:
             rep.problems.append(f"keys grew: {rep.grown}")
         self._rows(outcome)
 
-    async def _check(self, admin: Redis, sub: Submitted) -> tuple[str, int, int, int]:
+    async def _check(self, admin: RedisClient, sub: Submitted) -> tuple[str, int, int, int]:
         rep, k = self.report, self.keys
         assert sub.wf_id is not None
         pipe = admin.pipeline(transaction=False)
@@ -336,7 +336,7 @@ class FaultRun:
             rep.completed += 1
         return state, created, finished, retries
 
-    async def _dead_lettered(self, admin: Redis, *, record: bool = False) -> bool:
+    async def _dead_lettered(self, admin: RedisClient, *, record: bool = False) -> bool:
         """Is every poison entry in its dead-letter stream, with a reason?"""
         ok = True
         for name, sent in self.poison_sent.items():
@@ -350,7 +350,7 @@ class FaultRun:
                     self.report.problems.append(f"{name}: {len(reasons)} dead letters with a reason, {sent} sent")
         return ok
 
-    async def _leftovers(self, admin: Redis) -> dict[str, Any]:
+    async def _leftovers(self, admin: RedisClient) -> dict[str, Any]:
         k, left = self.keys, {}
         for stream, group in [(k.tasks(self.cluster.pipeline.queue(st), 0), TASK_GROUP) for st in STAGES] + [(k.events(0), EVENT_GROUP),
                                                                                 (k.notify(0), NOTIFY_GROUP)]:
@@ -368,7 +368,7 @@ class FaultRun:
             left["edge keys"] = len(edges)
         return left
 
-    async def _key_shapes(self, admin: Redis) -> dict[str, int]:
+    async def _key_shapes(self, admin: RedisClient) -> dict[str, int]:
         """How many keys of each kind outside the workflows' own (which expire): a worker's inbox,
         a group's consumers, and the like must not multiply with faults."""
         shapes: Counter[str] = Counter()
@@ -412,11 +412,11 @@ def _shape(key: str) -> str:
     return key
 
 
-async def _link_up(replica: Redis) -> bool:
+async def _link_up(replica: RedisClient) -> bool:
     return (await replica.info("replication")).get("master_link_status") == "up"
 
 
-async def _caught_up(primary: Redis, replica: Redis) -> bool:
+async def _caught_up(primary: RedisClient, replica: RedisClient) -> bool:
     a = (await primary.info("replication"))["master_repl_offset"]
     b = (await replica.info("replication"))["master_repl_offset"]
     return bool(a == b)

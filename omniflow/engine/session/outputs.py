@@ -218,27 +218,29 @@ class SessionOutputs(SessionCore):
     def _relay(self, done: asyncio.Future[Any], build: Callable[[], tuple[Any, ...]], sent: asyncio.Future[Any],
                tries: int) -> None:
         def settled(fut: asyncio.Future[Any]) -> None:
-            if done.done():
-                return
             if fut.cancelled():
-                done.cancel()
+                if not done.done():
+                    done.cancel()
                 return
             exc = fut.exception()
-            if exc is not None:
-                done.set_exception(exc)
-                return
-            result = fut.result()
-            if isinstance(result, list) and result and emit_code(result) is EmitResult.INBOX:
-                if tries >= MAX_INBOX_RESENDS:
-                    done.set_exception(RedisUnavailable(
-                        f"stage {self.stage} attempt {self.attempt} of {self.wf_id}: its consumers kept moving"))
-                    return
+            result = None if exc is not None else fut.result()
+            if isinstance(result, list) and result and emit_code(result) is EmitResult.INBOX \
+                    and tries < MAX_INBOX_RESENDS:
+                # sent again even when its waiter was cancelled: a final write must land
                 dst, replica = refused_inbox(result)
                 if replica:
                     self._consumers.learn(dst, self._keys.cell_of(self.wf_id), replica)
                 self._relay(done, build, self._batcher.send_lazy(build), tries + 1)
                 return
-            done.set_result(result)
+            if done.done():
+                return
+            if exc is not None:
+                done.set_exception(exc)
+            elif isinstance(result, list) and result and emit_code(result) is EmitResult.INBOX:
+                done.set_exception(RedisUnavailable(
+                    f"stage {self.stage} attempt {self.attempt} of {self.wf_id}: its consumers kept moving"))
+            else:
+                done.set_result(result)
 
         sent.add_done_callback(settled)
 
