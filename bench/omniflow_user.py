@@ -26,12 +26,16 @@ if __package__ in (None, ""):
 from bench.common import (
     BenchError, ProcessCPU, Result, cost_delta, redis_client, running, server_stats, summarize,
 )
-from bench.omniflow_bench import USER_STAGES, Engine, pipeline_yaml
+from bench.omniflow_bench import LOOP_STAGES, USER_STAGES, Engine, pipeline_yaml
 
 CONCURRENCY = 8           # client tasks submitting, and as many waiting
 WAIT_TIMEOUT_S = 120.0
 USER_BURST = "user path: default executors, AsyncClient submit+wait c=8"
 USER_LATENCY = "user path: default executors, Client submit+wait"
+# the same client and settings with the stages on the worker's loop (`runs_on = "loop"`): what the
+# compute-thread hop costs the default executors (issue 19 item 2: within 10 % in wf/s and p50)
+LOOP_BURST = "reference: runs_on=loop, AsyncClient submit+wait c=8"
+LOOP_LATENCY = "reference: runs_on=loop, Client submit+wait"
 Record = tuple[str, float, float]
 
 
@@ -92,13 +96,16 @@ def _latency(url: str, eng: Engine, tag: str, n: int) -> list[Record]:
     return records
 
 
-def _topology(procs: int, colocated: bool) -> str:
+def _topology(procs: int, colocated: bool, on_loop: bool = False) -> str:
     where = f"{procs} `omniflow worker --stage all`" if colocated else f"{procs} `omniflow worker` per stage"
-    return f"{where} + 1 `omniflow reconciler`, default settings, compute-thread executors"
+    return f"{where} + 1 `omniflow reconciler`, default settings, {'loop' if on_loop else 'compute-thread'} executors"
 
 
-def run_burst(redis_url: str, n: int, procs: int, *, colocated: bool, warmup: int = 100) -> Result:
-    eng = Engine(redis_url, procs, pipeline_yaml(procs, stages=USER_STAGES), colocated=colocated, defaults=True)
+def run_burst(redis_url: str, n: int, procs: int, *, colocated: bool, warmup: int = 100,
+              on_loop: bool = False) -> Result:
+    """`on_loop`: the stages with `runs_on = "loop"` (the reference beside the default executors)."""
+    stages = LOOP_STAGES if on_loop else USER_STAGES
+    eng = Engine(redis_url, procs, pipeline_yaml(procs, stages=stages), colocated=colocated, defaults=True)
     r = redis_client(redis_url)
     with running(eng.commands(), env=eng.env) as ps:
         eng.wait_ready(r, ps)
@@ -108,13 +115,15 @@ def run_burst(redis_url: str, n: int, procs: int, *, colocated: bool, warmup: in
         records = asyncio.run(_burst(redis_url, eng, "p", n))
         cpu = meter.take()
         extra = cost_delta(before, server_stats(r), n)
-    extra.update(ProcessCPU.per_wf(cpu, n), submit_mode=f"c={CONCURRENCY}", topology=_topology(procs, colocated))
-    variant = USER_BURST + (", stages co-located" if colocated else "")
+    extra.update(ProcessCPU.per_wf(cpu, n), submit_mode=f"c={CONCURRENCY}",
+                 topology=_topology(procs, colocated, on_loop))
+    variant = (LOOP_BURST if on_loop else USER_BURST) + (", stages co-located" if colocated else "")
     return summarize("omniflow", variant, procs, records, extra=extra)
 
 
-def run_latency(redis_url: str, n: int, *, colocated: bool) -> Result:
-    eng = Engine(redis_url, 1, pipeline_yaml(1, stages=USER_STAGES), colocated=colocated, defaults=True)
+def run_latency(redis_url: str, n: int, *, colocated: bool, on_loop: bool = False) -> Result:
+    stages = LOOP_STAGES if on_loop else USER_STAGES
+    eng = Engine(redis_url, 1, pipeline_yaml(1, stages=stages), colocated=colocated, defaults=True)
     r = redis_client(redis_url)
     with running(eng.commands(), env=eng.env) as ps:
         eng.wait_ready(r, ps)
@@ -122,8 +131,8 @@ def run_latency(redis_url: str, n: int, *, colocated: bool) -> Result:
         before = server_stats(r)
         records = _latency(redis_url, eng, "l", n)
         extra = cost_delta(before, server_stats(r), n)
-    extra["topology"] = _topology(1, colocated)
-    variant = USER_LATENCY + (", stages co-located" if colocated else "")
+    extra["topology"] = _topology(1, colocated, on_loop)
+    variant = (LOOP_LATENCY if on_loop else USER_LATENCY) + (", stages co-located" if colocated else "")
     return summarize("omniflow", variant, 1, records, mode="latency", extra=extra)
 
 

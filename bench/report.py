@@ -104,12 +104,31 @@ def user_lines(results: list[Result]) -> list[str]:
                     and r.variant.endswith("stages co-located") == colocated), None)
         if lat:
             lines.append(f"low-load p50 {label}: {lat.p50_ms:.1f} ms")
+    lines += hop_lines(rows)
     toy = next((r for r in user_thr if r.procs == 1 and r.variant.endswith("stages co-located")), None)
     if toy and isinstance(toy.extra.get("cmds_per_wf"), (int, float)):
         lines.append(f"Redis commands per workflow: {toy.extra['cmds_per_wf']:.0f}")
         lines.append(f"(toy pipeline, user path, 1 process co-located: {toy.extra.get('bytes_in_per_wf')} bytes to "
                      f"Valkey and {toy.extra.get('valkey_cpu_us_per_wf')} µs of Valkey CPU per workflow)")
     return lines
+
+
+def hop_lines(rows: list[Result]) -> list[str]:
+    """Default executors (compute thread) against the same stages on the worker's loop, co-located,
+    1 process, same client: the cost of the compute-thread hop (issue 19 item 2: within 10 %)."""
+    def row(mode: str, prefix: str) -> Result | None:
+        return next((r for r in rows if r.mode == mode and r.system == "omniflow" and r.procs == 1
+                     and r.variant.startswith(prefix) and r.variant.endswith("stages co-located")), None)
+    thr, thr_loop = row("throughput", "user path: default"), row("throughput", "reference: runs_on=loop, AsyncClient")
+    lat, lat_loop = row("latency", "user path: default"), row("latency", "reference: runs_on=loop, Client")
+    parts = []
+    if thr and thr_loop and thr_loop.workflows_per_s:
+        parts.append(f"throughput {thr.workflows_per_s / thr_loop.workflows_per_s:.0%} of runs_on=loop "
+                     f"({thr.workflows_per_s:,.0f} vs {thr_loop.workflows_per_s:,.0f} wf/s)")
+    if lat and lat_loop and lat_loop.p50_ms:
+        parts.append(f"low-load p50 {lat.p50_ms / lat_loop.p50_ms:.0%} of runs_on=loop "
+                     f"({lat.p50_ms:.1f} vs {lat_loop.p50_ms:.1f} ms)")
+    return [f"default executors, co-located: {'; '.join(parts)}"] if parts else []
 
 
 def command_breakdown(results: list[Result]) -> list[str]:

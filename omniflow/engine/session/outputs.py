@@ -67,13 +67,7 @@ class SessionOutputs(SessionCore):
                 window.sent(self.seq, nbytes)
                 if self._bp is not None:
                     self._bp.saw(window)
-        if self._remote():
-            assert self._home is not None
-            self._home.call_soon_threadsafe(self._push, step)
-            if len(self._inflight) >= MAX_EMITS_IN_FLIGHT:
-                await self.flush()
-            return
-        self._push(step)
+        self._call_home(self._push, step)      # from a compute thread: batched with its other handoffs
         if len(self._inflight) >= MAX_EMITS_IN_FLIGHT:
             await self.flush()
 
