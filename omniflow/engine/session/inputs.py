@@ -15,6 +15,7 @@ from omniflow.engine.session.outputs import SessionOutputs
 from omniflow.errors import NonRetryableError
 from omniflow.models import SessionState, StageStatus
 
+STATUS_ALONE_AFTER_S = 0.01  # a compute thread's session that started running and wrote nothing since
 INPUT_BATCH = 256       # raw chunks one hop from a compute thread to the worker's loop may bring back
 
 
@@ -73,7 +74,12 @@ class SessionInputs(SessionOutputs):
     def _took(self, src: str, fields: dict[bytes, bytes]) -> tuple[str, dict[bytes, bytes]]:
         if self.state is SessionState.WAITING_INPUT and not fields.get(b"eos"):
             self.state, self._status = SessionState.RUNNING, StageStatus.RUNNING.value
-            self._schedule()
+            if self._home is None:
+                self._schedule()
+            else:
+                # read by a compute thread: the status rides on its first emit (or its finish), as on
+                # this loop when the executor emits before it yields; written alone if neither comes soon
+                self._home.call_later(STATUS_ALONE_AFTER_S, self._schedule_pending)
         return src, fields
 
     async def _next_raw(self, open_srcs: set[str]) -> tuple[str, dict[bytes, bytes]]:

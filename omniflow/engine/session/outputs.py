@@ -174,12 +174,23 @@ class SessionOutputs(SessionCore):
         if self.state is SessionState.WAITING_INPUT:
             self.state, self._status = SessionState.RUNNING, StageStatus.RUNNING.value
         self._steps.append(step)
-        self._schedule()
+        if self._home is None:
+            self._schedule()
+        else:
+            # handed off by the compute thread: write on the next loop turn, so that whatever else
+            # the same batch brought (more steps, the executor's return, after which the worker closes
+            # the session) joins this write, as it does when the executor runs on this loop
+            self._home.call_soon(self._schedule_pending)
 
     def _schedule(self) -> None:
         if self._open is None:
             self._open = self._batcher.send_lazy(self._emit_command)
             self._track(self._open)
+
+    def _schedule_pending(self) -> None:
+        """Schedule a write if anything is waiting for one (steps, a status change) and none is queued."""
+        if self._open is None and (self._steps or self._status) and self.state in ACTIVE:
+            self._schedule()
 
     def _emit_command(self) -> tuple[Any, ...]:
         """Everything emitted since the last write, as one `emit.lua` call (built at flush time)."""
