@@ -126,6 +126,8 @@ def build_specs(args: argparse.Namespace, omni, user=None) -> list[Spec]:
         for colocated in (True, False):
             add(Spec("user", f"omniflow user path latency{', stages co-located' if colocated else ', 1 proc/stage'}",
                      lambda u, c=colocated: user.run_latency(u, lat_n, colocated=c), mode="latency"))
+        add(Spec("user", "omniflow user path, submit_many + wait_many, 1 proc, stages co-located",
+                 lambda u: user.run_burst(u, n, 1, colocated=True, pipelined=True)))
         # the same with the stages on the worker's loop: what the default executors' compute-thread hop costs
         add(Spec("user", "omniflow user client, runs_on=loop, 1 proc, stages co-located",
                  lambda u: user.run_burst(u, n, 1, colocated=True, on_loop=True)))
