@@ -305,14 +305,24 @@ def write_markdown(path: Path, results: list[Result], failures: list[str], args,
         md += ["## Simulated GPU: pool utilization and scaling", "",
                "The thinker is GPU-bound (`asyncio.sleep` of 25 ms per chunk, 4 chunks per workflow) with 4 sessions "
                "(batch slots) per replica; utilization = the time thinker sessions held a slot, as the executor "
-               "measured it / (replicas × slots × wall time, first submit to last completion). `ideal wf/s` assumes "
-               "exactly 25 ms per chunk; `asyncio.sleep` itself overshoots by a little.", "",
-               "| thinker replicas | workflows | wf/s | ideal wf/s | utilization | scaling vs 1 replica |",
-               "|---:|---:|---:|---:|---:|---:|"]
+               "measured it / (replicas × slots × wall time, first submit to last completion). `while busy`: the "
+               "same over the thinker's own window (its first session start to its last session end: the submit "
+               "ramp and the downstream tail are not the GPU's idle time); `GPU work`: the simulated GPU time "
+               "itself (25 ms × 4 chunks per workflow) over that window. `ideal wf/s` assumes "
+               "exactly 25 ms per chunk; `asyncio.sleep` itself overshoots by a little. `CPU/wf`: every process's "
+               "CPU per workflow: on 2 cores, `ideal wf/s` × `CPU/wf` above 2 s/s cannot be reached.", "",
+               "| thinker replicas | workflows | wf/s | ideal wf/s | utilization | while busy | GPU work | CPU/wf µs "
+               "| scaling vs 1 replica |",
+               "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in sim:
+            def pct(key: str, r: Result = r) -> str:
+                return f"{100 * r.extra[key]:.1f}%" if key in r.extra else "–"
             md.append(f"| {r.procs} | {r.n} | {r.workflows_per_s:.1f} | {r.extra.get('ideal_wf_s')} | "
-                      f"{100 * r.extra['utilization']:.1f}% | {r.workflows_per_s / base:.2f}× |")
-        md.append("")
+                      f"{pct('utilization')} | {pct('utilization_window')} | {pct('gpu_work_share')} | "
+                      f"{r.extra.get('cpu_us_per_wf_total', '–')} | {r.workflows_per_s / base:.2f}× |")
+        top = max(sim, key=lambda r: r.procs)
+        md += ["", f"simulated GPU utilisation with {top.procs} replicas: {100 * top.extra['utilization']:.0f}% "
+               f"({pct('utilization_window', top)} while the thinker was busy)", ""]
     cpu = [r for r in thr if r.extra.get("cpu_us_per_wf")]
     if cpu:
         roles = sorted({role for r in cpu for role in r.extra["cpu_us_per_wf"]})
