@@ -1,6 +1,7 @@
 """The workflows resource: submit, read (long-poll), list, abort, retry, events (SSE), timeline, audio."""
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Mapping
 from typing import Annotated, Any
@@ -94,10 +95,18 @@ async def submit_workflow(body: SubmitRequest, request: Request, state: StateDep
 
 
 async def _wait_document(state: ApiState, wf_id: str, tenant: str | None, wait: float) -> dict[str, Any]:
-    """The workflow's document once it is terminal, or after `wait` seconds (the log hub's one read)."""
-    async with state.hub.follow(wf_id, timeout_s=wait) as events:
-        async for _ in events:
+    """The workflow's document once it is terminal, or its current one after `wait` seconds: through the
+    API's one watcher of workflow ends (omniflow.client.bulk.Completions: one blocking read for every
+    request waiting, woken once per workflow, not once per log entry)."""
+    if state.completions is not None:
+        try:
+            return await asyncio.wait_for(asyncio.shield(state.completions.watch(wf_id)), wait)
+        except TimeoutError:
             pass
+    else:
+        async with state.hub.follow(wf_id, timeout_s=wait) as events:
+            async for _ in events:
+                pass
     return await state.store.document(wf_id, tenant=tenant)
 
 

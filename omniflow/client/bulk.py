@@ -213,6 +213,7 @@ class Completions:
         if fut is not None:
             return fut
         fut = self._waiting[wf_id] = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(_retrieved)       # a waiter that gave up (a timeout) leaves no warning behind
         cell = self._store.keys.cell_of(wf_id)
         mux = self._mux_of.get(cell, self._muxes[0])
         mux.watch(self._store.keys.done(wf_id), "0-0", queue=self._ended, tag=wf_id)
@@ -312,3 +313,8 @@ class Completions:
             fut.set_exception(result)
         else:
             fut.set_result(result)
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
