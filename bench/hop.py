@@ -114,6 +114,8 @@ async def measure(n: int, rounds: int) -> dict[str, Any]:
     compute = ComputeThread("hopbench")
     out: dict[str, Any] = {}
     try:
+        for where in (None, compute):           # warm-up: first-call costs out of the figures
+            await _one("burst", 100, where)
         for mode in ("latency", "burst"):
             per: dict[str, list[float]] = {"loop": [], "thread": []}
             for _ in range(rounds):
@@ -127,6 +129,24 @@ async def measure(n: int, rounds: int) -> dict[str, Any]:
     finally:
         compute.stop()
     return out
+
+
+def run(*, quick: bool = False) -> list[Any]:
+    """The `user` group's hop rows for bench/run.py: p50 = the hop in ms (thread minus loop, the median
+    of the rounds), p99 = the worst round's; wf/s = items per second through the compute thread."""
+    from bench.common import Result
+
+    n, rounds = (300, 3) if quick else (2000, 3)
+    res = asyncio.run(measure(n, rounds))
+    rows = []
+    for mode, what in (("latency", "one chunk at a time, ms per handoff"), ("burst", f"{n} chunks at once, ms per item")):
+        row = res[mode]
+        per_handoff = 2 if mode == "latency" else 1
+        worst = (max(row["runs_thread_us"]) - row["loop_us_per_item"]) / per_handoff
+        rows.append(Result("omniflow", f"compute-thread hop (bench/hop.py): {what}", 1, n,
+                           round(1e6 / row["thread_us_per_item"], 1), row["hop_us"] / 1000, round(worst / 1000, 3),
+                           extra=dict(row), mode="hop"))
+    return rows
 
 
 def main() -> None:

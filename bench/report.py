@@ -128,7 +128,12 @@ def hop_lines(rows: list[Result]) -> list[str]:
     if lat and lat_loop and lat_loop.p50_ms:
         parts.append(f"low-load p50 {lat.p50_ms / lat_loop.p50_ms:.0%} of runs_on=loop "
                      f"({lat.p50_ms:.1f} vs {lat_loop.p50_ms:.1f} ms)")
-    return [f"default executors, co-located: {'; '.join(parts)}"] if parts else []
+    lines = [f"default executors, co-located: {'; '.join(parts)}"] if parts else []
+    hops = {r.variant.split(": ", 1)[1].split(",")[0]: r for r in rows if r.mode == "hop"}
+    if hops:
+        lines.append("compute-thread hop: " + "; ".join(
+            f"{r.p50_ms:.3f} ms ({what})" for what, r in hops.items()) + " (bench/hop.py)")
+    return lines
 
 
 def command_breakdown(results: list[Result]) -> list[str]:

@@ -58,7 +58,7 @@ class Spec:
 
 
 def build_specs(args: argparse.Namespace, omni, user=None) -> list[Spec]:
-    from bench import api_latency
+    from bench import api_latency, hop
     from bench.peers import arq_chain, bullmq_chain, dramatiq_chain, inproc, raw_streams
 
     n, lat_n = args.n, args.latency_n
@@ -133,6 +133,8 @@ def build_specs(args: argparse.Namespace, omni, user=None) -> list[Spec]:
                  lambda u: user.run_burst(u, n, 1, colocated=True, on_loop=True)))
         add(Spec("user", "omniflow user client latency, runs_on=loop, stages co-located",
                  lambda u: user.run_latency(u, lat_n, colocated=True, on_loop=True), mode="latency"))
+        add(Spec("user", "compute-thread hop micro-benchmark (bench/hop.py)",
+                 lambda u: hop.run(quick=args.quick), mode="hop", repeat=False, server=False))
     add(Spec("http", "HTTP path against the Python client (bench/api_latency.py)",
              lambda u: api_latency.run(quick=args.quick), mode="http", repeat=False, server=False))
 
