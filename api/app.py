@@ -14,6 +14,7 @@ from omniflow import tracing
 from omniflow.api import errors
 from omniflow.api.deps import ApiState, parse_admin_keys, parse_api_keys
 from omniflow.api.hub import LogHub
+from omniflow.client.bulk import Completions
 from omniflow.api.limits import BodySizeLimit, RateLimiter
 from omniflow.api.metrics import StageLatency
 from omniflow.api.routes import admin, audio, health, openai, realtime, ui, usage, workflows
@@ -52,9 +53,10 @@ def create_app(settings: Settings, pipeline: Pipeline | Catalog, *, redis_url: s
             logger.warning("could not register the pipelines: %s", translate(exc))
         hub = LogHub(store)
         hub.start()
+        completions = Completions(store)
         registry = CollectorRegistry(auto_describe=False)
         app.state.api = ApiState(
-            settings=settings, pipeline=catalog.default, redis=redis, store=store, hub=hub,
+            settings=settings, pipeline=catalog.default, redis=redis, store=store, hub=hub, completions=completions,
             api_keys=parse_api_keys(settings.api_keys), admin_keys=parse_admin_keys(settings.admin_keys),
             submit_limiter=RateLimiter(settings.submit_rate_per_s), registry=registry,
             latency=StageLatency(registry),
@@ -66,6 +68,7 @@ def create_app(settings: Settings, pipeline: Pipeline | Catalog, *, redis_url: s
             for task in list(state.background):     # detached aborts: let them land
                 await task
             await hub.close()
+            await completions.close()
             await redis.aclose()
 
     app = FastAPI(title="omniflow", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)

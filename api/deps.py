@@ -15,6 +15,7 @@ from omniflow.storage.client import RedisClient
 
 from omniflow.api.errors import ApiError, retry_after
 from omniflow.api.hub import LogHub
+from omniflow.client.bulk import Completions
 from omniflow.api.limits import RateLimiter
 from omniflow.api.metrics import StageLatency
 from omniflow.config import Settings
@@ -86,6 +87,7 @@ class ApiState:
     submit_limiter: RateLimiter
     registry: CollectorRegistry
     latency: StageLatency
+    completions: Completions | None = None      # the ends of the workflows `POST ?wait=` waits for (one read)
     pools: PoolsCache = field(default_factory=PoolsCache)
     background: set[asyncio.Task[Any]] = field(default_factory=set)
 

@@ -11,6 +11,8 @@ process, on one server, one after the other:
   document) per workflow, c = 1 and c = 8 concurrent loops; against the same workload through the
   Python `AsyncClient` (`submit` then `wait`, which returns the document), c = 1 and c = 8.
   workflows/s counts workflows (each is 2 HTTP requests); p50/p99 are POST (submit) -> document;
+- submit and wait in one request: `POST /v1/workflows?wait=30` (the document), c = 1 and c = 8, against
+  the same `AsyncClient` rows;
 - the long-poll wake-up: the thinker works `--work-ms` (per-request stage params), the wake-up is the
   time from the workflow's `finished_at` (stamped by the transition that made it terminal) to the
   client holding the document.
@@ -89,6 +91,14 @@ class Paths:
         doc = await self.http.get(f"/v1/workflows/{wf}", params={"wait": WAIT_S})
         return wf, doc.json()
 
+    async def http_post_wait(self, text: str) -> tuple[str, dict[str, Any]]:
+        """Submit and wait in one request: `POST /v1/workflows?wait=` answers with the document."""
+        resp = await self.http.post("/v1/workflows", params={"wait": WAIT_S}, json={"input": {"text": text}})
+        if resp.status_code != 200:
+            raise BenchError(f"POST /v1/workflows?wait= answered {resp.status_code}: {resp.text[:300]}")
+        doc = resp.json()
+        return str(doc["id"]), doc
+
     async def client_one(self, text: str) -> tuple[str, dict[str, Any]]:
         wf = await self.client.submit(text)
         return wf, await self.client.wait(wf, timeout_s=WAIT_S)
@@ -142,14 +152,16 @@ async def measure(base_url: str, eng: Engine, r: Any, procs: list[Any], n: int, 
             await client.wait(wf, timeout_s=WAIT_S)
 
         for concurrency in (1, CONCURRENCY):
-            for system, one in ((HTTP, paths.http_one), (CLIENT, paths.client_one)):
-                how = ("POST + GET ?wait=30 (httpx)" if system == HTTP else "AsyncClient submit + wait")
+            for system, how, one, requests in (
+                    (HTTP, "POST + GET ?wait=30 (httpx)", paths.http_one, 2),
+                    (HTTP, "POST ?wait=30: submit and wait in one request (httpx)", paths.http_post_wait, 1),
+                    (CLIENT, "AsyncClient submit + wait", paths.client_one, 0)):
                 before, meter = server_stats(r), ProcessCPU(r, procs)
-                records = await closed_loops(one, f"{system.split()[-1]}{concurrency}-", n, concurrency)
+                records = await closed_loops(one, f"{system.split()[-1]}{requests}{concurrency}-", n, concurrency)
                 res = row(system, f"{how}, c={concurrency}", records, before, meter)
                 res.extra["concurrency"] = concurrency
-                if system == HTTP:
-                    res.extra["requests_per_s"] = round(2 * res.workflows_per_s, 1)
+                if requests:
+                    res.extra["requests_per_s"] = round(requests * res.workflows_per_s, 1)
 
         wake: list[Record] = []
         params = {"thinker": {"work_s": work_ms / 1000}}

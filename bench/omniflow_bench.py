@@ -203,6 +203,15 @@ def _busy_s(r: Any, prefix: str, ids: list[str], stage: str) -> float:
     return sum(json.loads(u).get("busy_s", 0.0) for u in pipe.execute() if u)
 
 
+def _stage_window(r: Any, prefix: str, ids: list[str], stage: str) -> float:
+    """Seconds from the stage's first session start to its last session end, over `ids`."""
+    pipe = r.pipeline(transaction=False)
+    for wf_id in ids:
+        pipe.hmget(Keys(prefix).stages(wf_id), f"{stage}:t_start", f"{stage}:t_end")
+    spans = [(int(a), int(b)) for a, b in pipe.execute() if a and b]
+    return (max(b for _, b in spans) - min(a for a, _ in spans)) / 1000 if spans else 0.0
+
+
 def _records(r: Any, prefix: str, ids: list[str]) -> list[tuple[str, float, float]]:
     pipe = r.pipeline(transaction=False)
     for wf_id in ids:
@@ -238,9 +247,11 @@ def run_throughput(redis_url: str, n: int, procs_per_stage: int, *, submit_mode:
         cpu = meter.take()
         records = _records(r, eng.prefix, ids)
         busy = _busy_s(r, eng.prefix, ids, busy_stage) if busy_stage else None
+        window = _stage_window(r, eng.prefix, ids, busy_stage) if busy_stage else None
     extra = cost_delta(before, after, n)
     if busy is not None:
         extra["busy_s"] = round(busy, 3)
+        extra["stage_window_s"] = round(window or 0.0, 3)
     extra.update(ProcessCPU.per_wf(cpu, n))
     extra["submit_mode"] = submit_mode
     variant = REF_THROUGHPUT if submit_mode == "single" else f"{REF_THROUGHPUT}, pipelined submit"
@@ -251,6 +262,7 @@ def run_throughput(redis_url: str, n: int, procs_per_stage: int, *, submit_mode:
 
 SIM_SERVICE_S = 0.025        # GPU time per thinker chunk: 4 chunks = 100 ms per workflow
 SIM_SESSIONS = 4             # concurrent sessions (batch slots) per thinker replica
+SIM_REPLICAS = (1, 2, 4, 8, 16)
 
 
 def run_simulated_gpu(redis_url: str, replicas: int, *, per_replica: int = 60) -> Result:
@@ -265,8 +277,13 @@ def run_simulated_gpu(redis_url: str, replicas: int, *, per_replica: int = 60) -
     capacity_s = span * replicas * SIM_SESSIONS
     res.variant = f"simulated GPU, {replicas} thinker replica(s)"
     res.procs = replicas
+    # while the thinker had work: its first session start to its last session end (the GPU's own view:
+    # the submit ramp and the downstream tail after its last session are not its idle time)
+    window_s = res.extra.get("stage_window_s") or span
     res.extra.update(utilization=round(busy_s / capacity_s, 3), ideal_wf_s=round(
-        replicas * SIM_SESSIONS / (workload.TEXT_CHUNKS * SIM_SERVICE_S), 1))
+        replicas * SIM_SESSIONS / (workload.TEXT_CHUNKS * SIM_SERVICE_S), 1),
+        utilization_window=round(busy_s / (window_s * replicas * SIM_SESSIONS), 3),
+        gpu_work_share=round(n * workload.TEXT_CHUNKS * SIM_SERVICE_S / (window_s * replicas * SIM_SESSIONS), 3))
     return res
 
 
@@ -275,9 +292,10 @@ def run_extra(redis_url: str, *, quick: bool = False) -> list[Result]:
     from bench.common import start_server
 
     rows = [run_throughput(redis_url, 500 if quick else 2000, 2, submit_mode="pipelined")]
-    for replicas in (1, 2, 4):
+    for replicas in SIM_REPLICAS:
         with start_server() as server:       # a fresh server per row
-            rows.append(run_simulated_gpu(server.url, replicas, per_replica=20 if quick else 150))
+            rows.append(run_simulated_gpu(server.url, replicas, per_replica=20 if quick else
+                                          150 if replicas <= 4 else 100))
     return rows
 
 

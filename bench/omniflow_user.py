@@ -7,10 +7,11 @@
   times, log level), co-located (`--stage all`) or one process per stage;
 - load: the public client, one `submit` and one `wait` (which returns the workflow document) per workflow.
   burst: an `AsyncClient` in one event loop with 8 submitter tasks (each awaits its `submit` before the
-  next) and 8 waiter tasks that `wait` on the submitted ids in submission order; wf/s = N / (last
-  document returned − first submit), p50/p99 are submit -> document. Like BullMQ's client: 8 concurrent
-  adds, completion observed by the client (BullMQ's one QueueEvents reader; omniflow has no wait-on-many
-  yet, so 8 waits are in flight). latency: the synchronous `Client`, submit then wait, one at a time.
+  next) and one `completions()` watcher that every submitted id is handed to (its document comes back
+  once the workflow is terminal: one blocking read for all of them); wf/s = N / (last document returned
+  − first submit), p50/p99 are submit -> document. Like BullMQ's client: 8 concurrent adds, completion
+  observed by one QueueEvents reader. `pipelined`: `submit_many` (one round trip per 256) then
+  `wait_many` (the documents come back together: p50/p99 are submit -> the workflow's `finished_at`). latency: the synchronous `Client`, submit then wait, one at a time.
 """
 from __future__ import annotations
 
@@ -26,12 +27,17 @@ if __package__ in (None, ""):
 from bench.common import (
     BenchError, ProcessCPU, Result, cost_delta, redis_client, running, server_stats, summarize,
 )
-from bench.omniflow_bench import USER_STAGES, Engine, pipeline_yaml
+from bench.omniflow_bench import LOOP_STAGES, USER_STAGES, Engine, pipeline_yaml
 
 CONCURRENCY = 8           # client tasks submitting, and as many waiting
 WAIT_TIMEOUT_S = 120.0
-USER_BURST = "user path: default executors, AsyncClient submit+wait c=8"
+USER_BURST = "user path: default executors, AsyncClient submit c=8 + completions watcher"
+USER_PIPELINED = "user path: default executors, AsyncClient submit_many + wait_many"
 USER_LATENCY = "user path: default executors, Client submit+wait"
+# the same client and settings with the stages on the worker's loop (`runs_on = "loop"`): what the
+# compute-thread hop costs the default executors (issue 19 item 2: within 10 % in wf/s and p50)
+LOOP_BURST = "reference: runs_on=loop, AsyncClient submit c=8 + completions watcher"
+LOOP_LATENCY = "reference: runs_on=loop, Client submit+wait"
 Record = tuple[str, float, float]
 
 
@@ -47,34 +53,40 @@ def _completed(wf: str, doc: dict[str, Any]) -> None:
         raise BenchError(f"workflow {wf} ended {doc.get('state')!r}: {doc.get('error')!r:.300}")
 
 
-async def _burst(url: str, eng: Engine, tag: str, n: int, concurrency: int = CONCURRENCY) -> list[Record]:
+async def _burst(url: str, eng: Engine, tag: str, n: int, concurrency: int = CONCURRENCY,
+                 pipelined: bool = False) -> list[Record]:
     from omniflow.client import AsyncClient
 
     records: list[Record] = []
-    submitted: asyncio.Queue[tuple[str, float] | None] = asyncio.Queue()
+    seen: list[asyncio.Future[None]] = []
     indexes = iter(range(n))
     async with AsyncClient(url, **_client_kwargs(url, eng)) as client:
-        async def submitter() -> None:
-            for i in indexes:
-                t0 = time.time()
-                await submitted.put((await client.submit(f"{tag}{i}"), t0))
-
-        async def waiter() -> None:
-            while (item := await submitted.get()) is not None:
-                wf, t0 = item
-                doc = await client.wait(wf, timeout_s=WAIT_TIMEOUT_S)
-                records.append((wf, t0, time.time()))
+        if pipelined:
+            t0 = time.time()
+            ids = await client.submit_many([f"{tag}{i}" for i in range(n)])
+            docs = await client.wait_many(ids, timeout_s=WAIT_TIMEOUT_S)
+            for wf, doc in docs.items():
                 _completed(wf, doc)
+                records.append((wf, t0, doc["finished_at"] or time.time()))
+            # the last document returned: the end of the run
+            records[-1] = (records[-1][0], t0, max(time.time(), records[-1][2]))
+            return records
+        async with client.completions() as ends:
+            def seen_at(wf: str, t0: float, _fut: asyncio.Future[dict[str, Any]]) -> None:
+                records.append((wf, t0, time.time()))
 
-        waiters = [asyncio.create_task(waiter()) for _ in range(concurrency)]
-        try:
+            async def submitter() -> None:
+                for i in indexes:
+                    t0 = time.time()
+                    wf = await client.submit(f"{tag}{i}")
+                    fut = ends.watch(wf)
+                    fut.add_done_callback(lambda f, wf=wf, t0=t0: seen_at(wf, t0, f))
+                    seen.append(fut)   # type: ignore[arg-type]
+
             await asyncio.gather(*(submitter() for _ in range(concurrency)))
-            for _ in waiters:
-                submitted.put_nowait(None)
-            await asyncio.gather(*waiters)
-        finally:
-            for task in waiters:
-                task.cancel()
+            docs = await asyncio.wait_for(asyncio.gather(*seen), WAIT_TIMEOUT_S)
+            for (wf, _, _), doc in zip(records, docs):
+                _completed(wf, doc)       # type: ignore[arg-type]
     return records
 
 
@@ -92,29 +104,36 @@ def _latency(url: str, eng: Engine, tag: str, n: int) -> list[Record]:
     return records
 
 
-def _topology(procs: int, colocated: bool) -> str:
+def _topology(procs: int, colocated: bool, on_loop: bool = False) -> str:
     where = f"{procs} `omniflow worker --stage all`" if colocated else f"{procs} `omniflow worker` per stage"
-    return f"{where} + 1 `omniflow reconciler`, default settings, compute-thread executors"
+    return f"{where} + 1 `omniflow reconciler`, default settings, {'loop' if on_loop else 'compute-thread'} executors"
 
 
-def run_burst(redis_url: str, n: int, procs: int, *, colocated: bool, warmup: int = 100) -> Result:
-    eng = Engine(redis_url, procs, pipeline_yaml(procs, stages=USER_STAGES), colocated=colocated, defaults=True)
+def run_burst(redis_url: str, n: int, procs: int, *, colocated: bool, warmup: int = 100,
+              on_loop: bool = False, pipelined: bool = False) -> Result:
+    """`on_loop`: the stages with `runs_on = "loop"` (the reference beside the default executors);
+    `pipelined`: `submit_many` + `wait_many` instead of 8 submitters and the watcher."""
+    stages = LOOP_STAGES if on_loop else USER_STAGES
+    eng = Engine(redis_url, procs, pipeline_yaml(procs, stages=stages), colocated=colocated, defaults=True)
     r = redis_client(redis_url)
     with running(eng.commands(), env=eng.env) as ps:
         eng.wait_ready(r, ps)
         asyncio.run(_burst(redis_url, eng, "warm", warmup))
         before = server_stats(r)
         meter = ProcessCPU(r, ps)
-        records = asyncio.run(_burst(redis_url, eng, "p", n))
+        records = asyncio.run(_burst(redis_url, eng, "p", n, pipelined=pipelined))
         cpu = meter.take()
         extra = cost_delta(before, server_stats(r), n)
-    extra.update(ProcessCPU.per_wf(cpu, n), submit_mode=f"c={CONCURRENCY}", topology=_topology(procs, colocated))
-    variant = USER_BURST + (", stages co-located" if colocated else "")
+    extra.update(ProcessCPU.per_wf(cpu, n), submit_mode="submit_many" if pipelined else f"c={CONCURRENCY}",
+                 topology=_topology(procs, colocated, on_loop))
+    variant = (LOOP_BURST if on_loop else USER_PIPELINED if pipelined else USER_BURST) + \
+        (", stages co-located" if colocated else "")
     return summarize("omniflow", variant, procs, records, extra=extra)
 
 
-def run_latency(redis_url: str, n: int, *, colocated: bool) -> Result:
-    eng = Engine(redis_url, 1, pipeline_yaml(1, stages=USER_STAGES), colocated=colocated, defaults=True)
+def run_latency(redis_url: str, n: int, *, colocated: bool, on_loop: bool = False) -> Result:
+    stages = LOOP_STAGES if on_loop else USER_STAGES
+    eng = Engine(redis_url, 1, pipeline_yaml(1, stages=stages), colocated=colocated, defaults=True)
     r = redis_client(redis_url)
     with running(eng.commands(), env=eng.env) as ps:
         eng.wait_ready(r, ps)
@@ -122,8 +141,8 @@ def run_latency(redis_url: str, n: int, *, colocated: bool) -> Result:
         before = server_stats(r)
         records = _latency(redis_url, eng, "l", n)
         extra = cost_delta(before, server_stats(r), n)
-    extra["topology"] = _topology(1, colocated)
-    variant = USER_LATENCY + (", stages co-located" if colocated else "")
+    extra["topology"] = _topology(1, colocated, on_loop)
+    variant = (LOOP_LATENCY if on_loop else USER_LATENCY) + (", stages co-located" if colocated else "")
     return summarize("omniflow", variant, 1, records, mode="latency", extra=extra)
 
 

@@ -124,11 +124,35 @@ def user_lines(results: list[Result]) -> list[str]:
                     and r.variant.endswith("stages co-located") == colocated), None)
         if lat:
             lines.append(f"low-load p50 {label}: {lat.p50_ms:.1f} ms")
+    lines += hop_lines(rows)
     toy = next((r for r in user_thr if r.procs == 1 and r.variant.endswith("stages co-located")), None)
     if toy and isinstance(toy.extra.get("cmds_per_wf"), (int, float)):
         lines.append(f"Redis commands per workflow: {toy.extra['cmds_per_wf']:.0f}")
         lines.append(f"(toy pipeline, user path, 1 process co-located: {toy.extra.get('bytes_in_per_wf')} bytes to "
                      f"Valkey and {toy.extra.get('valkey_cpu_us_per_wf')} µs of Valkey CPU per workflow)")
+    return lines
+
+
+def hop_lines(rows: list[Result]) -> list[str]:
+    """Default executors (compute thread) against the same stages on the worker's loop, co-located,
+    1 process, same client: the cost of the compute-thread hop (issue 19 item 2: within 10 %)."""
+    def row(mode: str, prefix: str) -> Result | None:
+        return next((r for r in rows if r.mode == mode and r.system == "omniflow" and r.procs == 1
+                     and r.variant.startswith(prefix) and r.variant.endswith("stages co-located")), None)
+    thr, thr_loop = row("throughput", "user path: default"), row("throughput", "reference: runs_on=loop, AsyncClient")
+    lat, lat_loop = row("latency", "user path: default"), row("latency", "reference: runs_on=loop, Client")
+    parts = []
+    if thr and thr_loop and thr_loop.workflows_per_s:
+        parts.append(f"throughput {thr.workflows_per_s / thr_loop.workflows_per_s:.0%} of runs_on=loop "
+                     f"({thr.workflows_per_s:,.0f} vs {thr_loop.workflows_per_s:,.0f} wf/s)")
+    if lat and lat_loop and lat_loop.p50_ms:
+        parts.append(f"low-load p50 {lat.p50_ms / lat_loop.p50_ms:.0%} of runs_on=loop "
+                     f"({lat.p50_ms:.1f} vs {lat_loop.p50_ms:.1f} ms)")
+    lines = [f"default executors, co-located: {'; '.join(parts)}"] if parts else []
+    hops = {r.variant.split(": ", 1)[1].split(",")[0]: r for r in rows if r.mode == "hop"}
+    if hops:
+        lines.append("compute-thread hop: " + "; ".join(
+            f"{r.p50_ms:.3f} ms ({what})" for what, r in hops.items()) + " (bench/hop.py)")
     return lines
 
 
@@ -312,14 +336,24 @@ def write_markdown(path: Path, results: list[Result], failures: list[str], args,
         md += ["## Simulated GPU: pool utilization and scaling", "",
                "The thinker is GPU-bound (`asyncio.sleep` of 25 ms per chunk, 4 chunks per workflow) with 4 sessions "
                "(batch slots) per replica; utilization = the time thinker sessions held a slot, as the executor "
-               "measured it / (replicas × slots × wall time, first submit to last completion). `ideal wf/s` assumes "
-               "exactly 25 ms per chunk; `asyncio.sleep` itself overshoots by a little.", "",
-               "| thinker replicas | workflows | wf/s | ideal wf/s | utilization | scaling vs 1 replica |",
-               "|---:|---:|---:|---:|---:|---:|"]
+               "measured it / (replicas × slots × wall time, first submit to last completion). `while busy`: the "
+               "same over the thinker's own window (its first session start to its last session end: the submit "
+               "ramp and the downstream tail are not the GPU's idle time); `GPU work`: the simulated GPU time "
+               "itself (25 ms × 4 chunks per workflow) over that window. `ideal wf/s` assumes "
+               "exactly 25 ms per chunk; `asyncio.sleep` itself overshoots by a little. `CPU/wf`: every process's "
+               "CPU per workflow: on 2 cores, `ideal wf/s` × `CPU/wf` above 2 s/s cannot be reached.", "",
+               "| thinker replicas | workflows | wf/s | ideal wf/s | utilization | while busy | GPU work | CPU/wf µs "
+               "| scaling vs 1 replica |",
+               "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in sim:
+            def pct(key: str, r: Result = r) -> str:
+                return f"{100 * r.extra[key]:.1f}%" if key in r.extra else "–"
             md.append(f"| {r.procs} | {r.n} | {r.workflows_per_s:.1f} | {r.extra.get('ideal_wf_s')} | "
-                      f"{100 * r.extra['utilization']:.1f}% | {r.workflows_per_s / base:.2f}× |")
-        md.append("")
+                      f"{pct('utilization')} | {pct('utilization_window')} | {pct('gpu_work_share')} | "
+                      f"{r.extra.get('cpu_us_per_wf_total', '–')} | {r.workflows_per_s / base:.2f}× |")
+        top = max(sim, key=lambda r: r.procs)
+        md += ["", f"simulated GPU utilisation with {top.procs} replicas: {100 * top.extra['utilization']:.0f}% "
+               f"({pct('utilization_window', top)} while the thinker was busy)", ""]
     cpu = [r for r in thr if r.extra.get("cpu_us_per_wf")]
     if cpu:
         roles = sorted({role for r in cpu for role in r.extra["cpu_us_per_wf"]})

@@ -59,7 +59,7 @@ class Spec:
 
 
 def build_specs(args: argparse.Namespace, omni, user=None) -> list[Spec]:
-    from bench import api_latency
+    from bench import api_latency, hop
     from bench.peers import arq_chain, bullmq_chain, dramatiq_chain, inproc, raw_streams
 
     n, lat_n = args.n, args.latency_n
@@ -127,6 +127,15 @@ def build_specs(args: argparse.Namespace, omni, user=None) -> list[Spec]:
         for colocated in (True, False):
             add(Spec("user", f"omniflow user path latency{', stages co-located' if colocated else ', 1 proc/stage'}",
                      lambda u, c=colocated: user.run_latency(u, lat_n, colocated=c), mode="latency"))
+        add(Spec("user", "omniflow user path, submit_many + wait_many, 1 proc, stages co-located",
+                 lambda u: user.run_burst(u, n, 1, colocated=True, pipelined=True)))
+        # the same with the stages on the worker's loop: what the default executors' compute-thread hop costs
+        add(Spec("user", "omniflow user client, runs_on=loop, 1 proc, stages co-located",
+                 lambda u: user.run_burst(u, n, 1, colocated=True, on_loop=True)))
+        add(Spec("user", "omniflow user client latency, runs_on=loop, stages co-located",
+                 lambda u: user.run_latency(u, lat_n, colocated=True, on_loop=True), mode="latency"))
+        add(Spec("user", "compute-thread hop micro-benchmark (bench/hop.py)",
+                 lambda u: hop.run(quick=args.quick), mode="hop", repeat=False, server=False))
     add(Spec("http", "HTTP path against the Python client (bench/api_latency.py)",
              lambda u: api_latency.run(quick=args.quick), mode="http", repeat=False, server=False))
 

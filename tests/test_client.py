@@ -66,3 +66,44 @@ async def test_sync_client_refuses_a_request_id_reused_with_a_different_request(
                     client.submit("another text", request_id="k-1")
 
         await asyncio.to_thread(run)
+
+
+async def test_submit_many_then_wait_many_with_one_blocking_read(engine_factory) -> None:
+    """`submit_many` pipelines the submits; `wait_many` returns every document once all are terminal,
+    the watcher reading all their ends through one XREAD (at most one wake-up per blocked read)."""
+    async with engine_factory() as eng:
+        async with AsyncClient(eng.url, settings=eng.settings, pipeline=eng.pipeline) as client:
+            texts = [f"many {i}" for i in range(20)]
+            ids = await client.submit_many(texts)
+            assert len(set(ids)) == 20
+            docs = await client.wait_many(ids, timeout_s=30)
+            assert list(docs) == ids
+            assert [d["outputs"]["thinker"]["text"] for d in docs.values()] == [expected_text(t) for t in texts]
+            async with client.completions() as ends:
+                late = await client.submit_many(["later"])
+                done = await asyncio.gather(*(ends.watch(wf) for wf in [*ids[:3], *late]))
+                assert [d["state"] for d in done] == ["completed"] * 4
+                assert ends.pokes <= 2 and ends.watched == 0
+
+
+async def test_submit_many_reports_each_refusal_in_place(engine_factory) -> None:
+    async with engine_factory(workers=False, max_in_flight=2) as eng:
+        async with AsyncClient(eng.url, settings=eng.settings, pipeline=eng.pipeline) as client:
+            got = await client.submit_many(["a", "b", "c"], return_exceptions=True)
+            assert isinstance(got[0], str) and isinstance(got[1], str) and isinstance(got[2], AdmissionRefused)
+            with pytest.raises(AdmissionRefused):
+                await client.submit_many(["d"])
+            with pytest.raises(InvalidRequest, match="not produced"):
+                await client.submit_many(["x"], modalities=["video"])
+
+
+async def test_wait_many_says_which_workflow_does_not_exist(engine_factory) -> None:
+    from omniflow.errors import WorkflowNotFound
+
+    async with engine_factory(workers=False) as eng:
+        async with AsyncClient(eng.url, settings=eng.settings, pipeline=eng.pipeline) as client:
+            (wf,) = await client.submit_many(["pending"])
+            with pytest.raises(WorkflowNotFound, match="nope"):
+                await client.wait_many([wf, "nope"], timeout_s=0.5)
+            docs = await client.wait_many([wf], timeout_s=0.2)     # not terminal: its current document
+            assert docs[wf]["state"] == "pending"

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -216,19 +216,24 @@ class VocoderStream:
         self.chunks = 0
 
     def push(self, frames: np.ndarray) -> list[np.ndarray]:
+        return list(self.stream(frames))
+
+    def stream(self, frames: np.ndarray) -> Iterator[np.ndarray]:
+        """`push`, one chunk at a time: each chunk's audio as soon as it is decoded (a caller that
+        sends each before the next is decoded starts playback one chunk earlier). Iterate it to the end."""
         frames = np.asarray(frames, dtype=np.float32)
         self._frames = frames if self._frames is None else np.concatenate([self._frames, frames], axis=1)
         self._total += frames.shape[1]
-        out: list[np.ndarray] = []
         while self._total - self._done >= self.next_chunk + self.right:
-            out += self._emit(self.next_chunk)
-        return out
+            yield from self._emit(self.next_chunk)
 
     def finish(self) -> list[np.ndarray]:
-        out: list[np.ndarray] = []
+        return list(self.stream_rest())
+
+    def stream_rest(self) -> Iterator[np.ndarray]:
+        """`finish`, one chunk at a time."""
         while self._total > self._done:
-            out += self._emit(min(self.next_chunk, self._total - self._done))
-        return out
+            yield from self._emit(min(self.next_chunk, self._total - self._done))
 
     @property
     def next_chunk(self) -> int:

@@ -11,6 +11,11 @@ Params (pipeline YAML, request `stage_params` for the sampling ones):
 | `system_prompt` | short answers | the chat template's system turn (`""`: none) |
 | `temperature`, `top_p`, `max_tokens`, `seed` | 0, 1, 128, 0 | per-request sampling |
 | `clause_min_words`, `clause_max_words` | 3, 24 | how the text is cut into clauses for the Talker |
+| `first_chunk_words` | 0 | the answer's first chunk ends after this many words (0: a whole clause) |
+
+`first_chunk_words` cuts the first chunk at the first word boundary once it has that many words,
+punctuation or not, so speech starts on the first few words (vLLM-Omni's small first chunk); the
+rest of the answer goes in whole clauses.
 
 The prompt is the workflow's input text, or, when the session has an upstream stage (an ASR
 stage streaming what it heard), the text of that stage's chunks (`chunk.data["text"]`, joined
@@ -73,11 +78,14 @@ async def upstream_text(session: Session) -> str:
     return "".join(pieces).strip()
 
 
-def clause_ends(clause: str, next_piece: str | None, *, min_words: int, max_words: int) -> bool:
+def clause_ends(clause: str, next_piece: str | None, *, min_words: int, max_words: int,
+                first_words: int = 0) -> bool:
     """Whether the clause text so far is a whole clause, given the next token's text (None: the end).
 
     A clause ends at punctuation followed by a space or a new line (not inside "3.5"), once it
     has `min_words`; a clause that runs past `max_words` is cut at the next word boundary.
+    `first_words` (the answer's first chunk only, > 0): it ends at the first word boundary once it
+    has that many words, punctuation or not.
     """
     if next_piece is None:
         return True
@@ -85,6 +93,8 @@ def clause_ends(clause: str, next_piece: str | None, *, min_words: int, max_word
     at_break = next_piece[:1].isspace() or clause[-1:] == "\n"
     if not at_break or words == 0:
         return False
+    if 0 < first_words <= words:
+        return True
     return (words >= min_words and bool(_CLAUSE_END.search(clause.rstrip()))) or words >= max_words
 
 
@@ -115,6 +125,7 @@ class HFThinker(BatchedExecutor):
         self.lm.release(warm)
         self.min_words = int(self.params.get("clause_min_words", DEFAULT_CLAUSE_MIN_WORDS))
         self.max_words = int(self.params.get("clause_max_words", DEFAULT_CLAUSE_MAX_WORDS))
+        self.first_words = max(0, int(self.params.get("first_chunk_words", 0)))
 
     async def run(self, session: Session) -> Mapping[str, Any] | None:
         if not session.upstream:
@@ -186,8 +197,12 @@ class HFThinker(BatchedExecutor):
         if len(state.seq.generated) == state.clause_from_tok:
             return False
         next_piece = None if done else self.lm.decode([state.seq.pending])
-        return clause_ends(state.text[state.clause_from_char:], next_piece,
-                           min_words=self.min_words, max_words=self.max_words)
+        return clause_ends(state.text[state.clause_from_char:], next_piece, **self._cut(state.clause_from_char))
+
+    def _cut(self, clause_from_char: int) -> dict[str, int]:
+        """How the clause that starts at `clause_from_char` ends (the first one sooner: `first_chunk_words`)."""
+        return {"min_words": self.min_words, "max_words": self.max_words,
+                "first_words": self.first_words if clause_from_char == 0 else 0}
 
     def _output(self, state: ThinkerState, *, delta: str, done: bool) -> StepOutput:
         data = None
@@ -228,7 +243,6 @@ class HFThinker(BatchedExecutor):
             else:   # the last emitted step: its clause ended there if the session was done
                 next_piece = None if self._finished(state) else self.lm.decode([state.seq.pending])
             clause = state.text[state.clause_from_char:]
-            if n > state.clause_from_tok and clause_ends(clause, next_piece,
-                                                         min_words=self.min_words, max_words=self.max_words):
+            if n > state.clause_from_tok and clause_ends(clause, next_piece, **self._cut(state.clause_from_char)):
                 state.clause_from_tok, state.clause_from_char = n, len(state.text)
         state.hidden = list(state.seq.prefill_hidden[state.clause_from_tok:])

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from omniflow.dataplane import tensors
 from omniflow.errors import NonRetryableError
 from omniflow.executor import Executor, Session
 from omniflow.workers.g2p import Phonemizer, load_phonemizer, phonemize
@@ -104,6 +105,9 @@ class PiperTalker(Executor):
     resumable = True
 
     async def setup(self) -> None:
+        # the Thinker's clauses carry torch tensors (`hidden`): decoding the first one would import
+        # torch on the first request's time (3-4 s here under load: most of the demo's first audio)
+        tensors.preload()
         self.voice = _load_voice(self.params)
         backends = [b.strip() for b in str(self.params.get("g2p", "library,command")).split(",") if b.strip()]
         self.g2p: Phonemizer = load_phonemizer(self.voice.config.espeak_voice, backends)
@@ -172,10 +176,10 @@ class PiperCode2Wav(Executor):
             if z is None or np.ndim(z) != 2 or np.shape(z)[0] != self.voice.channels:
                 raise NonRetryableError(f"code2wav: chunk {chunk.seq} from {chunk.src} has no latent frames "
                                         f"[{self.voice.channels}, n]")
-            for audio in stream.push(np.asarray(z)):
+            for audio in stream.stream(np.asarray(z)):        # each chunk sent as soon as it is decoded
                 samples += audio.size
                 await session.emit(audio=audio, sample_rate=rate)
-        for audio in stream.finish():
+        for audio in stream.stream_rest():
             samples += audio.size
             await session.emit(audio=audio, sample_rate=rate)
         return {"audio_chunks": stream.chunks, "audio_seconds": round(samples / rate, 3),

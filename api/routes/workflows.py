@@ -1,6 +1,7 @@
 """The workflows resource: submit, read (long-poll), list, abort, retry, events (SSE), timeline, audio."""
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Mapping
 from typing import Annotated, Any
@@ -59,7 +60,9 @@ def links(request: Request, wf_id: str) -> Links:
 
 @router.post(
     "", status_code=202, response_model=SubmitResponse,
-    responses={200: {"model": SubmitResponse, "description": "request_id matched an existing workflow"},
+    responses={200: {"model": SubmitResponse | WorkflowDocument,
+                     "description": "request_id matched an existing workflow (the submit response); with "
+                                    "`wait`: the workflow document"},
                409: {"model": E, "description": "`retired`: the id or request_id belongs to a retired workflow; "
                                                 "`idempotency_conflict`: the request_id was used with a different body"},
                404: {"model": E, "description": "`model_not_found`: `pipeline` names no pipeline (or version) served"},
@@ -67,20 +70,45 @@ def links(request: Request, wf_id: str) -> Links:
                422: {"model": E, "description": "bad input (field-level messages)"},
                429: {"model": E, "description": "over admission or the tenant's submit rate; see Retry-After"},
                **_AUTH},
-    summary="Submit a workflow",
+    summary="Submit a workflow; with `wait`, answer with its document once it is terminal",
+    description="Without `wait`: 202 (200 for a `request_id` that matched) and the submit response. With "
+                "`wait` > 0: 200 and the workflow document (as `GET /v1/workflows/{id}` returns it) once the "
+                "workflow is terminal, or its current document when `wait` seconds pass first: submit and "
+                "wait in one request.",
 )
 async def submit_workflow(body: SubmitRequest, request: Request, state: StateDep, principal: SubmitterDep,
                           idempotency_key: Annotated[str | None, Header(
                               alias="Idempotency-Key", max_length=128,
-                              description="the same as `request_id` (either, or both when equal)")] = None) -> Any:
+                              description="the same as `request_id` (either, or both when equal)")] = None,
+                          wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, description=(
+                              "seconds to wait for a terminal state; the answer is then the document"))] = 0) -> Any:
     if idempotency_key is not None:
         body = _with_idempotency_key(body, idempotency_key)
     submitted = await state.store.submit(body, tenant=principal.tenant)
     payload = SubmitResponse(id=submitted.id, state=submitted.state, existing=submitted.existing,
                              links=links(request, submitted.id))
+    if wait > 0:
+        return JSONResponse(await _wait_document(state, submitted.id, principal.scope, wait),
+                            headers={"Location": payload.links.self})
     status = 200 if submitted.existing else 202
     return JSONResponse(payload.model_dump(mode="json"), status_code=status,
                         headers={"Location": payload.links.self})
+
+
+async def _wait_document(state: ApiState, wf_id: str, tenant: str | None, wait: float) -> dict[str, Any]:
+    """The workflow's document once it is terminal, or its current one after `wait` seconds: through the
+    API's one watcher of workflow ends (omniflow.client.bulk.Completions: one blocking read for every
+    request waiting, woken once per workflow, not once per log entry)."""
+    if state.completions is not None:
+        try:
+            return await asyncio.wait_for(asyncio.shield(state.completions.watch(wf_id)), wait)
+        except TimeoutError:
+            pass
+    else:
+        async with state.hub.follow(wf_id, timeout_s=wait) as events:
+            async for _ in events:
+                pass
+    return await state.store.document(wf_id, tenant=tenant)
 
 
 def _with_idempotency_key(body: SubmitRequest, key: str) -> SubmitRequest:

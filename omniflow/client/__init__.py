@@ -3,6 +3,8 @@
     async with AsyncClient() as client:
         wf = await client.submit("hello", modalities=["text", "audio"])
         doc = await client.wait(wf, timeout_s=60)
+        ids = await client.submit_many(["a", "b", "c"])          # pipelined
+        docs = await client.wait_many(ids, timeout_s=60)         # one blocking read for all of them
 
 `Client` is the same, synchronous (it runs its own event loop).
 """
@@ -16,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from omniflow.client import bulk
 from omniflow.storage import redisio
 from omniflow.config import Settings, get_settings
 from omniflow.errors import RedisRefused
@@ -57,6 +60,32 @@ class AsyncClient:
                             stage_params=stage_params or {}, request_id=request_id, deadline_s=deadline_s,
                             webhook_url=webhook_url)
         return (await self.store.submit(req, tenant=self.tenant)).id
+
+    async def submit_many(self, texts: Sequence[str], *, modalities: Sequence[str] | None = None,
+                          stage_params: dict[str, dict[str, Any]] | None = None, deadline_s: float | None = None,
+                          return_exceptions: bool = False) -> list[Any]:
+        """Submit one request per text, pipelined (one round trip per 256); the workflow ids in order.
+        With `return_exceptions`, a request that was refused is its exception in the list; without, the
+        first refusal is raised once its batch has been sent (omniflow.client.bulk)."""
+        reqs = [SubmitRequest(input=WorkflowInput(text=text), output_modalities=list(modalities) if modalities else None,
+                              stage_params=stage_params or {}, deadline_s=deadline_s) for text in texts]
+        results = await bulk.submit_many(self.store, reqs, tenant=self.tenant, return_exceptions=return_exceptions)
+        return [r if isinstance(r, BaseException) else r.id for r in results]
+
+    def completions(self, *, block_ms: int = 5_000) -> bulk.Completions:
+        """A watcher for the ends of many workflows through one blocking read (BullMQ's QueueEvents):
+        `watch(wf_id)` gives a future for the document once it is terminal.
+
+            async with client.completions() as ends:
+                docs = await asyncio.gather(*(ends.watch(wf) for wf in ids))
+        """
+        return bulk.Completions(self.store, block_ms=block_ms)
+
+    async def wait_many(self, wf_ids: Sequence[str], *, timeout_s: float | None = None) -> dict[str, dict[str, Any]]:
+        """`wait` for many workflows with one blocking read: every document, by id, once all are terminal
+        or `timeout_s` has passed (then the current document of those still running)."""
+        async with self.completions() as ends:
+            return await ends.wait(wf_ids, timeout_s=timeout_s)
 
     async def get(self, wf_id: str) -> dict[str, Any]:
         return await self.store.document(wf_id)
@@ -138,6 +167,14 @@ class Client:
             elif self._client.settings.wait_aof:
                 self._sync.execute_command("WAITAOF", 1, 0, 1000)
         return result.id
+
+    def submit_many(self, texts: Sequence[str], **kwargs: Any) -> list[Any]:
+        """`AsyncClient.submit_many`: pipelined submits, the workflow ids in order."""
+        return self._run(self._client.submit_many(texts, **kwargs))  # type: ignore[no-any-return]
+
+    def wait_many(self, wf_ids: Sequence[str], *, timeout_s: float | None = None) -> dict[str, dict[str, Any]]:
+        """`AsyncClient.wait_many`: every document once all are terminal (one blocking read)."""
+        return self._run(self._client.wait_many(wf_ids, timeout_s=timeout_s))  # type: ignore[no-any-return]
 
     def get(self, wf_id: str) -> dict[str, Any]:
         return self._run(self._client.get(wf_id))  # type: ignore[no-any-return]

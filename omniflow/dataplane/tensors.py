@@ -62,6 +62,16 @@ def to_array(tensor: Any) -> tuple[str, np.ndarray]:
     return name, t.numpy()
 
 
+def preload() -> bool:
+    """Import torch now, if it is installed (True when it is): a stage whose inputs carry tensors calls
+    it in `setup`, so decoding its first chunk does not import torch (seconds) on a request's time."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def from_array(name: str, arr: np.ndarray) -> Any:
     """The tensor `to_array` took apart (sharing `arr`'s memory); a numpy array if torch is missing."""
     try:

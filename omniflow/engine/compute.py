@@ -15,6 +15,13 @@ Redis (`Session.emit`, `inputs`, `flush`): see `omniflow.engine.session`.
     compute = ComputeThread("thinker")
     result = await compute.run(executor.run(session))   # awaited on the worker's loop
     compute.stop()
+
+Handoffs between the two loops are batched (`Handoff`): calls for a loop wait in a deque, and
+only the first call of a batch wakes that loop (one `call_soon_threadsafe`, one self-pipe write);
+the loop runs every call queued by then in one turn, in order. So a burst of emits, or a batch of
+input chunks, costs one wake-up instead of one per item, and no `concurrent.futures.Future` is
+made per item (`run_on`: a coroutine started on another loop and awaited here, one handoff each
+way). bench/hop.py measures the hop.
 """
 from __future__ import annotations
 
@@ -22,7 +29,9 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Coroutine
+import weakref
+from collections import deque
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
@@ -30,6 +39,111 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_STOP_TIMEOUT_S = 5.0
+
+
+class Handoff:
+    """Calls handed to one event loop from other threads, in batches.
+
+    `call(fn, *args)` from any thread queues the call; only the first call of a batch schedules a
+    drain on the loop (`call_soon_threadsafe`): the drain runs every call queued by the time it
+    runs, in the order they were queued (one FIFO per target loop, whichever thread queued them).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._calls: deque[tuple[Callable[..., Any], tuple[Any, ...]]] = deque()
+        self._lock = threading.Lock()
+        self._armed = False         # a drain is scheduled and has not started yet
+        self.calls = 0              # counters for bench/hop.py and the notes (not exact across threads)
+        self.wakeups = 0
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn(*args)` on the loop soon (thread-safe; FIFO)."""
+        self._calls.append((fn, args))
+        self.calls += 1
+        with self._lock:
+            if self._armed:
+                return              # the scheduled drain has not started: it takes this call too
+            self._armed = True
+        self.wakeups += 1
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:        # the loop is closed: nothing runs there any more
+            with self._lock:
+                self._armed = False
+            raise
+
+    def _drain(self) -> None:
+        with self._lock:
+            self._armed = False     # calls queued from here on schedule their own drain
+        calls = self._calls
+        while calls:
+            fn, args = calls.popleft()
+            try:
+                fn(*args)
+            except Exception as exc:  # noqa: BLE001 - as the loop does with a failing callback
+                self.loop.call_exception_handler({"message": f"handed-off call {fn!r} failed", "exception": exc})
+
+
+_handoffs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Handoff] = weakref.WeakKeyDictionary()
+_handoffs_lock = threading.Lock()
+
+
+def handoff(loop: asyncio.AbstractEventLoop) -> Handoff:
+    """The one `Handoff` into `loop` (every thread shares it, so calls keep one order)."""
+    found = _handoffs.get(loop)
+    if found is None:
+        with _handoffs_lock:
+            found = _handoffs.get(loop)
+            if found is None:
+                found = _handoffs[loop] = Handoff(loop)
+    return found
+
+
+def _settle(fut: asyncio.Future[T], task: asyncio.Future[T]) -> None:
+    """Copy how `task` (another loop's) ended into `fut` (this loop's)."""
+    if fut.done():
+        return
+    if task.cancelled():
+        fut.cancel()
+    elif (exc := task.exception()) is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(task.result())
+
+
+async def run_on(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:
+    """Run `coro` on `loop` (another thread's) and await its result here: one handoff to start it,
+    one to bring its outcome back. Cancelling the caller cancels the coroutine there too (its task
+    sees the `CancelledError` at its next await); the caller does not wait for that."""
+    here = asyncio.get_running_loop()
+    if here is loop:
+        return await coro
+    fut: asyncio.Future[T] = here.create_future()
+    started: list[asyncio.Task[T]] = []
+    cancelled = False
+
+    def start() -> None:
+        if cancelled:
+            coro.close()
+            return
+        task = loop.create_task(coro)
+        started.append(task)
+        task.add_done_callback(lambda t: handoff(here).call(_settle, fut, t))
+
+    def cancel() -> None:
+        nonlocal cancelled
+        cancelled = True
+        if started:
+            started[0].cancel()
+
+    handoff(loop).call(start)
+    try:
+        return await fut
+    except asyncio.CancelledError:
+        if not fut.done() or fut.cancelled():
+            handoff(loop).call(cancel)
+        raise
 
 
 class ComputeThread:
@@ -69,7 +183,7 @@ class ComputeThread:
 
         Cancelling the caller cancels the coroutine on the compute loop too; its task sees the
         `CancelledError` at its next await (a blocking call in progress finishes first)."""
-        return await asyncio.wrap_future(self.submit(coro))
+        return await run_on(self.loop, coro)
 
     def stop(self, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> None:
         """Cancel what still runs there and end the thread (idempotent)."""

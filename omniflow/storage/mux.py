@@ -38,6 +38,9 @@ class StreamMux:
         self._wake_id: bytes | str = "$"
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self.reads = 0              # blocking reads issued
+        self._reading = False       # one is outstanding (the streams watched since are not in it)
+        self._poked = 0             # the read a poke was sent for
 
     def start(self) -> None:
         if self._task is None:
@@ -59,6 +62,14 @@ class StreamMux:
         slot = self._watched.get(key)
         if slot is not None and (queue is None or slot[1] is queue):
             del self._watched[key]
+
+    def needs_poke(self) -> bool:
+        """Whether a stream watched now needs a `poke` to be read soon: True once per outstanding read
+        (the read after it takes every stream watched meanwhile), False when no read is outstanding."""
+        if self._reading and self._poked != self.reads:
+            self._poked = self.reads
+            return True
+        return False
 
     async def poke(self) -> None:
         """Wake the reader so it picks up newly watched streams now."""
@@ -84,14 +95,19 @@ class StreamMux:
             streams: dict[Any, Any] = {self.wake_key: self._wake_id}
             asked = dict(self._watched)
             streams.update({k: v[0] for k, v in asked.items()})
+            self.reads += 1
+            self._reading = True
             try:
                 reply = await self._redis.xread(streams, count=self._count, block=self._block_ms)
                 backoff.reset()
             except asyncio.CancelledError:
                 raise
             except REDIS_ERRORS as exc:          # lost, BUSY, LOADING...: wait and read again
+                self._reading = False
                 await backoff.wait(logger, "stream reader", translate(exc))
                 continue
+            finally:
+                self._reading = False
             for raw_key, entries in reply or []:
                 key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
                 if not entries:

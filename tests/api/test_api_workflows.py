@@ -26,6 +26,24 @@ async def test_submit_returns_202_with_links_and_completes(api_factory):
         assert doc["outputs"]["code2wav"]["type"] == "audio" and doc["outputs"]["code2wav"]["duration_s"] > 0
 
 
+async def test_submit_with_wait_answers_with_the_document_once_terminal(api_factory):
+    async with api_factory() as (_engine, server), server.client() as http:
+        r = await http.post("/v1/workflows", params={"wait": 10}, json={"input": {"text": "wait for me"}})
+        assert r.status_code == 200, r.text
+        doc = r.json()
+        assert doc["state"] == "completed" and r.headers["location"] == f"/v1/workflows/{doc['id']}"
+        assert doc["outputs"]["thinker"]["text"].startswith("You said: wait for me")
+        assert (await http.get(r.headers["location"])).json() == doc
+        r = await http.post("/v1/workflows", params={"wait": 61}, json={"input": {"text": "x"}})
+        assert r.status_code == 422
+
+
+async def test_submit_with_wait_gives_the_current_document_when_the_wait_ends_first(api_factory):
+    async with api_factory(SLOW) as (_engine, server), server.client() as http:
+        r = await http.post("/v1/workflows", params={"wait": 0.05}, json={"input": {"text": "slow " * 20}})
+        assert r.status_code == 200 and r.json()["state"] in ("pending", "running")
+
+
 async def test_bad_input_is_422_with_field_messages(api_factory):
     async with api_factory() as (_engine, server), server.client() as http:
         r = await http.post("/v1/workflows", json={"input": {}})

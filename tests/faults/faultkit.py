@@ -145,7 +145,7 @@ class FaultRun:
             await admin.raw.replicaof("NO", "ONE")
         elif fault == "busy":
             await admin.config_set("busy-reply-threshold", 50)
-            runner = Redis.from_url(self.server.url)     # raw redis-py: a script of its own (EVAL)
+            runner = connect(self.server.url)
             try:
                 await runner.raw.eval(BUSY_SCRIPT, 0, hold_ms)
             finally:
@@ -170,7 +170,7 @@ class FaultRun:
         """Make the server a replica of the spare, which first copies everything it holds (writes are
         paused until the spare has caught up: nothing acknowledged is lost). Returns when the
         server started refusing writes."""
-        spare = Redis.from_url(self.spare.url)          # raw redis-py: REPLICAOF is an admin command
+        spare = connect(self.spare.url)
         try:
             await admin.config_set("repl-diskless-sync-delay", 0)
             await spare.raw.replicaof("127.0.0.1", self.server.port)
@@ -226,7 +226,7 @@ class FaultRun:
     # ------------------------------------------------------------ run
     async def run(self, faults: tuple[str, ...] = FAULTS) -> FaultReport:
         t0 = time.monotonic()
-        admin = Redis.from_url(self.server.url, socket_timeout=30)      # raw redis-py: admin commands (REPLICAOF, CLIENT PAUSE)
+        admin = connect(self.server.url, socket_timeout=30)
         client = connect(self.server.url, socket_timeout=10)
         store = Store(client, self.cluster.settings, self.cluster.pipeline)
         load = asyncio.create_task(self.submit_steadily(store))

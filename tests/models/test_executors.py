@@ -40,6 +40,33 @@ def test_clause_ends_at_punctuation_before_a_space_or_when_too_long() -> None:
     assert clause_ends("anything", None, **kw)                     # the end of the answer
 
 
+def test_the_first_chunk_ends_after_its_first_words_punctuation_or_not() -> None:
+    kw = {"min_words": 3, "max_words": 8, "first_words": 3}
+    assert not clause_ends("The sky", " is", **kw)
+    assert clause_ends("The sky is", " blue", **kw)                # at a word boundary, no punctuation
+    assert not clause_ends("The sky is", "n't", **kw)              # never inside a word
+    assert not clause_ends("The sky is", " blue", min_words=3, max_words=8)   # the others: whole clauses
+
+
+async def test_a_small_first_chunk_then_clauses_and_resume_cuts_them_the_same(tiny_lm_dir: Path) -> None:
+    """`first_chunk_words`: the first chunk to the Talker holds the first words; a retry that resumes
+    after it (or inside it) cuts every chunk where the uninterrupted run did."""
+    executor = thinker(tiny_lm_dir, first_chunk_words=2)
+    await executor.setup()
+    full = session()
+    await run_executor(executor, full)
+    chunks = [c["text"] for c in full.data_to("talker")]
+    assert len(chunks) >= 2 and len(chunks[0].split()) == 2
+    assert "".join(chunks) == full.text_out
+    for written in (1, len(full.emitted) // 2):
+        crashed = session()
+        crashed.emitted = full.emitted[:written]
+        crashed.seq = written
+        retry = crashed.retried()
+        await run_executor(executor, retry)
+        assert [c["text"] for c in crashed.data_to("talker") + retry.data_to("talker")] == chunks
+
+
 async def test_thinker_streams_text_and_clauses_with_their_hidden_states(hf_thinker: HFThinker) -> None:
     s = session()
     usage = await run_executor(hf_thinker, s)

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from omniflow.engine.compute import handoff, run_on
 from omniflow.models import SessionState
 
 if TYPE_CHECKING:
@@ -41,6 +43,7 @@ class SessionCore:
     _queue: asyncio.Queue[tuple[str, Any]]
     _catchup: list[tuple[str, dict[bytes, bytes]]]
     _catchup_pos: int
+    _taken: deque[tuple[str, dict[bytes, bytes]]]  # raw chunks taken from the queue in a batch, not yet read
     _input_timeout_s: float
     seq: int
     state: SessionState  # WAITING_INPUT when it has upstream stages
@@ -119,5 +122,14 @@ class SessionCore:
         if not self._remote():
             return await coro
         assert self._home is not None
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._home))
+        return await run_on(self._home, coro)
+
+    def _call_home(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn(*args)` on the worker's loop without waiting: at once when called there, else
+        handed off (batched with the other calls queued for that loop, in order)."""
+        if self._remote():
+            assert self._home is not None
+            handoff(self._home).call(fn, *args)
+        else:
+            fn(*args)
 

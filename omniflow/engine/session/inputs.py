@@ -17,6 +17,9 @@ from omniflow.errors import NonRetryableError
 from omniflow.models import SessionState, StageStatus
 from omniflow.storage.schema import StageField
 
+STATUS_ALONE_AFTER_S = 0.01  # a compute thread's session that started running and wrote nothing since
+INPUT_BATCH = 256       # raw chunks one hop from a compute thread to the worker's loop may bring back
+
 
 class SessionInputs(SessionOutputs):
     """What a session reads (and, below it, what it writes)."""
@@ -28,10 +31,17 @@ class SessionInputs(SessionOutputs):
         returned), then what the producers forward to this worker's inbox.
         """
         open_srcs = set(self.upstream)
+        taken = self._taken
+        remote = self._remote()
         while open_srcs:
-            # what is already here is taken without a coroutine (the common case under load)
-            ready = None if self._remote() else self._next_ready()
-            src, fields = ready if ready is not None else await self._on_home(self._next_raw(open_srcs))
+            if taken:       # taken from the queue in an earlier batch (a compute thread's)
+                src, fields = taken.popleft()
+            elif remote:    # one hop to the worker's loop brings every chunk that is there
+                taken.extend(await self._on_home(self._next_batch(open_srcs)))
+                continue
+            else:           # what is already here is taken without a coroutine (the common case under load)
+                ready = self._next_ready()
+                src, fields = ready if ready is not None else await self._next_raw(open_srcs)
             if fields.get(b"eos"):
                 open_srcs.discard(src)
                 continue
@@ -57,10 +67,23 @@ class SessionInputs(SessionOutputs):
             return None
         return self._took(src, fields)
 
+    async def _next_batch(self, open_srcs: set[str]) -> list[tuple[str, dict[bytes, bytes]]]:
+        """The next raw chunk (waiting for it if none is here yet) and every one already here after it,
+        up to `INPUT_BATCH`; runs on the worker's loop, for a session read from a compute thread."""
+        batch = [await self._next_raw(open_srcs)]
+        while len(batch) < INPUT_BATCH and (ready := self._next_ready()) is not None:
+            batch.append(ready)
+        return batch
+
     def _took(self, src: str, fields: dict[bytes, bytes]) -> tuple[str, dict[bytes, bytes]]:
         if self.state is SessionState.WAITING_INPUT and not fields.get(b"eos"):
             self.state, self._status = SessionState.RUNNING, StageStatus.RUNNING.value
-            self._schedule()
+            if self._home is None:
+                self._schedule()
+            else:
+                # read by a compute thread: the status rides on its first emit (or its finish), as on
+                # this loop when the executor emits before it yields; written alone if neither comes soon
+                self._home.call_later(STATUS_ALONE_AFTER_S, self._schedule_pending)
         return src, fields
 
     async def _next_raw(self, open_srcs: set[str]) -> tuple[str, dict[bytes, bytes]]:
@@ -145,8 +168,4 @@ class SessionInputs(SessionOutputs):
 
     def _send_home(self, *command: Any) -> None:
         """Queue a write on the worker's batcher without waiting for it (from any thread)."""
-        if self._remote():
-            assert self._home is not None
-            self._home.call_soon_threadsafe(self._batcher.send, *command)
-        else:
-            self._batcher.send(*command)
+        self._call_home(self._batcher.send, *command)

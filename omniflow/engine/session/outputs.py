@@ -75,13 +75,7 @@ class SessionOutputs(SessionCore):
                 window.sent(self.seq, nbytes)
                 if self._bp is not None:
                     self._bp.saw(window)
-        if self._remote():
-            assert self._home is not None
-            self._home.call_soon_threadsafe(self._push, step)
-            if len(self._inflight) >= MAX_EMITS_IN_FLIGHT:
-                await self.flush()
-            return
-        self._push(step)
+        self._call_home(self._push, step)      # from a compute thread: batched with its other handoffs
         if len(self._inflight) >= MAX_EMITS_IN_FLIGHT:
             await self.flush()
 
@@ -188,12 +182,23 @@ class SessionOutputs(SessionCore):
         if self.state is SessionState.WAITING_INPUT:
             self.state, self._status = SessionState.RUNNING, StageStatus.RUNNING.value
         self._steps.append(step)
-        self._schedule()
+        if self._home is None:
+            self._schedule()
+        else:
+            # handed off by the compute thread: write on the next loop turn, so that whatever else
+            # the same batch brought (more steps, the executor's return, after which the worker closes
+            # the session) joins this write, as it does when the executor runs on this loop
+            self._home.call_soon(self._schedule_pending)
 
     def _schedule(self) -> None:
         if self._open is None:
             self._open = self._send_emit()
             self._track(self._open)
+
+    def _schedule_pending(self) -> None:
+        """Schedule a write if anything is waiting for one (steps, a status change) and none is queued."""
+        if self._open is None and (self._steps or self._status) and self.state in ACTIVE:
+            self._schedule()
 
     def _send_emit(self) -> asyncio.Future[Any]:
         """Queue one `emit.lua` call, built at flush time from everything emitted until then; its

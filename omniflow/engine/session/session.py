@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,7 @@ class Session(SessionInputs):
     _queue: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     _catchup: list[tuple[str, dict[bytes, bytes]]] = field(default_factory=list)
     _catchup_pos: int = 0
+    _taken: deque[tuple[str, dict[bytes, bytes]]] = field(default_factory=deque)
     _input_timeout_s: float = 120.0
     seq: int = 0
     state: SessionState = SessionState.RUNNING      # WAITING_INPUT when it has upstream stages

@@ -1,0 +1,165 @@
+"""The compute-thread hop, measured alone: what an input or an emit costs when the executor runs on its
+stage's compute thread (the default `runs_on = "thread"`) instead of on the worker's loop.
+
+A real engine `Session` with a stub batcher (every write answers 'ok' on the next loop turn, no Redis),
+and the Talker pattern: for each input chunk, one emit. The worker's loop feeds the session's input
+queue as the inbox does; the executor runs on a `ComputeThread` or on the loop itself.
+
+- latency: one chunk at a time (fed, then its emit seen on the worker's loop, then the next): per round
+  trip, an input in and an emit out; `hop` = (thread - loop) / 2, the cost of one handoff;
+- burst: N chunks fed at once, until N emits are seen: the cost per item when handoffs can batch.
+
+    .venv/bin/python bench/hop.py [--n 2000] [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from omniflow.dataplane import codec
+from omniflow.engine.compute import ComputeThread
+from omniflow.engine.session import Session
+from omniflow.models import SessionState
+from omniflow.storage.keys import Keys
+
+
+class StubBatcher:
+    """What a session needs of the batcher: writes answered 'ok' on the next loop turn; counts emits."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.calls = 0
+        self.seen = asyncio.Event()
+        self.want = 0
+
+    def send(self, *command: Any, **_: Any) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        build = command[0] if len(command) == 1 and callable(command[0]) else None
+
+        def answer() -> None:
+            if build is not None:
+                build()
+            if not fut.done():
+                fut.set_result(b"ok")
+        loop.call_soon(answer)
+        return fut
+
+    def send_lazy(self, build: Any) -> asyncio.Future[Any]:
+        return self.send(build)
+
+
+class CountingSession(Session):
+    """Counts the steps that reach the worker's loop (`_push` runs there)."""
+
+    def _push(self, step: list[Any]) -> None:
+        super()._push(step)
+        b: StubBatcher = self._batcher     # type: ignore[assignment]
+        b.steps += 1
+        if b.steps >= b.want:
+            b.seen.set()
+
+
+async def talker(session: Session) -> int:
+    n = 0
+    async for chunk in session.inputs():
+        await session.emit(data=[chunk.data, n])
+        n += 1
+    return n
+
+
+def _fields(seq: int) -> dict[bytes, bytes]:
+    return {b"seq": str(seq).encode(), b"a": b"1", b"d": codec.dumps(seq)}
+
+
+async def _one(mode: str, n: int, compute: ComputeThread | None) -> float:
+    """Seconds for n chunks through one session (latency: one at a time; burst: all at once)."""
+    batcher = StubBatcher()
+    loop = asyncio.get_running_loop()
+    session = CountingSession(wf_id="hopbench", stage="talker", attempt=1, input={}, params={}, finals=(),
+                              downstream=("code2wav",), resume_seq=0, _batcher=batcher,  # type: ignore[arg-type]
+                              _keys=Keys("hopbench"), upstream=("thinker",), state=SessionState.WAITING_INPUT,
+                              _home=loop if compute is not None else None)
+    run = compute.run(talker(session)) if compute is not None else talker(session)
+    task = asyncio.ensure_future(run)
+    await asyncio.sleep(0.01)
+    started = time.perf_counter()
+    if mode == "burst":
+        batcher.want = n
+        for seq in range(1, n + 1):
+            session._queue.put_nowait(("thinker", _fields(seq)))
+        await batcher.seen.wait()
+    else:
+        for seq in range(1, n + 1):
+            batcher.want = seq
+            batcher.seen.clear()
+            session._queue.put_nowait(("thinker", _fields(seq)))
+            await batcher.seen.wait()
+    took = time.perf_counter() - started
+    session._queue.put_nowait(("thinker", {b"eos": b"1"}))
+    assert await task == n
+    return took
+
+
+async def measure(n: int, rounds: int) -> dict[str, Any]:
+    compute = ComputeThread("hopbench")
+    out: dict[str, Any] = {}
+    try:
+        for where in (None, compute):           # warm-up: first-call costs out of the figures
+            await _one("burst", 100, where)
+        for mode in ("latency", "burst"):
+            per: dict[str, list[float]] = {"loop": [], "thread": []}
+            for _ in range(rounds):
+                for where in ("loop", "thread"):
+                    per[where].append(await _one(mode, n, compute if where == "thread" else None) / n * 1e6)
+            loop_us, thread_us = statistics.median(per["loop"]), statistics.median(per["thread"])
+            # latency: a round trip is two handoffs (the input in, the emit out); burst: per item
+            hop_us = (thread_us - loop_us) / (2 if mode == "latency" else 1)
+            out[mode] = {"loop_us_per_item": round(loop_us, 1), "thread_us_per_item": round(thread_us, 1),
+                         "hop_us": round(hop_us, 1), "runs_thread_us": [round(x, 1) for x in per["thread"]]}
+    finally:
+        compute.stop()
+    return out
+
+
+def run(*, quick: bool = False) -> list[Any]:
+    """The `user` group's hop rows for bench/run.py: p50 = the hop in ms (thread minus loop, the median
+    of the rounds), p99 = the worst round's; wf/s = items per second through the compute thread."""
+    from bench.common import Result
+
+    n, rounds = (300, 3) if quick else (2000, 3)
+    res = asyncio.run(measure(n, rounds))
+    rows = []
+    for mode, what in (("latency", "one chunk at a time, ms per handoff"), ("burst", f"{n} chunks at once, ms per item")):
+        row = res[mode]
+        per_handoff = 2 if mode == "latency" else 1
+        worst = (max(row["runs_thread_us"]) - row["loop_us_per_item"]) / per_handoff
+        rows.append(Result("omniflow", f"compute-thread hop (bench/hop.py): {what}", 1, n,
+                           round(1e6 / row["thread_us_per_item"], 1), row["hop_us"] / 1000, round(worst / 1000, 3),
+                           extra=dict(row), mode="hop"))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    res = asyncio.run(measure(args.n, args.rounds))
+    print(json.dumps(res, indent=1))
+    for mode, row in res.items():
+        print(f"compute-thread hop ({mode}): {row['hop_us'] / 1000:.3f} ms "
+              f"(thread {row['thread_us_per_item']:.1f} us/item, loop {row['loop_us_per_item']:.1f} us/item)")
+
+
+if __name__ == "__main__":
+    main()

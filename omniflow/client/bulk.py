@@ -1,0 +1,321 @@
+"""Many workflows at once: pipelined submits, documents read together, and one blocking read for the
+ends of many workflows (BullMQ's `QueueEvents`).
+
+- `submit_many(store, requests)`: every request's `submit.lua` call in one round trip per
+  `SUBMIT_BATCH` requests (a request refused for a full cell tries another cell once, together with
+  the others refused in the same batch).
+- `documents(store, ids)`: the documents of many workflows in two round trips (records and stage hashes,
+  then the final text outputs), whatever their number.
+- `Completions`: a watcher. `watch(wf_id)` returns a future that resolves to the workflow's document once
+  it is terminal; every watched workflow's `<wf>:done` stream is read by one blocking XREAD
+  (`omniflow.storage.mux.StreamMux`; one per cell on a cluster). A workflow added while that read is
+  blocked wakes it once (`poke`: one per blocked read, however many are added meanwhile); the documents
+  of the workflows that end together are read together. A watched workflow that no longer exists
+  (expired, purged) resolves to `WorkflowNotFound` at the next existence check (every `check_s`).
+
+    async with client.completions() as ends:
+        futures = [ends.watch(wf) for wf in await client.submit_many(texts)]
+        for doc in asyncio.as_completed(futures): ...
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from omniflow.client.documents import text_stages, workflow_document
+from omniflow.client.store import Store, check_same_body
+from omniflow.errors import AdmissionRefused, RedisRefused, WorkflowNotFound
+from omniflow.models import TERMINAL_STATES, SubmitRequest, Submitted, WorkflowState
+from omniflow.storage import redisio
+from omniflow.storage.mux import StreamMux
+from omniflow.storage.redisio import REDIS_ERRORS, translate
+from omniflow.storage.schema import s
+from omniflow.storage.transitions import Call
+from omniflow.storage.transitions.admission import SubmitResult
+from omniflow.storage.topology import read_groups
+
+logger = logging.getLogger(__name__)
+
+SUBMIT_BATCH = 256          # submits per round trip
+DEFAULT_CHECK_S = 5.0       # how often the watcher checks that the workflows it waits for still exist
+
+
+# ---------------------------------------------------------------- submit
+async def submit_many(store: Store, requests: Sequence[SubmitRequest], *, tenant: str = "default",
+                      return_exceptions: bool = False) -> list[Submitted | BaseException]:
+    """Submit every request, pipelined; the results in order. A request that fails (refused, invalid)
+    is its exception in the list with `return_exceptions`, else the first one is raised once the whole
+    batch it is in has been sent (the requests before it, and the others of its batch, are submitted)."""
+    out: list[Submitted | BaseException] = []
+    for start in range(0, len(requests), SUBMIT_BATCH):
+        batch = requests[start:start + SUBMIT_BATCH]
+        results = await _submit_batch(store, batch, tenant)
+        out += results
+        if not return_exceptions:
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+    if store.settings.wait_aof and any(isinstance(r, Submitted) and not r.existing for r in out):
+        await redisio.call(store.client, "WAITAOF", 1, 0, 1000)
+    return out
+
+
+async def _submit_batch(store: Store, batch: Sequence[SubmitRequest], tenant: str) -> list[Submitted | BaseException]:
+    results: list[Submitted | BaseException] = []
+    calls: list[tuple[int, Call, str]] = []
+    for i, req in enumerate(batch):
+        results.append(AdmissionRefused("not sent"))
+        try:
+            call, wf_id = store.submit_call(req, tenant=tenant)
+        except Exception as exc:  # noqa: BLE001 - an invalid request fails alone
+            results[i] = exc
+            continue
+        calls.append((i, call, wf_id))
+    retry: list[tuple[int, Call, str]] = []
+    for (i, _call, tried), reply in zip(calls, await _scripts(store, calls)):
+        req = batch[i]
+        if (not isinstance(reply, BaseException) and s(reply[0]) == SubmitResult.BUSY and not req.request_id
+                and store.keys.cells > 1):
+            # that cell is full: one more try in another one (as `Store.submit` does)
+            call, wf_id = store.submit_call(req, tenant=tenant, wf_id=store.other_cell_id(tried))
+            retry.append((i, call, wf_id))
+            continue
+        results[i] = _result(store, reply)
+    for (i, _call, _tried), reply in zip(retry, await _scripts(store, retry)):
+        results[i] = _result(store, reply)
+    for i, result in enumerate(results):
+        if isinstance(result, Submitted) and result.existing:
+            try:
+                results[i] = await _existing(store, batch[i], result)
+            except Exception as exc:  # noqa: BLE001 - retired, or the same key with another request
+                results[i] = exc
+    return results
+
+
+async def _scripts(store: Store, calls: list[tuple[int, Call, str]]) -> list[Any]:
+    if not calls:
+        return []
+    return await redisio.execute(store.client, [call for _, call, _ in calls])
+
+
+def _result(store: Store, reply: Any) -> Submitted | BaseException:
+    if isinstance(reply, RedisRefused):
+        return store.refused(reply)
+    if isinstance(reply, BaseException):
+        return reply
+    try:
+        return store.submitted(reply)
+    except Exception as exc:  # noqa: BLE001 - busy, retired: that request's answer
+        return exc
+
+
+async def _existing(store: Store, req: SubmitRequest, result: Submitted) -> Submitted:
+    """A repeated request id: the workflow it made, if the request is the same and it is not retired."""
+    pipe = store.client.pipeline(transaction=False)
+    pipe.hmget(store.keys.wf(result.id), ["state", "body_hash"])
+    pipe.exists(store.keys.tomb(result.id))
+    try:
+        (raw_state, stored_hash), retired = await pipe.execute()
+    except REDIS_ERRORS as exc:
+        raise translate(exc) from exc
+    if retired:
+        raise store.retired(result.id)
+    check_same_body(result.id, req, s(stored_hash))
+    return Submitted(id=result.id, state=WorkflowState(s(raw_state) or WorkflowState.PENDING.value), existing=True)
+
+
+# ---------------------------------------------------------------- documents
+async def documents(store: Store, wf_ids: Sequence[str], *, tenant: str | None = None
+                    ) -> dict[str, dict[str, Any] | BaseException]:
+    """The documents of `wf_ids` (`Store.document`'s), read together: `WorkflowNotFound` for one that
+    does not exist (or belongs to another tenant)."""
+    ids = list(dict.fromkeys(wf_ids))
+    if not ids:
+        return {}
+    keys = store.keys
+    try:
+        pipe = store.client.pipeline(transaction=False)
+        for wf_id in ids:
+            pipe.hgetall(keys.wf(wf_id))
+            pipe.hgetall(keys.stages(wf_id))
+        raw = await pipe.execute()
+    except REDIS_ERRORS as exc:
+        raise translate(exc) from exc
+    out: dict[str, dict[str, Any] | BaseException] = {}
+    found: list[tuple[str, dict[str, str], dict[str, str], list[str]]] = []
+    for i, wf_id in enumerate(ids):
+        rec_raw, stages_raw = raw[2 * i], raw[2 * i + 1]
+        rec = {s(k): s(v) for k, v in (rec_raw or {}).items()}
+        if not rec or (tenant is not None and rec.get("tenant") != tenant):
+            out[wf_id] = WorkflowNotFound(f"no workflow {wf_id}")
+            continue
+        found.append((wf_id, rec, {s(k): s(v) for k, v in (stages_raw or {}).items()}, text_stages(rec)))
+    wanted = [(wf_id, names) for wf_id, _, _, names in found if names]
+    texts: dict[str, dict[str, str]] = {}
+    if wanted:
+        try:
+            pipe = store.client.pipeline(transaction=False)
+            for wf_id, names in wanted:
+                pipe.mget([keys.out(wf_id, name) for name in names])
+            for (wf_id, names), vals in zip(wanted, await pipe.execute()):
+                texts[wf_id] = {name: s(v) for name, v in zip(names, vals)}
+        except REDIS_ERRORS as exc:
+            raise translate(exc) from exc
+    for wf_id, rec, st, _ in found:
+        if rec.get("webhook"):      # rare: the webhook's deliveries are read the one-by-one way
+            out[wf_id] = await store.document(wf_id, tenant=tenant)
+        else:
+            out[wf_id] = workflow_document(wf_id, rec, st, texts.get(wf_id, {}), None)
+    return out
+
+
+# ---------------------------------------------------------------- the watcher
+class Completions:
+    """The ends of many workflows through one blocking read (see the module docstring)."""
+
+    def __init__(self, store: Store, *, tenant: str | None = None, block_ms: int = 5_000,
+                 check_s: float = DEFAULT_CHECK_S) -> None:
+        self._store = store
+        self._tenant = tenant
+        groups = read_groups(store.client, store.keys.cells)
+        self._muxes = [StreamMux(store.client, store.keys, block_ms=block_ms, cell=group[0]) for group in groups]
+        self._mux_of = {cell: mux for group, mux in zip(groups, self._muxes) for cell in group}
+        self._ended: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._waiting: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._check_s = check_s
+        self._task: asyncio.Task[None] | None = None
+        self._poking: set[asyncio.Future[None]] = set()
+        self.pokes = 0
+
+    async def __aenter__(self) -> Completions:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def start(self) -> None:
+        if self._task is None:
+            for mux in self._muxes:
+                mux.start()
+            self._task = asyncio.create_task(self._run(), name="completions")
+
+    @property
+    def watched(self) -> int:
+        return len(self._waiting)
+
+    def watch(self, wf_id: str) -> asyncio.Future[dict[str, Any]]:
+        """A future for the workflow's document once it is terminal (the same one for the same id)."""
+        self.start()
+        fut = self._waiting.get(wf_id)
+        if fut is not None:
+            return fut
+        fut = self._waiting[wf_id] = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(_retrieved)       # a waiter that gave up (a timeout) leaves no warning behind
+        cell = self._store.keys.cell_of(wf_id)
+        mux = self._mux_of.get(cell, self._muxes[0])
+        mux.watch(self._store.keys.done(wf_id), "0-0", queue=self._ended, tag=wf_id)
+        if mux.needs_poke():
+            self.pokes += 1
+            task = asyncio.ensure_future(self._poke(mux))
+            self._poking.add(task)
+            task.add_done_callback(self._poking.discard)
+        return fut
+
+    async def wait(self, wf_ids: Iterable[str], *, timeout_s: float | None = None) -> dict[str, dict[str, Any]]:
+        """Every workflow's document once all are terminal, or when `timeout_s` passes (then the current
+        document of those still running). Raises `WorkflowNotFound` for one that does not exist."""
+        ids = list(dict.fromkeys(wf_ids))
+        futures = {wf_id: self.watch(wf_id) for wf_id in ids}
+        if futures:
+            await asyncio.wait(list(futures.values()), timeout=timeout_s)
+        late = [wf_id for wf_id, fut in futures.items() if not fut.done()]
+        current = await documents(self._store, late, tenant=self._tenant) if late else {}
+        out: dict[str, dict[str, Any]] = {}
+        for wf_id in ids:
+            fut = futures[wf_id]
+            result = fut.result() if fut.done() else current[wf_id]
+            if isinstance(result, BaseException):
+                raise result
+            out[wf_id] = result
+        return out
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        for mux in self._muxes:
+            await mux.close()
+        for fut in self._waiting.values():
+            fut.cancel()
+        self._waiting.clear()
+
+    async def _poke(self, mux: StreamMux) -> None:
+        try:
+            await mux.poke()
+        except REDIS_ERRORS as exc:      # the reader picks the stream up at its next read anyway
+            logger.warning("completions: could not wake the reader: %s", translate(exc))
+
+    async def _run(self) -> None:
+        checked = time.monotonic()
+        while True:
+            try:
+                first = await asyncio.wait_for(self._ended.get(), self._check_s)
+            except TimeoutError:
+                first = None
+            ended = [] if first is None else [first[0]]
+            while not self._ended.empty():      # every end already here: their documents read together
+                ended.append(self._ended.get_nowait()[0])
+            try:
+                if ended:
+                    await self._resolve(ended)
+                if time.monotonic() - checked >= self._check_s:
+                    checked = time.monotonic()
+                    await self._check_exists()
+            except (asyncio.CancelledError, KeyboardInterrupt):
+                raise
+            except Exception as exc:  # noqa: BLE001 - Redis away: those waiters hear it, the reader goes on
+                for wf_id in ended:
+                    self._settle(wf_id, exc)
+
+    async def _resolve(self, ended: list[str]) -> None:
+        docs = await documents(self._store, [w for w in ended if w in self._waiting], tenant=self._tenant)
+        for wf_id, doc in docs.items():
+            if isinstance(doc, BaseException) or WorkflowState(doc["state"]) in TERMINAL_STATES:
+                self._settle(wf_id, doc)
+
+    async def _check_exists(self) -> None:
+        ids = list(self._waiting)
+        if not ids:
+            return
+        try:
+            pipe = self._store.client.pipeline(transaction=False)
+            for wf_id in ids:
+                pipe.exists(self._store.keys.wf(wf_id))
+            found = await pipe.execute()
+        except REDIS_ERRORS as exc:
+            logger.warning("completions: existence check failed: %s", translate(exc))
+            return
+        for wf_id, exists in zip(ids, found):
+            if not exists:
+                self._settle(wf_id, WorkflowNotFound(f"no workflow {wf_id}"))
+
+    def _settle(self, wf_id: str, result: dict[str, Any] | BaseException) -> None:
+        fut = self._waiting.pop(wf_id, None)
+        cell = self._store.keys.cell_of(wf_id)
+        self._mux_of.get(cell, self._muxes[0]).unwatch(self._store.keys.done(wf_id))
+        if fut is None or fut.done():
+            return
+        if isinstance(result, BaseException):
+            fut.set_exception(result)
+        else:
+            fut.set_result(result)
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()

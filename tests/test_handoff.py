@@ -1,0 +1,127 @@
+"""Handoffs between a stage's compute thread and the worker's loop (`omniflow.engine.compute`): calls
+batched into one wake-up, kept in order, coroutines run on the other loop with their outcome (result,
+error, cancellation) brought back; a session read from a compute thread loses no chunk it took in a
+batch."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+from helpers import eventually
+
+from omniflow.dataplane import codec
+from omniflow.engine.compute import ComputeThread, handoff, run_on
+from omniflow.engine.session import Session
+from omniflow.models import SessionState
+from omniflow.storage.keys import Keys
+
+
+async def test_a_burst_of_calls_from_a_thread_wakes_the_loop_once_and_runs_in_order() -> None:
+    loop = asyncio.get_running_loop()
+    hop = handoff(loop)
+    assert handoff(loop) is hop             # one per loop: every thread's calls share one order
+    seen: list[int] = []
+    queued = threading.Event()
+
+    def producer() -> None:
+        for i in range(1000):
+            hop.call(seen.append, i)
+        queued.set()
+
+    wakeups = hop.wakeups
+    thread = threading.Thread(target=producer)
+    thread.start()
+    queued.wait()          # the loop is held here, so every call of the burst waits for one drain
+    thread.join()
+    await eventually(lambda: len(seen) == 1000, what="the handed-off calls")
+    assert seen == list(range(1000))
+    assert hop.wakeups - wakeups == 1
+
+
+async def test_a_failing_call_does_not_stop_the_others(caplog: pytest.LogCaptureFixture) -> None:
+    loop = asyncio.get_running_loop()
+    seen: list[str] = []
+
+    def boom() -> None:
+        raise ValueError("boom")
+
+    threading.Thread(target=lambda: [handoff(loop).call(boom), handoff(loop).call(seen.append, "after")]).start()
+    await eventually(lambda: seen == ["after"], what="the call after the failing one")
+    assert "boom" in caplog.text
+
+
+async def test_run_on_brings_back_results_errors_and_cancels_the_remote_task() -> None:
+    compute = ComputeThread("t")
+    caller = asyncio.get_running_loop()
+    try:
+        async def where() -> bool:
+            return asyncio.get_running_loop() is compute.loop
+
+        assert await run_on(compute.loop, where()) is True
+        assert await run_on(caller, where()) is False       # the calling loop itself: no hop
+
+        async def fails() -> None:
+            raise KeyError("remote")
+
+        with pytest.raises(KeyError, match="remote"):
+            await run_on(compute.loop, fails())
+
+        running, cancelled = threading.Event(), threading.Event()
+
+        async def forever() -> None:
+            running.set()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+        task = asyncio.ensure_future(compute.run(forever()))
+        await eventually(running.is_set, what="the coroutine running on the compute thread")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await eventually(cancelled.is_set, what="the remote task cancelled")
+    finally:
+        compute.stop()
+
+
+class _Batcher:
+    """A session's writes answered 'ok' at once (this test reads inputs only)."""
+
+    def send(self, *command: Any, **_: Any) -> asyncio.Future[Any]:
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        fut.set_result(b"ok")
+        return fut
+
+    def send_lazy(self, build: Any) -> asyncio.Future[Any]:
+        return self.send(build)
+
+
+async def test_inputs_read_from_a_compute_thread_keep_what_a_batch_took() -> None:
+    """Every chunk waiting is taken in one hop; an executor that stops reading after two and reads
+    again later gets the rest, in order, then the end of the stream."""
+    compute = ComputeThread("t")
+    try:
+        session = Session(wf_id="wf", stage="talker", attempt=1, input={}, params={}, finals=(), downstream=(),
+                          resume_seq=0, _batcher=_Batcher(), _keys=Keys("t"),  # type: ignore[arg-type]
+                          upstream=("thinker",), state=SessionState.WAITING_INPUT,
+                          _home=asyncio.get_running_loop())
+        for seq in range(1, 6):
+            session._queue.put_nowait(("thinker", {b"seq": str(seq).encode(), b"a": b"1", b"d": codec.dumps(seq)}))
+        session._queue.put_nowait(("thinker", {b"eos": b"1"}))
+
+        async def reads_in_two_goes() -> tuple[list[int], list[int]]:
+            first: list[int] = []
+            async for chunk in session.inputs():
+                first.append(chunk.data)
+                if len(first) == 2:
+                    break
+            return first, [chunk.data async for chunk in session.inputs()]
+
+        assert await compute.run(reads_in_two_goes()) == ([1, 2], [3, 4, 5])
+        assert session._queue.empty() and session.state is SessionState.RUNNING
+    finally:
+        compute.stop()
