@@ -77,6 +77,7 @@ async def test_whisper_hears_what_the_piper_voice_says(whisper: Any, speaker: An
     assert 0 <= usage["timeline"][0]["start"] < usage["timeline"][-1]["end"] <= usage["audio_seconds"]
 
 
+@pytest.mark.timeout(360)       # Whisper on a loaded 2-core machine: over the suite's 120 s
 async def test_a_stream_in_20ms_chunks_gives_the_text_of_one_chunk_and_is_heard_before_it_ends(
         whisper: Any, speaker: Any, two_sentences: np.ndarray, two_sentences_heard: FakeSession) -> None:
     rate, whole = speaker.sample_rate, two_sentences_heard
