@@ -35,7 +35,8 @@ def finalize_suffixes(pipeline: Pipeline) -> tuple[str, ...]:
     (`Keys.wf`): stages, log, done, the payload registry, the final stages' outputs and every edge
     log. Computed once per pipeline; `Keys.finalize_keys` adds the cell's keys."""
     return (":stages", ":log", ":done", ":blobs", *(f":out:{st}" for st in pipeline.finals),
-            *(f":edge:{e.src}:{e.dst}" for st in pipeline.order for e in pipeline.outputs[st]))
+            *(f":edge:{e.src}:{e.dst}" for st in pipeline.order for e in pipeline.outputs[st]),
+            *((f":edge:@input:{pipeline.audio_stage}",) if pipeline.audio_stage else ()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +82,10 @@ class Keys:
 
     def edge(self, wf_id: str, src: str, dst: str) -> str:
         return f"{self.wf(wf_id)}:edge:{src}:{dst}"
+
+    def input_edge(self, wf_id: str, stage: str) -> str:
+        """The client's streamed input to `stage` (the pseudo-stage `@input`'s edge log)."""
+        return self.edge(wf_id, "@input", stage)
 
     def out(self, wf_id: str, stage: str) -> str:
         return f"{self.wf(wf_id)}:out:{stage}"

@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 
 LUA_DIR = Path(__file__).resolve().parent / "lua"
 SCRIPT_NAMES = ("submit", "claim", "emit", "finish", "stage_event", "abort", "retry_due", "restart", "list_scan",
-                "heartbeat", "dead_letter", "reap_consumer", "realtime_save")
+                "heartbeat", "dead_letter", "reap_consumer", "realtime_save", "append_input")
 
 
 class SubmitResult(str, Enum):
