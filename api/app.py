@@ -15,7 +15,7 @@ from omniflow.api.deps import ApiState, parse_admin_keys, parse_api_keys
 from omniflow.api.hub import LogHub
 from omniflow.api.limits import BodySizeLimit, RateLimiter
 from omniflow.api.metrics import StageLatency
-from omniflow.api.routes import admin, audio, health, openai, realtime, ui, usage, workflows
+from omniflow.api.routes import admin, audio, health, openai, realtime, transcriptions, ui, usage, workflows
 from omniflow.config import Settings
 from omniflow.errors import ConfigError
 from omniflow.pipeline import Pipeline
@@ -57,10 +57,12 @@ def create_app(settings: Settings, pipeline: Pipeline, *, redis_url: str) -> Fas
 
     app = FastAPI(title="omniflow", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
     errors.install(app)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes, upload_bytes=settings.max_upload_bytes,
+                       upload_paths=("/v1/audio/transcriptions", "/v1/chat/completions"))
     app.include_router(workflows.router)
     app.include_router(openai.router)
     app.include_router(audio.router)
+    app.include_router(transcriptions.router)
     app.include_router(realtime.router)
     app.include_router(admin.router)
     app.include_router(usage.router)

@@ -190,7 +190,10 @@ class Pipeline:
         return stage
 
     def plan(self, modalities: Sequence[str] | None = None, *, final_stages: Sequence[str] | None = None,
-             input_kind: str = "text") -> Plan:
+             input_kind: str | None = None) -> Plan:
+        """The plan of a request for `modalities` (or `final_stages`) with input of `input_kind`
+        (None: the first kind the pipeline takes)."""
+        input_kind = input_kind or next(iter(self.entries))
         start = self.entry_for(input_kind)
         reach = self.reachable(start)
         if final_stages is not None:
@@ -294,7 +297,7 @@ def _validate(spec: PipelineSpec, source: str) -> Pipeline:
     entry = spec.entry or next((s for s in spec.stages if not inputs[s]), next(iter(spec.stages)))
     if entry not in spec.stages:
         raise PipelineError(f"{source}: entry: unknown stage {entry!r}")
-    entries: dict[str, str] = dict(spec.inputs) if spec.inputs else {"text": entry}
+    entries: dict[str, str] = {str(k): v for k, v in spec.inputs.items()} if spec.inputs else {"text": entry}
     if not entries:
         raise PipelineError(f"{source}: inputs: name the stage that takes text or audio input")
     for kind, stage in entries.items():

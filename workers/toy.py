@@ -88,7 +88,7 @@ class ToyThinker(_ToyStage):
     delay_param = "token_delay_s"
 
     async def run(self, session: Session) -> Mapping[str, Any]:
-        prompt = await _upstream_text(session) if session.upstream else session.text
+        prompt = f"{session.text} {await _upstream_text(session)}".strip() if session.upstream else session.text
         words = reply_words(prompt, int(self._param(session, "max_words", 40)))
         if not prompt.strip():
             raise NonRetryableError("thinker: empty prompt" + (" (nothing was heard)" if session.upstream else ""))
