@@ -48,7 +48,7 @@ def wait_ready(env: dict[str, str], up: subprocess.Popen[bytes], stages: int,
     while time.monotonic() < deadline:
         for proc in (up, *others):
             if proc.poll() is not None:
-                raise SystemExit(f"{' '.join(str(a) for a in proc.args[2:4])} exited early with code {proc.returncode}")
+                raise SystemExit(f"{proc.args!r} exited early with code {proc.returncode}")
         if (DEMO_HOME / "redis.url").exists():
             res = omniflow("stats", "--json", env=env)
             if res.returncode == 0:
@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         tts_env = {**env, "OMNIFLOW_REDIS_URL": redis_url, "OMNIFLOW_PREFIX": TTS_PREFIX,
                    "OMNIFLOW_PIPELINE": str(TTS_PIPELINE)}
         print(f"$ OMNIFLOW_PREFIX={TTS_PREFIX} omniflow worker --stage all + reconciler (tts-cpu)", flush=True)
-        for args in (("worker", "--stage", "all"), ("reconciler",)):
-            tts.append(subprocess.Popen([sys.executable, "-m", "omniflow.cli", *args], env=tts_env,
+        for command in (["worker", "--stage", "all"], ["reconciler"]):
+            tts.append(subprocess.Popen([sys.executable, "-m", "omniflow.cli", *command], env=tts_env,
                                         stdout=subprocess.DEVNULL))
         wait_ready(env, up, stages=4, others=tuple(tts))
         wait_ready(tts_env, up, stages=2, others=tuple(tts))
