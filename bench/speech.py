@@ -103,23 +103,23 @@ async def first_audio_inproc(talker: Any, code2wav: Any, text: str) -> float:
     return time.perf_counter() - t0
 
 
-def whisper_direct(samples16k: np.ndarray) -> tuple[float, str]:
-    from faster_whisper import WhisperModel
+class WhisperDirect:
+    """faster-whisper called directly, with the options asr-cpu's stage uses (language en, greedy)."""
 
-    from omniflow.workers import weights
+    def __init__(self) -> None:
+        from faster_whisper import WhisperModel
 
-    model = WhisperModel(str(weights.whisper_base(None)), device="cpu", compute_type="int8", cpu_threads=1,
-                         num_workers=1, local_files_only=True)
+        from omniflow.workers import weights
 
-    def once() -> tuple[float, str]:
+        self.model = WhisperModel(str(weights.whisper_base(None)), device="cpu", compute_type="int8", cpu_threads=1,
+                                  num_workers=1, local_files_only=True)
+
+    def once(self, samples16k: np.ndarray) -> tuple[float, str]:
         t0 = time.perf_counter()
-        segments, _info = model.transcribe(samples16k, language="en", beam_size=1, temperature=[0.0],
-                                           vad_filter=False, condition_on_previous_text=True)
+        segments, _info = self.model.transcribe(samples16k, language="en", beam_size=1, temperature=[0.0],
+                                                vad_filter=False, condition_on_previous_text=True)
         text = " ".join(s.text.strip() for s in segments)
         return time.perf_counter() - t0, text
-
-    once()                                    # warm-up
-    return once()
 
 
 def wav(pcm: np.ndarray, rate: int) -> bytes:
@@ -136,35 +136,29 @@ def served(pipeline: str, tmp: Path, url: str, prefix: str) -> tuple[Engine, Api
     return engine, ApiThread(settings, path, url).start()
 
 
-async def transcriptions(port: int, data: bytes, n: int) -> tuple[list[float], str]:
-    times, text = [], ""
-    async with AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
-                           timeout=300) as oai:
-        await oai.audio.transcriptions.create(model="asr-cpu", file=("a.wav", data))        # warm-up
-        for _ in range(n):
-            t0 = time.perf_counter()
-            text = (await oai.audio.transcriptions.create(model="asr-cpu", file=("a.wav", data))).text
-            times.append(time.perf_counter() - t0)
-    return times, text
+async def transcribe_once(oai: AsyncOpenAI, data: bytes) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    text = (await oai.audio.transcriptions.create(model="asr-cpu", file=("a.wav", data), language="en")).text
+    return time.perf_counter() - t0, text
 
 
-async def speech_first_bytes(port: int, n: int) -> list[float]:
-    out = []
-    async with AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
-                           timeout=300) as oai:
-        for i in range(n + 1):
-            t0 = time.perf_counter()
-            async with oai.audio.speech.with_streaming_response.create(
-                    model="tts-cpu", voice="alloy", input=SENTENCE, response_format="wav") as response:
-                first = None
-                async for _piece in response.iter_bytes():
-                    first = first or time.perf_counter()
-            if i:                              # the first is a warm-up
-                out.append(first - t0 if first else float("nan"))
-    return out
+async def speech_once(oai: AsyncOpenAI) -> float:
+    t0 = time.perf_counter()
+    first = None
+    async with oai.audio.speech.with_streaming_response.create(
+            model="tts-cpu", voice="alloy", input=SENTENCE, response_format="wav") as response:
+        async for _piece in response.iter_bytes():
+            first = first or time.perf_counter()
+    return (first or float("nan")) - t0
+
+
+def client(api: ApiThread) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"http://127.0.0.1:{api.port}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def run(*, quick: bool = False) -> dict[str, Any]:
+    """Each repetition measures the direct call and the served one back to back, with the engine
+    up in both, so both see the same neighbours (the machine is shared)."""
     n = 3 if quick else 7
     started = time.monotonic()
     doc: dict[str, Any] = {}
@@ -174,34 +168,53 @@ def run(*, quick: bool = False) -> dict[str, Any]:
     from omniflow.resample import resample
 
     samples16k = np.asarray(resample(pcm, rate, 16000), dtype=np.float32) / 32768
-    direct = [whisper_direct(samples16k) for _ in range(n)]
-    inproc_first = [asyncio.run(first_audio_inproc(talker, code2wav, SENTENCE)) for _ in range(n + 1)][1:]
+    direct_model = WhisperDirect()
+    data = wav(pcm, rate)
+    direct: list[tuple[float, str]] = []
+    through: list[tuple[float, str]] = []
+    inproc_first: list[float] = []
+    first_bytes: list[float] = []
+
+    async def transcription_rounds(api: ApiThread) -> None:
+        async with client(api) as oai:
+            direct_model.once(samples16k)                # warm-up, both ways
+            await transcribe_once(oai, data)
+            for _ in range(n):
+                direct.append(direct_model.once(samples16k))
+                through.append(await transcribe_once(oai, data))
+
+    async def speech_rounds(api: ApiThread) -> None:
+        async with client(api) as oai:
+            await first_audio_inproc(talker, code2wav, SENTENCE)
+            await speech_once(oai)
+            for _ in range(n):
+                inproc_first.append(await first_audio_inproc(talker, code2wav, SENTENCE))
+                first_bytes.append(await speech_once(oai))
+
     with tempfile.TemporaryDirectory() as tmp:
         server = EmbeddedServer(data_dir=Path(tmp), appendonly=False).start()
         try:
-            engine, api = served("asr-cpu", Path(tmp), server.url, "benchasr")
-            try:
-                through, heard = asyncio.run(transcriptions(api.port, wav(pcm, rate), n))
-            finally:
-                api.stop()
-                engine.close()
-            engine, api = served("tts-cpu", Path(tmp), server.url, "benchtts")
-            try:
-                first_bytes = asyncio.run(speech_first_bytes(api.port, n))
-            finally:
-                api.stop()
-                engine.close()
+            for name, rounds in (("asr-cpu", transcription_rounds), ("tts-cpu", speech_rounds)):
+                engine, api = served(name, Path(tmp), server.url, f"bench{name[:3]}")
+                try:
+                    asyncio.run(rounds(api))
+                finally:
+                    api.stop()
+                    engine.close()
         finally:
             server.stop()
     direct_s = statistics.median(t for t, _ in direct)
-    through_s = statistics.median(through)
+    through_s = statistics.median(t for t, _ in through)
+    heard = through[-1][1]
     doc["transcription"] = {"audio_s": round(pcm.size / rate, 2), "n": n, "direct_s": round(direct_s, 3),
                             "omniflow_s": round(through_s, 3),
                             "overhead_pct": round((through_s - direct_s) / direct_s * 100, 1),
-                            "same_text": heard.strip() == direct[-1][1].strip(), "text": heard}
+                            "same_text": heard.strip() == direct[-1][1].strip(), "text": heard,
+                            "runs": [[round(a, 3), round(b, 3)] for (a, _), (b, _) in zip(direct, through)]}
     doc["speech"] = {"n": n, "inproc_ms": round(statistics.median(inproc_first) * 1000, 1),
                      "omniflow_ms": round(statistics.median(first_bytes) * 1000, 1),
-                     "omniflow_p99_ms": round(percentile([x * 1000 for x in first_bytes], 99), 1)}
+                     "omniflow_p99_ms": round(percentile([x * 1000 for x in first_bytes], 99), 1),
+                     "runs_ms": [[round(a * 1000, 1), round(b * 1000, 1)] for a, b in zip(inproc_first, first_bytes)]}
     doc["speech"]["overhead_ms"] = round(doc["speech"]["omniflow_ms"] - doc["speech"]["inproc_ms"], 1)
     doc.update(date=dt.datetime.now().strftime("%Y-%m-%d %H:%M"), wall_s=round(time.monotonic() - started, 1),
                load=list(os.getloadavg()), vllm_omni=VLLM_OMNI)
@@ -227,7 +240,9 @@ def markdown(doc: dict[str, Any] | None = None) -> list[str]:
             f"{sp['omniflow_ms']} ms (p99 {sp['omniflow_p99_ms']}) | {sp['overhead_ms']} ms | 50 ms |",
             f"| vLLM-Omni, Qwen3-Omni on {ref['device']} at concurrency {ref['concurrency']} (published) | | "
             f"TTFP {ref['ttfp_ms']} ms, RTF {ref['rtf']} | | |", "",
-            f"Same transcript both ways: {tr['same_text']}. In process is faster-whisper's `transcribe` on the "
+            f"Each repetition runs the direct call and the served one back to back, with the engine up for "
+            f"both (pairs, in process / through omniflow: transcription {tr.get('runs')} s, speech "
+            f"{sp.get('runs_ms')} ms). Same transcript both ways: {tr['same_text']}. In process is faster-whisper's `transcribe` on the "
             "decoded 16 kHz samples; through omniflow adds the upload and its decoding, the submit, the audio "
             "appended to the workflow's input, Silero VAD over the stream (it finds where speech starts), the "
             "worker's claim, the text's way back through Redis and the HTTP answer. The speech row's in-process "
