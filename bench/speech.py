@@ -43,8 +43,11 @@ from openai import AsyncOpenAI
 
 from bench.common import percentile
 from bench.realtime import ApiThread, Engine, splice
+from omniflow.api.routes.audio import WORKFLOW_HEADER
+from omniflow.client.store import Store, connect
 from omniflow.config import Settings
 from omniflow.ops.embedded import EmbeddedServer
+from omniflow.storage.schema import s
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "out" / "speech.json"
@@ -136,20 +139,34 @@ def served(pipeline: str, tmp: Path, url: str, prefix: str) -> tuple[Engine, Api
     return engine, ApiThread(settings, path, url).start()
 
 
-async def transcribe_once(oai: AsyncOpenAI, data: bytes) -> tuple[float, str]:
+async def transcribe_once(oai: AsyncOpenAI, store: Store, data: bytes) -> tuple[float, str, float]:
+    """(wall s, text, the ASR stage's own model time s) of one transcription through the API."""
     t0 = time.perf_counter()
-    text = (await oai.audio.transcriptions.create(model="asr-cpu", file=("a.wav", data), language="en")).text
-    return time.perf_counter() - t0, text
+    raw = await oai.audio.transcriptions.with_raw_response.create(model="asr-cpu", file=("a.wav", data),
+                                                                   language="en")
+    wall = time.perf_counter() - t0
+    doc = await store.document(raw.headers[WORKFLOW_HEADER])
+    return wall, raw.parse().text, float(doc["stages"]["asr"]["usage"]["compute_s"])
 
 
-async def speech_once(oai: AsyncOpenAI) -> float:
+async def speech_once(oai: AsyncOpenAI, store: Store) -> tuple[float, float]:
+    """(time to the first audio byte at the client s, the model time inside it s: the Talker's
+    session and Code2Wav's first chunk, from the workflow's log)."""
     t0 = time.perf_counter()
     first = None
     async with oai.audio.speech.with_streaming_response.create(
             model="tts-cpu", voice="alloy", input=SENTENCE, response_format="wav") as response:
+        wf_id = response.headers[WORKFLOW_HEADER]
         async for _piece in response.iter_bytes():
             first = first or time.perf_counter()
-    return (first or float("nan")) - t0
+    marks: dict[str, int] = {}
+    for entry_id, fields in await store.redis.xrange(store.keys.log(wf_id)):
+        f = {s(k): s(v) for k, v in fields.items()}
+        at = int(s(entry_id).split("-")[0])
+        key = f"{f.get('stage')}:{f.get('status') or f.get('t')}"
+        marks.setdefault(key, at)
+    model_ms = (marks["talker:done"] - marks["talker:running"]) + (marks["code2wav:audio"] - marks["code2wav:running"])
+    return (first or float("nan")) - t0, model_ms / 1000
 
 
 def client(api: ApiThread) -> AsyncOpenAI:
@@ -175,21 +192,35 @@ def run(*, quick: bool = False) -> dict[str, Any]:
     inproc_first: list[float] = []
     first_bytes: list[float] = []
 
-    async def transcription_rounds(api: ApiThread) -> None:
+    asr_model: list[float] = []
+    tts_model: list[float] = []
+
+    async def transcription_rounds(api: ApiThread, store: Store) -> None:
         async with client(api) as oai:
             direct_model.once(samples16k)                # warm-up, both ways
-            await transcribe_once(oai, data)
+            await transcribe_once(oai, store, data)
             for _ in range(n):
                 direct.append(direct_model.once(samples16k))
-                through.append(await transcribe_once(oai, data))
+                wall, text, model_s = await transcribe_once(oai, store, data)
+                through.append((wall, text))
+                asr_model.append(model_s)
 
-    async def speech_rounds(api: ApiThread) -> None:
+    async def speech_rounds(api: ApiThread, store: Store) -> None:
         async with client(api) as oai:
             await first_audio_inproc(talker, code2wav, SENTENCE)
-            await speech_once(oai)
+            await speech_once(oai, store)
             for _ in range(n):
                 inproc_first.append(await first_audio_inproc(talker, code2wav, SENTENCE))
-                first_bytes.append(await speech_once(oai))
+                first, model_s = await speech_once(oai, store)
+                first_bytes.append(first)
+                tts_model.append(model_s)
+
+    async def with_store(engine: Engine, api: ApiThread, rounds: Any) -> None:
+        redis = connect(engine.url)
+        try:
+            await rounds(api, Store(redis, engine.settings, engine.pipeline))
+        finally:
+            await redis.aclose()
 
     with tempfile.TemporaryDirectory() as tmp:
         server = EmbeddedServer(data_dir=Path(tmp), appendonly=False).start()
@@ -197,7 +228,7 @@ def run(*, quick: bool = False) -> dict[str, Any]:
             for name, rounds in (("asr-cpu", transcription_rounds), ("tts-cpu", speech_rounds)):
                 engine, api = served(name, Path(tmp), server.url, f"bench{name[:3]}")
                 try:
-                    asyncio.run(rounds(api))
+                    asyncio.run(with_store(engine, api, rounds))
                 finally:
                     api.stop()
                     engine.close()
@@ -210,10 +241,15 @@ def run(*, quick: bool = False) -> dict[str, Any]:
                             "omniflow_s": round(through_s, 3),
                             "overhead_pct": round((through_s - direct_s) / direct_s * 100, 1),
                             "same_text": heard.strip() == direct[-1][1].strip(), "text": heard,
+                            "own_s": round(statistics.median(w - m for (w, _), m in zip(through, asr_model)), 3),
+                            "own_pct": round(statistics.median((w - m) / m * 100 for (w, _), m in zip(through, asr_model)),
+                                             1),
                             "runs": [[round(a, 3), round(b, 3)] for (a, _), (b, _) in zip(direct, through)]}
     doc["speech"] = {"n": n, "inproc_ms": round(statistics.median(inproc_first) * 1000, 1),
                      "omniflow_ms": round(statistics.median(first_bytes) * 1000, 1),
                      "omniflow_p99_ms": round(percentile([x * 1000 for x in first_bytes], 99), 1),
+                     "own_ms": round(statistics.median((f - m) * 1000 for f, m in zip(first_bytes, tts_model)), 1),
+                     "own_p99_ms": round(percentile([(f - m) * 1000 for f, m in zip(first_bytes, tts_model)], 99), 1),
                      "runs_ms": [[round(a * 1000, 1), round(b * 1000, 1)] for a, b in zip(inproc_first, first_bytes)]}
     doc["speech"]["overhead_ms"] = round(doc["speech"]["omniflow_ms"] - doc["speech"]["inproc_ms"], 1)
     doc.update(date=dt.datetime.now().strftime("%Y-%m-%d %H:%M"), wall_s=round(time.monotonic() - started, 1),
@@ -232,14 +268,22 @@ def markdown(doc: dict[str, Any] | None = None) -> list[str]:
     return [BEGIN, "## Speech in and out against the models in process (`bench/speech.py`)", "",
             f"Real models on this 2-core machine, one thread each ({doc['date']}, load average "
             f"{doc['load'][0]:.1f} at the end: other agents share the cores; medians of {tr['n']}).", "",
-            "| what | in process | through omniflow (openai client, HTTP) | overhead | limit |",
-            "|---|---:|---:|---:|---:|",
+            "| what | in process | through omniflow (openai client, HTTP) | difference | omniflow's own time "
+            "(wall - model time in the stages, same request) | limit |",
+            "|---|---:|---:|---:|---:|---:|",
             f"| transcription of {tr['audio_s']} s of speech (Whisper base, asr-cpu) | {tr['direct_s']} s | "
-            f"{tr['omniflow_s']} s | {tr['overhead_pct']} % | 5 % |",
+            f"{tr['omniflow_s']} s | {tr['overhead_pct']} % | {tr.get('own_s')} s = {tr.get('own_pct')} % | 5 % |",
             f"| `/v1/audio/speech` streamed: time to first audio (tts-cpu, Piper) | {sp['inproc_ms']} ms | "
-            f"{sp['omniflow_ms']} ms (p99 {sp['omniflow_p99_ms']}) | {sp['overhead_ms']} ms | 50 ms |",
+            f"{sp['omniflow_ms']} ms (p99 {sp['omniflow_p99_ms']}) | {sp['overhead_ms']} ms | {sp.get('own_ms')} ms "
+            f"(p99 {sp.get('own_p99_ms')}) | 50 ms |",
             f"| vLLM-Omni, Qwen3-Omni on {ref['device']} at concurrency {ref['concurrency']} (published) | | "
-            f"TTFP {ref['ttfp_ms']} ms, RTF {ref['rtf']} | | |", "",
+            f"TTFP {ref['ttfp_ms']} ms, RTF {ref['rtf']} | | | |", "",
+            "On a machine this loaded the same model call varies by 2x or more from one call to the next (see the "
+            "pairs below), so the in-process and served columns differ by the neighbours more than by omniflow; the "
+            "own-time column is measured inside one request (the client's wall time less the model time the stages "
+            "report: the ASR's `compute_s`; the Talker's session and Code2Wav's first chunk from the workflow's log) "
+            "and holds what omniflow adds: upload decoding, submit, the input append, claims, hand-offs, the way "
+            "back through Redis and HTTP.", "",
             f"Each repetition runs the direct call and the served one back to back, with the engine up for "
             f"both (pairs, in process / through omniflow: transcription {tr.get('runs')} s, speech "
             f"{sp.get('runs_ms')} ms). Same transcript both ways: {tr['same_text']}. In process is faster-whisper's `transcribe` on the "

@@ -4,7 +4,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
 class WorkflowState(str, Enum):
@@ -66,22 +66,21 @@ class WorkflowInput(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    text: str | None = Field(None, min_length=1, description="the user prompt (not empty, not only whitespace); "
-                                                             "required unless `audio` is given")
     audio: AudioInput | None = Field(None, description="audio input, streamed in after the submit")
+    text: str | None = Field(None, min_length=1, validate_default=True,
+                             description="the user prompt (not empty, not only whitespace); required unless `audio` "
+                                         "is given")
 
     @field_validator("text")
     @classmethod
-    def _not_blank(cls, value: str | None) -> str | None:
-        if value is not None and not value.strip():
+    def _not_blank(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            if info.data.get("audio") is None:
+                raise ValueError("give the prompt (or audio)")
+            return None
+        if not value.strip():
             raise ValueError("the prompt is empty (only whitespace)")
         return value
-
-    @model_validator(mode="after")
-    def _something(self) -> WorkflowInput:
-        if self.text is None and self.audio is None:
-            raise ValueError("text: give the prompt (or audio)")
-        return self
 
     @property
     def kind(self) -> str:

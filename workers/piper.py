@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,14 +215,17 @@ class VocoderStream:
         self.skip_chunks = 0                        # chunks to count but not decode (a resumed attempt)
         self.chunks = 0
 
-    def push(self, frames: np.ndarray) -> list[np.ndarray]:
+    def push(self, frames: np.ndarray) -> Iterator[np.ndarray]:
+        """The frames are taken now; the chunks they complete are decoded one at a time as the
+        returned iterator is read, so the first can be sent before the next is decoded."""
         frames = np.asarray(frames, dtype=np.float32)
         self._frames = frames if self._frames is None else np.concatenate([self._frames, frames], axis=1)
         self._total += frames.shape[1]
-        out: list[np.ndarray] = []
+        return self._ready()
+
+    def _ready(self) -> Iterator[np.ndarray]:
         while self._total - self._done >= self.next_chunk + self.right:
-            out += self._emit(self.next_chunk)
-        return out
+            yield from self._emit(self.next_chunk)
 
     def finish(self) -> list[np.ndarray]:
         out: list[np.ndarray] = []
