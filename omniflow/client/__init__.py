@@ -27,6 +27,9 @@ from omniflow.client.store import Store, check_same_body
 from omniflow.storage.schema import s
 
 
+RATES_KEPT = 4096                 # audio workflows whose input rate a client remembers
+
+
 class AsyncClient:
     def __init__(self, redis_url: str | None = None, *, settings: Settings | None = None,
                  pipeline: Pipeline | None = None, tenant: str = "default") -> None:
@@ -36,6 +39,7 @@ class AsyncClient:
         self.tenant = tenant
         self.redis = connect(self.redis_url)
         self.store = Store(self.redis, self.settings, self.pipeline)
+        self._rates: dict[str, int] = {}        # audio workflows submitted here -> their input's sample rate
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -55,13 +59,17 @@ class AsyncClient:
         With `audio_sample_rate` the workflow takes audio (int16 mono at that rate), which
         `append_input` streams in after the submit."""
         req = _request(text, modalities, stage_params, request_id, deadline_s, webhook_url, audio_sample_rate)
-        return (await self.store.submit(req, tenant=self.tenant)).id
+        wf_id = (await self.store.submit(req, tenant=self.tenant)).id
+        if audio_sample_rate is not None and len(self._rates) < RATES_KEPT:
+            self._rates[wf_id] = audio_sample_rate      # its appends need not read it back
+        return wf_id
 
     async def append_input(self, wf_id: str, pcm: np.ndarray | Sequence[np.ndarray] = (), *,
                            final: bool = False) -> int:
         """Stream audio (int16 mono) into a running workflow submitted with `audio_sample_rate`; `final`
         ends its input (the speaker is done). See `Store.append_input`."""
-        return await self.store.append_input(wf_id, pcm, final=final)
+        rate = self._rates.pop(wf_id, None) if final else self._rates.get(wf_id)
+        return await self.store.append_input(wf_id, pcm, final=final, sample_rate=rate)
 
     async def get(self, wf_id: str) -> dict[str, Any]:
         return await self.store.document(wf_id)
