@@ -422,8 +422,10 @@ class RealtimeSession:
         texts = []
         for n, part in enumerate(body.content):
             if part.type == "input_audio":
-                raise ProtocolError("unsupported_value", f"{param}.content.{n}: model {self.caps.model!r} takes text "
-                                    "only; send input_text", param=f"{param}.content.{n}.type")
+                how = ("stream audio with input_audio_buffer.append and .commit" if self.caps.audio_input
+                       else f"model {self.caps.model!r} takes text only; send input_text")
+                raise ProtocolError("unsupported_value", f"{param}.content.{n}: audio in an item is not taken: {how}",
+                                    param=f"{param}.content.{n}.type")
             texts.append(part.text or "")
         text = " ".join(t for t in texts if t)
         if not text.strip():
