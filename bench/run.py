@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
 
         log("- speech in and out against the models in process (bench/speech.py)")
         try:
-            for line in speech.markdown(speech.run(quick=args.quick))[6:9]:
+            for line in speech.markdown(speech.run(quick=args.quick))[7:10]:
                 log(f"  {line}")
         except Exception as exc:  # noqa: BLE001 - one failed group is reported, the others still render
             failures.append(f"speech: {exc!r}")
