@@ -147,3 +147,38 @@ async def test_server_vad_finds_the_turn_in_speech_and_answers_it(engine_factory
     assert 700 <= started.audio_start_ms <= 1300                   # the voice starts after 1 s of silence
     assert spoken_ms * 0.8 < stopped.audio_end_ms - started.audio_start_ms < spoken_ms + 900
     assert events[-1].response.status == "completed" and started.item_id == stopped.item_id
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_server_vad_speech_over_a_playing_answer_interrupts_it(engine_factory, speaker: Any) -> None:
+    pytest.importorskip("faster_whisper", reason="Silero VAD comes with faster-whisper (`make models`)")
+    pcm = await speaker.speak("Tell me a long story.")
+    rate = speaker.sample_rate
+    silence = np.zeros(rate, dtype=np.int16)
+    first = appends(np.concatenate([silence, pcm, silence]), rate)
+    again = appends(np.concatenate([pcm, silence]), rate)
+    spec = toy_audio_spec(thinker={"max_words": 40, "token_delay_s": 0.1})
+    async with engine_factory(spec) as engine:
+        server = ApiServer(engine).start()
+        try:
+            async with oai(server) as client, client.realtime.connect(model="omni-toy") as conn:
+                await conn.recv()
+                await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {
+                    "type": "server_vad"}}}})
+                for chunk in first:
+                    await conn.input_audio_buffer.append(audio=chunk)
+                events: list[Any] = []
+                while not events or events[-1].type != "response.output_audio.delta":
+                    events.append(await conn.recv())
+                for chunk in again:                  # the user talks over the answer
+                    await conn.input_audio_buffer.append(audio=chunk)
+                done: list[Any] = []
+                while len(done) < 2:
+                    events.append(await conn.recv())
+                    if events[-1].type == "response.done":
+                        done.append(events[-1])
+        finally:
+            server.stop()
+    assert [d.response.status for d in done] == ["cancelled", "completed"]
+    assert sum(e.type == "input_audio_buffer.speech_started" for e in events) == 2
