@@ -272,3 +272,17 @@ def test_an_audio_turn_refuses_instructions_it_was_not_started_with() -> None:
     handle(session, {"type": "input_audio_buffer.commit"})
     err = refused(session, {"type": "response.create", "response": {"instructions": "be terse"}})
     assert err.param == "response.instructions" and "session.update before speaking" in err.message
+
+
+def test_turn_detection_is_checked() -> None:
+    session = RealtimeSession.new(caps(audio_input=True), tenant="t")
+    for detection, param in [({"type": "server_vad", "silence_duration_ms": -5},
+                              "session.audio.input.turn_detection.silence_duration_ms"),
+                             ({"type": "server_vad", "threshold": 2}, "session.audio.input.turn_detection.threshold"),
+                             ({"type": "semantic_vad"}, "session.audio.input.turn_detection.type")]:
+        update = {"type": "session.update", "session": {"audio": {"input": {"turn_detection": detection}}}}
+        assert refused(session, update).param == param
+    ok = handle(session, {"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+        "type": "server_vad", "silence_duration_ms": 300}}}}})
+    assert sent(ok, "session.updated")[0]["session"]["audio"]["input"]["turn_detection"] == {
+        "type": "server_vad", "silence_duration_ms": 300}
