@@ -112,3 +112,4 @@ async def test_input_after_its_end_is_refused(engine_factory) -> None:
             await engine.store.append_input(wf, np.ones(8, dtype=np.int16))
         edge = await engine.redis.xrange(engine.store.keys.input_edge(wf, "asr"))
         assert len(edge) == 2          # one entry per append
+

@@ -262,7 +262,8 @@ class Store:
     # ---------------------------------------------------------------- streamed input
     @translated
     async def append_input(self, wf_id: str, pcm: Sequence[np.ndarray] | np.ndarray = (), *, final: bool = False,
-                           sample_rate: int | None = None, stage: str | None = None) -> int:
+                           sample_rate: int | None = None, stage: str | None = None,
+                           tenant: str | None = None) -> int:
         """Append audio (int16 mono chunks) to a running workflow's input, and end it with `final`.
 
         The chunks reach the pipeline's audio stage as they are appended (`@input`), so it works
@@ -274,6 +275,8 @@ class Store:
         stage = stage or self.pipeline.audio_stage
         if stage is None:
             raise InvalidRequest(f"pipeline {self.pipeline.name!r} takes no audio input")
+        if tenant is not None:
+            await self._check_tenant(wf_id, tenant)
         chunks = [pcm] if isinstance(pcm, np.ndarray) else list(pcm)
         for n, chunk in enumerate(chunks):
             if not isinstance(chunk, np.ndarray) or chunk.dtype != np.int16 or chunk.ndim != 1:

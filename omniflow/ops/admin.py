@@ -50,7 +50,11 @@ async def retry_workflow(store: Store, wf_id: str, *, tenant: str | None = None)
         raise InvalidRequest(f"workflow {wf_id} is {rec['state']}; only failed or aborted ones are retried")
     kinds = sorted({k.split("=", 1)[1] for k in csv(rec.get("kinds"))})
     params = json.loads(rec.get("params") or "{}")
-    req = SubmitRequest(input=WorkflowInput.model_validate_json(rec["input"]), output_modalities=kinds,
+    given = WorkflowInput.model_validate_json(rec["input"])
+    if given.audio is not None:
+        raise InvalidRequest(f"workflow {wf_id} heard streamed audio, which is not kept once it ends: submit it "
+                             "again with its audio")
+    req = SubmitRequest(input=given, output_modalities=kinds,
                         stage_params=params, webhook_url=rec.get("webhook") or None)
     return (await store.submit(req, tenant=rec.get("tenant") or "default")).id
 
