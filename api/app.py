@@ -17,7 +17,7 @@ from omniflow.api.hub import LogHub
 from omniflow.client.bulk import Completions
 from omniflow.api.limits import BodySizeLimit, RateLimiter
 from omniflow.api.metrics import StageLatency
-from omniflow.api.routes import admin, audio, health, openai, realtime, ui, usage, workflows
+from omniflow.api.routes import admin, audio, health, openai, realtime, transcriptions, ui, usage, workflows
 from omniflow.config import Settings
 from omniflow.catalog import Catalog
 from omniflow.errors import ConfigError, OmniflowError
@@ -73,12 +73,14 @@ def create_app(settings: Settings, pipeline: Pipeline | Catalog, *, redis_url: s
 
     app = FastAPI(title="omniflow", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
     errors.install(app)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes, upload_bytes=settings.max_upload_bytes,
+                       upload_paths=("/v1/audio/transcriptions", "/v1/chat/completions"))
     if tracing.tracer is not None:     # outermost: the request's span covers everything below
         app.add_middleware(tracing.TraceMiddleware)
     app.include_router(workflows.router)
     app.include_router(openai.router)
     app.include_router(audio.router)
+    app.include_router(transcriptions.router)
     app.include_router(realtime.router)
     app.include_router(admin.router)
     app.include_router(usage.router)

@@ -22,14 +22,28 @@ DRAIN_FACTOR = 16
 class BodySizeLimit:
     """Pure ASGI middleware: 413 when Content-Length or the streamed body passes `max_bytes`."""
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, max_bytes: int, upload_bytes: int | None = None,
+                 upload_paths: tuple[str, ...] = ()) -> None:
         self.app = app
-        self.max_bytes = max_bytes
+        self.default_bytes = max_bytes
+        self.upload_bytes = max(max_bytes, upload_bytes or max_bytes)
+        self.upload_paths = frozenset(upload_paths)     # routes that take audio uploads: the larger limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.upload_bytes if scope.get("path") in self.upload_paths else self.default_bytes
+        await _Limited(self.app, limit)(scope, receive, send)
+
+
+class _Limited:
+    """One request under one byte limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             if int(length) <= self.max_bytes * DRAIN_FACTOR:     # let the client finish sending, then answer

@@ -254,6 +254,12 @@ class AbortResponse(BaseModel):
     state: WorkflowState
 
 
+class InputAppended(BaseModel):
+    id: str
+    seq: int = Field(..., description="the input's last sequence number")
+    final: bool
+
+
 class Health(BaseModel):
     status: Literal["ok"]
 

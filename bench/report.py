@@ -397,6 +397,9 @@ def write_markdown(path: Path, results: list[Result], failures: list[str], args,
     from bench import realtime       # /v1/realtime barge-in and first deltas, from bench/out/realtime.json
 
     md += realtime.markdown()
+    from bench import speech         # speech in and out against the models in process (bench/out/speech.json)
+
+    md += speech.markdown()
     md += dataplane_section(dataplane_result)
     from bench import tracing_bench  # what traces cost, from bench/out/tracing.json when that group ran
 

@@ -37,10 +37,11 @@ from bench.report import (
 
 CELERY_VENV = REPO_ROOT / ".venv-bench-celery"
 # pipeline: bench/pipeline.py; user: omniflow as a user meets it (bench/omniflow_user.py); http: bench/api_latency.py
-# realtime: bench/realtime.py (/v1/realtime barge-in and first deltas)
+# realtime: bench/realtime.py (/v1/realtime barge-in, first deltas, audio turns)
 # tracing: bench/tracing_bench.py (the cost of OpenTelemetry traces: off, on unsampled, on exported)
+# speech: bench/speech.py (transcription and /v1/audio/speech against the models in process; real models)
 GROUPS = ["raw", "inproc", "arq", "dramatiq", "celery", "bullmq", "omniflow", "user", "http", "pipeline", "dataplane",
-          "realtime", "tracing"]
+          "realtime", "tracing", "speech"]
 BULLMQ_CONCURRENCY = (1, 8, 32)
 
 
@@ -366,6 +367,15 @@ def main(argv: list[str] | None = None) -> int:
             log("  " + realtime.markdown(realtime.run(**quick))[4])
         except Exception as exc:  # noqa: BLE001 - one failed group is reported, the others still render
             failures.append(f"realtime: {exc!r}")
+    if "speech" in args.only:
+        from bench import speech
+
+        log("- speech in and out against the models in process (bench/speech.py)")
+        try:
+            for line in speech.markdown(speech.run(quick=args.quick))[7:10]:
+                log(f"  {line}")
+        except Exception as exc:  # noqa: BLE001 - one failed group is reported, the others still render
+            failures.append(f"speech: {exc!r}")
     dp_result = None
     if "dataplane" in args.only:
         from bench import dataplane

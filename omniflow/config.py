@@ -198,6 +198,12 @@ class Settings(BaseSettings):
                     "the API binds to loopback only")
     admin_keys: str = Field(default="", description="`key,key2`: bearer keys that see every tenant")
     max_body_bytes: int = Field(default=1 << 20, description="the largest accepted HTTP request body")
+    max_upload_bytes: int = Field(
+        default=25 << 20, ge=1,
+        description="the largest request body of the routes that take audio (`/v1/audio/transcriptions`, "
+                    "`/v1/chat/completions` with `input_audio`): OpenAI's 25 MiB")
+    max_upload_s: float = Field(
+        default=600.0, gt=0, description="the longest audio an upload (or a realtime turn) may hold, in seconds")
     submit_rate_per_s: float = Field(
         default=0.0, description="submits per second per tenant (token bucket); 0: unlimited")
     webhook_allow_private: bool = Field(

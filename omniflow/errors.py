@@ -16,7 +16,8 @@
     │   ├── WorkflowRetired    the id was aborted/failed before: use a fresh id (HTTP 409)
     │   ├── IdempotencyConflict a request_id reused with a different request (HTTP 409)
     │   ├── AdmissionRefused   over `max_in_flight`; carries retry_after_s (HTTP 429)
-    │   └── NotReady           the thing asked for is not produced yet (HTTP 409)
+    │   ├── NotReady           the thing asked for is not produced yet (HTTP 409)
+    │   └── InputClosed        streamed input for a workflow that ended it, or has ended (HTTP 409)
     └── StageError             raised by executors
         ├── NonRetryableError  bad input for the stage: fail the workflow at once
         ├── Fenced             this session's attempt was superseded or the workflow ended
@@ -127,6 +128,12 @@ class NotReady(WorkflowError):
     """What was asked for is not produced yet (HTTP 409)."""
 
     code = "not_ready"
+
+
+class InputClosed(WorkflowError):
+    """Input appended to a workflow whose input has ended, or that has ended itself (HTTP 409)."""
+
+    code = "input_closed"
 
 
 class StageError(OmniflowError):

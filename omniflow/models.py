@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
 class WorkflowState(str, Enum):
@@ -51,17 +51,41 @@ class WorkerState(str, Enum):
     LAPSED = "lapsed"       # its lease (or its loading announcement) ran out: dead, until the reconciler reaps it
 
 
+class AudioInput(BaseModel):
+    """A workflow's audio input: int16 mono PCM at `sample_rate`, streamed into the workflow after
+    it is submitted (`Store.append_input`, `Client.append_input`), not carried in the record."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["pcm16"] = "pcm16"
+    sample_rate: int = Field(16000, ge=8000, le=192_000)
+
+
 class WorkflowInput(BaseModel):
+    """What a workflow answers: a text prompt, or audio (then `text`, if given, is context only)."""
+
     model_config = ConfigDict(extra="allow")
 
-    text: str = Field(..., min_length=1, description="the user prompt (not empty, not only whitespace)")
+    audio: AudioInput | None = Field(None, description="audio input, streamed in after the submit")
+    text: str | None = Field(None, min_length=1, validate_default=True,
+                             description="the user prompt (not empty, not only whitespace); required unless `audio` "
+                                         "is given")
 
     @field_validator("text")
     @classmethod
-    def _not_blank(cls, value: str) -> str:
+    def _not_blank(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            if info.data.get("audio") is None:
+                raise ValueError("give the prompt (or audio)")
+            return None
         if not value.strip():
             raise ValueError("the prompt is empty (only whitespace)")
         return value
+
+    @property
+    def kind(self) -> str:
+        """The input kind that picks the pipeline's entry stage (`Pipeline.entry_for`)."""
+        return "audio" if self.audio is not None else "text"
 
 
 class SubmitRequest(BaseModel):

@@ -5,6 +5,14 @@ stages, the stages they need (their ancestors) and the order in which stages
 are submitted: at admission the entry stage and every stage fed only by
 `chunk` edges from it (pre-submitted, they wait for input); a stage fed by
 `full` edges is submitted by the reconciler once all its producers are done.
+
+Input kinds: a pipeline says which stage takes each kind of input it accepts (`inputs:
+{text: thinker, audio: asr}`; default: text, at the entry stage). A request's input kind picks
+its entry stage, and its plan holds only the stages reachable from there: omni-cpu's text
+requests skip the ASR stage, its audio requests start there. The stage that takes audio reads
+it as chunks from the pseudo-stage `@input` (`INPUT_SRC`): the edge log
+`<wf>:edge:@input:<stage>`, which a client appends to while the workflow runs
+(`Store.append_input`).
 """
 from __future__ import annotations
 
@@ -24,6 +32,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from omniflow.errors import InvalidRequest, PipelineError
 
 STAGE_NAME_PATTERN = r"^[a-z][a-z0-9_]{0,31}$"
+INPUT_SRC = "@input"                 # the pseudo-stage whose edge carries a client's streamed input
+
+
+def stage_queue(stage: str, version: str) -> str:
+    """The task queue of `stage` in the pipeline version `version` (`Keys.tasks` takes it): `<stage>@<version>`;
+    the stage's own name for a record of no version (written before versions)."""
+    return f"{stage}@{version}" if version else stage
+InputKind = Literal["text", "audio"]
 
 
 class EdgeMode(str, Enum):
@@ -81,6 +97,8 @@ class PipelineSpec(BaseModel):
         default_factory=lambda: list[Literal["text", "audio"]](["text"]), min_length=1,
         description="the input modalities the pipeline accepts (what `/v1/models` lists)")
     entry: str | None = Field(None, description="the entry stage (default: the first listed stage without inputs)")
+    inputs: dict[InputKind, str] | None = Field(
+        None, description="the stage that takes each input kind (default: text, at the entry stage)")
     stages: dict[str, StageSpec]
     edges: list[EdgeSpec] = Field(default_factory=list)
 
@@ -93,6 +111,8 @@ class Plan:
     stages: tuple[str, ...]                    # required stages, topological order
     admit: tuple[str, ...]                     # submitted at admission
     groups: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]  # (after, stages), deferred
+    input_kind: str = "text"
+    input_stage: str = ""                      # the stage that reads `@input` ('' for text input)
 
     def record_groups(self) -> str:
         return json.dumps([{"after": list(a), "stages": list(s)} for a, s in self.groups])
@@ -108,10 +128,32 @@ class Pipeline:
     entry: str
     inputs: dict[str, tuple[EdgeSpec, ...]]
     outputs: dict[str, tuple[EdgeSpec, ...]]
+    entries: dict[str, str]                    # input kind -> the stage that takes it
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def input_kinds(self) -> list[str]:
+        return list(self.entries)
+
+    @property
+    def audio_stage(self) -> str | None:
+        """The stage that reads a client's audio (`@input`), if the pipeline takes audio."""
+        return self.entries.get("audio")
+
+    def sources(self, stage: str) -> tuple[str, ...]:
+        """Every stage `stage` may read from, `@input` included for the stage that takes audio."""
+        ups = tuple(e.src for e in self.inputs[stage])
+        return (*ups, INPUT_SRC) if stage == self.audio_stage else ups
+
+    def reachable(self, start: str) -> set[str]:
+        found = {start}
+        for stage in self.order:
+            if stage in found:
+                found.update(e.dst for e in self.outputs[stage])
+        return found
 
     @property
     def stages(self) -> dict[str, StageSpec]:
@@ -125,8 +167,6 @@ class Pipeline:
     def queue(self, stage: str) -> str:
         """The task queue of `stage` in this version of the pipeline (`Keys.tasks`): `<stage>@<digest>`.
         A session waits in it for a worker that serves this very version."""
-        from omniflow.storage.keys import stage_queue   # the layout's own rule (storage imports pipeline)
-
         return stage_queue(stage, self.digest)
 
     def pool_key(self, stage: str) -> str:
@@ -141,7 +181,8 @@ class Pipeline:
 
     @property
     def input_modalities(self) -> list[str]:
-        return list(self.spec.input)
+        """What `/v1/models` lists: the kinds `inputs:` names a stage for, else `input:` (default text)."""
+        return list(self.entries) if self.spec.inputs else list(self.spec.input)
 
     @property
     def output_modalities(self) -> list[str]:
@@ -159,13 +200,16 @@ class Pipeline:
             by_kind.setdefault(kind, []).append(stage)
         return by_kind
 
-    def finals_for(self, modalities: Sequence[str] | None) -> tuple[str, ...]:
-        """Final stages for the requested output modalities (all static finals when None)."""
+    def finals_for(self, modalities: Sequence[str] | None, *, within: set[str] | None = None) -> tuple[str, ...]:
+        """Final stages for the requested output modalities (all static finals when None), among
+        the stages `within` (those an input kind reaches) when given."""
         if modalities is None:
-            return self.finals
+            return tuple(s for s in self.finals if within is None or s in within)
+        by_kind = {kind: [s for s in stages if within is None or s in within]
+                   for kind, stages in self.modalities().items()}
+        by_kind = {kind: stages for kind, stages in by_kind.items() if stages}
         if not modalities:
-            raise InvalidRequest("output_modalities must name at least one of: " + ", ".join(self.modalities()))
-        by_kind = self.modalities()
+            raise InvalidRequest("output_modalities must name at least one of: " + ", ".join(by_kind))
         chosen: set[str] = set()
         for kind in modalities:
             if kind not in by_kind:
@@ -176,21 +220,35 @@ class Pipeline:
             chosen.update(by_kind[kind])
         return tuple(s for s in self.order if s in chosen)
 
-    def plan(self, modalities: Sequence[str] | None = None, *, final_stages: Sequence[str] | None = None) -> Plan:
+    def entry_for(self, input_kind: str) -> str:
+        """The stage that takes `input_kind`; InvalidRequest when the pipeline takes no such input."""
+        stage = self.entries.get(input_kind)
+        if stage is None:
+            raise InvalidRequest(f"input: pipeline {self.name!r} takes {' or '.join(self.entries)} input, "
+                                 f"not {input_kind}")
+        return stage
+
+    def plan(self, modalities: Sequence[str] | None = None, *, final_stages: Sequence[str] | None = None,
+             input_kind: str | None = None) -> Plan:
+        """The plan of a request for `modalities` (or `final_stages`) with input of `input_kind`
+        (None: the first kind the pipeline takes)."""
+        input_kind = input_kind or next(iter(self.entries))
+        start = self.entry_for(input_kind)
+        reach = self.reachable(start)
         if final_stages is not None:
-            unknown = [s for s in final_stages if s not in self.finals]
+            unknown = [s for s in final_stages if s not in self.finals or s not in reach]
             if unknown or not final_stages:
                 raise InvalidRequest(
                     f"final_stages {list(final_stages)} must be a non-empty subset of the pipeline's finals "
-                    f"{list(self.finals)}"
+                    f"{[s for s in self.finals if s in reach]}"
                 )
             finals = tuple(s for s in self.order if s in set(final_stages))
         else:
-            finals = self.finals_for(modalities)
+            finals = self.finals_for(modalities, within=reach)
         needed = set(finals)
         for stage in reversed(self.order):
             if stage in needed:
-                needed.update(e.src for e in self.inputs[stage])
+                needed.update(e.src for e in self.inputs[stage] if e.src in reach)
         stages = tuple(s for s in self.order if s in needed)
         group_of: dict[str, int] = {}
         groups: list[tuple[set[str], list[str]]] = [(set(), [])]
@@ -205,7 +263,8 @@ class Pipeline:
                 group_of[stage] = len(groups) - 1
             groups[group_of[stage]][1].append(stage)
         deferred = tuple((tuple(sorted(after)), tuple(members)) for after, members in groups[1:])
-        return Plan(finals=finals, stages=stages, admit=tuple(groups[0][1]), groups=deferred)
+        return Plan(finals=finals, stages=stages, admit=tuple(groups[0][1]), groups=deferred, input_kind=input_kind,
+                    input_stage=start if input_kind == "audio" else "")
 
     def downstream(self, stage: str, required: Iterable[str]) -> list[str]:
         req = set(required)
@@ -275,12 +334,21 @@ def _validate(spec: PipelineSpec, source: str) -> Pipeline:
     entry = spec.entry or next((s for s in spec.stages if not inputs[s]), next(iter(spec.stages)))
     if entry not in spec.stages:
         raise PipelineError(f"{source}: entry: unknown stage {entry!r}")
-    if inputs[entry]:
+    entries: dict[str, str] = {str(k): v for k, v in spec.inputs.items()} if spec.inputs else {"text": entry}
+    if not entries:
+        raise PipelineError(f"{source}: inputs: name the stage that takes text or audio input")
+    for kind, stage in entries.items():
+        if stage not in spec.stages:
+            raise PipelineError(f"{source}: inputs.{kind}: unknown stage {stage!r} (stages: {sorted(spec.stages)})")
+    if spec.inputs is None and inputs[entry]:
         raise PipelineError(f"{source}: entry: the entry stage {entry!r} cannot have inputs")
-    reachable = {entry}
-    for stage in order:
-        if stage in reachable:
-            reachable.update(e.dst for e in outputs[stage])
+    starts: dict[str, set[str]] = {}
+    for kind, stage in entries.items():
+        starts[kind] = {stage}
+        for name in order:
+            if name in starts[kind]:
+                starts[kind].update(e.dst for e in outputs[name])
+    reachable = set().union(*starts.values())
     finals = [s for s in order if spec.stages[s].final_output]
     if not finals:
         raise PipelineError(f"{source}: stages: no stage has final_output (text or audio)")
@@ -302,6 +370,7 @@ def _validate(spec: PipelineSpec, source: str) -> Pipeline:
         entry=entry,
         inputs={s: tuple(v) for s, v in inputs.items()},
         outputs={s: tuple(v) for s, v in outputs.items()},
+        entries=entries,
     )
 
 

@@ -76,7 +76,7 @@ class FakeSession:
     # ---------------------------------------------------------------- what an executor reads
     @property
     def text(self) -> str:
-        return str(self.input.get("text", ""))
+        return str(self.input.get("text") or "")
 
     @property
     def is_final(self) -> bool:

@@ -91,6 +91,18 @@ def toy_spec(**stage_params: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
+def toy_audio_spec(**stage_params: dict[str, Any]) -> dict[str, Any]:
+    """The toy pipeline taking audio as well as text: audio -> ToyASR -> Thinker -> Talker -> Code2Wav."""
+    raw = toy_spec(**stage_params)
+    asr = {"executor": "omniflow.workers.toy:ToyASR", "replicas": 1, "max_sessions": 32,
+           "params": {"word_s": 0.5, "chunk_delay_s": 0.0, **stage_params.get("asr", {})},
+           "retry": {"max_attempts": 3, "backoff_s": 0.01, "backoff_max_s": 0.05}}
+    raw["stages"] = {"asr": asr, **raw["stages"]}
+    raw["inputs"] = {"text": "thinker", "audio": "asr"}
+    raw["edges"] = [{"from": "asr", "to": "thinker", "mode": "chunk"}, *raw["edges"]]
+    return raw
+
+
 @pytest.fixture
 def settings_factory() -> Callable[..., Settings]:
     def make(url: str, **overrides: Any) -> Settings:

@@ -136,8 +136,8 @@ async def test_cli_bad_pipeline_yaml_exits_2(tmp_path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_make_demo_script_runs_end_to_end(tmp_path) -> None:
-    """`make demo`: the real CPU pipeline answers, speaks the answer and shuts down (models from the
-    project's cache, which the first run builds)."""
+    """`make demo`: the TTS pipeline says the question, the real CPU omni pipeline hears it (Whisper),
+    answers, speaks the answer and shuts down (models from the project's cache, which the first run builds)."""
     repo = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMNIFLOW_")}
     env["OMNIFLOW_MODELS_DIR"] = os.environ.get("OMNIFLOW_MODELS_DIR", str(repo / ".omniflow" / "models"))
@@ -148,6 +148,9 @@ async def test_make_demo_script_runs_end_to_end(tmp_path) -> None:
     text = out.decode()
     assert proc.returncode == 0, text
     assert "question: What is a cat?" in text and "answer: " in text
+    heard = text.split("heard: ", 1)[1].split("\n", 1)[0].lower()
+    assert "cat" in heard, text                          # what Whisper heard the TTS pipeline say
+    assert sf.info(str(tmp_path / "demo-question.wav")).duration > 0.5
     assert "time to first audio" in text
     data, rate = sf.read(str(tmp_path / "demo.wav"), dtype="int16")
     assert rate == 22050 and len(data) > 2 * rate      # a spoken answer, seconds long

@@ -35,6 +35,11 @@ def test_the_cpu_speech_pipelines_load_and_declare_the_voice_stages_as_omni_cpu_
     assert (tts.name, tts.order, tts.finals) == ("tts-cpu", ("talker", "code2wav"), ("code2wav",))
     for stage in ("talker", "code2wav"):      # identical declarations: one worker pool once both are served
         assert tts.stages[stage] == omni.stages[stage]
+    # omni-cpu hears as well as reads: audio starts at its ASR, which feeds the Thinker; text skips it
+    assert asr.entries == {"audio": "asr"} and omni.entries == {"text": "thinker", "audio": "asr"}
+    assert omni.plan().stages == ("thinker", "talker", "code2wav")
+    assert omni.plan(input_kind="audio").stages == ("asr", "thinker", "talker", "code2wav")
+    assert omni.stages["asr"].executor == asr.stages["asr"].executor and omni.stages["asr"].final_output is None
 
 
 def test_edge_to_unknown_stage_is_refused_with_field_name() -> None:

@@ -16,7 +16,7 @@ from omniflow.models import WorkflowState
 from omniflow.storage import transitions
 from omniflow.storage.keys import FinalizePlan, Keys
 from omniflow.storage.scripts import LUA_DIR, SCRIPT_NAMES
-from omniflow.storage.transitions import (admission, emit, housekeeping, listing, realtime, reconcile,
+from omniflow.storage.transitions import (admission, emit, housekeeping, inputs, listing, realtime, reconcile,
                                           sessions)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -248,6 +248,7 @@ def script_calls(keys: Keys) -> Iterator[tuple[str, tuple[Any, ...]]]:
     yield "lease", housekeeping.leader_lease(keys, "r", ttl_ms=1)
     yield "purge", housekeeping.purge(keys, WF, tenant="acme", request_id="r1", finals=("talker",))
     yield "list_scan", listing.list_scan(keys, [WF], want=1, state="", tenant=None, stage="", request_id="")
+    yield "append_input", inputs.append_input(keys, WF, "asr", final=True, payloads=[b"x"], inboxes=("w",))
     yield "realtime_save", realtime.realtime_save(keys, "s1", mode="create", owner="c", state="{}", ttl_s=1,
                                                   tenant="acme")
 

@@ -19,7 +19,8 @@ rest of the answer goes in whole clauses.
 
 The prompt is the workflow's input text, or, when the session has an upstream stage (an ASR
 stage streaming what it heard), the text of that stage's chunks (`chunk.data["text"]`, joined
-in order) once the upstream has ended.
+in order) once the upstream has ended, after the input text if there is one (a chat message's
+text parts beside its audio).
 
 Each step feeds one token per session; its text delta goes out as the session's text
 output, and at every clause end one chunk goes downstream: `{"text": clause, "hidden":
@@ -130,7 +131,8 @@ class HFThinker(BatchedExecutor):
     async def run(self, session: Session) -> Mapping[str, Any] | None:
         if not session.upstream:
             return await super().run(session)
-        self._heard[id(session)] = await upstream_text(session)
+        heard = await upstream_text(session)
+        self._heard[id(session)] = f"{session.text} {heard}".strip()    # the message's text, then what was heard
         try:
             return await super().run(session)
         finally:

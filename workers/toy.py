@@ -4,6 +4,9 @@
   "hidden state" (a small float32 vector) downstream.
 - `ToyTalker` turns each hidden-state chunk into a chunk of codec codes.
 - `ToyCode2Wav` turns each code chunk into real PCM audio (tones), `speed` times faster.
+- `ToyASR` "hears" streamed audio (`@input` chunks, checked as `WhisperASR` checks them): one
+  word of `HEARD` per `word_s` of audio, sent as soon as that much has arrived, whatever the
+  chunking; with an upstream ASR stage, `ToyThinker` answers what it heard.
 
 Delays simulate GPU time. `fail_at_step` / `fail_attempts` / `fail_retryable`
 inject failures so tests can exercise retries and fail-fast. The outputs depend
@@ -27,6 +30,7 @@ FILLER = (
     "the answer still arrives in order with nothing repeated and nothing missing"
 ).split()
 HIDDEN_DIM = 16
+HEARD = "hello omniflow please tell me about durable workflows and why they never lose a request".split()
 
 
 def reply_words(prompt: str, max_words: int) -> list[str]:
@@ -84,15 +88,57 @@ class ToyThinker(_ToyStage):
     delay_param = "token_delay_s"
 
     async def run(self, session: Session) -> Mapping[str, Any]:
-        words = reply_words(session.text, int(self._param(session, "max_words", 40)))
-        if not session.text.strip():
-            raise NonRetryableError("thinker: empty prompt")
+        prompt = f"{session.text} {await _upstream_text(session)}".strip() if session.upstream else session.text
+        words = reply_words(prompt, int(self._param(session, "max_words", 40)))
+        if not prompt.strip():
+            raise NonRetryableError("thinker: empty prompt" + (" (nothing was heard)" if session.upstream else ""))
         start = session.fast_forward()   # prefill prompt + emitted tokens, continue
         for i in range(start, len(words)):
             await self._step(session, i + 1)
             delta = words[i] if i == 0 else " " + words[i]
             await session.emit(text=delta, data={"hidden": hidden_state(words[i], i), "word": words[i]})
-        return {"prompt_tokens": len(session.text.split()), "completion_tokens": len(words), "resumed_at": start}
+        return {"prompt_tokens": len(prompt.split()), "completion_tokens": len(words), "resumed_at": start}
+
+
+async def _upstream_text(session: Session) -> str:
+    """The text the upstream stage (an ASR) sent, joined in order."""
+    pieces = []
+    async for chunk in session.inputs():
+        text = chunk.data.get("text") if isinstance(chunk.data, Mapping) else None
+        if not isinstance(text, str):
+            raise NonRetryableError(f"thinker: chunk {chunk.seq} from {chunk.src} has no text")
+        pieces.append(text)
+    return "".join(pieces).strip()
+
+
+class ToyASR(_ToyStage):
+    """Streamed audio -> one word of `HEARD` per `word_s` seconds of it, each sent once its audio is in."""
+
+    async def run(self, session: Session) -> Mapping[str, Any]:
+        from omniflow.workers.asr import AudioIn
+
+        word_s = float(self._param(session, "word_s", 0.5))
+        audio = AudioIn(max_audio_s=float(self._param(session, "max_audio_s", 600.0)))
+        words: list[str] = []
+        timeline: list[dict[str, Any]] = []
+
+        async def hear(upto: int) -> None:
+            while len(words) < upto:
+                word = HEARD[len(words) % len(HEARD)]
+                await self._step(session, len(words) + 1)
+                start = len(words) * word_s
+                timeline.append({"start": round(start, 3), "end": round(start + word_s, 3), "text": word})
+                words.append(word)
+                delta = word if len(words) == 1 else " " + word
+                await session.emit(text=delta, data={"text": delta, "start_s": start, "end_s": start + word_s})
+
+        async for chunk in session.inputs():
+            audio.push(chunk)
+            await hear(int(audio.seconds / word_s))
+        audio.finish()
+        await hear(max(1, int(np.ceil(audio.seconds / word_s - 1e-9))))
+        return {"audio_seconds": round(audio.seconds, 3), "words": len(words), "segments": len(words),
+                "language": "en", "timeline": timeline}
 
 
 class ToyTalker(_ToyStage):

@@ -61,6 +61,11 @@ class _TurnDetection(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     type: Literal["server_vad", "semantic_vad"]
+    threshold: float | None = Field(None, gt=0, lt=1)
+    prefix_padding_ms: int | None = Field(None, ge=0, le=5000)
+    silence_duration_ms: int | None = Field(None, ge=32, le=10_000)
+    create_response: bool | None = None
+    interrupt_response: bool | None = None
 
 
 class _AudioIn(BaseModel):
@@ -205,7 +210,10 @@ def _apply(config: SessionConfig, body: SessionBody, caps: Capabilities) -> Sess
     if audio is not None and audio.input is not None:
         inp, in_given = audio.input, audio.input.model_fields_set
         if "turn_detection" in in_given:
-            detection = inp.turn_detection.model_dump() if inp.turn_detection is not None else None
+            detection = inp.turn_detection.model_dump(exclude_none=True) if inp.turn_detection is not None else None
+            if detection is not None and detection["type"] == "semantic_vad":
+                raise ProtocolError("unsupported_value", "session.audio.input.turn_detection.type: only server_vad "
+                                    "(a pause after speech ends the turn)", param="session.audio.input.turn_detection.type")
             if detection is not None and not caps.audio_input:
                 raise ProtocolError("unsupported_value", f"session.audio.input.turn_detection: model {caps.model!r} "
                                     "takes text only, so there is no speech to detect; send null",

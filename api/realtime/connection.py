@@ -35,8 +35,14 @@ from omniflow.api.deps import ApiState
 from omniflow.api.realtime.config import PCM_RATE, Capabilities
 from omniflow.api.realtime.events import ProtocolError, error_event, parse_client_event, server_event
 from omniflow.api.realtime.state import (
+    AppendInput,
     CancelTurn,
+    DetectSpeech,
+    DropInput,
     Effect,
+    EndInput,
+    InputTurn,
+    OpenInput,
     RealtimeSession,
     Response,
     ResponseStatus,
@@ -44,11 +50,13 @@ from omniflow.api.realtime.state import (
     Send,
     StartTurn,
 )
+from omniflow.api.realtime.vad import SpeechDetector
+from omniflow.api.transcribe import heard
 from omniflow.api.realtime.turn import TurnEvents, parse_event_id
 from omniflow.client.realtime import SaveResult
 from omniflow.client.store import Store
-from omniflow.errors import AdmissionRefused, OmniflowError
-from omniflow.models import SubmitRequest, WorkflowInput, WorkflowState
+from omniflow.errors import AdmissionRefused, InputClosed, OmniflowError
+from omniflow.models import AudioInput, StageStatus, SubmitRequest, WorkflowInput, WorkflowState
 from omniflow.resample import StreamResampler
 
 logger = logging.getLogger(__name__)
@@ -127,6 +135,8 @@ class Connection:
         self._send_lock = asyncio.Lock()
         self._save_lock = asyncio.Lock()
         self._follower: asyncio.Task[None] | None = None
+        self._transcribers: set[asyncio.Task[None]] = set()
+        self._detector: SpeechDetector | None = None
         self._closed = False
 
     @property
@@ -148,9 +158,10 @@ class Connection:
             pass
         finally:
             self._closed = True
-            if self._follower is not None:
-                self._follower.cancel()
-                await asyncio.gather(self._follower, return_exceptions=True)
+            tasks = [*self._transcribers, *([self._follower] if self._follower is not None else [])]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _on_message(self, message: Mapping[str, Any]) -> None:
         text = message.get("text")
@@ -164,6 +175,9 @@ class Connection:
             return
         try:
             await self._apply(effects)
+        except ProtocolError as err:         # an effect refused (the turn's workflow gone, no VAD here...)
+            err.event_id = err.event_id or event.event_id
+            await self.send(error_event(err))
         except OmniflowError as exc:         # Redis went away mid-event: say so, keep the connection
             logger.warning("realtime session %s: %s failed: %s", self.session.state.id, event.type, exc)
             await self.send(error_event(ProtocolError("server_error", f"{event.type} could not be carried out: {exc}",
@@ -179,6 +193,17 @@ class Connection:
                 await self._start_turn(effect.response)
             elif isinstance(effect, CancelTurn):
                 await self._cancel_turn(effect.response)
+            elif isinstance(effect, OpenInput):
+                await self._open_input(effect.turn)
+            elif isinstance(effect, AppendInput):
+                await self._append_input(effect.pcm)
+            elif isinstance(effect, EndInput):
+                await self._end_input(effect.turn)
+            elif isinstance(effect, DropInput):
+                if effect.turn.wf_id:
+                    await self.store.abort(effect.turn.wf_id, reason="input_audio_buffer.clear (realtime)")
+            elif isinstance(effect, DetectSpeech):
+                await self._detect(effect.pcm)
 
     async def send(self, event: dict[str, Any]) -> None:
         if self._closed:
@@ -206,13 +231,106 @@ class Connection:
             await self.store.realtime.create(state.id, owner=self.owner, tenant=state.tenant,
                                              state=state.model_dump(mode="json"))
 
+    # ------------------------------------------------------------ audio turns
+    async def _open_input(self, turn: InputTurn) -> None:
+        """Submit the workflow an audio turn streams into (its input stays open until the commit)."""
+        tenant = self.session.state.tenant
+        wait_s = self.api.submit_limiter.acquire(tenant)
+        try:
+            if wait_s > 0:
+                raise AdmissionRefused(f"tenant {tenant!r} is over its submit rate; retry in {wait_s:.2f}s",
+                                       retry_after_s=wait_s)
+            submitted = await self.store.submit(SubmitRequest(
+                input=WorkflowInput(audio=AudioInput(sample_rate=PCM_RATE)),
+                output_modalities=self._workflow_modalities(turn.modalities),
+                stage_params=knobs.stage_params(self.pipeline, turn.knobs), request_id=turn.request_id,
+                pipeline=f"{self.pipeline.name}@{self.pipeline.digest}"),
+                tenant=tenant)
+        except OmniflowError as exc:
+            self.session.state.input = None
+            raise ProtocolError("input_audio_buffer_unavailable", f"the turn cannot start: {exc}",
+                                param="audio", kind="server_error") from exc
+        turn.wf_id = submitted.id
+
+    async def _append_input(self, pcm: bytes) -> None:
+        turn = self.session.state.input
+        if turn is None or not turn.wf_id:
+            return
+        try:
+            await self.store.append_input(turn.wf_id, np.frombuffer(pcm, dtype="<i2"), sample_rate=PCM_RATE,
+                                          stage=self.pipeline.audio_stage)
+        except InputClosed as exc:           # the turn's workflow ended (its audio refused, its deadline...)
+            self.session.state.input, self.session.buffered = None, 0
+            await self._save()
+            raise ProtocolError("input_audio_buffer_closed", f"the turn in progress ended: {exc}; the buffer was "
+                                "cleared, the next append starts a new turn", param="audio") from exc
+
+    async def _end_input(self, turn: InputTurn) -> None:
+        if not turn.wf_id:
+            return
+        with contextlib.suppress(InputClosed):        # ended already: the transcriber reports why
+            await self.store.append_input(turn.wf_id, final=True, stage=self.pipeline.audio_stage)
+        self._transcribe(turn.item_id, turn.wf_id)
+
+    def _transcribe(self, item_id: str, wf_id: str) -> None:
+        task = asyncio.create_task(self._transcriber(item_id, wf_id), name=f"realtime:heard:{item_id}")
+        self._transcribers.add(task)
+        task.add_done_callback(self._transcribers.discard)
+
+    async def _transcriber(self, item_id: str, wf_id: str) -> None:
+        """Report what the turn's ASR heard once it is done (`...input_audio_transcription.completed`)."""
+        stage = self.pipeline.audio_stage or ""
+        ended = {StageStatus.DONE.value, StageStatus.FAILED.value, StageStatus.ABORTED.value}
+        try:
+            async with self.api.hub.follow(wf_id) as entries:
+                async for _eid, entry in entries:
+                    if entry.get("t") == "terminal" or (entry.get("t") == "stage" and entry.get("stage") == stage
+                                                        and entry.get("status") in ended):
+                        break
+            doc = await self.store.document(wf_id)
+            status = doc["stages"].get(stage, {}).get("status")
+            if status == StageStatus.DONE.value:
+                usage = doc["stages"][stage].get("usage") or {}
+                effects = self.session.transcribed(item_id, heard(doc, stage),
+                                                   seconds=float(usage.get("audio_seconds", 0.0)))
+            else:
+                effects = self.session.transcribed(item_id, None, error=str(doc.get("error") or f"the ASR {status}"))
+            await self._apply(effects)
+        except (_Gone, asyncio.CancelledError):
+            return
+        except OmniflowError as exc:
+            logger.warning("realtime %s: transcript of %s failed: %s", self.session.state.id, item_id, exc)
+
+    async def _detect(self, pcm: bytes) -> None:
+        """Server VAD: speech start opens the turn (and interrupts a response), speech stop commits it."""
+        detection = self.session.state.config.turn_detection or {}
+        if self._detector is None:
+            self._detector = SpeechDetector.from_config(detection)
+        try:
+            events, prefix = await self._detector.push(pcm)
+        except Exception as exc:  # noqa: BLE001 - the model missing or failing: say so, keep the connection
+            raise ProtocolError("server_vad_unavailable", f"server VAD cannot run here: {exc}; set "
+                                "turn_detection to null and commit by hand", kind="server_error") from exc
+        if not events:
+            await self._apply(self.session.speech(pcm) if self._detector.detector.speaking else [])
+            return
+        for kind, at_ms in events:
+            if kind == "started":
+                await self._apply(self.session.speech_started(prefix, at_ms))
+            else:
+                await self._apply(self.session.speech_stopped(at_ms))
+
     # ------------------------------------------------------------ turns
-    def _workflow_modalities(self, response: Response) -> list[str]:
-        if "audio" in response.modalities:
+    def _workflow_modalities(self, modalities: list[str]) -> list[str]:
+        if "audio" in modalities:
             return ["text", "audio"] if self.text_stage else ["audio"]
         return ["text"]
 
     async def _start_turn(self, response: Response, *, after: int = -1) -> None:
+        if response.wf_id:                # an audio turn: its workflow runs since the user began speaking
+            self._follower = asyncio.create_task(self._follow(response, after=after, live=True),
+                                                 name=f"realtime:{response.id}")
+            return
         tenant = self.session.state.tenant
         try:
             wait_s = self.api.submit_limiter.acquire(tenant)
@@ -222,7 +340,8 @@ class Connection:
             # a span per turn (tracing on): the turn's workflow is its child, the connection its parent
             with tracing.span("realtime turn", attributes={"realtime.response.id": response.id}):
                 submitted = await self.store.submit(SubmitRequest(
-                    input=WorkflowInput(text=response.prompt), output_modalities=self._workflow_modalities(response),
+                    input=WorkflowInput(text=response.prompt),
+                    output_modalities=self._workflow_modalities(response.modalities),
                     stage_params=knobs.stage_params(self.pipeline, response.knobs), request_id=response.request_id,
                     pipeline=f"{self.pipeline.name}@{self.pipeline.digest}"), tenant=tenant)
         except OmniflowError as exc:
@@ -254,6 +373,9 @@ class Connection:
         """A reconnected session: the end of the last turn the client had not received, then the
         turn in progress (from where the client was, or from its start)."""
         state, resume = self.session.state, self.resume
+        for item in state.items:          # committed audio whose transcript had not come yet
+            if item.kind == "audio" and item.transcript is None and item.wf_id:
+                self._transcribe(item.id, item.wf_id)
         last = state.last_response
         if resume and last and resume.response_id == last.id and resume.after < last.events - 1 and last.wf_id:
             await self._follow(last, after=resume.after, live=False)

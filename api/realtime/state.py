@@ -5,8 +5,20 @@
 
 State (persisted, `SessionState`): the configuration, the conversation items, the user items not
 yet answered, the active response (with its workflow once submitted) and the last finished one
-(so a client that reconnects can still get the end of it). The input audio buffer is not
-persisted: it lives as long as the connection (a committed buffer becomes an item).
+(so a client that reconnects can still get the end of it).
+
+Audio turns (a pipeline that takes audio): the input buffer is not held here but streamed into
+the workflow that will answer it. The first append of a buffer (with server VAD: the start of
+speech, with `prefix_padding_ms` of what came before) opens the turn (`OpenInput`: the workflow
+is submitted, its input left open, persisted as `SessionState.input`); every append goes to it
+(`AppendInput`), so the ASR stage hears the user while they speak; the commit ends its input
+(`EndInput`) and makes the user item, whose transcript arrives when the ASR stage is done
+(`transcribed`). A `response.create` that answers just that item follows the workflow that is
+already running; anything else (text items, several items) is answered by a new workflow from
+the items' text. `input_audio_buffer.clear` aborts the open turn (`DropInput`). New speech while
+a response plays (server VAD's speech start, or a manual commit) cancels the response first
+(barge-in), and a `response.create` that arrives while the cancelled turn is still ending waits
+for its end.
 
 Effects the connection carries out, in order: `Send` a server event, `Save` the state, start a
 turn (`StartTurn`: submit its workflow, then follow it) or cancel it (`CancelTurn`: abort it).
@@ -34,6 +46,7 @@ from omniflow.api.realtime.events import (
     ResponseCancel,
     ResponseCreate,
     SessionUpdate,
+    error_event,
     new_id,
     server_event,
     validation_error,
@@ -51,6 +64,20 @@ class ResponseStatus(str, Enum):
     INCOMPLETE = "incomplete"
 
 
+class InputTurn(BaseModel):
+    """An audio turn being spoken: the workflow the input buffer streams into, and what it was
+    submitted with (a response that answers it must ask for the same)."""
+
+    item_id: str                         # the user item the commit will make
+    request_id: str                      # the workflow's idempotency key (a resubmit meets the same one)
+    wf_id: str = ""
+    modalities: list[str]
+    knobs: dict[str, Any] = Field(default_factory=dict)
+    voice: str = ""
+    committed: bool = False
+    answered: bool = False               # a response follows its workflow already
+
+
 class Item(BaseModel):
     """One conversation item: a user's text or committed audio, or an assistant's answer."""
 
@@ -60,6 +87,8 @@ class Item(BaseModel):
     text: str = ""                      # the user's text, or the answer's text / transcript
     transcript: str | None = None       # a user audio item's transcript, once known
     status: str = "completed"
+    wf_id: str = ""                     # a user audio item's workflow (it heard the audio, and answers it)
+    turn: InputTurn | None = None
 
     def view(self) -> dict[str, Any]:
         if self.role == "user":
@@ -102,6 +131,7 @@ class SessionState(BaseModel):
     pending: list[str] = Field(default_factory=list)     # user items since the last response
     response: Response | None = None
     last_response: Response | None = None
+    input: InputTurn | None = None                        # the audio turn being spoken (not committed yet)
 
 
 @dataclass(frozen=True)
@@ -124,7 +154,42 @@ class CancelTurn:
     response: Response
 
 
-Effect = Send | Save | StartTurn | CancelTurn
+@dataclass(frozen=True)
+class OpenInput:
+    """Submit the workflow of an audio turn (its input left open); set `turn.wf_id`."""
+
+    turn: InputTurn
+
+
+@dataclass(frozen=True)
+class AppendInput:
+    """Stream pcm16 (24 kHz) into the open turn's workflow."""
+
+    pcm: bytes
+
+
+@dataclass(frozen=True)
+class EndInput:
+    """The turn was committed: end its workflow's input, and report its transcript once heard."""
+
+    turn: InputTurn
+
+
+@dataclass(frozen=True)
+class DropInput:
+    """The buffer was cleared: abort the open turn's workflow."""
+
+    turn: InputTurn
+
+
+@dataclass(frozen=True)
+class DetectSpeech:
+    """Server VAD: run the connection's speech detector over appended pcm16."""
+
+    pcm: bytes
+
+
+Effect = Send | Save | StartTurn | CancelTurn | OpenInput | AppendInput | EndInput | DropInput | DetectSpeech
 
 
 class _ResponseBody(BaseModel):
@@ -168,7 +233,9 @@ class RealtimeSession:
 
     def __init__(self, state: SessionState, caps: Capabilities) -> None:
         self.state, self.caps = state, caps
-        self.buffer = bytearray()          # input audio (pcm16 24 kHz) since the last commit or clear
+        self.buffer = bytearray()          # input audio (pcm16 24 kHz) since the last commit or clear (text-only)
+        self.buffered = 0                  # bytes streamed into the open audio turn
+        self.queued: ResponseCreate | None = None     # a response.create waiting for a cancelled turn's end
 
     @classmethod
     def new(cls, caps: Capabilities, *, tenant: str) -> RealtimeSession:
@@ -192,8 +259,7 @@ class RealtimeSession:
             if isinstance(event, AudioCommit):
                 return self._commit()
             if isinstance(event, AudioClear):
-                self.buffer.clear()
-                return [Send(server_event("input_audio_buffer.cleared"))]
+                return self._clear()
             if isinstance(event, ItemCreate):
                 return self._create_item(event)
             if isinstance(event, ResponseCreate):
@@ -207,6 +273,73 @@ class RealtimeSession:
                             event_id=event.event_id)
 
     def _append(self, event: AudioAppend) -> list[Effect]:
+        pcm = self._decode_append(event)
+        if not self.caps.audio_input:
+            self.buffer += pcm
+            return []
+        if self.detects_speech:
+            return [DetectSpeech(pcm)]
+        return self._speech_audio(pcm)
+
+    @property
+    def detects_speech(self) -> bool:
+        detection = self.state.config.turn_detection
+        return bool(self.caps.audio_input and detection and detection.get("type") == "server_vad")
+
+    def _open_input(self) -> list[Effect]:
+        config = self.state.config
+        turn = InputTurn(item_id=new_id("item"), request_id=new_id("turn"), modalities=list(config.output_modalities),
+                         knobs={k: v for k, v in config.knobs().items() if v is not None}, voice=config.voice)
+        self.state.input = turn
+        return [OpenInput(turn), Save()]
+
+    def _speech_audio(self, pcm: bytes) -> list[Effect]:
+        """Audio of the turn being spoken: opens it if it is the first, then streams it in."""
+        effects: list[Effect] = [] if self.state.input is not None else self._open_input()
+        if self.buffered + len(pcm) > self.caps.max_buffer_bytes:
+            limit_s = self.caps.max_buffer_bytes / 48000
+            raise ProtocolError("input_audio_buffer_too_large", f"audio: the input buffer would hold more than "
+                                f"{limit_s:g} s of audio; commit or clear it first", param="audio")
+        self.buffered += len(pcm)
+        return [*effects, AppendInput(pcm)] if pcm else effects
+
+    # ------------------------------------------------------------ server VAD (the connection's detector)
+    def speech_started(self, prefix: bytes, audio_start_ms: int) -> list[Effect]:
+        """Speech began (`prefix`: the audio before it that the turn keeps): open the turn, and
+        interrupt a response that is playing (barge-in)."""
+        effects = self._barge_in()
+        effects += self._speech_audio(prefix) if prefix else ([] if self.state.input else self._open_input())
+        assert self.state.input is not None
+        effects.append(Send(server_event("input_audio_buffer.speech_started", audio_start_ms=audio_start_ms,
+                                         item_id=self.state.input.item_id)))
+        return effects
+
+    def speech(self, pcm: bytes) -> list[Effect]:
+        """Audio while the user speaks (server VAD)."""
+        return self._speech_audio(pcm) if self.state.input is not None else []
+
+    def speech_stopped(self, audio_end_ms: int) -> list[Effect]:
+        """Speech ended: commit the turn and, unless the session says not to, answer it."""
+        if self.state.input is None:
+            return []
+        detection = self.state.config.turn_detection or {}
+        effects: list[Effect] = [Send(server_event("input_audio_buffer.speech_stopped", audio_end_ms=audio_end_ms,
+                                                   item_id=self.state.input.item_id))]
+        effects += self._commit()
+        if detection.get("create_response", True):
+            effects += self._create_response(ResponseCreate(type="response.create"))
+        return effects
+
+    def _barge_in(self) -> list[Effect]:
+        response = self.state.response
+        detection = self.state.config.turn_detection or {}
+        if response is None or response.cancelling or (not detection.get("interrupt_response", True) and \
+                self.detects_speech):
+            return []
+        response.cancelling = True
+        return [CancelTurn(response), Save()]
+
+    def _decode_append(self, event: AudioAppend) -> bytes:
         try:
             pcm = base64.b64decode(event.audio, validate=True)
         except (binascii.Error, ValueError):
@@ -218,18 +351,53 @@ class RealtimeSession:
             limit_s = self.caps.max_buffer_bytes / 48000
             raise ProtocolError("input_audio_buffer_too_large", f"audio: the input buffer would hold more than "
                                 f"{limit_s:g} s of audio; commit or clear it first", param="audio")
-        self.buffer += pcm
-        return []
+        return pcm
 
     def _commit(self) -> list[Effect]:
-        if len(self.buffer) < MIN_COMMIT_BYTES:
+        held = self.buffered if self.caps.audio_input else len(self.buffer)
+        if held < MIN_COMMIT_BYTES:
             raise ProtocolError("input_audio_buffer_commit_empty", f"the input audio buffer holds "
-                                f"{len(self.buffer) / 48:.0f} ms of audio; a commit needs at least 100 ms")
-        item = Item(id=new_id("item"), role="user", kind="audio", transcript=None)
+                                f"{held / 48:.0f} ms of audio; a commit needs at least 100 ms")
+        effects: list[Effect] = []
+        turn = self.state.input
+        if turn is not None:
+            effects = self._barge_in()            # a new turn while a response plays: the user interrupts it
+            item = Item(id=turn.item_id, role="user", kind="audio", transcript=None, wf_id=turn.wf_id,
+                        turn=turn.model_copy(update={"committed": True}))
+            self.state.input = None
+            effects.append(EndInput(turn))
+        else:
+            item = Item(id=new_id("item"), role="user", kind="audio", transcript=None)
         previous = self._add_item(item)
         self.buffer.clear()
-        return [Save(), Send(server_event("input_audio_buffer.committed", item_id=item.id, previous_item_id=previous)),
+        self.buffered = 0
+        return [*effects, Save(),
+                Send(server_event("input_audio_buffer.committed", item_id=item.id, previous_item_id=previous)),
                 *self._item_events(item, previous)]
+
+    def _clear(self) -> list[Effect]:
+        self.buffer.clear()
+        self.buffered = 0
+        turn, self.state.input = self.state.input, None
+        dropped: list[Effect] = [DropInput(turn), Save()] if turn is not None else []
+        return [*dropped, Send(server_event("input_audio_buffer.cleared"))]
+
+    def transcribed(self, item_id: str, transcript: str | None, *, seconds: float = 0.0,
+                    error: str | None = None) -> list[Effect]:
+        """What the ASR heard of a committed audio item (None and `error`: it heard nothing)."""
+        item = next((i for i in self.state.items if i.id == item_id), None)
+        if transcript is None:
+            return [Send(server_event("conversation.item.input_audio_transcription.failed", item_id=item_id,
+                                      content_index=0, error={"type": "transcription_error",
+                                                              "code": "transcription_failed",
+                                                              "message": error or "nothing was heard"}))]
+        effects: list[Effect] = []
+        if item is not None:
+            item.transcript = transcript
+            effects.append(Save())
+        return [*effects, Send(server_event("conversation.item.input_audio_transcription.completed", item_id=item_id,
+                                            content_index=0, transcript=transcript,
+                                            usage={"type": "duration", "seconds": round(seconds, 3)}))]
 
     def _add_item(self, item: Item) -> str | None:
         previous = self.state.items[-1].id if self.state.items else None
@@ -254,8 +422,10 @@ class RealtimeSession:
         texts = []
         for n, part in enumerate(body.content):
             if part.type == "input_audio":
-                raise ProtocolError("unsupported_value", f"{param}.content.{n}: model {self.caps.model!r} takes text "
-                                    "only; send input_text", param=f"{param}.content.{n}.type")
+                how = ("stream audio with input_audio_buffer.append and .commit" if self.caps.audio_input
+                       else f"model {self.caps.model!r} takes text only; send input_text")
+                raise ProtocolError("unsupported_value", f"{param}.content.{n}: audio in an item is not taken: {how}",
+                                    param=f"{param}.content.{n}.type")
             texts.append(part.text or "")
         text = " ".join(t for t in texts if t)
         if not text.strip():
@@ -277,6 +447,9 @@ class RealtimeSession:
         return [Save(), *self._item_events(item, previous)]
 
     def _create_response(self, event: ResponseCreate) -> list[Effect]:
+        if self.state.response is not None and self.state.response.cancelling and self.queued is None:
+            self.queued = event            # the interrupted turn is ending: answer once it has
+            return []
         if self.state.response is not None:
             raise ProtocolError("conversation_already_has_active_response",
                                 f"response {self.state.response.id} is in progress; cancel it or wait for its "
@@ -307,16 +480,39 @@ class RealtimeSession:
         if "max_output_tokens" in body.model_fields_set:
             knobs["max_output_tokens"] = body.max_output_tokens if isinstance(body.max_output_tokens, int) else None
             check_knob("max_output_tokens", knobs["max_output_tokens"], self.caps, param="response.max_output_tokens")
-        prompt = self._prompt(body)
+        knobs = {k: v for k, v in knobs.items() if v is not None}
+        heard = self._spoken_turn(body)
+        prompt = "" if heard is not None else self._prompt(body)
         response_id = new_id("resp")
+        if heard is not None and heard.turn is not None:
+            turn = heard.turn
+            # its workflow makes what the session asked for when the user began speaking: text from it
+            # always, audio if that was asked then
+            for name, differs in (("output_modalities", "audio" in modalities and "audio" not in turn.modalities),
+                                  ("instructions", knobs != turn.knobs)):
+                if differs:
+                    raise ProtocolError("unsupported_value", f"response.{name}: item {heard.id}'s workflow was "
+                                        "started with the session's configuration when the user began speaking; "
+                                        "set it with session.update before speaking", param=f"response.{name}")
+            turn.answered = True
         response = Response(id=response_id, item_id=new_id("item"), modalities=modalities, prompt=prompt, voice=voice,
                             request_id=response_id, in_conversation=body.conversation != "none",
-                            metadata=body.metadata,
-                            knobs={k: v for k, v in knobs.items() if v is not None})
+                            metadata=body.metadata, knobs=knobs, wf_id=heard.wf_id if heard is not None else "")
         if response.in_conversation:
             self.state.pending = []
         self.state.response = response
         return [Save(), StartTurn(response)]
+
+    def _spoken_turn(self, body: _ResponseBody) -> Item | None:
+        """The audio item whose running workflow answers this response: the one item to answer,
+        committed audio whose workflow no response follows yet."""
+        if body.input or not self.caps.audio_input:
+            return None
+        by_id = {i.id: i for i in self.state.items}
+        chosen = [by_id[i] for i in self.state.pending if i in by_id]
+        if len(chosen) == 1 and chosen[0].wf_id and chosen[0].turn is not None and not chosen[0].turn.answered:
+            return chosen[0]
+        return None
 
     def _prompt(self, body: _ResponseBody) -> str:
         """The text a turn answers: the response's own `input`, else the user items not answered yet,
@@ -332,6 +528,10 @@ class RealtimeSession:
             raise ProtocolError("no_input", "there is nothing to respond to: add a user item "
                                 "(conversation.item.create) first")
         if any(i.kind == "audio" and i.transcript is None for i in chosen):
+            if self.caps.audio_input:
+                raise ProtocolError("transcript_not_ready", "a committed audio item is not transcribed yet: answer "
+                                    "it alone (response.create right after its commit), or wait for its "
+                                    "conversation.item.input_audio_transcription.completed")
             raise ProtocolError("unsupported_value", f"model {self.caps.model!r} takes text only: it cannot "
                                 "answer committed audio (clear it, or add a text item)", param="input_audio_buffer")
         return "\n".join(i.text if i.kind == "text" else (i.transcript or "") for i in chosen)
@@ -365,4 +565,11 @@ class RealtimeSession:
                                 else "text", text=text,
                                 status="completed" if status is ResponseStatus.COMPLETED else "incomplete"))
         self.state.last_response, self.state.response = response, None
+        queued, self.queued = self.queued, None
+        if queued is not None:             # a response.create that waited for this turn to end
+            try:
+                return [Save(), *self._create_response(queued)]
+            except ProtocolError as err:
+                err.event_id = err.event_id or queued.event_id
+                return [Save(), Send(error_event(err))]
         return [Save()]

@@ -1,6 +1,9 @@
 """OpenAI-compatible chat completions and models, served by the workflow engine.
 
-A chat request becomes one workflow (prompt = the last user message). Text is
+A chat request becomes one workflow (prompt = the last user message). A user message with an
+`input_audio` part (base64 wav or mp3) is heard: the audio is streamed into a workflow that
+starts at the pipeline's audio stage (omni-cpu: ASR -> Thinker -> Talker -> Code2Wav), and the
+message's text parts, if any, go before what was heard. Text is
 returned in `message.content` (streamed as `delta.content`), audio in
 `message.audio` (`{id, data, transcript, expires_at}`; streamed as
 `delta.audio.data`, raw pcm16 little-endian mono). A client that goes away
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import json
 import logging
 import time
@@ -19,8 +23,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.types import Receive
 
-from omniflow.api.audio import AudioFormat, encode
-from omniflow.api.deps import ApiState, PrincipalDep, StateDep, SubmitterDep, pipeline_for, pipeline_ref
+from omniflow.api.audio import AudioFormat, DecodedAudio, encode
+from omniflow.api.deps import ApiState, PrincipalDep, StateDep, SubmitterDep, pipeline_ref
 from omniflow.api.errors import ApiError, error_body
 from omniflow.api.openai_schemas import (
     ChatAudio,
@@ -34,7 +38,9 @@ from omniflow.api.openai_schemas import (
 )
 from omniflow.api.schemas import AUTH_ERRORS as _AUTH
 from omniflow.api.schemas import ErrorResponse as E
+from omniflow.api.selection import pipeline_for
 from omniflow.api.sse import EventStreamResponse, sse_event
+from omniflow.api.transcribe import decode_upload, submit_audio
 from omniflow.models import SubmitRequest, WorkflowInput, WorkflowState
 from omniflow.pipeline import Pipeline
 from omniflow.workers import voices
@@ -47,16 +53,53 @@ DISCONNECT_REASON = "client disconnected"
 
 def prompt_of(body: ChatRequest) -> str:
     """The text of the last user message (string content or its text parts)."""
+    text, _audio = user_turn(body)
+    if text is None:
+        raise ApiError(422, "invalid_request", "messages: no user message with text content")
+    return text
+
+
+def user_turn(body: ChatRequest) -> tuple[str | None, tuple[str, str, int] | None]:
+    """The last user message with content: its text (None if it has none) and its `input_audio`
+    part as (base64 data, format, part index), if it has one."""
     for message in reversed(body.messages):
         if message.role != "user":
             continue
         if isinstance(message.content, str):
-            text = message.content
-        else:
-            text = " ".join(str(p.get("text", "")) for p in message.content or [] if p.get("type") == "text")
+            if message.content.strip():
+                return message.content, None
+            continue
+        parts = message.content or []
+        text = " ".join(str(p.get("text", "")) for p in parts if p.get("type") == "text")
+        audio = [(n, p.get("input_audio")) for n, p in enumerate(parts) if p.get("type") == "input_audio"]
+        if len(audio) > 1:
+            raise ApiError(400, "invalid_value", "messages: one input_audio part per message",
+                           param=f"messages.content.{audio[1][0]}")
+        if audio:
+            n, spec = audio[0]
+            if not isinstance(spec, dict) or not isinstance(spec.get("data"), str):
+                raise ApiError(400, "invalid_value", "input_audio: needs {data: base64, format: wav|mp3}",
+                               param=f"messages.content.{n}.input_audio")
+            fmt = str(spec.get("format", "wav"))
+            if fmt not in ("wav", "mp3"):
+                raise ApiError(400, "invalid_value", f"input_audio.format: {fmt!r}; use wav or mp3",
+                               param=f"messages.content.{n}.input_audio.format")
+            return (text if text.strip() else None), (spec["data"], fmt, n)
         if text.strip():
-            return text
-    raise ApiError(422, "invalid_request", "messages: no user message with text content")
+            return text, None
+    return None, None
+
+
+async def _audio_in(state: ApiState, data: str, n: int) -> DecodedAudio:
+    param = f"messages.content.{n}.input_audio.data"
+    if len(data) > state.settings.max_upload_bytes * 4 // 3 + 4:
+        raise ApiError(400, "invalid_value", f"input_audio: over the limit of {state.settings.max_upload_bytes} "
+                       "bytes", param=param)
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, "invalid_value", "input_audio.data: not base64", param=param) from None
+    return await decode_upload(state, raw, param=param)
 
 
 def _stage_of(pipeline: Pipeline, kind: str) -> str | None:
@@ -109,14 +152,23 @@ async def chat_completions(body: ChatRequest, request: Request, state: StateDep,
     modalities = list(dict.fromkeys(body.modalities or ["text"]))
     if "audio" in modalities and "text" not in modalities and _stage_of(pipeline, "text"):
         modalities.insert(0, "text")          # the transcript comes from the text stage
-    submitted = await state.store.submit(
-        SubmitRequest(input=WorkflowInput(text=prompt_of(body)), output_modalities=modalities,
-                      stage_params=body.stage_params, deadline_s=body.deadline_s, pipeline=pipeline_ref(pipeline)),
-        tenant=principal.tenant)
+    text, audio_part = user_turn(body)
+    if audio_part is not None:
+        pipeline = await pipeline_for(state, body.model, takes="audio", param="messages")
+        heard = await _audio_in(state, audio_part[0], audio_part[2])
+        wf_id = await submit_audio(state, principal.tenant, heard, modalities=modalities, text=text,
+                                   stage_params=body.stage_params, deadline_s=body.deadline_s, pipeline=pipeline)
+    elif text is None:
+        raise ApiError(422, "invalid_request", "messages: no user message with text or audio content")
+    else:
+        wf_id = (await state.store.submit(
+            SubmitRequest(input=WorkflowInput(text=text), output_modalities=modalities,
+                          stage_params=body.stage_params, deadline_s=body.deadline_s, pipeline=pipeline_ref(pipeline)),
+            tenant=principal.tenant)).id
     fmt = body.audio.format if body.audio else AudioFormat.WAV
     if body.stream:
-        return EventStreamResponse(_stream(state, pipeline, body, submitted.id, modalities))
-    return await _complete(state, pipeline, body, request, submitted.id, modalities, fmt)
+        return EventStreamResponse(_stream(state, pipeline, body, wf_id, modalities))
+    return await _complete(state, pipeline, body, request, wf_id, modalities, fmt)
 
 
 async def _complete(state: ApiState, pipeline: Pipeline, body: ChatRequest, request: Request, wf_id: str,

@@ -43,6 +43,7 @@ def capabilities(state: ApiState, pipeline: Pipeline | None = None) -> Capabilit
         model=pipeline.name, outputs=frozenset(pipeline.modalities()),
         voices={v["id"]: v["voice"] for v in voices.list_voices()},
         knobs=frozenset(k for k in knobs.KNOB_PARAMS if knobs.supports(pipeline, k)),
+        audio_input=pipeline.audio_stage is not None,
         max_buffer_bytes=int(state.settings.realtime_max_buffer_s * PCM_RATE * 2),
         max_prompt_chars=state.settings.max_prompt_chars)
 

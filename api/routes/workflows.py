@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response
+import numpy as np
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
@@ -18,6 +19,7 @@ from omniflow.api.deps import ApiState, PrincipalDep, StateDep, SubmitterDep
 from omniflow.api.errors import ApiError
 from omniflow.api.hub import IDLE, is_stream_id, stream_id
 from omniflow.api.schemas import (
+    InputAppended,
     AUTH_ERRORS,
     AbortResponse,
     ErrorResponse,
@@ -165,6 +167,23 @@ async def get_workflow(wf_id: WorkflowId, state: StateDep, principal: PrincipalD
 async def abort_workflow(wf_id: WorkflowId, state: StateDep, principal: PrincipalDep) -> AbortResponse:
     final = await state.store.abort(wf_id, tenant=principal.scope, reason="aborted by client (HTTP)")
     return AbortResponse(id=wf_id, state=WorkflowState(final))
+
+
+@router.post("/{wf_id}/input", response_model=InputAppended,
+             responses={**_NOT_FOUND, 409: {"model": E, "description": "the input has ended, or the workflow has"},
+                        413: {"model": E}, 422: {"model": E, "description": "the workflow takes no streamed input, or "
+                                                                             "the body is not whole pcm16 samples"}},
+             summary="Stream audio into a workflow submitted with input.audio")
+async def append_input(wf_id: WorkflowId, request: Request, state: StateDep, principal: PrincipalDep,
+                       final: Annotated[bool, Query(description="the input ends after this audio")] = False) -> Any:
+    """The body is raw pcm16 (little-endian mono) at the rate the submit declared
+    (`input.audio.sample_rate`); each call is one append, which the audio stage hears as it comes."""
+    body = await request.body()
+    if len(body) % 2:
+        raise ApiError(422, "invalid_request", f"the body is {len(body)} bytes: not whole pcm16 samples")
+    seq = await state.store.append_input(wf_id, np.frombuffer(body, dtype="<i2").astype(np.int16) if body else (),
+                                         final=final, tenant=principal.scope)
+    return InputAppended(id=wf_id, seq=seq, final=final)
 
 
 @router.post("/{wf_id}/retry", status_code=202, response_model=SubmitResponse,

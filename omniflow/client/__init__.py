@@ -22,13 +22,16 @@ from omniflow.client import bulk
 from omniflow.storage import redisio
 from omniflow.config import Settings, get_settings
 from omniflow.errors import RedisRefused
-from omniflow.models import SubmitRequest, WorkflowInput
+from omniflow.models import AudioInput, SubmitRequest, WorkflowInput
 from omniflow.catalog import Catalog
 from omniflow.pipeline import Pipeline, load_pipeline
 from omniflow.storage.redisio import connect, connect_sync
 from omniflow.storage.transitions.admission import SubmitResult
 from omniflow.client.store import Store, check_same_body
 from omniflow.storage.schema import s
+
+
+RATES_KEPT = 4096                 # audio workflows whose input rate a client remembers
 
 
 class AsyncClient:
@@ -42,6 +45,7 @@ class AsyncClient:
         self.tenant = tenant
         self.redis = connect(self.redis_url)
         self.store = Store(self.redis, self.settings, catalog)
+        self._rates: dict[str, int] = {}        # audio workflows submitted here -> their input's sample rate
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -52,14 +56,26 @@ class AsyncClient:
     async def close(self) -> None:
         await self.redis.aclose()
 
-    async def submit(self, text: str, *, modalities: Sequence[str] | None = None,
+    async def submit(self, text: str | None = None, *, modalities: Sequence[str] | None = None,
                      stage_params: dict[str, dict[str, Any]] | None = None, request_id: str | None = None,
-                     deadline_s: float | None = None, webhook_url: str | None = None) -> str:
-        """Submit one request; returns the workflow id (the existing one for a repeated request_id)."""
-        req = SubmitRequest(input=WorkflowInput(text=text), output_modalities=list(modalities) if modalities else None,
-                            stage_params=stage_params or {}, request_id=request_id, deadline_s=deadline_s,
-                            webhook_url=webhook_url)
-        return (await self.store.submit(req, tenant=self.tenant)).id
+                     deadline_s: float | None = None, webhook_url: str | None = None,
+                     audio_sample_rate: int | None = None) -> str:
+        """Submit one request; returns the workflow id (the existing one for a repeated request_id).
+
+        With `audio_sample_rate` the workflow takes audio (int16 mono at that rate), which
+        `append_input` streams in after the submit."""
+        req = _request(text, modalities, stage_params, request_id, deadline_s, webhook_url, audio_sample_rate)
+        wf_id = (await self.store.submit(req, tenant=self.tenant)).id
+        if audio_sample_rate is not None and len(self._rates) < RATES_KEPT:
+            self._rates[wf_id] = audio_sample_rate      # its appends need not read it back
+        return wf_id
+
+    async def append_input(self, wf_id: str, pcm: np.ndarray | Sequence[np.ndarray] = (), *,
+                           final: bool = False) -> int:
+        """Stream audio (int16 mono) into a running workflow submitted with `audio_sample_rate`; `final`
+        ends its input (the speaker is done). See `Store.append_input`."""
+        rate = self._rates.pop(wf_id, None) if final else self._rates.get(wf_id)
+        return await self.store.append_input(wf_id, pcm, final=final, sample_rate=rate)
 
     async def submit_many(self, texts: Sequence[str], *, modalities: Sequence[str] | None = None,
                           stage_params: dict[str, dict[str, Any]] | None = None, deadline_s: float | None = None,
@@ -141,13 +157,12 @@ class Client:
             self._loop.close()
             self._sync.close()
 
-    def submit(self, text: str, *, modalities: Sequence[str] | None = None,
+    def submit(self, text: str | None = None, *, modalities: Sequence[str] | None = None,
                stage_params: dict[str, dict[str, Any]] | None = None, request_id: str | None = None,
-               deadline_s: float | None = None, webhook_url: str | None = None) -> str:
+               deadline_s: float | None = None, webhook_url: str | None = None,
+               audio_sample_rate: int | None = None) -> str:
         """Submit one request; returns the workflow id (the existing one for a repeated request_id)."""
-        req = SubmitRequest(input=WorkflowInput(text=text), output_modalities=list(modalities) if modalities else None,
-                            stage_params=stage_params or {}, request_id=request_id, deadline_s=deadline_s,
-                            webhook_url=webhook_url)
+        req = _request(text, modalities, stage_params, request_id, deadline_s, webhook_url, audio_sample_rate)
         store = self._client.store
         call, tried = store.submit_call(req, tenant=self._client.tenant)
         try:
@@ -185,11 +200,25 @@ class Client:
     def abort(self, wf_id: str, **kwargs: Any) -> str:
         return self._run(self._client.abort(wf_id, **kwargs))  # type: ignore[no-any-return]
 
+    def append_input(self, wf_id: str, pcm: np.ndarray | Sequence[np.ndarray] = (), *, final: bool = False) -> int:
+        """See `AsyncClient.append_input`."""
+        return self._run(self._client.append_input(wf_id, pcm, final=final))  # type: ignore[no-any-return]
+
     def save_audio(self, wf_id: str, path: str | Path, **kwargs: Any) -> float:
         return self._run(self._client.save_audio(wf_id, path, **kwargs))  # type: ignore[no-any-return]
 
     def list(self, **kwargs: Any) -> list[dict[str, Any]]:
         return self._run(self._client.list(**kwargs))  # type: ignore[no-any-return]
+
+
+def _request(text: str | None, modalities: Sequence[str] | None, stage_params: dict[str, dict[str, Any]] | None,
+             request_id: str | None, deadline_s: float | None, webhook_url: str | None,
+             audio_sample_rate: int | None) -> SubmitRequest:
+    audio = AudioInput(sample_rate=audio_sample_rate) if audio_sample_rate is not None else None
+    return SubmitRequest(input=WorkflowInput(text=text, audio=audio),
+                         output_modalities=list(modalities) if modalities else None,
+                         stage_params=stage_params or {}, request_id=request_id, deadline_s=deadline_s,
+                         webhook_url=webhook_url)
 
 
 async def _make(redis_url: str | None, kwargs: dict[str, Any]) -> AsyncClient:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 import builtins
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,20 +21,22 @@ from omniflow.storage.client import RedisClient
 
 from omniflow import tracing
 from omniflow.catalog import Catalog
+from omniflow.dataplane import codec
 from omniflow.storage import cells, redisio, registry
 from omniflow.storage.batcher import Batcher
 from omniflow.config import Settings
-from omniflow.errors import (AdmissionRefused, ConfigError, IdempotencyConflict, InvalidRequest, NotReady, RedisRefused,
-                             UnknownPipeline,
+from omniflow.errors import (AdmissionRefused, ConfigError, IdempotencyConflict, InputClosed, InvalidRequest, NotReady,
+                             RedisRefused, RedisUnavailable, UnknownPipeline,
                              ScriptError, WorkflowNotFound, WorkflowRetired)
 from omniflow.storage.keys import FinalizePlan, Keys, finalize_plan
 from omniflow.models import TERMINAL_STATES, SubmitRequest, Submitted, WorkflowState
-from omniflow.pipeline import Pipeline, Plan
+from omniflow.pipeline import INPUT_SRC, Pipeline, Plan
 from omniflow.storage.redisio import connect, translated
 from omniflow.client.documents import text_stages, workflow_document
 from omniflow.client.realtime import RealtimeSessions
 from omniflow.storage.schema import decode_fields, now_ms, s
-from omniflow.storage.transitions import Call, admission
+from omniflow.storage.transitions import Call, admission, inputs
+from omniflow.storage.transitions.inputs import AppendResult
 from omniflow.storage.transitions.admission import AbortResult, SubmitResult
 
 if TYPE_CHECKING:
@@ -54,7 +56,10 @@ def new_id(cell: int = 0) -> str:
 
 def body_hash(req: SubmitRequest) -> str:
     """A digest of everything a request asks for except its idempotency key (canonical JSON)."""
-    body = json.dumps(req.model_dump(mode="json", exclude={"request_id"}), sort_keys=True, separators=(",", ":"))
+    raw = req.model_dump(mode="json", exclude={"request_id"})
+    if raw["input"].get("audio") is None:       # text requests hash as they did before audio input existed
+        raw["input"].pop("audio", None)
+    body = json.dumps(raw, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(body.encode()).hexdigest()[:32]
 
 
@@ -88,7 +93,7 @@ class Store:
 
     def __init__(self, redis: RedisClient, settings: Settings, pipeline: Pipeline | Catalog, *,
                  batcher: Batcher | None = None) -> None:
-        self._plans: dict[tuple[str, tuple[str, ...] | None], _PlanParts] = {}
+        self._plans: dict[tuple[str, tuple[str, ...] | None, str], _PlanParts] = {}
         self._egress: Any = None        # the webhook egress policy, built on first use
         self._redis = redis
         self.batcher = batcher          # when set, submits are group-committed (many callers, few round trips)
@@ -102,6 +107,7 @@ class Store:
             raise ConfigError(f"OMNIFLOW_MAX_IN_FLIGHT={settings.max_in_flight} is below the number of cells "
                               f"({self.keys.cells}): every cell must admit at least one workflow")
         self._finalize_plan = finalize_plan(self.pipeline)
+        self._input_consumers: dict[tuple[str, int], str] = {}     # (stage, cell) -> the replica reading its input
         self.realtime = RealtimeSessions(redis, self.keys, ttl_s=settings.realtime_session_ttl_s)
 
     @property
@@ -156,9 +162,11 @@ class Store:
                     wf_id: str | None = None) -> tuple[Call, str]:
         """Validate a request and build its `submit.lua` call (no I/O); the call and the id it submits."""
         pipeline = self.catalog.resolve(req.pipeline, param="pipeline")
-        parts = self._plan_parts(pipeline, tuple(req.output_modalities) if req.output_modalities is not None else None)
-        if len(req.input.text) > self.settings.max_prompt_chars:
-            raise InvalidRequest(f"input.text: {len(req.input.text)} characters; the limit is {self.settings.max_prompt_chars}")
+        parts = self._plan_parts(pipeline, tuple(req.output_modalities) if req.output_modalities is not None else None,
+                                 req.input.kind)
+        if len(req.input.text or "") > self.settings.max_prompt_chars:
+            raise InvalidRequest(f"input.text: {len(req.input.text or '')} characters; the limit is "
+                                 f"{self.settings.max_prompt_chars}")
         unknown = sorted(set(req.stage_params) - set(pipeline.stages))
         if unknown:
             raise InvalidRequest(f"stage_params: unknown stage(s) {unknown}; stages of {pipeline.name} are "
@@ -181,7 +189,7 @@ class Store:
         record = [
             "tenant", tenant,
             "request_id", req.request_id or "",
-            "input", req.input.model_dump_json(),
+            "input", req.input.model_dump_json(exclude_none=True),
             "params", params,
             "webhook", req.webhook_url or "",
             *parts.fields,
@@ -212,13 +220,15 @@ class Store:
         except EgressRefused as exc:
             raise InvalidRequest(f"webhook_url: {exc}") from None
 
-    def _plan_parts(self, pipeline: Pipeline, modalities: tuple[str, ...] | None) -> _PlanParts:
-        """What a submit writes that depends only on the pipeline and the requested modalities
-        (computed once per pipeline and modality set: submits are the one hot call a client makes)."""
-        parts = self._plans.get((pipeline.digest, modalities))
+    def _plan_parts(self, pipeline: Pipeline, modalities: tuple[str, ...] | None, input_kind: str = "text") -> _PlanParts:
+        """What a submit writes that depends only on the pipeline, the requested modalities and the
+        input kind (computed once per combination: submits are the one hot call a client makes)."""
+        parts = self._plans.get((pipeline.digest, modalities, input_kind))
         if parts is None:
-            plan = pipeline.plan(modalities)
+            plan = pipeline.plan(modalities, input_kind=input_kind)
             edges = [f"{e.src}:{e.dst}" for st in plan.stages for e in pipeline.upstream(st, plan.stages)]
+            if plan.input_stage:           # the client's streamed input: freed with the other edge logs
+                edges.append(f"{INPUT_SRC}:{plan.input_stage}")
             kinds = [f"{st}={pipeline.stages[st].final_output}" for st in plan.finals]
             fields = ("pipeline", pipeline.name, "pipeline_hash", pipeline.digest,
                       "stages", ",".join(plan.stages), "finals", ",".join(plan.finals), "kinds", ",".join(kinds),
@@ -226,7 +236,7 @@ class Store:
             parts = _PlanParts(plan=plan, fields=fields, stages=",".join(plan.stages), admit=",".join(plan.admit),
                                params=json.dumps({st: dict(pipeline.stages[st].params) for st in plan.stages}))
             if len(self._plans) < 64:
-                self._plans[(pipeline.digest, modalities)] = parts
+                self._plans[(pipeline.digest, modalities, input_kind)] = parts
         return parts
 
     @translated
@@ -306,6 +316,55 @@ class Store:
             await redisio.call(self._redis, "WAITAOF", 1, 0, 1000)
         except ScriptError as exc:      # servers before 7.2 lack it
             raise ConfigError(f"wait_aof is on but the server refused WAITAOF: {exc}") from exc
+
+    # ---------------------------------------------------------------- streamed input
+    @translated
+    async def append_input(self, wf_id: str, pcm: Sequence[np.ndarray] | np.ndarray = (), *, final: bool = False,
+                           sample_rate: int | None = None, stage: str | None = None,
+                           tenant: str | None = None) -> int:
+        """Append audio (int16 mono chunks) to a running workflow's input, and end it with `final`.
+
+        The chunks reach the pipeline's audio stage as they are appended (`@input`), so it works
+        on them while more come. `sample_rate` defaults to the one the submit declared; one
+        append is one Redis call (the chunks form one edge entry). Returns the input's last
+        sequence number. `InputClosed` once the input was ended or the workflow is over;
+        `InvalidRequest` for a workflow that takes no streamed input or for samples that are
+        not int16 mono."""
+        stage = stage or self.pipeline.audio_stage
+        if stage is None:
+            raise InvalidRequest(f"pipeline {self.pipeline.name!r} takes no audio input")
+        if tenant is not None:
+            await self._check_tenant(wf_id, tenant)
+        chunks = [pcm] if isinstance(pcm, np.ndarray) else list(pcm)
+        for n, chunk in enumerate(chunks):
+            if not isinstance(chunk, np.ndarray) or chunk.dtype != np.int16 or chunk.ndim != 1:
+                raise InvalidRequest(f"audio chunk {n}: int16 mono samples (a 1-D numpy array) are needed")
+        if chunks and sample_rate is None:
+            raw = await self._redis.hget(self.keys.wf(wf_id), "input")
+            if raw is None:
+                raise WorkflowNotFound(f"no workflow {wf_id}")
+            sample_rate = int((json.loads(raw).get("audio") or {}).get("sample_rate") or 16000)
+        payloads = [codec.dumps({"pcm": chunk, "sample_rate": sample_rate}) for chunk in chunks if chunk.size]
+        cell = self.keys.cell_of(wf_id)
+        for _ in range(3):      # the stage's session moved to another replica meanwhile: declare it, send again
+            known = self._input_consumers.get((stage, cell))
+            reply = await redisio.call(self._redis, *inputs.append_input(
+                self.keys, wf_id, stage, final=final, payloads=payloads, inboxes=(known,) if known else ()))
+            code, value = inputs.append_result(reply)
+            if code is not AppendResult.INBOX:
+                break
+            self._input_consumers[(stage, cell)] = value
+        if code is AppendResult.OK:
+            return int(value)
+        if code is AppendResult.CLOSED:
+            raise InputClosed(f"workflow {wf_id}: its input has ended (final=True was sent)")
+        if code is AppendResult.ENDED:
+            if value == "gone":
+                raise WorkflowNotFound(f"no workflow {wf_id}")
+            raise InputClosed(f"workflow {wf_id} is {value}: it takes no more input")
+        if code is AppendResult.INBOX:
+            raise RedisUnavailable(f"workflow {wf_id}: the replica reading its input kept moving; try again")
+        raise InvalidRequest(f"workflow {wf_id} takes no streamed input at stage {stage!r} (submit it with input.audio)")
 
     # ---------------------------------------------------------------- abort
     @translated

@@ -106,11 +106,13 @@ def parse_line(raw: str, pipeline: Pipeline, settings: Settings) -> SubmitReques
         first = exc.errors()[0]
         where = ".".join(str(x) for x in first["loc"]) or "line"
         raise InvalidRequest(f"{where}: {first['msg']}") from exc
-    pipeline.plan(req.output_modalities)
+    pipeline.plan(req.output_modalities, input_kind=req.input.kind)
     unknown = sorted(set(req.stage_params) - set(pipeline.stages))
     if unknown:
         raise InvalidRequest(f"stage_params: unknown stage(s) {unknown}")
-    if len(req.input.text) > settings.max_prompt_chars:
+    if req.input.audio is not None:
+        raise InvalidRequest("input.audio: a batch line carries text; audio is streamed into a running workflow")
+    if len(req.input.text or "") > settings.max_prompt_chars:
         raise InvalidRequest(f"input.text is longer than {settings.max_prompt_chars} characters")
     return req
 

@@ -53,8 +53,12 @@ async def retry_workflow(store: Store, wf_id: str, *, tenant: str | None = None)
         raise InvalidRequest(f"workflow {wf_id} is {rec.state}; only failed or aborted ones are retried")
     kinds = sorted(set(rec.kinds.values()))
     params = json.loads(rec.params or "{}")
+    given = WorkflowInput.model_validate_json(rec.input)
+    if given.audio is not None:
+        raise InvalidRequest(f"workflow {wf_id} heard streamed audio, which is not kept once it ends: submit it "
+                             "again with its audio")
     # on the pipeline of the same name (its current version: a retry is a new workflow)
-    req = SubmitRequest(input=WorkflowInput.model_validate_json(rec.input), output_modalities=kinds,
+    req = SubmitRequest(input=given, output_modalities=kinds,
                         stage_params=params, webhook_url=rec.webhook or None, pipeline=rec.pipeline or None)
     return (await store.submit(req, tenant=rec.tenant or "default")).id
 

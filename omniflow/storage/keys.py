@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from omniflow.storage.cells import DEFAULT_CLUSTER_CELLS, cell_for_key, cell_of, cell_tag
 from omniflow.models import WorkflowState
+from omniflow.pipeline import INPUT_SRC
 from omniflow.storage.topology import is_cluster
 
 if TYPE_CHECKING:
@@ -41,15 +42,11 @@ class FinalizePlan:
     edges: tuple[tuple[str, str], ...]
 
 
-def stage_queue(stage: str, version: str) -> str:
-    """The task queue of `stage` in the pipeline version `version` (`Keys.tasks` takes it): `<stage>@<version>`;
-    the stage's own name for a record of no version (written before versions)."""
-    return f"{stage}@{version}" if version else stage
-
-
 def finalize_plan(pipeline: Pipeline) -> FinalizePlan:
+    # every edge log, the client's streamed input (`@input`) to the stage that takes audio included
     return FinalizePlan(tuple(pipeline.finals),
-                        tuple((e.src, e.dst) for st in pipeline.order for e in pipeline.outputs[st]))
+                        (*((e.src, e.dst) for st in pipeline.order for e in pipeline.outputs[st]),
+                         *(((INPUT_SRC, pipeline.audio_stage),) if pipeline.audio_stage else ())))
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +92,10 @@ class Keys:
 
     def edge(self, wf_id: str, src: str, dst: str) -> str:
         return f"{self.wf(wf_id)}:edge:{src}:{dst}"
+
+    def input_edge(self, wf_id: str, stage: str) -> str:
+        """The client's streamed input to `stage` (the pseudo-stage `@input`'s edge log)."""
+        return self.edge(wf_id, "@input", stage)
 
     def out(self, wf_id: str, stage: str) -> str:
         return f"{self.wf(wf_id)}:out:{stage}"

@@ -14,7 +14,7 @@ from typing import Any
 
 LUA_DIR = Path(__file__).resolve().parent / "lua"
 SCRIPT_NAMES = ("submit", "claim", "emit", "finish", "stage_event", "abort", "retry_due", "restart", "list_scan",
-                "heartbeat", "dead_letter", "reap_consumer", "realtime_save", "lease", "purge")
+                "heartbeat", "dead_letter", "reap_consumer", "realtime_save", "lease", "purge", "append_input")
 
 
 @dataclass(frozen=True)

@@ -215,3 +215,74 @@ def test_turn_events_are_numbered_in_order_and_parse_back() -> None:
     assert [e["type"] for e in text_events][3:5] == ["response.output_text.delta", "response.output_text.done"]
     done = text_events[-1]["response"]
     assert done["status"] == "cancelled" and done["status_details"] == {"type": "cancelled", "reason": "client_cancelled"}
+
+
+def audio(n_bytes: int = MIN_COMMIT_BYTES) -> dict:
+    return {"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\x01\x00" * (n_bytes // 2)).decode()}
+
+
+def test_an_audio_turn_streams_into_its_workflow_and_the_response_follows_it() -> None:
+    from omniflow.api.realtime.state import AppendInput, EndInput, OpenInput
+
+    session = RealtimeSession.new(caps(audio_input=True), tenant="t")
+    effects = handle(session, audio())
+    opened = [e for e in effects if isinstance(e, OpenInput)]
+    assert opened and isinstance(effects[-1], AppendInput) and session.state.input is opened[0].turn
+    opened[0].turn.wf_id = "wf1"                       # what the connection sets once it submitted it
+    assert [type(e) for e in handle(session, audio(480))] == [AppendInput]          # no second workflow
+    effects = handle(session, {"type": "input_audio_buffer.commit"})
+    assert isinstance(effects[0], EndInput) and session.state.input is None
+    item = session.state.items[-1]
+    assert (item.kind, item.wf_id, sent(effects, "input_audio_buffer.committed")[0]["item_id"]) == \
+        ("audio", "wf1", opened[0].turn.item_id)
+    start = [e for e in handle(session, {"type": "response.create"}) if isinstance(e, StartTurn)][0]
+    assert start.response.wf_id == "wf1"               # the running workflow answers it: no new submit
+    heard = sent(session.transcribed(item.id, "hello omniflow", seconds=1.5),
+                 "conversation.item.input_audio_transcription.completed")[0]
+    assert heard["transcript"] == "hello omniflow" and session.state.items[0].transcript == "hello omniflow"
+    assert sent(session.transcribed(item.id, None, error="no audio"),
+                "conversation.item.input_audio_transcription.failed")[0]["error"]["message"] == "no audio"
+
+
+def test_clear_drops_the_open_turn_and_a_commit_over_a_response_interrupts_it() -> None:
+    from omniflow.api.realtime.state import DropInput, OpenInput
+
+    session = RealtimeSession.new(caps(audio_input=True), tenant="t")
+    turn = [e for e in handle(session, audio()) if isinstance(e, OpenInput)][0].turn
+    effects = handle(session, {"type": "input_audio_buffer.clear"})
+    assert isinstance(effects[0], DropInput) and effects[0].turn is turn and session.state.input is None
+    assert refused(session, {"type": "input_audio_buffer.commit"}).code == "input_audio_buffer_commit_empty"
+    [e for e in handle(session, audio()) if isinstance(e, OpenInput)][0].turn.wf_id = "wf1"
+    handle(session, {"type": "input_audio_buffer.commit"})
+    response = [e for e in handle(session, {"type": "response.create"}) if isinstance(e, StartTurn)][0].response
+    [e for e in handle(session, audio()) if isinstance(e, OpenInput)][0].turn.wf_id = "wf2"   # over the answer ...
+    effects = handle(session, {"type": "input_audio_buffer.commit"})
+    assert isinstance(effects[0], CancelTurn) and effects[0].response.id == response.id   # ... barge-in
+    assert handle(session, {"type": "response.create", "event_id": "later"}) == []        # waits for the end
+    after = session.turn_ended(response.id, ResponseStatus.CANCELLED, "", 5)
+    queued = [e for e in after if isinstance(e, StartTurn)]
+    assert queued and (response.wf_id, queued[0].response.wf_id) == ("wf1", "wf2")
+
+
+def test_an_audio_turn_refuses_instructions_it_was_not_started_with() -> None:
+    from omniflow.api.realtime.state import OpenInput
+
+    session = RealtimeSession.new(caps(audio_input=True, knobs=frozenset({"instructions"})), tenant="t")
+    [e for e in handle(session, audio()) if isinstance(e, OpenInput)][0].turn.wf_id = "wf1"
+    handle(session, {"type": "input_audio_buffer.commit"})
+    err = refused(session, {"type": "response.create", "response": {"instructions": "be terse"}})
+    assert err.param == "response.instructions" and "session.update before speaking" in err.message
+
+
+def test_turn_detection_is_checked() -> None:
+    session = RealtimeSession.new(caps(audio_input=True), tenant="t")
+    for detection, param in [({"type": "server_vad", "silence_duration_ms": -5},
+                              "session.audio.input.turn_detection.silence_duration_ms"),
+                             ({"type": "server_vad", "threshold": 2}, "session.audio.input.turn_detection.threshold"),
+                             ({"type": "semantic_vad"}, "session.audio.input.turn_detection.type")]:
+        update = {"type": "session.update", "session": {"audio": {"input": {"turn_detection": detection}}}}
+        assert refused(session, update).param == param
+    ok = handle(session, {"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+        "type": "server_vad", "silence_duration_ms": 300}}}}})
+    assert sent(ok, "session.updated")[0]["session"]["audio"]["input"]["turn_detection"] == {
+        "type": "server_vad", "silence_duration_ms": 300}

@@ -164,12 +164,14 @@ def heard_session(*pieces: str, input_text: str = "", **params: Any) -> FakeSess
 
 
 async def test_with_an_upstream_the_prompt_is_the_text_it_sent(hf_thinker: HFThinker) -> None:
+    """What the upstream heard is the prompt, after the input's own text if it has one (a chat
+    message's text parts beside its audio)."""
     from omniflow.errors import NonRetryableError
 
-    prompts = ["Why is the sky blue?", PROMPT]
+    prompts = ["Listen: Why is the sky blue?", PROMPT]
     typed = [session(p) for p in prompts]
     typed_usage = [await run_executor(hf_thinker, s) for s in typed]
-    heard = [heard_session("Why is", " the sky blue?", input_text="ignored: the upstream speaks"),
+    heard = [heard_session("Why is", " the sky blue?", input_text="Listen:"),
              heard_session("Tell me about durable queues", " and workers, please.")]
     heard_usage = await run_many(hf_thinker, heard)    # batched together, each with its own prompt
     assert [s.text_out for s in heard] == [s.text_out for s in typed]

@@ -19,7 +19,7 @@ from omniflow.storage import listing, redisio, registry
 from omniflow.storage.entries import EventKind, retry_member
 from omniflow.storage.entries import task as task_entry
 from omniflow.storage.keys import EVENT_GROUP, TASK_GROUP
-from omniflow.storage.keys import stage_queue
+from omniflow.pipeline import stage_queue
 from omniflow.storage.schema import RecordField, csv, now_ms, s
 from omniflow.storage.transitions import admission, housekeeping, reconcile
 from omniflow.storage.transitions.admission import AbortResult

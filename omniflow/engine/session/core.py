@@ -82,7 +82,7 @@ class SessionCore:
 
     @property
     def text(self) -> str:
-        return str(self.input.get("text", ""))
+        return str(self.input.get("text") or "")
 
     @property
     def is_final(self) -> bool:

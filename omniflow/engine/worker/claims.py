@@ -14,7 +14,8 @@ from omniflow.engine.worker.context import WorkerContext
 from omniflow.engine.worker.pool import StagePool
 from omniflow.engine.worker.sessions import SessionRunner
 from omniflow.errors import RedisUnavailable, ScriptError
-from omniflow.models import SessionState
+from omniflow.models import SessionState, StageStatus
+from omniflow.pipeline import INPUT_SRC
 from omniflow.runtime import Backoff
 from omniflow.storage.keys import TASK_GROUP
 from omniflow.storage.schema import csv, now_ms, s
@@ -75,14 +76,20 @@ class Claims:
                 catchup = [(s(src), chunk) for src, entries in reply[6] for entry in entries
                            for chunk in chunk_fields(fields_dict(entry[1]))] if upstream else []
                 required, finals, downstream = self._plan_of(pool, raw_stages, raw_finals)
+                record_input = json.loads(raw_input)
+                # this workflow's sources: the upstream stages it runs, and `@input` if it streams audio in
+                sources = tuple(u for u in upstream if u in required or (u == INPUT_SRC and "audio" in record_input))
                 session = Session(
                     wf_id=wf_id, stage=stage, attempt=attempt,
-                    input=json.loads(raw_input), params=self._params_of(raw_params, stage),
+                    input=record_input, params=self._params_of(raw_params, stage),
                     finals=finals, downstream=downstream,
                     resume_seq=int(seq or 0), _batcher=ctx.batcher_for(wf_id), _keys=ctx.keys,
-                    upstream=upstream, required=required, _queue=queue, _catchup=catchup,
+                    upstream=sources, required=required, _queue=queue,
+                    _catchup=[c for c in catchup if c[0] in sources] if len(sources) < len(upstream) else catchup,
                     _input_timeout_s=pool.spec.retry.input_timeout_s,
-                    state=SessionState.WAITING_INPUT if upstream else SessionState.RUNNING,
+                    state=SessionState.WAITING_INPUT if sources else SessionState.RUNNING,
+                    # claimed as waiting for input (its pool's stage may have some), it has none: running
+                    _status=StageStatus.RUNNING.value if upstream and not sources else "",
                     checkpoint=checkpoint, _home=loop if pool.compute is not None else None,
                     _plane=ctx.plane, _domain_of=self.runner.domain_of, _chunk_dsts=pool.chunk_dsts,
                     _bp=ctx.backpressure, _consumers=ctx.consumers, queue=pool.queue, trace=trace,

@@ -52,7 +52,7 @@ class StagePool:
         self.queue = pipeline.queue(stage)
         self.spec = pipeline.stages[stage]
         self.tasks_keys: dict[int, str] = {}      # cell -> the stage's task stream there (see `bind`)
-        self.upstream = tuple(e.src for e in pipeline.inputs[stage])
+        self.upstream = pipeline.sources(stage)     # `@input` too for the stage that takes audio
         # downstream stages that run while we produce (backpressure applies to these edges only)
         self.chunk_dsts = frozenset(e.dst for e in pipeline.outputs[stage] if e.mode is EdgeMode.CHUNK)
         self.core = core or PoolCore(stage, self.spec, executor=executor, max_sessions=max_sessions)

@@ -13,18 +13,20 @@ name is built outside `Keys`.
     housekeeping   reap_consumer, lease (leader), purge
     listing        list_scan
     realtime       realtime_save
+    inputs         append_input
 """
 from __future__ import annotations
 
 from omniflow.storage.transitions._base import RETURN_CODES, Call, code_of, script_call
 from omniflow.storage.transitions.admission import AbortResult, SubmitResult
 from omniflow.storage.transitions.emit import EmitResult, FinishResult
+from omniflow.storage.transitions.inputs import AppendResult
 from omniflow.storage.transitions.housekeeping import LeaseResult, PurgeResult, ReapResult
 from omniflow.storage.transitions.listing import list_scan
 from omniflow.storage.transitions.realtime import SaveResult
 from omniflow.storage.transitions.reconcile import DeadLetterResult, EventResult, RetryResult
 from omniflow.storage.transitions.sessions import ClaimResult, RestartResult
 
-__all__ = ["RETURN_CODES", "AbortResult", "Call", "ClaimResult", "DeadLetterResult", "EmitResult", "EventResult",
+__all__ = ["RETURN_CODES", "AbortResult", "AppendResult", "Call", "ClaimResult", "DeadLetterResult", "EmitResult", "EventResult",
            "FinishResult", "LeaseResult", "PurgeResult", "ReapResult", "RestartResult", "RetryResult", "SaveResult",
            "SubmitResult", "code_of", "list_scan", "script_call"]

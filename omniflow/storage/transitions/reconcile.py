@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from enum import Enum, IntEnum
 from typing import Any
 
-from omniflow.storage.keys import EVENT_GROUP, TASK_GROUP, FinalizePlan, Keys, stage_queue
+from omniflow.pipeline import stage_queue
+from omniflow.storage.keys import EVENT_GROUP, TASK_GROUP, FinalizePlan, Keys
 from omniflow.storage.transitions._base import Call, code_of, returns, script_call
 
 DEAD_LETTER_MAX_FIELDS = 32
