@@ -77,8 +77,11 @@ async def test_serving_metrics_match_what_redis_says(api_factory, caplog: pytest
         assert v[("omniflow_stage_compute_seconds_total", th)] == pytest.approx(want["thinker_compute"])
         assert v[("omniflow_workflow_duration_seconds_count", (("pipeline", name), ("state", "completed")))] == N
         assert v[("omniflow_stage_queue_wait_seconds_count", c2w)] == N
-        # the step loop: every session-step counted once, whatever the batches were
-        assert v[("omniflow_batch_size_sum", (("stage", "thinker"),))] == N * WORDS
+        # the step loop: every session-step counted once, whatever the batches were (a session retried on
+        # a loaded machine, its lease lapsed, steps again: then at least that many)
+        attempts = [(await eng.store.document(wf_id))["stages"]["thinker"]["attempt"] for wf_id in wf_ids]
+        stepped = v[("omniflow_batch_size_sum", (("stage", "thinker"),))]
+        assert stepped == N * WORDS if max(attempts) == 1 else stepped >= N * WORDS, (stepped, attempts)
         assert WORDS <= v[("omniflow_batch_size_count", (("stage", "thinker"),))] <= N * WORDS
         for stage in ("thinker", "talker"):
             assert v[("omniflow_dataplane_chunks_total", (("stage", stage), ("transport", "inline")))] == N * WORDS
