@@ -51,9 +51,13 @@ async def test_stats_and_stats_watch_json(engine_factory, cli_env) -> None:
 async def test_workers_drain_and_undrain(engine_factory, cli_env) -> None:
     async with engine_factory() as eng:
         env = cli_env(eng)
-        rows = TypeAdapter(list[WorkerView]).validate_python(await run_json("workers", env=env))
+        async def listed() -> list[WorkerView] | None:
+            # every worker seen live (a heartbeat can be late on a loaded machine: wait for it, as a user would)
+            rows = TypeAdapter(list[WorkerView]).validate_python(await run_json("workers", env=env))
+            return rows if all(w.alive and w.heartbeat_age_s is not None and w.host for w in rows) else None
+
+        rows = await eventually(listed, timeout_s=30, what="every worker listed as live")
         assert sorted(w.stages[0] for w in rows) == ["code2wav", "talker", "thinker"]
-        assert all(w.alive and w.heartbeat_age_s is not None and w.host for w in rows)
         thinker = eng.workers["thinker"][0]
         drained = WorkerView.model_validate(await run_json("drain", thinker.id, "--wait", "--timeout", "5", env=env))
         assert drained.draining and drained.sessions_held == 0
