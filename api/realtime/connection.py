@@ -47,7 +47,7 @@ from omniflow.api.realtime.turn import TurnEvents, parse_event_id
 from omniflow.client.realtime import SaveResult
 from omniflow.client.store import Store
 from omniflow.errors import AdmissionRefused, OmniflowError
-from omniflow.models import SubmitRequest, WorkflowInput, WorkflowState
+from omniflow.models import Priority, SubmitRequest, WorkflowInput, WorkflowState
 from omniflow.resample import StreamResampler
 
 logger = logging.getLogger(__name__)
@@ -219,7 +219,7 @@ class Connection:
             submitted = await self.store.submit(SubmitRequest(
                 input=WorkflowInput(text=response.prompt), output_modalities=self._workflow_modalities(response),
                 stage_params=knobs.stage_params(self.api.pipeline, response.knobs), request_id=response.request_id),
-                tenant=tenant)
+                tenant=tenant, priority=Priority.INTERACTIVE)
         except OmniflowError as exc:
             await self._refuse_turn(response, exc)
             return

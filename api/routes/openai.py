@@ -35,7 +35,7 @@ from omniflow.api.openai_schemas import (
 from omniflow.api.schemas import AUTH_ERRORS as _AUTH
 from omniflow.api.schemas import ErrorResponse as E
 from omniflow.api.sse import EventStreamResponse, sse_event
-from omniflow.models import SubmitRequest, WorkflowInput, WorkflowState
+from omniflow.models import Priority, SubmitRequest, WorkflowInput, WorkflowState
 from omniflow.workers import voices
 
 logger = logging.getLogger(__name__)
@@ -108,8 +108,8 @@ async def chat_completions(body: ChatRequest, request: Request, state: StateDep,
         modalities.insert(0, "text")          # the transcript comes from the text stage
     submitted = await state.store.submit(
         SubmitRequest(input=WorkflowInput(text=prompt_of(body)), output_modalities=modalities,
-                      stage_params=body.stage_params, deadline_s=body.deadline_s),
-        tenant=principal.tenant)
+                      stage_params=body.stage_params, deadline_s=body.deadline_s, priority=body.priority),
+        tenant=principal.tenant, priority=Priority.INTERACTIVE if body.stream else Priority.API)
     fmt = body.audio.format if body.audio else AudioFormat.WAV
     if body.stream:
         return EventStreamResponse(_stream(state, body, submitted.id, modalities))

@@ -34,7 +34,7 @@ from omniflow.cli.common import (
     print_rows,
 )
 from omniflow.errors import InvalidRequest, PipelineError
-from omniflow.models import SubmitRequest, WorkflowInput
+from omniflow.models import Priority, SubmitRequest, WorkflowInput
 from omniflow.pipeline import Pipeline, load_pipeline
 
 app = typer.Typer(help="omniflow: durable multi-stage model serving on Redis.", no_args_is_help=True,
@@ -130,8 +130,12 @@ def api_cmd(host: str = typer.Option(None, "--host"), port: int = typer.Option(N
 
 # ---------------------------------------------------------------- client commands
 def submit_request(pipe: Pipeline, text: str, *, modalities: str | None, request_id: str | None,
-                   deadline: float | None, out: Path | None) -> SubmitRequest:
+                   deadline: float | None, out: Path | None, priority: str | None = None) -> SubmitRequest:
     """Check every argument of `submit` before anything runs; one clear `InvalidRequest` otherwise."""
+    try:
+        prio = Priority.parse(priority) if priority is not None else None
+    except ValueError as exc:
+        raise InvalidRequest(f"--priority: {exc}") from None
     if deadline is not None and not deadline > 0:
         raise InvalidRequest(f"--deadline: {deadline:g} is not a positive number of seconds")
     mods = [m.strip() for m in modalities.split(",") if m.strip()] if modalities is not None else None
@@ -146,7 +150,7 @@ def submit_request(pipe: Pipeline, text: str, *, modalities: str | None, request
         raise InvalidRequest(f"--request-id: {request_id!r} must be 1-128 characters of letters, digits and _ . : -")
     try:
         req = SubmitRequest(input=WorkflowInput(text=text), output_modalities=mods, request_id=request_id,
-                            deadline_s=deadline)
+                            deadline_s=deadline, priority=prio)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
@@ -183,12 +187,14 @@ def submit(text: str = typer.Argument(..., help="the prompt"),
            request_id: str = typer.Option(None, "--request-id", help="idempotency key"),
            deadline: float = typer.Option(None, "--deadline", help="seconds until the workflow fails"),
            timeout: float = typer.Option(None, "--timeout", help="seconds to wait at most (then exit 4)"),
+           priority: str = typer.Option(None, "--priority", help="interactive, api (default) or batch"),
            as_json: bool = JsonOpt) -> None:
     """Submit one request; with --wait print its outputs and exit 0 (completed), 1 (failed or
     aborted) or 4 (still running when --timeout ran out)."""
     if timeout is not None and not timeout > 0:
         raise InvalidRequest(f"--timeout: {timeout:g} is not a positive number of seconds")
-    req = submit_request(_pipeline(), text, modalities=modalities, request_id=request_id, deadline=deadline, out=out)
+    req = submit_request(_pipeline(), text, modalities=modalities, request_id=request_id, deadline=deadline, out=out,
+                         priority=priority)
 
     async def go(client: Any) -> dict[str, Any]:
         wf_id = (await client.store.submit(req, tenant=client.tenant)).id

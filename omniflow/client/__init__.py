@@ -126,7 +126,7 @@ class Client:
                 reply = redisio.script_sync(self._sync, "submit", keys, args)
         except RedisRefused as exc:
             raise store.refused(exc) from exc
-        result = store.submitted(reply)
+        result = store.submitted(reply, tenant=self._client.tenant)
         with redisio.boundary():
             if result.existing:     # retired, or the same key with a different request (IdempotencyConflict)
                 if self._sync.exists(store.keys.tomb(result.id)):

@@ -55,6 +55,7 @@ def workflow_document(wf_id: str, rec: dict[str, str], st: dict[str, str], texts
         "request_id": rec.get("request_id") or None,
         "state": rec.get("state"),
         "tenant": rec.get("tenant"),
+        "priority": rec.get("prio") or "api",
         "pipeline": rec.get("pipeline"),
         "final_stages": csv(rec.get("finals")),
         "required_stages": csv(rec.get("stages")),

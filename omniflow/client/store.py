@@ -22,10 +22,12 @@ from redis.asyncio import Redis
 from omniflow.storage import cells, redisio, scripts
 from omniflow.storage.batcher import Batcher
 from omniflow.config import Settings
-from omniflow.errors import (AdmissionRefused, ConfigError, IdempotencyConflict, InvalidRequest, NotReady, RedisRefused,
-                             ScriptError, WorkflowNotFound, WorkflowRetired)
+from omniflow.errors import (AdmissionRefused, ConfigError, FairShareRefused, IdempotencyConflict, InvalidRequest, NotReady,
+                             PriorityNotAllowed, RedisRefused, ScriptError, WorkflowNotFound, WorkflowRetired)
 from omniflow.storage.keys import Keys, finalize_suffixes
-from omniflow.models import TERMINAL_STATES, SubmitRequest, Submitted, WorkflowState
+from omniflow.fairness import allowed, cap, parse_allowances
+from omniflow.models import TERMINAL_STATES, Priority, SubmitRequest, Submitted, WorkflowState
+from omniflow.storage.fairshare import FairShare
 from omniflow.pipeline import Pipeline, Plan
 from omniflow.storage.redisio import connect, translated
 from omniflow.client.documents import text_stages, workflow_document
@@ -70,6 +72,12 @@ def abort_call(keys: Keys, settings: Settings, final_suffixes: tuple[str, ...], 
         [settings.prefix, now_ms(), state.value, reason, stage, settings.tombstone_ttl_s, settings.result_ttl_s])
 
 
+def limit_note(settings: Settings, priority: Priority) -> str:
+    """How much of the limit a class may fill, when that is not all of it."""
+    limit = settings.admission_limit(priority)
+    return "" if limit >= settings.max_in_flight else f" ({priority.value} requests may fill {limit} of it)"
+
+
 @dataclass(frozen=True)
 class _PlanParts:
     plan: Plan
@@ -95,25 +103,38 @@ class Store:
             raise ConfigError(f"OMNIFLOW_MAX_IN_FLIGHT={settings.max_in_flight} is below the number of cells "
                               f"({self.keys.cells}): every cell must admit at least one workflow")
         self._final_suffixes = finalize_suffixes(pipeline)
+        self.allowances = parse_allowances(settings.tenant_priorities)
+        self.fair = FairShare(redis, settings, self.keys)
         self.realtime = RealtimeSessions(redis, self.keys, ttl_s=settings.realtime_session_ttl_s)
 
     # ---------------------------------------------------------------- submit
     @translated
-    async def submit(self, req: SubmitRequest, *, tenant: str = "default", wf_id: str | None = None) -> Submitted:
-        """Create, admit and pre-submit a workflow (one `submit.lua` call).
+    async def submit(self, req: SubmitRequest, *, tenant: str = "default", wf_id: str | None = None,
+                     priority: Priority = Priority.API) -> Submitted:
+        """Create, admit and pre-submit a workflow (one `submit.lua` call). `priority`: the entry
+        point's default class, used when the request names none (`req.priority`).
 
-        A server out of memory refuses it like admission control does: `AdmissionRefused` (busy)."""
-        keys, args = self.submit_call(req, tenant=tenant, wf_id=wf_id)
+        A server out of memory refuses it like admission control does: `AdmissionRefused` (busy);
+        so does a tenant over its fair share while the deployment is busy; a priority above the
+        tenant's allowance is `PriorityNotAllowed`."""
+        if self.settings.fair_share and self.fair.stale:
+            await self.fair.refresh()
+        keys, args = self.submit_call(req, tenant=tenant, wf_id=wf_id, priority=priority)
         try:
             reply = await self._submit_script(keys, args)
-            if (s(reply[0]) == scripts.SubmitResult.BUSY and wf_id is None and not req.request_id
-                    and self.keys.cells > 1):
+            if (s(reply[0]) == scripts.SubmitResult.BUSY and len(reply) == 2 and wf_id is None
+                    and not req.request_id and self.keys.cells > 1):
                 # this cell is full: one more try in another (the limit is shared evenly by cells)
-                keys, args = self.submit_call(req, tenant=tenant, wf_id=self.other_cell_id(args[1]))
+                keys, args = self.submit_call(req, tenant=tenant, wf_id=self.other_cell_id(args[1]),
+                                              priority=priority)
                 reply = await self._submit_script(keys, args)
         except RedisRefused as exc:
             raise self.refused(exc) from exc
-        result = self.submitted(reply)
+        try:
+            result = self.submitted(reply, tenant=tenant, priority=self.priority_of(req, tenant, priority))
+        except AdmissionRefused:
+            await self.fair.refused(tenant)
+            raise
         if result.existing:
             pipe = self.redis.pipeline(transaction=False)
             pipe.hmget(self.keys.wf(result.id), ["state", "body_hash"])
@@ -138,9 +159,22 @@ class Store:
             return await self.batcher.script("submit", keys, args, retry_refused=False)
         return await redisio.script(self.redis, "submit", keys, args)
 
-    def submit_call(self, req: SubmitRequest, *, tenant: str = "default",
-                    wf_id: str | None = None) -> tuple[list[str], list[Any]]:
-        """Validate a request and build the KEYS and ARGV of its `submit.lua` call (no I/O)."""
+    def priority_of(self, req: SubmitRequest, tenant: str, default: Priority = Priority.API) -> Priority:
+        """The class a request runs in: the one it names (refused over the tenant's allowance), else
+        the entry point's default lowered to the allowance."""
+        allowance = self.allowances.get(tenant, Priority(self.settings.default_max_priority))
+        if req.priority is None:
+            return cap(default, allowance)
+        if not allowed(req.priority, allowance):
+            raise PriorityNotAllowed(f"priority {req.priority.value!r} is above what tenant {tenant!r} may ask for "
+                                     f"({allowance.value!r} and below)")
+        return req.priority
+
+    def submit_call(self, req: SubmitRequest, *, tenant: str = "default", wf_id: str | None = None,
+                    priority: Priority = Priority.API) -> tuple[list[str], list[Any]]:
+        """Validate a request and build the KEYS and ARGV of its `submit.lua` call (no I/O but the
+        fair-share view's, read beforehand by `submit`)."""
+        prio = self.priority_of(req, tenant, priority)
         parts = self._plan_parts(tuple(req.output_modalities) if req.output_modalities is not None else None)
         if len(req.input.text) > self.settings.max_prompt_chars:
             raise InvalidRequest(f"input.text: {len(req.input.text)} characters; the limit is {self.settings.max_prompt_chars}")
@@ -168,6 +202,7 @@ class Store:
             "input", req.input.model_dump_json(),
             "params", params,
             "webhook", req.webhook_url or "",
+            "prio", prio.value,
             *parts.fields,
         ]
         if req.webhook_url:
@@ -178,12 +213,12 @@ class Store:
         wf = self.keys.wf(wf_id)
         keys = [wf, f"{wf}:stages", f"{wf}:log", self.keys.inflight(cell), self.keys.tomb(wf_id), idem_key,
                 self.keys.all_wf(cell), self.keys.tenant_index(tenant, cell), self.keys.tenants(cell),
-                self.keys.state_index(WorkflowState.PENDING.value, cell),
-                *(self.keys.tasks(st, cell) for st in parts.plan.admit)]
+                self.keys.state_index(WorkflowState.PENDING.value, cell), self.keys.tenant_inflight(cell),
+                *(self.keys.tasks(st, cell, prio.value) for st in parts.plan.admit)]
         args = [self.settings.prefix, wf_id, now, now + int(deadline_s * 1000),
-                cells.cell_limit(self.settings.max_in_flight, self.keys.cells, cell),
+                cells.cell_limit(self.settings.admission_limit(prio), self.keys.cells, cell),
                 self.settings.idempotency_ttl_s if req.request_id else 0,
-                parts.stages, parts.admit, len(record) // 2, *record]
+                parts.stages, parts.admit, len(record) // 2, *record, *self.fair.submit_args(tenant, cell)]
         return keys, args
 
     def _check_webhook(self, url: str) -> None:
@@ -222,7 +257,7 @@ class Store:
                                     retry_after_s=SUBMIT_OOM_RETRY_AFTER_S)
         return exc
 
-    def submitted(self, reply: Any) -> Submitted:
+    def submitted(self, reply: Any, *, tenant: str = "default", priority: Priority = Priority.API) -> Submitted:
         """Map a `submit.lua` reply to the result, or to the error it means."""
         code, ident = s(reply[0]), s(reply[1])
         if code == scripts.SubmitResult.OK:
@@ -233,9 +268,17 @@ class Store:
             raise self.retired(ident)
         if code == scripts.SubmitResult.EXISTS:
             raise InvalidRequest(f"workflow id {ident} already exists")
+        if len(reply) > 2 and s(reply[2]) == "tenant":
+            held = s(reply[3]) if self.keys.cells == 1 else str(self.fair.live(tenant))
+            raise FairShareRefused(
+                f"tenant {tenant!r} is over its fair share: it holds {held} live "
+                f"workflow(s) and may hold {self.fair.share(tenant)} of max_in_flight "
+                f"{self.settings.max_in_flight} while the deployment is busy; retry later",
+                retry_after_s=1.0)
         where = "" if self.keys.cells == 1 else f" in the cell tried (max_in_flight is split over {self.keys.cells} cells)"
         raise AdmissionRefused(
-            f"{ident} workflows in flight{where}, the limit is {self.settings.max_in_flight}; retry later",
+            f"{ident} workflows in flight{where}, the limit is {self.settings.max_in_flight}"
+            f"{limit_note(self.settings, priority)}; retry later",
             retry_after_s=1.0,
         )
 

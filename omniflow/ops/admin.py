@@ -15,7 +15,7 @@ from omniflow.storage import listing
 from omniflow.errors import InvalidRequest, WorkflowNotFound
 from omniflow.ops.fleet import entry_ms, list_workers
 from omniflow.storage.keys import DLQ_EVENTS
-from omniflow.models import TERMINAL_STATES, SubmitRequest, WorkflowInput, WorkflowState
+from omniflow.models import TERMINAL_STATES, Priority, SubmitRequest, WorkflowInput, WorkflowState
 from omniflow.pipeline import Pipeline
 from omniflow.storage.redisio import translated
 from omniflow.client.store import Store
@@ -52,7 +52,8 @@ async def retry_workflow(store: Store, wf_id: str, *, tenant: str | None = None)
     params = json.loads(rec.get("params") or "{}")
     req = SubmitRequest(input=WorkflowInput.model_validate_json(rec["input"]), output_modalities=kinds,
                         stage_params=params, webhook_url=rec.get("webhook") or None)
-    return (await store.submit(req, tenant=rec.get("tenant") or "default")).id
+    prio = Priority.parse(rec.get("prio") or "api")
+    return (await store.submit(req, tenant=rec.get("tenant") or "default", priority=prio)).id
 
 
 def finished_states(state: str | None) -> tuple[str, ...]:

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from enum import Enum
 
 from omniflow.errors import MalformedEntry
+from omniflow.models import PRIORITY_ORDER
+
+PRIORITY_NAMES = tuple(p.value for p in PRIORITY_ORDER)
 
 MAX_ATTEMPT = 10_000          # RetryPolicy.max_attempts is at most 100; restarts of upstream stages add some
 MAX_ID_CHARS = 256
@@ -98,6 +101,7 @@ class Event:
     detail: str
     retryable: bool
     task_entry: str               # 'lost' only: the task entry to acknowledge
+    priority: str = "api"         # 'lost' only: the priority class of the stream that entry is in
 
 
 def event(fields: Fields | None, *, stages: Collection[str]) -> Event:
@@ -113,6 +117,7 @@ def event(fields: Fields | None, *, stages: Collection[str]) -> Event:
         detail=text(fields, b"d", max_chars=MAX_DETAIL_BYTES, required=False),
         retryable=text(fields, b"r", max_chars=1, required=False) == "1",
         task_entry=text(fields, b"e", max_chars=64, required=False),
+        priority=one_of(text(fields, b"p", max_chars=16, required=False) or "api", PRIORITY_NAMES, "priority"),
     )
 
 

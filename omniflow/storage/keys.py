@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from omniflow.storage.cells import DEFAULT_CLUSTER_CELLS, cell_for_key, cell_of, cell_tag
-from omniflow.models import WorkflowState
+from omniflow.models import PRIORITY_ORDER, WorkflowState
 from omniflow.storage.topology import is_cluster
 
 if TYPE_CHECKING:
@@ -27,6 +27,7 @@ DEFAULT_PREFIX = "of"
 TASK_GROUP = "workers"
 EVENT_GROUP = "reconciler"
 NOTIFY_GROUP = "webhooks"
+PRIORITY_NAMES = tuple(p.value for p in PRIORITY_ORDER)
 DLQ_EVENTS = "events"           # the dead-letter stream of malformed events (`Keys.dlq`; not a stage)
 
 
@@ -111,12 +112,25 @@ class Keys:
         in-flight set: the workflow's keys (`suffixes`, from `finalize_suffixes`), its tombstone,
         its cell's notify stream and state indexes. Every script that may end a workflow declares them."""
         wf, cell = self.wf(wf_id), cell_of(wf_id)
-        return [self.tomb(wf_id), self.notify(cell), *self.state_indexes(cell), *(wf + suffix for suffix in suffixes)]
+        return [self.tomb(wf_id), self.notify(cell), *self.state_indexes(cell), self.tenant_inflight(cell),
+                *(wf + suffix for suffix in suffixes)]
 
     # --- one cell -------------------------------------------------------------
-    def tasks(self, stage: str, cell: int) -> str:
-        """A stage's task stream in one cell (consumer group `workers`)."""
-        return f"{self.cell(cell)}:stage:{stage}:tasks"
+    def tasks(self, stage: str, cell: int, priority: str = "api") -> str:
+        """A stage's task stream of one priority class in one cell (consumer group `workers`): the
+        `api` class keeps the plain name, the others add theirs (`...:tasks:interactive`)."""
+        base = f"{self.cell(cell)}:stage:{stage}:tasks"
+        return base if priority == "api" else f"{base}:{priority}"
+
+    def task_streams(self, stage: str, cell: int) -> list[str]:
+        """A stage's task streams in one cell, highest priority class first (what a transition that
+        may queue a session of any class declares)."""
+        return [self.tasks(stage, cell, p) for p in PRIORITY_NAMES]
+
+    def tenant_inflight(self, cell: int) -> str:
+        """Live workflows per tenant in one cell (hash tenant -> count; submit adds, finalize takes
+        away): what per-tenant fair share admission reads (`omniflow.storage.fairshare`)."""
+        return f"{self.cell(cell)}:tinf"
 
     def dlq(self, stage: str, cell: int) -> str:
         """Dead letters of one cell: a stage's exhausted tasks (`events`, `notify`: malformed entries)."""
@@ -173,6 +187,17 @@ class Keys:
         return f"{self.cell(cell)}:wake:{owner_id}"
 
     # --- outside the cells ----------------------------------------------------
+    @property
+    def fair_weights(self) -> str:
+        """hash tenant -> fair-share weight, set live (`omniflow tenants weight`); one slot."""
+        return f"{self.prefix}:{{fair}}:weights"
+
+    @property
+    def fair_waiting(self) -> str:
+        """zset tenant -> when (ms) a submit of it was last refused as busy: a tenant waiting for room
+        counts among those sharing it even before it holds anything."""
+        return f"{self.prefix}:{{fair}}:waiting"
+
     @property
     def workers(self) -> str:
         """zset of live workers scored by lease expiry (ms)."""

@@ -80,7 +80,7 @@ class Events:
         keys = self.ctx.keys
         wf, cell = keys.wf(wf_id), keys.cell_of(wf_id)
         return [wf, keys.inflight(cell), keys.retries(cell), keys.events(cell), keys.dlq(stage, cell),
-                *(keys.tasks(st, cell) for st in self.ctx.pipeline.order),
+                *(k for st in self.ctx.pipeline.order for k in keys.task_streams(st, cell)),
                 *keys.finalize_keys(wf_id, self.ctx.final_suffixes)]
 
     def _event_call(self, entry_id: bytes | str, fields: dict[bytes, bytes] | None, now: int,
@@ -97,7 +97,7 @@ class Events:
             due += backoff_ms(ev.attempt, base_s=retry.backoff_s, cap_s=retry.backoff_max_s,
                               jitter=retry.jitter, rng=ctx.rng)
         elif ev.kind is EventKind.LOST:   # a live worker lost Redis mid-session: ack its task, retry it at once
-            task = (ctx.keys.tasks(ev.stage, cell), ev.task_entry)
+            task = (ctx.keys.tasks(ev.stage, cell, ev.priority), ev.task_entry)
         return self.stage_event_call(ev.wf_id, ev.stage, ev.kind.value, ev.attempt, now, ev.detail,
                                      retryable=ev.retryable, due_ms=due, task=task, event_id=entry_id)
 

@@ -122,7 +122,8 @@ class Reconciler:
         for cell in ctx.keys.all_cells:
             await ensure_group(ctx.redis, ctx.keys.events(cell), EVENT_GROUP)
             for stage in self.pipeline.order:
-                await ensure_group(ctx.redis, ctx.keys.tasks(stage, cell), TASK_GROUP)
+                for stream in ctx.keys.task_streams(stage, cell):
+                    await ensure_group(ctx.redis, stream, TASK_GROUP)
 
     async def _leave(self) -> None:
         """Delete our consumer from the event group if it holds nothing (a crashed reconciler's

@@ -5,9 +5,10 @@ import asyncio
 from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from omniflow.models import SessionState
+from omniflow.models import Priority, SessionState
 
 if TYPE_CHECKING:
+    from omniflow.engine.worker.slots import Slots
     from omniflow.dataplane.backpressure import EdgeWindow, WaitStats
     from omniflow.dataplane.base import Ref
     from omniflow.dataplane.plane import DataPlane
@@ -67,6 +68,10 @@ class SessionCore:
     _domains: dict[str, tuple[str, float]]  # dst -> (domain, looked up at)
     _windows: dict[str, EdgeWindow]
     _unreported: dict[str, tuple[int, int]]  # src -> chunks, bytes read unreported
+    priority: Priority
+    tenant: str
+    tasks_key: str  # the task stream it was read from ('': its class's)
+    _slots: Slots | None  # the stage's slots, to give way to a higher class at a chunk (None: never)
 
 
     @property

@@ -72,10 +72,14 @@ class SessionOutputs(SessionCore):
             self._home.call_soon_threadsafe(self._push, step)
             if len(self._inflight) >= MAX_EMITS_IN_FLIGHT:
                 await self.flush()
+            if self._slots is not None and self._slots.higher_waiting(self.priority):
+                await self._on_home(self._slots.yield_to_higher(self.priority, self.tenant))
             return
         self._push(step)
         if len(self._inflight) >= MAX_EMITS_IN_FLIGHT:
             await self.flush()
+        if self._slots is not None and self._slots.higher_waiting(self.priority):
+            await self._slots.yield_to_higher(self.priority, self.tenant)    # a chunk boundary: live traffic first
 
     def _sizes(self, data: Any, to: Mapping[str, Any] | None) -> tuple[dict[str, int], bool]:
         """Each payload's size by stage, and whether `_admit` must run before the step is built (a
@@ -212,7 +216,8 @@ class SessionOutputs(SessionCore):
         task and event streams of the workflow's cell, stages, log, this stage's output, its edges."""
         keys, wf_id, cell = self._keys, self.wf_id, self._keys.cell_of(self.wf_id)
         wf = keys.wf(wf_id)
-        return [wf, keys.tasks(self.stage, cell), keys.events(cell), f"{wf}:stages", f"{wf}:log",
+        tasks = self.tasks_key or keys.tasks(self.stage, cell, self.priority.value)
+        return [wf, tasks, keys.events(cell), f"{wf}:stages", f"{wf}:log",
                 f"{wf}:out:{self.stage}", f"{wf}:blobs", *(f"{wf}:edge:{self.stage}:{dst}" for dst in self.downstream)]
 
     async def close(self, *, tasks_key: str, events_key: str, group: str, entry_id: str, outcome: str,

@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 from omniflow.engine.session.inputs import SessionInputs
 from omniflow.executor import Session as ExecutorSession
-from omniflow.models import SessionState
+from omniflow.models import Priority, SessionState
 
 if TYPE_CHECKING:
+    from omniflow.engine.worker.slots import Slots
     from omniflow.dataplane.backpressure import EdgeWindow, WaitStats
     from omniflow.dataplane.base import Ref
     from omniflow.dataplane.plane import DataPlane
@@ -67,6 +68,12 @@ class Session(SessionInputs):
     _domains: dict[str, tuple[str, float]] = field(default_factory=dict)   # dst -> (domain, looked up at)
     _windows: dict[str, EdgeWindow] = field(default_factory=dict)
     _unreported: dict[str, tuple[int, int]] = field(default_factory=dict)  # src -> chunks, bytes read unreported
+    # scheduling: the workflow's priority class and tenant, the task stream it came from ('': the
+    # class's), and the stage's slots when it gives way to a higher class at its chunks (None: never)
+    priority: Priority = Priority.API
+    tenant: str = ""
+    tasks_key: str = ""
+    _slots: Slots | None = None
 
 
 # mypy checks here that this class is what the executor contract promises (and

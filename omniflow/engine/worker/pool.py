@@ -1,14 +1,15 @@
 """One stage served by a worker: its executor, its session slots, its task streams."""
 from __future__ import annotations
 
-import asyncio
 import os
 import uuid
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from omniflow.engine.compute import ComputeThread
+from omniflow.engine.worker.slots import Slots
 from omniflow.errors import PipelineError
+from omniflow.models import PRIORITY_ORDER, Priority
 from omniflow.pipeline import EdgeMode, Pipeline, import_executor
 from omniflow.storage.keys import Keys
 from omniflow.executor import Executor
@@ -24,10 +25,12 @@ class StagePool:
     """One stage served by a worker: its executor, its session slots, its task stream."""
 
     def __init__(self, pipeline: Pipeline, stage: str, *, executor: Executor | None,
-                 max_sessions: int | None) -> None:
+                 max_sessions: int | None, class_weights: Mapping[Priority, float] | None = None,
+                 tenant_weights: Mapping[str, float] | None = None) -> None:
         self.stage = stage
         self.spec = pipeline.stages[stage]
-        self.tasks_keys: dict[int, str] = {}      # cell -> the stage's task stream there (see `bind`)
+        self.tasks_keys: dict[int, str] = {}      # cell -> the stage's task stream there (class api; see `bind`)
+        self.class_streams: dict[int, tuple[str, ...]] = {}   # cell -> its streams, highest class first
         self.upstream = tuple(e.src for e in pipeline.inputs[stage])
         # downstream stages that run while we produce (backpressure applies to these edges only)
         self.chunk_dsts = frozenset(e.dst for e in pipeline.outputs[stage] if e.mode is EdgeMode.CHUNK)
@@ -37,7 +40,7 @@ class StagePool:
         # are claimed and wait for a slot, so a freed slot starts the next session without a round trip.
         prefetch = self.spec.prefetch if self.spec.prefetch is not None else max(1, self.max_sessions // 4)
         self.capacity = self.max_sessions + prefetch
-        self.slots = asyncio.Semaphore(self.max_sessions)
+        self.slots = Slots(self.max_sessions, class_weights=class_weights, tenant_weights=tenant_weights)
         self.active = 0             # sessions held (running or waiting for a slot)
         self.claiming = 0           # tasks read but not yet claimed (they hold session slots too)
         self.compute: ComputeThread | None = None    # where the executor runs (runs_on == "thread")
@@ -45,6 +48,12 @@ class StagePool:
     def bind(self, keys: Keys) -> None:
         """Learn the task stream of every cell (once the deployment's layout is known)."""
         self.tasks_keys = {cell: keys.tasks(self.stage, cell) for cell in keys.all_cells}
+        self.class_streams = {cell: tuple(keys.tasks(self.stage, cell, p.value) for p in PRIORITY_ORDER)
+                              for cell in keys.all_cells}
+
+    def stream(self, cell: int, priority: Priority) -> str:
+        """The stage's task stream of `priority` in `cell`."""
+        return self.class_streams[cell][priority.rank]
 
     def start_compute(self) -> None:
         if self.executor.runs_on == "thread" and self.compute is None:

@@ -15,6 +15,8 @@ from omniflow.engine.session import Session
 from omniflow.engine.worker.chunks import MAX_DETAIL_CHARS, usage_json
 from omniflow.engine.worker.context import WorkerContext
 from omniflow.engine.worker.pool import StagePool
+from omniflow.executor import BatchedExecutor
+from omniflow.models import Priority
 from omniflow.errors import Fenced, RedisError, RedisUnavailable, StageError
 from omniflow.runtime import Backoff
 from omniflow.storage import redisio
@@ -82,7 +84,8 @@ class SessionRunner:
                          set_expiry=usage_key not in self._expiring)
         while True:
             try:
-                code = await session.close(tasks_key=pool.tasks_keys[cell], events_key=ctx.keys.events(cell),
+                code = await session.close(tasks_key=session.tasks_key or pool.stream(cell, session.priority),
+                                           events_key=ctx.keys.events(cell),
                                            group=TASK_GROUP, entry_id=entry_id, outcome=outcome, detail=detail,
                                            retryable=retryable, meter=meter)
                 if code != "fenced" and meter.expire_at_s:       # the script set the hour's expiry
@@ -96,11 +99,12 @@ class SessionRunner:
                     return None         # our lease goes to 0 at shutdown: the reconciler re-queues it
                 await backoff.wait(logger, f"session {session.wf_id}/{session.stage}: finish failed", exc)
             except RedisError as exc:   # the finish itself fails (a bug, a record it cannot take)
-                await self._report_lost(entry_id, session.wf_id, session.stage, session.attempt,
+                await self._report_lost(entry_id, session.wf_id, session.stage, session.attempt, session.priority,
                                         f"worker {ctx.id} could not finish the session: {exc}"[:MAX_DETAIL_CHARS])
                 return None
 
-    async def _report_lost(self, entry_id: str, wf_id: str, stage: str, attempt: int, why: str) -> None:
+    async def _report_lost(self, entry_id: str, wf_id: str, stage: str, attempt: int, priority: Priority,
+                           why: str) -> None:
         """Tell the reconciler this session is lost (it acks the task and retries with attempt + 1),
         retrying until Redis takes the report: a task must never stay pending on a live worker."""
         ctx = self.ctx
@@ -110,7 +114,7 @@ class SessionRunner:
                 with redisio.boundary():
                     await ctx.redis.xadd(ctx.keys.events(ctx.keys.cell_of(wf_id)),
                                          {"t": "lost", "wf": wf_id, "s": stage, "a": attempt, "d": why, "r": "1",
-                                          "e": entry_id})
+                                          "e": entry_id, "p": priority.value})
                 return
             except RedisError as exc:
                 if ctx.stopping:
@@ -134,7 +138,8 @@ class SessionRunner:
                  if e.dst in session.required]
         wf, cell = ctx.keys.wf(session.wf_id), ctx.keys.cell_of(session.wf_id)
         keys = [wf, f"{wf}:stages", f"{wf}:log", *(f"{wf}:edge:{edge}" for edge in edges),
-                *(f"{wf}:out:{st}" for st in (stage, *below)), *(ctx.keys.tasks(st, cell) for st in requeued)]
+                *(f"{wf}:out:{st}" for st in (stage, *below)),
+                *(ctx.keys.tasks(st, cell, session.priority.value) for st in requeued)]
         args: list[Any] = [ctx.settings.prefix, stage, "" if lost else session.attempt, now_ms(), ",".join(below),
                            ",".join(edges)]
         if lost is not None:
@@ -151,7 +156,9 @@ class SessionRunner:
         """Run the executor; map how it ended to (outcome, detail, retryable)."""
         retry = pool.spec.retry
         try:
-            async with pool.slots, asyncio.timeout(retry.attempt_timeout_s):
+            if session.priority is not Priority.INTERACTIVE and not isinstance(pool.executor, BatchedExecutor):
+                session._slots = pool.slots         # gives way to a higher class at its chunks (see Slots)
+            async with pool.slots.held(session.priority, session.tenant), asyncio.timeout(retry.attempt_timeout_s):
                 begun = time.monotonic()
                 try:
                     usage = await pool.call(pool.executor.run(session))

@@ -24,6 +24,8 @@ from omniflow.engine.worker.liveness import Liveness
 from omniflow.engine.worker.pool import StagePool, new_worker_id, parse_stages
 from omniflow.engine.worker.sessions import SessionRunner
 from omniflow.errors import RedisError
+from omniflow.fairness import parse_priority_weights, parse_weights
+from omniflow.storage.fairshare import decode_weights
 from omniflow.pipeline import Pipeline
 from omniflow.runtime import check_eviction_policy, check_layout, forever, when_redis_answers
 from omniflow.storage import redisio
@@ -45,7 +47,12 @@ class Worker:
         stages = parse_stages(stage, pipeline)
         if executor is not None and len(stages) > 1:
             raise ValueError("an executor instance can serve one stage only")
-        pools = {name: StagePool(pipeline, name, executor=executor, max_sessions=max_sessions) for name in stages}
+        # tenant weights: the configured ones, refreshed from Redis (`_weights`); shared by every pool's slots
+        self.tenant_weights: dict[str, float] = parse_weights(settings.tenant_weights)
+        class_weights = parse_priority_weights(settings.priority_weights)
+        pools = {name: StagePool(pipeline, name, executor=executor, max_sessions=max_sessions,
+                                 class_weights=class_weights, tenant_weights=self.tenant_weights)
+                 for name in stages}
         label = ",".join(stages)          # what this worker serves (heartbeat, logs)
         self.id = worker_id or new_worker_id("+".join(stages) if len(stages) < 3 else "multi", settings.host_id)
         self.ctx = ctx = WorkerContext(settings=settings, pipeline=pipeline, worker_id=self.id, label=label,
@@ -154,7 +161,7 @@ class Worker:
                 *((f"intake:{g[0]}", functools.partial(intake.run, g)) for g in groups),
                 ("heartbeat", self.liveness.heartbeat), ("abort-listener", self.abort.listen),
                 ("watchdog", self.liveness.watchdog), ("dataplane-sweep", self.abort.sweep),
-                ("orphans", intake.orphans),
+                ("orphans", intake.orphans), ("tenant-weights", self._weights),
                 *((f"inbox:{g[0]}", functools.partial(self.inbox.run, g)) for g in groups)]
             background = [asyncio.create_task(forever(f"worker {self.id}: {name}", loop), name=name)
                           for name, loop in loops]
@@ -178,6 +185,21 @@ class Worker:
             for client in self._clients:
                 await client.aclose()
 
+    async def _weights(self) -> None:
+        """Follow the tenant weights set live (`omniflow tenants weight`) for the slots' tenant order."""
+        configured = parse_weights(self.settings.tenant_weights)
+        while True:
+            try:
+                with redisio.boundary():
+                    live = decode_weights(await self.ctx.redis.hgetall(self.ctx.keys.fair_weights))
+                fresh = {**configured, **live}
+                if fresh != self.tenant_weights:
+                    self.tenant_weights.clear()
+                    self.tenant_weights.update(fresh)
+            except RedisError as exc:
+                logger.debug("worker %s: reading tenant weights failed: %s", self.id, exc)
+            await asyncio.sleep(max(1.0, self.settings.fair_refresh_ms / 1000))
+
     async def _setup_redis(self) -> None:
         ctx = self.ctx
         if not self._clients:
@@ -199,8 +221,9 @@ class Worker:
         await check_layout(ctx.redis, ctx.keys)
         await redisio.load_scripts(ctx.redis)
         for pool in self.pools.values():
-            for key in pool.tasks_keys.values():
-                await ensure_group(ctx.redis, key, TASK_GROUP)
+            for streams in pool.class_streams.values():
+                for key in streams:
+                    await ensure_group(ctx.redis, key, TASK_GROUP)
 
     async def _shutdown(self, intake: list[asyncio.Task[Any]], rest: list[asyncio.Task[Any]], grace_s: float) -> None:
         ctx = self.ctx

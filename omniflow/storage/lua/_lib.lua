@@ -54,8 +54,19 @@ end
 -- `<prefix>:notify` keeps at most about this many entries (`omniflow jobs` reads and deletes them)
 local NOTIFY_MAX_LEN = 100000
 
+-- A stage's task stream of the workflow's priority class (record field `prio`; none or 'api': the
+-- plain stream, else `...:tasks:<class>`). A script that may queue a session declares every class's
+-- stream of the stage (Keys.task_streams). The class is read once per workflow and call.
+local PRIO = {}
 local function tasks_key(wf, stage)
-  return key(cell_base(wf) .. ':stage:' .. stage .. ':tasks')
+  local prio = PRIO[wf]
+  if prio == nil then
+    prio = redis.call('HGET', wf, 'prio') or 'api'
+    PRIO[wf] = prio
+  end
+  local base = cell_base(wf) .. ':stage:' .. stage .. ':tasks'
+  if prio == 'api' or prio == '' then return key(base) end
+  return key(base .. ':' .. prio)
 end
 
 local function submit_stage(wf, id, stage, attempt, now)
@@ -70,8 +81,13 @@ end
 local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now, tomb_ttl, result_ttl)
   local sk = key(wf .. ':stages')
   local cell = cell_base(wf)
-  local rec = redis.call('HMGET', wf, 'stages', 'edges', 'finals', 'webhook', 'state', 'created_ms', 'blobs')
+  local rec = redis.call('HMGET', wf, 'stages', 'edges', 'finals', 'webhook', 'state', 'created_ms', 'blobs',
+    'tenant', 'tf')
   redis.call('HSET', wf, 'state', state, 'finished_ms', now, 'updated_ms', now)
+  if rec[9] then       -- counted in its tenant's live workflows at submit (fair share): no longer
+    local tinf = key(cell .. ':tinf')
+    if redis.call('HINCRBY', tinf, rec[8], -1) <= 0 then redis.call('HDEL', tinf, rec[8]) end
+  end
   index_state(wf, id, rec[5], state, rec[6] or now)
   if err and err ~= '' then
     redis.call('HSET', wf, 'error', err, 'error_stage', err_stage or '')

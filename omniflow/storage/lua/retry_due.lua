@@ -1,5 +1,6 @@
 -- retry_due: move one scheduled retry whose time has come onto its stage's task stream.
--- KEYS[1] wf base key  KEYS[2] retries zset of its cell  KEYS[3] its stage hash  KEYS[4] the stage's task stream
+-- KEYS[1] wf base key  KEYS[2] retries zset of its cell  KEYS[3] its stage hash  KEYS[4..] the stage's task
+--         streams (every priority class: the record names its own, see tasks_key in _lib.lua)
 -- ARGV[1] prefix  ARGV[2] member '<id>|<stage>|<attempt>'  ARGV[3] stage  ARGV[4] attempt
 -- Returns 'queued' | 'dropped'
 --@include _lib.lua

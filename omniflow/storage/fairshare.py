@@ -1,0 +1,136 @@
+"""Per-tenant fair share as Redis holds it: the weights (config, overridden live in one hash) and
+the live workflows of each tenant, counted per cell by the transitions and added up here.
+
+Each cell counts its tenants' live workflows in `<c>:tinf` (`submit.lua` adds one, `finalize` in
+`_lib.lua` takes it away, in the same atomic steps as the workflow's own). A submit checks its
+tenant's count *in its cell* inside `submit.lua`; the share it is checked against is the tenant's
+share of the whole deployment less what the tenant holds in the other cells, from a view of every
+cell's counts that each process re-reads every `fair_refresh_ms`. So on a cluster fair share is the
+deployment's, not each cell's: a tenant whose workflows sit in other cells has less room in this
+one. (On a single server there is one cell and the check is exact.) The weights live on one slot,
+`of:{fair}:weights`, so a change is seen by every process within one refresh.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from redis.asyncio import Redis
+
+from omniflow.config import Settings
+from omniflow.fairness import DEFAULT_WEIGHT, check_tenant, check_weight, parse_weights, tenant_share
+from omniflow.storage import cells as cells_mod
+from omniflow.storage.keys import Keys
+from omniflow.storage.schema import now_ms, s
+
+MAX_WAITING = 10_000
+
+
+class FairShare:
+    """One process's view of the weights and of every cell's live count per tenant."""
+
+    def __init__(self, redis: Redis, settings: Settings, keys: Keys) -> None:
+        self.redis = redis
+        self.settings = settings
+        self.keys = keys
+        self.configured = parse_weights(settings.tenant_weights)
+        self.weights: dict[str, float] = dict(self.configured)
+        self.counts: list[dict[str, int]] = [{} for _ in keys.all_cells]    # per cell: tenant -> live
+        self.waiting: set[str] = set()          # tenants refused as busy lately (they want a share too)
+        self._at = -math.inf
+        self._refreshing: asyncio.Future[None] | None = None
+
+    @property
+    def stale(self) -> bool:
+        return time.monotonic() - self._at > self.settings.fair_refresh_ms / 1000
+
+    async def refresh(self) -> None:
+        """Re-read the live weights and every cell's counts (one pipeline; concurrent callers share it)."""
+        if self._refreshing is not None:
+            await asyncio.shield(self._refreshing)
+            return
+        self._refreshing = asyncio.get_running_loop().create_future()
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hgetall(self.keys.fair_weights)
+            pipe.zrangebyscore(self.keys.fair_waiting, now_ms() - int(self.settings.fair_waiting_s * 1000), "+inf",
+                               start=0, num=MAX_WAITING)
+            for cell in self.keys.all_cells:
+                pipe.hgetall(self.keys.tenant_inflight(cell))
+            replies = await pipe.execute()
+            self.weights = {**self.configured, **decode_weights(replies[0])}
+            self.waiting = {s(t) for t in replies[1] or []}
+            self.counts = [{s(k): int(v) for k, v in (r or {}).items()} for r in replies[2:]]
+            self._at = time.monotonic()
+        finally:
+            done, self._refreshing = self._refreshing, None
+            done.set_result(None)
+
+    def active(self) -> set[str]:
+        """The tenants sharing the deployment: those holding live workflows, and those refused lately."""
+        return {t for counts in self.counts for t, n in counts.items() if n > 0} | self.waiting
+
+    async def refused(self, tenant: str) -> None:
+        """A submit of `tenant` was refused as busy: it counts among the sharers for `fair_waiting_s`
+        (a write on the refusal path only; the view learns it now, the other processes on their refresh)."""
+        self.waiting.add(tenant)
+        if not self.settings.fair_share:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zadd(self.keys.fair_waiting, {tenant: now_ms()})
+        pipe.zremrangebyscore(self.keys.fair_waiting, "-inf", now_ms() - int(self.settings.fair_waiting_s * 1000))
+        await pipe.execute()
+
+    def live(self, tenant: str) -> int:
+        return sum(counts.get(tenant, 0) for counts in self.counts)
+
+    def share(self, tenant: str) -> int:
+        """The live workflows `tenant` may hold in the whole deployment once it is busy."""
+        return tenant_share(self.settings.max_in_flight, tenant, self.weights, self.active())
+
+    def submit_args(self, tenant: str, cell: int) -> list[Any]:
+        """The two fair-share ARGV of `submit.lua` for a submit of `tenant` into `cell`: its share
+        there ('' : no check) and the cell's in-flight count from which the share is enforced."""
+        if not self.settings.fair_share:
+            return ["", 0]
+        elsewhere = sum(counts.get(tenant, 0) for c, counts in enumerate(self.counts) if c != cell)
+        limit = cells_mod.cell_limit(self.settings.max_in_flight, self.keys.cells, cell)
+        return [self.share(tenant) - elsewhere, math.floor(limit * self.settings.fair_share_from)]
+
+
+def decode_weights(raw: Mapping[Any, Any] | None) -> dict[str, float]:
+    """The live weights hash; a field that does not parse is skipped (it was written by hand)."""
+    out: dict[str, float] = {}
+    for k, v in (raw or {}).items():
+        try:
+            out[s(k)] = check_weight(float(s(v)))
+        except ValueError:
+            continue
+    return out
+
+
+async def set_weight(redis: Redis, keys: Keys, tenant: str, weight: float | None) -> None:
+    """Set a tenant's weight live (None: back to the configured one); ValueError for bad input."""
+    check_tenant(tenant)
+    if weight is None:
+        await redis.hdel(keys.fair_weights, tenant)
+    else:
+        await redis.hset(keys.fair_weights, tenant, repr(check_weight(weight)))
+
+
+async def weights_table(redis: Redis, settings: Settings, keys: Keys) -> list[dict[str, Any]]:
+    """Every tenant with a weight or live workflows: its weight (and where it comes from), its live
+    workflows and its share now (what `omniflow tenants ls` and `GET /v1/admin/tenants` show)."""
+    view = FairShare(redis, settings, keys)
+    await view.refresh()
+    live_weights = decode_weights(await redis.hgetall(keys.fair_weights))
+    names = sorted(set(view.weights) | view.active())
+    rows = []
+    for t in names:
+        source = "live" if t in live_weights else "config" if t in view.configured else "default"
+        rows.append({"tenant": t, "weight": view.weights.get(t, DEFAULT_WEIGHT), "source": source,
+                     "live": view.live(t), "share": view.share(t)})
+    return rows
