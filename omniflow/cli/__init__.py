@@ -309,10 +309,12 @@ def retry(wf_id: str = typer.Argument(..., metavar="ID"), as_json: bool = JsonOp
 
 from omniflow.cli.admin import register as register_admin  # noqa: E402 - uses the helpers above
 from omniflow.cli.batch import batch_app, jobs_cmd  # noqa: E402
+from omniflow.cli.tenants import register as register_tenants  # noqa: E402
 from omniflow.cli.usage import register as register_usage  # noqa: E402
 
 register_admin(app)
 register_usage(app)
+register_tenants(app)
 app.add_typer(batch_app, name="batch")
 app.command("jobs")(jobs_cmd)
 

@@ -261,6 +261,8 @@ class Store:
         """Map a `submit.lua` reply to the result, or to the error it means."""
         code, ident = s(reply[0]), s(reply[1])
         if code == scripts.SubmitResult.OK:
+            if len(reply) > 2:
+                self.fair.admitted(cells.cell_of(ident), int(reply[2]))
             return Submitted(id=ident, state=WorkflowState.PENDING)
         if code == scripts.SubmitResult.EXISTING:
             return Submitted(id=ident, state=WorkflowState.PENDING, existing=True)

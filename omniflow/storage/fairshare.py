@@ -69,6 +69,17 @@ class FairShare:
             done, self._refreshing = self._refreshing, None
             done.set_result(None)
 
+    def invalidate(self) -> None:
+        """Re-read before the next submit (the cell is busy: shares are being enforced)."""
+        self._at = -math.inf
+
+    def admitted(self, cell: int, in_flight: int) -> None:
+        """A submit into `cell` was admitted, leaving `in_flight` there: once that is where shares are
+        enforced, every submit re-reads the view first (a busy deployment only: the happy path keeps
+        its one round trip)."""
+        if self.settings.fair_share and in_flight >= self.submit_args("", cell)[1]:
+            self.invalidate()
+
     def active(self) -> set[str]:
         """The tenants sharing the deployment: those holding live workflows, and those refused lately."""
         return {t for counts in self.counts for t, n in counts.items() if n > 0} | self.waiting

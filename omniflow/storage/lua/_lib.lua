@@ -86,7 +86,7 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
   redis.call('HSET', wf, 'state', state, 'finished_ms', now, 'updated_ms', now)
   if rec[9] then       -- counted in its tenant's live workflows at submit (fair share): no longer
     local tinf = key(cell .. ':tinf')
-    if redis.call('HINCRBY', tinf, rec[8], -1) <= 0 then redis.call('HDEL', tinf, rec[8]) end
+    redis.call('HINCRBY', tinf, rec[8], -1)     -- a tenant at 0 keeps its field (one per tenant)
   end
   index_state(wf, id, rec[5], state, rec[6] or now)
   if err and err ~= '' then

@@ -14,7 +14,7 @@
 -- ARGV[9] n record fields, then that many field/value pairs (the first pair is 'tenant', <tenant>)
 -- then ARGV[10 + 2n] the tenant's fair share left for this cell ('': no fair-share check) and
 --      ARGV[11 + 2n] the cell's in-flight count from which the share is enforced
--- Returns {'ok', id} | {'existing', id} | {'retired', id} | {'exists', id} | {'busy', n}
+-- Returns {'ok', id, the cell's in-flight count now} | {'existing', id} | {'retired', id} | {'exists', id} | {'busy', n}
 --       | {'busy', n, 'tenant', the tenant's live workflows in this cell}
 -- ('existing': the request id names a workflow already; whether that one is retired is the
 -- caller's question, as its tombstone is a key this call cannot declare)
@@ -41,6 +41,9 @@ end
 redis.call('HSET', wf, 'id', id, 'state', 'pending', 'created_ms', now, 'updated_ms', now,
   'deadline_ms', ARGV[4], 'finished', '', 'gsub', '', 'tf', '1', unpack(ARGV, 10, 9 + 2 * nf))
 redis.call('HINCRBY', tinf, tenant, 1)
+for i = 10, 8 + 2 * nf, 2 do      -- the record's priority class, for tasks_key (no read back)
+  if ARGV[i] == 'prio' then PRIO[wf] = ARGV[i + 1] end
+end
 -- every required stage in one HSET; the admitted ones with attempt 1 (they are queued below)
 local admit = csv(ARGV[8])
 local fields = {}
@@ -66,4 +69,4 @@ redis.call('ZADD', KEYS[8], now, id)
 redis.call('SADD', KEYS[9], ARGV[11])
 redis.call('XADD', key(wf .. ':log'), '*', 't', 'state', 'state', 'pending')
 if use_idem then redis.call('SET', KEYS[6], id, 'EX', ARGV[6]) end
-return {'ok', id}
+return {'ok', id, tostring(n + 1)}
