@@ -112,6 +112,10 @@ class Settings(BaseSettings):
         default=0.5, ge=0, le=1,
         description="fair share is enforced once this fraction of `max_in_flight` is in flight (under it every "
                     "tenant is admitted)")
+    fair_share_reserve: float = Field(
+        default=0.1, ge=0, lt=1,
+        description="the fraction of `max_in_flight` no single tenant may take, kept for the next tenant that "
+                    "arrives while one fills the deployment (it is admitted at once, and the shares follow)")
     fair_waiting_s: float = Field(
         default=10.0, gt=0,
         description="a tenant refused as busy counts among the tenants sharing `max_in_flight` for this long "

@@ -73,21 +73,25 @@ async def test_batch_requests_fill_only_their_share_of_max_in_flight(engine_fact
 async def test_a_tenant_over_its_fair_share_gets_429_and_another_tenant_gets_in(engine_factory) -> None:
     async with engine_factory(workers=False, max_in_flight=10, fair_share_from=0.5, fair_refresh_ms=10) as eng:
         store = eng.store
-        flood = [(await store.submit(request(), tenant="flood")).id for _ in range(10)]    # alone: it may fill all
-        with pytest.raises(AdmissionRefused):
-            await store.submit(request(), tenant="other")          # full; "other" now waits for its share
+        await store.abort((await store.submit(request(), tenant="other")).id)     # "other" is known, holds 0
+        await store.fair.refresh()
+        # while "other" holds nothing, the flood may fill all but the reserve (fair_share_reserve, 10 %)
+        flood = [(await store.submit(request(), tenant="flood")).id for _ in range(9)]
+        with pytest.raises(FairShareRefused, match="tenant 'flood' is over its fair share: it holds 9"):
+            await store.submit(request(), tenant="flood")
+        await store.submit(request(), tenant="other")               # a newcomer gets in at once: the reserve
         for wf_id in flood[:4]:                                     # four of the flood's end
             await store.abort(wf_id)
         await store.fair.refresh()
         assert store.fair.share("flood") == 5 and store.fair.share("other") == 5
-        with pytest.raises(FairShareRefused, match="tenant 'flood' is over its fair share"):
-            await store.submit(request(), tenant="flood")           # 6 live, its share is 5 now
+        with pytest.raises(FairShareRefused, match="may hold 5 of max_in_flight 10"):
+            await store.submit(request(), tenant="flood")           # 5 live: its share now that "other" is here
         for _ in range(4):                                          # the room that freed up is the other's
             await store.submit(request(), tenant="other")
         with pytest.raises(AdmissionRefused):
             await store.submit(request(), tenant="other")           # the deployment is full again
         counts = await eng.redis.hgetall(store.keys.tenant_inflight(0))
-        assert {s(k): int(v) for k, v in counts.items()} == {"flood": 6, "other": 4}
+        assert {s(k): int(v) for k, v in counts.items()} == {"flood": 5, "other": 5}
         # the flood's queue holds: none of its admitted workflows was touched
         for wf_id in flood[4:]:
             assert (await store.document(wf_id))["state"] == "pending"

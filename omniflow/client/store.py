@@ -274,7 +274,7 @@ class Store:
             held = s(reply[3]) if self.keys.cells == 1 else str(self.fair.live(tenant))
             raise FairShareRefused(
                 f"tenant {tenant!r} is over its fair share: it holds {held} live "
-                f"workflow(s) and may hold {self.fair.share(tenant)} of max_in_flight "
+                f"workflow(s) and may hold {min(self.fair.share(tenant), self.fair.cap())} of max_in_flight "
                 f"{self.settings.max_in_flight} while the deployment is busy; retry later",
                 retry_after_s=1.0)
         where = "" if self.keys.cells == 1 else f" in the cell tried (max_in_flight is split over {self.keys.cells} cells)"

@@ -87,9 +87,9 @@ class FairShare:
     async def refused(self, tenant: str) -> None:
         """A submit of `tenant` was refused as busy: it counts among the sharers for `fair_waiting_s`
         (a write on the refusal path only; the view learns it now, the other processes on their refresh)."""
+        if not self.settings.fair_share or self.alone(tenant):
+            return      # nobody to share with: nothing to note (a refusal of a lone tenant writes nothing)
         self.waiting.add(tenant)
-        if not self.settings.fair_share:
-            return
         pipe = self.redis.pipeline(transaction=False)
         pipe.zadd(self.keys.fair_waiting, {tenant: now_ms()})
         pipe.zremrangebyscore(self.keys.fair_waiting, "-inf", now_ms() - int(self.settings.fair_waiting_s * 1000))
@@ -102,14 +102,28 @@ class FairShare:
         """The live workflows `tenant` may hold in the whole deployment once it is busy."""
         return tenant_share(self.settings.max_in_flight, tenant, self.weights, self.active())
 
+    def alone(self, tenant: str) -> bool:
+        """Whether no other tenant has used this deployment (as far as the view knows)."""
+        return not any(t != tenant for counts in self.counts for t in counts) and not self.waiting - {tenant}
+
+    def cap(self) -> int:
+        """The most one tenant may hold whatever the others do: `max_in_flight` less the reserve kept
+        for a tenant that arrives while another fills the deployment (only once the deployment has
+        seen another tenant: a deployment of one tenant keeps all of `max_in_flight`)."""
+        reserve = math.ceil(self.settings.max_in_flight * self.settings.fair_share_reserve)
+        return max(1, self.settings.max_in_flight - reserve)
+
     def submit_args(self, tenant: str, cell: int) -> list[Any]:
-        """The two fair-share ARGV of `submit.lua` for a submit of `tenant` into `cell`: its share
-        there ('' : no check) and the cell's in-flight count from which the share is enforced."""
+        """The three fair-share ARGV of `submit.lua` for a submit of `tenant` into `cell`: its share
+        left there ('': no check), the cell's in-flight count from which the share is enforced, and
+        its cap left there."""
         if not self.settings.fair_share:
-            return ["", 0]
+            return ["", 0, ""]
         elsewhere = sum(counts.get(tenant, 0) for c, counts in enumerate(self.counts) if c != cell)
         limit = cells_mod.cell_limit(self.settings.max_in_flight, self.keys.cells, cell)
-        return [self.share(tenant) - elsewhere, math.floor(limit * self.settings.fair_share_from)]
+        alone = self.alone(tenant)
+        return [self.share(tenant) - elsewhere, math.floor(limit * self.settings.fair_share_from),
+                "" if alone else self.cap() - elsewhere]
 
 
 def decode_weights(raw: Mapping[Any, Any] | None) -> dict[str, float]:

@@ -12,8 +12,9 @@
 -- ARGV[5] max_in_flight of this cell for the request's priority class  ARGV[6] idempotency ttl s (0: no key)
 -- ARGV[7] required stages csv  ARGV[8] stages submitted at admission csv
 -- ARGV[9] n record fields, then that many field/value pairs (the first pair is 'tenant', <tenant>)
--- then ARGV[10 + 2n] the tenant's fair share left for this cell ('': no fair-share check) and
---      ARGV[11 + 2n] the cell's in-flight count from which the share is enforced
+-- then ARGV[10 + 2n] the tenant's fair share left for this cell ('': no fair-share check),
+--      ARGV[11 + 2n] the cell's in-flight count from which the share is enforced and
+--      ARGV[12 + 2n] the most the tenant may hold in this cell whatever the others do ('': no cap)
 -- Returns {'ok', id, the cell's in-flight count now} | {'existing', id} | {'retired', id} | {'exists', id} | {'busy', n}
 --       | {'busy', n, 'tenant', the tenant's live workflows in this cell}
 -- ('existing': the request id names a workflow already; whether that one is retired is the
@@ -33,9 +34,12 @@ local nf = tonumber(ARGV[9])
 local tenant = ARGV[11]
 local tinf = key(cell_base(wf) .. ':tinf')
 local share = tonumber(ARGV[10 + 2 * nf] or '')
-if share and n >= tonumber(ARGV[11 + 2 * nf]) then
+if share then
   local mine = tonumber(redis.call('HGET', tinf, tenant) or '0')
-  if mine >= share then return {'busy', tostring(n), 'tenant', tostring(mine)} end
+  local cap = tonumber(ARGV[12 + 2 * nf] or '')
+  if (n >= tonumber(ARGV[11 + 2 * nf]) and mine >= share) or (cap and mine >= cap) then
+    return {'busy', tostring(n), 'tenant', tostring(mine)}
+  end
 end
 
 redis.call('HSET', wf, 'id', id, 'state', 'pending', 'created_ms', now, 'updated_ms', now,
