@@ -44,8 +44,24 @@ async def test_interactive_work_is_served_before_a_batch_backlog(engine_factory)
         order = sorted(ends, key=lambda w: ends[w])
         # all three live turns, queued behind twelve batch ones, finish their thinker among the first six
         assert max(order.index(w) for w in live) < 6, [("live" if w in live else "batch") for w in order]
-        yields = sum(w.pools["thinker"].slots.yields for w in eng.workers["thinker"])
-        assert yields >= 1          # a batch session gave its slot way at a chunk boundary
+
+
+async def test_a_running_batch_session_gives_way_to_a_live_one_at_a_chunk_boundary(engine_factory) -> None:
+    spec = toy_spec(thinker={"token_delay_s": 0.05})
+    spec["stages"]["thinker"].update(max_sessions=1, prefetch=1)
+    async with engine_factory(spec) as eng:
+        batch = (await eng.store.submit(request("a long batch line"), priority=Priority.BATCH)).id
+        await eventually(lambda: _emitted(eng, batch, 1))          # it holds the one thinker slot, mid-stream
+        live = (await eng.store.submit(request("live"), priority=Priority.INTERACTIVE)).id
+        for wf_id in (live, batch):
+            assert (await eng.store.wait(wf_id, timeout_s=30))["state"] == "completed"
+        ends = [int(s(await eng.redis.hget(eng.store.keys.stages(w), "thinker:t_end"))) for w in (live, batch)]
+        assert ends[0] < ends[1]            # the live turn did not wait for the batch line to end
+        assert eng.workers["thinker"][0].pools["thinker"].slots.yields >= 1
+
+
+async def _emitted(eng, wf_id: str, n: int) -> bool:
+    return int(await eng.redis.hget(eng.store.keys.stages(wf_id), "thinker:seq") or 0) >= n
 
 
 async def test_a_priority_above_the_tenants_allowance_is_refused_and_a_default_is_lowered(engine_factory) -> None:
@@ -71,30 +87,46 @@ async def test_batch_requests_fill_only_their_share_of_max_in_flight(engine_fact
 
 
 async def test_a_tenant_over_its_fair_share_gets_429_and_another_tenant_gets_in(engine_factory) -> None:
-    async with engine_factory(workers=False, max_in_flight=10, fair_share_from=0.5, fair_refresh_ms=10) as eng:
+    async with engine_factory(workers=False, max_in_flight=10, fair_share_from=0.5) as eng:
         store = eng.store
-        await store.abort((await store.submit(request(), tenant="other")).id)     # "other" is known, holds 0
+        await store.abort((await store.submit(request(), tenant="other")).id)     # "other" was here lately
         await store.fair.refresh()
-        # while "other" holds nothing, the flood may fill all but the reserve (fair_share_reserve, 10 %)
-        flood = [(await store.submit(request(), tenant="flood")).id for _ in range(9)]
-        with pytest.raises(FairShareRefused, match="tenant 'flood' is over its fair share: it holds 9"):
+        assert store.fair.share("flood") == 5
+        flood = [(await store.submit(request(), tenant="flood")).id for _ in range(5)]
+        with pytest.raises(FairShareRefused, match="tenant 'flood' is over its fair share: it holds 5 live "
+                                                   "workflow.s. and may hold 5 of max_in_flight 10"):
             await store.submit(request(), tenant="flood")
-        await store.submit(request(), tenant="other")               # a newcomer gets in at once: the reserve
+        for _ in range(5):                                          # the other half is the other's
+            await store.submit(request(), tenant="other")
+        with pytest.raises(AdmissionRefused):
+            await store.submit(request(), tenant="other")           # the deployment is full
+        counts = await eng.redis.hgetall(store.keys.tenant_inflight(0))
+        assert {s(k): int(v) for k, v in counts.items()} == {"flood": 5, "other": 5}
+        # the flood's queue holds: none of its admitted workflows was touched
+        for wf_id in flood:
+            assert (await store.document(wf_id))["state"] == "pending"
+
+
+async def test_a_tenant_alone_fills_all_but_the_reserve_and_a_newcomer_gets_in_at_once(engine_factory) -> None:
+    async with engine_factory(workers=False, max_in_flight=10, fair_share_from=0.5) as eng:
+        store = eng.store
+        await store.abort((await store.submit(request(), tenant="other")).id)
+        await eng.redis.hset(store.keys.tenant_seen(0), "other", 0)        # ... long ago: the flood is alone
+        await store.fair.refresh()
+        flood = [(await store.submit(request(), tenant="flood")).id for _ in range(9)]
+        with pytest.raises(FairShareRefused, match="it holds 9"):
+            await store.submit(request(), tenant="flood")           # the last 10 % is no single tenant's
+        await store.submit(request(), tenant="other")               # a newcomer is admitted at once
         for wf_id in flood[:4]:                                     # four of the flood's end
             await store.abort(wf_id)
         await store.fair.refresh()
         assert store.fair.share("flood") == 5 and store.fair.share("other") == 5
-        with pytest.raises(FairShareRefused, match="may hold 5 of max_in_flight 10"):
+        with pytest.raises(FairShareRefused, match="may hold 5"):
             await store.submit(request(), tenant="flood")           # 5 live: its share now that "other" is here
-        for _ in range(4):                                          # the room that freed up is the other's
+        for _ in range(4):
             await store.submit(request(), tenant="other")
-        with pytest.raises(AdmissionRefused):
-            await store.submit(request(), tenant="other")           # the deployment is full again
         counts = await eng.redis.hgetall(store.keys.tenant_inflight(0))
         assert {s(k): int(v) for k, v in counts.items()} == {"flood": 5, "other": 5}
-        # the flood's queue holds: none of its admitted workflows was touched
-        for wf_id in flood[4:]:
-            assert (await store.document(wf_id))["state"] == "pending"
 
 
 async def test_tenant_weights_change_live_and_bad_weights_are_refused(engine_factory) -> None:

@@ -39,7 +39,7 @@ class FairShare:
         self.configured = parse_weights(settings.tenant_weights)
         self.weights: dict[str, float] = dict(self.configured)
         self.counts: list[dict[str, int]] = [{} for _ in keys.all_cells]    # per cell: tenant -> live
-        self.waiting: set[str] = set()          # tenants refused as busy lately (they want a share too)
+        self.waiting: set[str] = set()          # tenants admitted or refused lately (they want a share too)
         self._at = -math.inf
         self._refreshing: asyncio.Future[None] | None = None
 
@@ -60,10 +60,13 @@ class FairShare:
                                start=0, num=MAX_WAITING)
             for cell in self.keys.all_cells:
                 pipe.hgetall(self.keys.tenant_inflight(cell))
+                pipe.hgetall(self.keys.tenant_seen(cell))
             replies = await pipe.execute()
             self.weights = {**self.configured, **decode_weights(replies[0])}
-            self.waiting = {s(t) for t in replies[1] or []}
-            self.counts = [{s(k): int(v) for k, v in (r or {}).items()} for r in replies[2:]]
+            since = now_ms() - int(self.settings.fair_waiting_s * 1000)
+            seen = {s(t) for r in replies[3::2] for t, ms in (r or {}).items() if int(ms) >= since}
+            self.waiting = {s(t) for t in replies[1] or []} | seen
+            self.counts = [{s(k): int(v) for k, v in (r or {}).items()} for r in replies[2::2]]
             self._at = time.monotonic()
         finally:
             done, self._refreshing = self._refreshing, None
@@ -81,7 +84,8 @@ class FairShare:
             self.invalidate()
 
     def active(self) -> set[str]:
-        """The tenants sharing the deployment: those holding live workflows, and those refused lately."""
+        """The tenants sharing the deployment: those holding live workflows, and those admitted or
+        refused within `fair_waiting_s` (a tenant between two requests keeps its share)."""
         return {t for counts in self.counts for t, n in counts.items() if n > 0} | self.waiting
 
     async def refused(self, tenant: str) -> None:

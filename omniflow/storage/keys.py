@@ -132,6 +132,11 @@ class Keys:
         away): what per-tenant fair share admission reads (`omniflow.storage.fairshare`)."""
         return f"{self.cell(cell)}:tinf"
 
+    def tenant_seen(self, cell: int) -> str:
+        """When (ms) each tenant last had a workflow admitted in one cell (hash tenant -> ms, written by
+        `submit.lua`): a tenant that comes and goes keeps its share between its requests."""
+        return f"{self.cell(cell)}:tseen"
+
     def dlq(self, stage: str, cell: int) -> str:
         """Dead letters of one cell: a stage's exhausted tasks (`events`, `notify`: malformed entries)."""
         return f"{self.cell(cell)}:dlq:{stage}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from omniflow.engine.worker.claims import Claims
 from omniflow.engine.worker.context import WorkerContext
@@ -22,6 +23,8 @@ from omniflow.storage.topology import is_cluster
 logger = logging.getLogger(__name__)
 
 INTAKE_RECHECK_MS = 20      # a multi-stage worker with a full stage re-reads this often to add it back
+LIVE_LOOKAHEAD = 4          # interactive tasks a full stage may still take beyond its capacity
+LIVE_RECENT_S = 60.0        # ... while interactive tasks came this recently
 # Tasks delivered to this worker that it never heard of (the reply of its read was lost with the
 # connection: a failover, a killed client) are looked for this often, once pending this long.
 ORPHAN_AUDIT_S = 5.0
@@ -39,6 +42,7 @@ class Intake:
         self.claims = claims
         self.loops = loops              # intake loops running (one per read group)
         self.starved = 0                # intake loops waiting for a free session slot
+        self.live_seen_at = -LIVE_RECENT_S      # monotonic time an interactive task was last delivered
         self.by_stream: dict[str, tuple[StagePool, int, Priority]] = {
             key: (pool, cell, prio) for pool in ctx.pools.values() for cell, keys in pool.class_streams.items()
             for prio, key in zip(PRIORITY_ORDER, keys)}
@@ -57,30 +61,39 @@ class Intake:
                 await ctx.undrained.wait()
                 continue
             ready = [pool for pool in ctx.pools.values() if pool.free > 0]
-            if not ready:
-                self.starved += 1
-                try:
-                    ctx.slot_free.clear()
-                    await ctx.slot_free.wait()
-                finally:
-                    self.starved -= 1
-                continue
-            share = len(cells) * self.loops * len(PRIORITY_ORDER)
-            count = max(1, min(ctx.settings.read_batch, *(pool.free // share for pool in ready)))
-            # A stage left out because it was full is not in the blocking read (nor are the slots
-            # other loops wait for): come back soon to add it when its slots free up (a blocking read
-            # cannot be interrupted without losing what it may already have delivered).
-            block = ctx.settings.block_ms if len(ready) == len(ctx.pools) and not self.starved else \
-                min(ctx.settings.block_ms, INTAKE_RECHECK_MS)
-            reserved = count * len(cells) * len(PRIORITY_ORDER)
+            if ready:
+                share = len(cells) * self.loops * len(PRIORITY_ORDER)
+                count = max(1, min(ctx.settings.read_batch, *(pool.free // share for pool in ready)))
+                streams = {stream: ">" for pool in ready for cell in cells for stream in pool.class_streams[cell]}
+                # A stage left out because it was full is not in the blocking read (nor are the slots
+                # other loops wait for): come back soon to add it when its slots free up (a blocking read
+                # cannot be interrupted without losing what it may already have delivered).
+                block = ctx.settings.block_ms if len(ready) == len(ctx.pools) and not self.starved else \
+                    min(ctx.settings.block_ms, INTAKE_RECHECK_MS)
+                reserved = count * len(cells) * len(PRIORITY_ORDER)
+            else:
+                # Every stage is full (its slots and its prefetch). Live traffic must not wait for a
+                # session to end before it is even read: a full stage still reads its interactive
+                # stream, one task at a time, up to LIVE_LOOKAHEAD over its capacity (those wait for
+                # the slots, which serve them first); it polls, so a freed slot is seen soon.
+                # (only while live traffic came lately: a deployment without any pays no polling)
+                lately = time.monotonic() - self.live_seen_at < LIVE_RECENT_S
+                ready = [pool for pool in ctx.pools.values() if lately and pool.free > -LIVE_LOOKAHEAD]
+                if not ready:
+                    self.starved += 1
+                    try:
+                        ctx.slot_free.clear()
+                        await ctx.slot_free.wait()
+                    finally:
+                        self.starved -= 1
+                    continue
+                count, block, reserved = 1, INTAKE_RECHECK_MS, len(cells)
+                streams = {pool.stream(cell, Priority.INTERACTIVE): ">" for pool in ready for cell in cells}
             for pool in ready:
                 pool.claiming += reserved
             try:
                 with redisio.boundary():
-                    reply = await ctx.intake_redis.xreadgroup(
-                        TASK_GROUP, ctx.id, {stream: ">" for pool in ready for cell in cells
-                                             for stream in pool.class_streams[cell]},
-                        count=count, block=block)
+                    reply = await ctx.intake_redis.xreadgroup(TASK_GROUP, ctx.id, streams, count=count, block=block)
                 backoff.reset()
             except RedisError as exc:
                 if redisio.is_nogroup(exc):        # the stream was deleted (or the server lost it)
@@ -109,6 +122,8 @@ class Intake:
             ctx.track(asyncio.create_task(self._hand_back(pool, cell, entries, prio)))
             return
         stream = pool.stream(cell, prio)
+        if prio is Priority.INTERACTIVE:
+            self.live_seen_at = time.monotonic()
         claims: list[tuple[str, str, int]] = []
         for entry_id, fields in entries:
             try:
@@ -136,6 +151,8 @@ class Intake:
         """Re-queue unclaimed tasks as they were (same attempt: still valid for any other worker)."""
         ctx = self.ctx
         stream = pool.stream(cell, prio)
+        if prio is Priority.INTERACTIVE:
+            self.live_seen_at = time.monotonic()
         pipe = ctx.redis.pipeline(transaction=not is_cluster(ctx.redis))    # one stream: one slot
         for entry_id, fields in entries:
             pipe.xadd(stream, fields)
