@@ -98,6 +98,13 @@ class Usage(BaseModel):
     total_tokens: int = 0
 
 
+class Degradation(BaseModel):
+    """omniflow extension: the request ran with fewer outputs than asked (deadline-aware shedding)."""
+
+    reason: str
+    dropped: list[str]
+
+
 class ChatCompletion(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -105,6 +112,9 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    degraded: Degradation | None = Field(
+        None, description="omniflow extension: set when the queues predicted a miss of the deadline and the "
+                          "pipeline degraded the request (e.g. text only)")
 
 
 class ModelCard(BaseModel):

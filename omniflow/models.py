@@ -130,3 +130,5 @@ class Submitted(BaseModel):
     id: str
     state: WorkflowState
     existing: bool = False
+    degraded: str | None = None             # why the request runs with fewer outputs (deadline shedding)
+    dropped: list[str] = Field(default_factory=list)     # the output modalities it runs without

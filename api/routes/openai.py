@@ -26,6 +26,7 @@ from omniflow.api.openai_schemas import (
     ChatAudio,
     ChatChoice,
     ChatCompletion,
+    Degradation,
     ChatRequest,
     ChatResponseMessage,
     ModelCard,
@@ -111,9 +112,13 @@ async def chat_completions(body: ChatRequest, request: Request, state: StateDep,
                       stage_params=body.stage_params, deadline_s=body.deadline_s, priority=body.priority),
         tenant=principal.tenant, priority=Priority.INTERACTIVE if body.stream else Priority.API)
     fmt = body.audio.format if body.audio else AudioFormat.WAV
+    degraded = Degradation(reason=submitted.degraded, dropped=submitted.dropped) if submitted.degraded else None
+    modalities = [m for m in modalities if m not in submitted.dropped]
     if body.stream:
-        return EventStreamResponse(_stream(state, body, submitted.id, modalities))
-    return await _complete(state, body, request, submitted.id, modalities, fmt)
+        return EventStreamResponse(_stream(state, body, submitted.id, modalities, degraded))
+    reply = await _complete(state, body, request, submitted.id, modalities, fmt)
+    reply.degraded = degraded
+    return reply
 
 
 async def _complete(state: ApiState, body: ChatRequest, request: Request, wf_id: str,
@@ -155,17 +160,20 @@ async def _wait_terminal(state: ApiState, wf_id: str) -> None:
 
 
 def _chunk(wf_id: str, model: str, created: int, delta: dict[str, Any], finish: str | None = None,
-           usage: Usage | None = None) -> bytes:
+           usage: Usage | None = None, degraded: Degradation | None = None) -> bytes:
     payload: dict[str, Any] = {
         "id": f"chatcmpl-{wf_id}", "object": "chat.completion.chunk", "created": created, "model": model,
         "choices": [] if usage is not None else [{"index": 0, "delta": delta, "finish_reason": finish}],
     }
+    if degraded is not None:        # omniflow extension, on the first chunk (as on the whole reply)
+        payload["degraded"] = degraded.model_dump()
     if usage is not None:
         payload["usage"] = usage.model_dump()
     return sse_event(json.dumps(payload))
 
 
-async def _stream(state: ApiState, body: ChatRequest, wf_id: str, modalities: list[str]) -> AsyncIterator[bytes]:
+async def _stream(state: ApiState, body: ChatRequest, wf_id: str, modalities: list[str],
+                  degraded: Degradation | None = None) -> AsyncIterator[bytes]:
     created = int(time.time())
     text_stage, audio_stage = _stage_of(state, "text"), _stage_of(state, "audio")
     want_audio = "audio" in modalities and audio_stage is not None
@@ -173,7 +181,7 @@ async def _stream(state: ApiState, body: ChatRequest, wf_id: str, modalities: li
     transcript: list[str] = []
     finished = False
     try:
-        yield _chunk(wf_id, body.model, created, {"role": "assistant", "content": ""})
+        yield _chunk(wf_id, body.model, created, {"role": "assistant", "content": ""}, degraded=degraded)
         async with state.hub.follow(wf_id) as events:
             async for _eid, fields in events:
                 kind = fields.get("t")

@@ -56,6 +56,7 @@ def workflow_document(wf_id: str, rec: dict[str, str], st: dict[str, str], texts
         "state": rec.get("state"),
         "tenant": rec.get("tenant"),
         "priority": rec.get("prio") or "api",
+        "degraded": {"reason": rec["degraded"], "dropped": csv(rec.get("dropped"))} if rec.get("degraded") else None,
         "pipeline": rec.get("pipeline"),
         "final_stages": csv(rec.get("finals")),
         "required_stages": csv(rec.get("stages")),

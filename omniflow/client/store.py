@@ -23,11 +23,13 @@ from omniflow.storage import cells, redisio, scripts
 from omniflow.storage.batcher import Batcher
 from omniflow.config import Settings
 from omniflow.errors import (AdmissionRefused, ConfigError, FairShareRefused, IdempotencyConflict, InvalidRequest, NotReady,
-                             PriorityNotAllowed, RedisRefused, ScriptError, WorkflowNotFound, WorkflowRetired)
+                             DeadlineUnmeetable, PriorityNotAllowed, RedisRefused, ScriptError, WorkflowNotFound, WorkflowRetired)
 from omniflow.storage.keys import Keys, finalize_suffixes
 from omniflow.fairness import allowed, cap, parse_allowances
 from omniflow.models import TERMINAL_STATES, Priority, SubmitRequest, Submitted, WorkflowState
 from omniflow.storage.fairshare import FairShare
+from omniflow.client.shedding import Predictor
+from omniflow.pipeline import ShedMode
 from omniflow.pipeline import Pipeline, Plan
 from omniflow.storage.redisio import connect, translated
 from omniflow.client.documents import text_stages, workflow_document
@@ -79,6 +81,15 @@ def limit_note(settings: Settings, priority: Priority) -> str:
 
 
 @dataclass(frozen=True)
+class Degraded:
+    """A request that runs with fewer outputs than it asked for (deadline shedding)."""
+
+    reason: str
+    kept: tuple[str, ...]
+    dropped: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class _PlanParts:
     plan: Plan
     fields: tuple[str, ...]        # record fields fixed by the plan (flat name/value pairs)
@@ -105,6 +116,7 @@ class Store:
         self._final_suffixes = finalize_suffixes(pipeline)
         self.allowances = parse_allowances(settings.tenant_priorities)
         self.fair = FairShare(redis, settings, self.keys)
+        self.predictor = Predictor(self)
         self.realtime = RealtimeSessions(redis, self.keys, ttl_s=settings.realtime_session_ttl_s)
 
     # ---------------------------------------------------------------- submit
@@ -119,14 +131,17 @@ class Store:
         tenant's allowance is `PriorityNotAllowed`."""
         if self.settings.fair_share and self.fair.stale:
             await self.fair.refresh()
-        keys, args = self.submit_call(req, tenant=tenant, wf_id=wf_id, priority=priority)
+        shed = None
+        if self.pipeline.spec.shedding.on_late is not ShedMode.OFF:
+            shed = await self._shed(req, tenant, priority)
+        keys, args = self.submit_call(req, tenant=tenant, wf_id=wf_id, priority=priority, degraded=shed)
         try:
             reply = await self._submit_script(keys, args)
             if (s(reply[0]) == scripts.SubmitResult.BUSY and len(reply) == 2 and wf_id is None
                     and not req.request_id and self.keys.cells > 1):
                 # this cell is full: one more try in another (the limit is shared evenly by cells)
                 keys, args = self.submit_call(req, tenant=tenant, wf_id=self.other_cell_id(args[1]),
-                                              priority=priority)
+                                              priority=priority, degraded=shed)
                 reply = await self._submit_script(keys, args)
         except RedisRefused as exc:
             raise self.refused(exc) from exc
@@ -147,7 +162,34 @@ class Store:
             return Submitted(id=result.id, state=WorkflowState(state), existing=True)
         if self.settings.wait_aof:
             await self._wait_aof()
+        if shed is not None:
+            result = result.model_copy(update={"degraded": shed.reason, "dropped": list(shed.dropped)})
         return result
+
+    async def _shed(self, req: SubmitRequest, tenant: str, default: Priority) -> Degraded | None:
+        """Deadline-aware shedding (the pipeline's `shedding`): None when the queues predict the
+        request meets its deadline; a `Degraded` (fewer outputs) when that one would and the pipeline
+        degrades; else `DeadlineUnmeetable`."""
+        shed = self.pipeline.spec.shedding
+        prio = self.priority_of(req, tenant, default)
+        deadline_s = req.deadline_s or self.settings.default_deadline_s
+        limit_s = deadline_s * shed.margin
+        await self.predictor.refresh()
+        asked = list(req.output_modalities) if req.output_modalities is not None else sorted(self.pipeline.modalities())
+        predicted = self.predictor.predict_s(self._plan_parts(tuple(asked)).plan.stages, prio)
+        if predicted <= limit_s:
+            return None
+        why = (f"the stage queues predict {predicted:.1f}s to {'+'.join(asked)}, over the deadline of "
+               f"{deadline_s:g}s")
+        if shed.on_late is ShedMode.DEGRADE:
+            kept = [m for m in asked if m in shed.degrade_to]
+            if kept and kept != asked:
+                if self.predictor.predict_s(self._plan_parts(tuple(kept)).plan.stages, prio) <= limit_s:
+                    dropped = tuple(m for m in asked if m not in kept)
+                    return Degraded(reason=f"{why}: runs without {'+'.join(dropped)}", kept=tuple(kept),
+                                    dropped=dropped)
+        raise DeadlineUnmeetable(f"{why}; retry later or with a longer deadline_s",
+                                 retry_after_s=max(1.0, min(30.0, predicted - limit_s)))
 
     def other_cell_id(self, refused_id: Any) -> str:
         """A fresh id in a cell other than that of `refused_id` (its cell was full)."""
@@ -171,10 +213,14 @@ class Store:
         return req.priority
 
     def submit_call(self, req: SubmitRequest, *, tenant: str = "default", wf_id: str | None = None,
-                    priority: Priority = Priority.API) -> tuple[list[str], list[Any]]:
+                    priority: Priority = Priority.API,
+                    degraded: Degraded | None = None) -> tuple[list[str], list[Any]]:
         """Validate a request and build the KEYS and ARGV of its `submit.lua` call (no I/O but the
-        fair-share view's, read beforehand by `submit`)."""
+        fair-share view's, read beforehand by `submit`). `degraded`: run it with fewer outputs."""
         prio = self.priority_of(req, tenant, priority)
+        original = req
+        if degraded is not None:
+            req = req.model_copy(update={"output_modalities": list(degraded.kept)})
         parts = self._plan_parts(tuple(req.output_modalities) if req.output_modalities is not None else None)
         if len(req.input.text) > self.settings.max_prompt_chars:
             raise InvalidRequest(f"input.text: {len(req.input.text)} characters; the limit is {self.settings.max_prompt_chars}")
@@ -208,7 +254,9 @@ class Store:
         if req.webhook_url:
             self._check_webhook(req.webhook_url)
         if req.request_id:     # what a reuse of the key is compared with (409 idempotency_conflict)
-            record += ["body_hash", body_hash(req)]
+            record += ["body_hash", body_hash(original)]
+        if degraded is not None:
+            record += ["degraded", degraded.reason, "dropped", ",".join(degraded.dropped)]
         idem_key = self.keys.idem(tenant, req.request_id or "-", cell)
         wf = self.keys.wf(wf_id)
         keys = [wf, f"{wf}:stages", f"{wf}:log", self.keys.inflight(cell), self.keys.tomb(wf_id), idem_key,

@@ -2,6 +2,8 @@
 tenants admin routes."""
 from __future__ import annotations
 
+import json
+
 from apiserver import ADMIN_KEY, KEYS, api_factory, auth_settings  # noqa: F401 - fixture
 
 
@@ -55,3 +57,23 @@ async def test_tenant_weights_are_set_over_http_by_an_admin_only(api_factory):
         assert rows["alice"]["weight"] == 3
         r = await admin.put("/v1/admin/tenants/alice/weight", json={"weight": None})
         assert r.status_code == 200 and r.json()["source"] == "default"
+
+
+async def test_a_chat_completion_predicted_late_is_degraded_and_says_so(api_factory):
+    from test_shedding import _backlog, _spec
+
+    async with api_factory(_spec(on_late="degrade")) as (engine, server), server.client() as http:
+        queued = await _backlog(engine, 4)
+        body = {"model": engine.pipeline.name, "modalities": ["text", "audio"], "deadline_s": 1.0,
+                "messages": [{"role": "user", "content": "quick"}]}
+        r = await http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        assert reply["degraded"]["dropped"] == ["audio"] and "runs without audio" in reply["degraded"]["reason"]
+        assert reply["choices"][0]["message"]["content"] and reply["choices"][0]["message"].get("audio") is None
+        # (a streamed chat is interactive by default and passes the api backlog: ask for api here)
+        async with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True, "priority": "api"}) as streamed:
+            first = next(line for line in [x async for x in streamed.aiter_lines()] if line.startswith("data: {"))
+        assert json.loads(first[6:])["degraded"]["dropped"] == ["audio"]
+        for wf_id in queued:
+            await engine.store.abort(wf_id)
