@@ -337,6 +337,9 @@ def write_markdown(path: Path, results: list[Result], failures: list[str], args,
     from bench import realtime       # /v1/realtime barge-in and first deltas, from bench/out/realtime.json
 
     md += realtime.markdown()
+    from bench import overload       # priorities and fair share, from bench/out/overload.json when it ran
+
+    md += overload.markdown()
     md += dataplane_section(dataplane_result)
     notes = REPO_ROOT / "bench" / "notes.md"
     if notes.exists():

@@ -39,7 +39,7 @@ CELERY_VENV = REPO_ROOT / ".venv-bench-celery"
 # pipeline: bench/pipeline.py; user: omniflow as a user meets it (bench/omniflow_user.py); http: bench/api_latency.py
 # realtime: bench/realtime.py (/v1/realtime barge-in and first deltas)
 GROUPS = ["raw", "inproc", "arq", "dramatiq", "celery", "bullmq", "omniflow", "user", "http", "pipeline", "dataplane",
-          "realtime"]
+          "realtime", "overload"]
 BULLMQ_CONCURRENCY = (1, 8, 32)
 
 
@@ -341,6 +341,16 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"  {line}")
         except Exception as exc:  # noqa: BLE001 - one failed group is reported, the others still render
             failures.append(f"pipeline: {exc!r}")
+    if "overload" in args.only:
+        from bench import overload
+
+        log("- under overload: priorities and fair share (bench/overload.py)")
+        try:
+            doc = overload.run(**({"batch": 500, "probes": 30} if args.quick else {}))
+            for line in overload.lines(doc):
+                log(f"  {line}")
+        except Exception as exc:  # noqa: BLE001 - one failed group is reported, the others still render
+            failures.append(f"overload: {exc!r}")
     if "realtime" in args.only:
         from bench import realtime
 
