@@ -118,8 +118,9 @@ class Settings(BaseSettings):
                     "arrives while one fills the deployment (it is admitted at once, and the shares follow)")
     fair_waiting_s: float = Field(
         default=10.0, gt=0,
-        description="a tenant admitted or refused as busy counts among the tenants sharing `max_in_flight` for "
-                    "this long (one between two requests, or holding nothing yet, still gets its share)")
+        description="a tenant whose last live workflow ended, or that was refused as busy, counts among the "
+                    "tenants sharing `max_in_flight` for this long (one between two requests, or holding nothing "
+                    "yet, still gets its share)")
     fair_refresh_ms: int = Field(
         default=200, ge=10,
         description="how often a process re-reads the tenant weights and (on a cluster) every cell's live "

@@ -262,7 +262,6 @@ class Store:
         keys = [wf, f"{wf}:stages", f"{wf}:log", self.keys.inflight(cell), self.keys.tomb(wf_id), idem_key,
                 self.keys.all_wf(cell), self.keys.tenant_index(tenant, cell), self.keys.tenants(cell),
                 self.keys.state_index(WorkflowState.PENDING.value, cell), self.keys.tenant_inflight(cell),
-                self.keys.tenant_seen(cell),
                 *(self.keys.tasks(st, cell, prio.value) for st in parts.plan.admit)]
         args = [self.settings.prefix, wf_id, now, now + int(deadline_s * 1000),
                 cells.cell_limit(self.settings.admission_limit(prio), self.keys.cells, cell),

@@ -39,7 +39,7 @@ class FairShare:
         self.configured = parse_weights(settings.tenant_weights)
         self.weights: dict[str, float] = dict(self.configured)
         self.counts: list[dict[str, int]] = [{} for _ in keys.all_cells]    # per cell: tenant -> live
-        self.waiting: set[str] = set()          # tenants admitted or refused lately (they want a share too)
+        self.waiting: set[str] = set()          # tenants active or refused lately (they want a share too)
         self._at = -math.inf
         self._refreshing: asyncio.Future[None] | None = None
 
@@ -84,8 +84,9 @@ class FairShare:
             self.invalidate()
 
     def active(self) -> set[str]:
-        """The tenants sharing the deployment: those holding live workflows, and those admitted or
-        refused within `fair_waiting_s` (a tenant between two requests keeps its share)."""
+        """The tenants sharing the deployment: those holding live workflows, and those whose last one
+        ended, or that were refused, within `fair_waiting_s` (a tenant between two requests keeps its
+        share)."""
         return {t for counts in self.counts for t, n in counts.items() if n > 0} | self.waiting
 
     async def refused(self, tenant: str) -> None:

@@ -113,7 +113,7 @@ class Keys:
         its cell's notify stream and state indexes. Every script that may end a workflow declares them."""
         wf, cell = self.wf(wf_id), cell_of(wf_id)
         return [self.tomb(wf_id), self.notify(cell), *self.state_indexes(cell), self.tenant_inflight(cell),
-                *(wf + suffix for suffix in suffixes)]
+                self.tenant_seen(cell), *(wf + suffix for suffix in suffixes)]
 
     # --- one cell -------------------------------------------------------------
     def tasks(self, stage: str, cell: int, priority: str = "api") -> str:
@@ -133,8 +133,8 @@ class Keys:
         return f"{self.cell(cell)}:tinf"
 
     def tenant_seen(self, cell: int) -> str:
-        """When (ms) each tenant last had a workflow admitted in one cell (hash tenant -> ms, written by
-        `submit.lua`): a tenant that comes and goes keeps its share between its requests."""
+        """When (ms) each tenant's live workflows in one cell last fell to none (hash tenant -> ms, written
+        by `finalize`): a tenant that comes and goes keeps its share between its requests."""
         return f"{self.cell(cell)}:tseen"
 
     def dlq(self, stage: str, cell: int) -> str:

@@ -86,7 +86,8 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
   redis.call('HSET', wf, 'state', state, 'finished_ms', now, 'updated_ms', now)
   if rec[9] then       -- counted in its tenant's live workflows at submit (fair share): no longer
     local tinf = key(cell .. ':tinf')
-    redis.call('HINCRBY', tinf, rec[8], -1)     -- a tenant at 0 keeps its field (one per tenant)
+    -- a tenant at 0 keeps its field (one per tenant), and when it got there: it keeps its share a while
+    if redis.call('HINCRBY', tinf, rec[8], -1) <= 0 then redis.call('HSET', key(cell .. ':tseen'), rec[8], now) end
   end
   index_state(wf, id, rec[5], state, rec[6] or now)
   if err and err ~= '' then

@@ -7,8 +7,7 @@
 -- KEYS[7] all-ids zset  `<c>:all`
 -- KEYS[8] tenant index  `<c>:idx:tenant:<tenant>`  KEYS[9] tenant names set `<c>:idx:tenants`
 -- KEYS[10..] `<c>:stage:<s>:tasks[:<class>]` of each stage in ARGV[8] (the request's priority
---            class, record field `prio`), `<c>:idx:state:pending`, `<c>:tinf` (live per tenant) and
---            `<c>:tseen` (when each tenant was last admitted)
+--            class, record field `prio`), `<c>:idx:state:pending` and `<c>:tinf` (live per tenant)
 -- ARGV[1] prefix  ARGV[2] id  ARGV[3] now_ms  ARGV[4] deadline_ms
 -- ARGV[5] max_in_flight of this cell for the request's priority class  ARGV[6] idempotency ttl s (0: no key)
 -- ARGV[7] required stages csv  ARGV[8] stages submitted at admission csv
@@ -46,7 +45,6 @@ end
 redis.call('HSET', wf, 'id', id, 'state', 'pending', 'created_ms', now, 'updated_ms', now,
   'deadline_ms', ARGV[4], 'finished', '', 'gsub', '', 'tf', '1', unpack(ARGV, 10, 9 + 2 * nf))
 redis.call('HINCRBY', tinf, tenant, 1)
-redis.call('HSET', key(cell_base(wf) .. ':tseen'), tenant, now)
 for i = 10, 8 + 2 * nf, 2 do      -- the record's priority class, for tasks_key (no read back)
   if ARGV[i] == 'prio' then PRIO[wf] = ARGV[i + 1] end
 end
