@@ -129,8 +129,11 @@ class Store:
         A server out of memory refuses it like admission control does: `AdmissionRefused` (busy);
         so does a tenant over its fair share while the deployment is busy; a priority above the
         tenant's allowance is `PriorityNotAllowed`."""
-        if self.settings.fair_share and self.fair.stale:
-            await self.fair.refresh()
+        if self.settings.fair_share:
+            if self.fair.must_refresh:      # shares are being enforced: decide on a fresh view
+                await self.fair.refresh()
+            elif self.fair.stale:
+                self.fair.refresh_soon()
         shed = None
         if self.pipeline.spec.shedding.on_late is not ShedMode.OFF:
             shed = await self._shed(req, tenant, priority)

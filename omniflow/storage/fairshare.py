@@ -13,6 +13,7 @@ one. (On a single server there is one cell and the check is exact.) The weights 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Mapping
@@ -28,6 +29,8 @@ from omniflow.storage.schema import now_ms, s
 
 MAX_WAITING = 10_000
 
+logger = logging.getLogger(__name__)
+
 
 class FairShare:
     """One process's view of the weights and of every cell's live count per tenant."""
@@ -41,40 +44,50 @@ class FairShare:
         self.counts: list[dict[str, int]] = [{} for _ in keys.all_cells]    # per cell: tenant -> live
         self.waiting: set[str] = set()          # tenants active or refused lately (they want a share too)
         self._at = -math.inf
-        self._refreshing: asyncio.Future[None] | None = None
+        self.must_refresh = False           # a cell is past the line: re-read before the next submit
+        self._background: asyncio.Task[None] | None = None
 
     @property
     def stale(self) -> bool:
         return time.monotonic() - self._at > self.settings.fair_refresh_ms / 1000
 
-    async def refresh(self) -> None:
-        """Re-read the live weights and every cell's counts (one pipeline; concurrent callers share it)."""
-        if self._refreshing is not None:
-            await asyncio.shield(self._refreshing)
-            return
-        self._refreshing = asyncio.get_running_loop().create_future()
+    def refresh_soon(self) -> None:
+        """Re-read in the background (the submit goes on with the view it has: a refresh of the
+        weights and the shares lags by one read, and the happy path waits for nothing)."""
+        if self._background is None or self._background.done():
+            self._background = asyncio.get_running_loop().create_task(self._refresh_quietly())
+
+    async def _refresh_quietly(self) -> None:
         try:
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hgetall(self.keys.fair_weights)
-            pipe.zrangebyscore(self.keys.fair_waiting, now_ms() - int(self.settings.fair_waiting_s * 1000), "+inf",
-                               start=0, num=MAX_WAITING)
-            for cell in self.keys.all_cells:
-                pipe.hgetall(self.keys.tenant_inflight(cell))
-                pipe.hgetall(self.keys.tenant_seen(cell))
-            replies = await pipe.execute()
-            self.weights = {**self.configured, **decode_weights(replies[0])}
-            since = now_ms() - int(self.settings.fair_waiting_s * 1000)
-            seen = {s(t) for r in replies[3::2] for t, ms in (r or {}).items() if int(ms) >= since}
-            self.waiting = {s(t) for t in replies[1] or []} | seen
-            self.counts = [{s(k): int(v) for k, v in (r or {}).items()} for r in replies[2::2]]
-            self._at = time.monotonic()
-        finally:
-            done, self._refreshing = self._refreshing, None
-            done.set_result(None)
+            await self.refresh()
+        except Exception as exc:  # noqa: BLE001 - a failed background read is retried on the next submit
+            logger.debug("re-reading the fair-share view failed: %s", exc)
+
+    async def refresh(self) -> None:
+        """Re-read the live weights and every cell's counts (one pipeline). Concurrent reads each
+        run; the view keeps the one that started last, so it is never older than the last call."""
+        started = time.monotonic()
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(self.keys.fair_weights)
+        pipe.zrangebyscore(self.keys.fair_waiting, now_ms() - int(self.settings.fair_waiting_s * 1000), "+inf",
+                           start=0, num=MAX_WAITING)
+        for cell in self.keys.all_cells:
+            pipe.hgetall(self.keys.tenant_inflight(cell))
+            pipe.hgetall(self.keys.tenant_seen(cell))
+        replies = await pipe.execute()
+        if started < self._at:
+            return          # a read that started later was applied meanwhile
+        self.weights = {**self.configured, **decode_weights(replies[0])}
+        since = now_ms() - int(self.settings.fair_waiting_s * 1000)
+        seen = {s(t) for r in replies[3::2] for t, ms in (r or {}).items() if int(ms) >= since}
+        self.waiting = {s(t) for t in replies[1] or []} | seen
+        self.counts = [{s(k): int(v) for k, v in (r or {}).items()} for r in replies[2::2]]
+        self._at = started
+        self.must_refresh = False
 
     def invalidate(self) -> None:
         """Re-read before the next submit (the cell is busy: shares are being enforced)."""
-        self._at = -math.inf
+        self.must_refresh = True
 
     def admitted(self, cell: int, in_flight: int) -> None:
         """A submit into `cell` was admitted, leaving `in_flight` there: once that is where shares are
@@ -92,8 +105,8 @@ class FairShare:
     async def refused(self, tenant: str) -> None:
         """A submit of `tenant` was refused as busy: it counts among the sharers for `fair_waiting_s`
         (a write on the refusal path only; the view learns it now, the other processes on their refresh)."""
-        if not self.settings.fair_share or self.alone(tenant):
-            return      # nobody to share with: nothing to note (a refusal of a lone tenant writes nothing)
+        if not self.settings.fair_share or self.alone(tenant) or tenant in self.active():
+            return      # alone, or already a sharer (it holds some): nothing to note (a flood writes nothing)
         self.waiting.add(tenant)
         pipe = self.redis.pipeline(transaction=False)
         pipe.zadd(self.keys.fair_waiting, {tenant: now_ms()})
