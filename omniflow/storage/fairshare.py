@@ -139,9 +139,10 @@ class FairShare:
             return ["", 0, ""]
         elsewhere = sum(counts.get(tenant, 0) for c, counts in enumerate(self.counts) if c != cell)
         limit = cells_mod.cell_limit(self.settings.max_in_flight, self.keys.cells, cell)
-        alone = self.alone(tenant)
+        # the cap only binds once another tenant has used the deployment: the view says so for the
+        # other cells, the cell's own counts (in the script) for this one
         return [self.share(tenant) - elsewhere, math.floor(limit * self.settings.fair_share_from),
-                "" if alone else self.cap() - elsewhere]
+                self.cap() - elsewhere]
 
 
 def decode_weights(raw: Mapping[Any, Any] | None) -> dict[str, float]:

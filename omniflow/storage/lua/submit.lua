@@ -14,7 +14,8 @@
 -- ARGV[9] n record fields, then that many field/value pairs (the first pair is 'tenant', <tenant>)
 -- then ARGV[10 + 2n] the tenant's fair share left for this cell ('': no fair-share check),
 --      ARGV[11 + 2n] the cell's in-flight count from which the share is enforced and
---      ARGV[12 + 2n] the most the tenant may hold in this cell whatever the others do ('': no cap)
+--      ARGV[12 + 2n] the most the tenant may hold in this cell whatever the others do, once another
+--      tenant has used the cell ('': no cap)
 -- Returns {'ok', id, the cell's in-flight count now} | {'existing', id} | {'retired', id} | {'exists', id} | {'busy', n}
 --       | {'busy', n, 'tenant', the tenant's live workflows in this cell}
 -- ('existing': the request id names a workflow already; whether that one is retired is the
@@ -36,8 +37,10 @@ local tinf = key(cell_base(wf) .. ':tinf')
 local share = tonumber(ARGV[10 + 2 * nf] or '')
 if share then
   local mine = tonumber(redis.call('HGET', tinf, tenant) or '0')
+  -- the cap holds once another tenant has used this cell (its field in tinf, even at 0)
   local cap = tonumber(ARGV[12 + 2 * nf] or '')
-  if (n >= tonumber(ARGV[11 + 2 * nf]) and mine >= share) or (cap and mine >= cap) then
+  local others = cap and mine >= cap and redis.call('HLEN', tinf) > (mine > 0 and 1 or 0)
+  if (n >= tonumber(ARGV[11 + 2 * nf]) and mine >= share) or others then
     return {'busy', tostring(n), 'tenant', tostring(mine)}
   end
 end
