@@ -130,6 +130,28 @@ async def test_a_lower_class_gives_its_slot_way_when_a_higher_one_waits() -> Non
     assert slots.free == 1
 
 
+async def test_a_session_that_gave_way_resumes_before_the_unstarted_ones_of_its_class() -> None:
+    slots = Slots(1)
+    await slots.acquire(Priority.BATCH, "t")                    # a batch session mid-stream
+    order: list[str] = []
+
+    async def start(name: str, prio: Priority) -> None:
+        async with slots.held(prio, "t"):
+            order.append(name)
+
+    queued = [asyncio.create_task(start(f"batch {i}", Priority.BATCH)) for i in range(3)]
+    live = asyncio.create_task(start("live", Priority.INTERACTIVE))
+    while slots.waiting < 4:
+        await asyncio.sleep(0)
+    gave_way = asyncio.create_task(slots.yield_to_higher(Priority.BATCH, "t"))
+    while not gave_way.done():
+        await asyncio.sleep(0)
+    order.append("resumed")
+    slots.release()
+    await asyncio.gather(live, *queued)
+    assert order == ["live", "resumed", "batch 0", "batch 1", "batch 2"]
+
+
 async def test_a_cancelled_waiter_leaves_no_slot_behind() -> None:
     slots = Slots(1)
     await slots.acquire()

@@ -39,12 +39,18 @@ class Slots:
         """Whether a session of a class above `priority` waits for a slot (cheap: read from any thread)."""
         return any(self._count[:priority.rank])
 
-    async def acquire(self, priority: Priority = Priority.API, tenant: str = "") -> None:
+    async def acquire(self, priority: Priority = Priority.API, tenant: str = "", *, first: bool = False) -> None:
+        """Wait for a slot in `priority`'s and `tenant`'s turn (`first`: ahead of the others of its
+        class and tenant, for a session that gave its slot way mid-stream)."""
         if self.free > 0 and not self.waiting:
             self.free -= 1
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting[priority].setdefault(tenant, deque()).append(fut)
+        queue = self._waiting[priority].setdefault(tenant, deque())
+        if first:
+            queue.appendleft(fut)
+        else:
+            queue.append(fut)
         self._count[priority.rank] += 1
         self._grant()       # a free slot and only this waiter (the free ones went to nobody)
         try:
@@ -91,13 +97,15 @@ class Slots:
 
     async def yield_to_higher(self, priority: Priority, tenant: str = "") -> bool:
         """Called by a session holding a slot at a chunk boundary: if a higher class waits, give the
-        slot to it and queue for one again (in `priority`'s turn). Returns whether it gave way."""
+        slot to it and queue for one again, in `priority`'s turn but ahead of the sessions of its class
+        that have not started (it holds its downstream sessions' slots, waiting for its chunks).
+        Returns whether it gave way."""
         if not self.higher_waiting(priority):
             return False
         self.yields += 1
         self.release()
         try:
-            await self.acquire(priority, tenant)
+            await self.acquire(priority, tenant, first=True)
         except asyncio.CancelledError:
             self.free -= 1      # not held again: the holder's release at its end must not add a slot
             raise
