@@ -8,8 +8,7 @@ Talker 2 ms and Code2Wav 2 ms a chunk, 8 session slots per stage, so the slots, 
 cores, are what the load fills. A probe is one workflow at a time: submit -> its first output
 chunk (the Thinker's first text delta in the workflow's log), then it waits for the end.
 
-- **batch load**: `--batch N` (default 2,000, about 10-15 s here; the issue's 10,000:
-  `--batch 10000`) workflows of class `batch` run flat out: 150 lines kept in flight (a batch job's
+- **batch load**: `--batch N` (default 1,500; the issue's 10,000: `--batch 10000`) workflows of class `batch` run flat out: 150 lines kept in flight (a batch job's
   window; admission lets batch fill 80 % of `max_in_flight` 200), while interactive probes run.
   Result: interactive p99 unloaded vs under the batch, and the rise.
 - Each stage holds up to 32 claimed tasks beyond its slots (`prefetch`): intake can only reorder
@@ -20,7 +19,7 @@ chunk (the Thinker's first text delta in the workflow's log), then it waits for 
   (far over 20x its share; the measured multiple is reported), while tenant `other` probes at the
   `api` class. `max_in_flight` 64, equal weights. Result: `other`'s p99 unloaded vs under the flood.
 
-    .venv/bin/python bench/overload.py [--batch 10000] [--probes 100] [--quick]   # writes
+    .venv/bin/python bench/overload.py [--batch 10000] [--probes 60] [--quick]   # writes
         bench/out/overload.json and its section of docs/benchmarks.md (`bench/run.py --only overload` too)
 """
 from __future__ import annotations
@@ -354,7 +353,7 @@ def fair_row(*, probes: int) -> dict[str, Any]:
             if flood.get("wall_s") and share_s else None, "probe_span_s": round(span, 1)}
 
 
-def run(*, batch: int = 2000, probes: int = 100) -> dict[str, Any]:
+def run(*, batch: int = 1500, probes: int = 60) -> dict[str, Any]:
     t0 = time.monotonic()
     doc = {"batch_load": batch_row(batch=batch, probes=probes), "fair_share": fair_row(probes=probes)}
     doc.update(date=dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), wall_s=round(time.monotonic() - t0, 1),
@@ -427,8 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(asyncio.run(_load_main(a.role, a.n, a.tenant))), flush=True)
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=2000, help="workflows in the batch (the issue's run: 10000)")
-    ap.add_argument("--probes", type=int, default=100, help="probe workflows per phase")
+    ap.add_argument("--batch", type=int, default=1500, help="workflows in the batch (the issue's run: 10000)")
+    ap.add_argument("--probes", type=int, default=60, help="probe workflows per phase")
     ap.add_argument("--quick", action="store_true", help="a batch of 500, 30 probes")
     ap.add_argument("--render", action="store_true", help="measure nothing: splice the section from bench/out")
     ap.add_argument("--no-docs", action="store_true", help="print the section, leave docs/benchmarks.md alone")
