@@ -71,7 +71,7 @@ class SessionCore:
     priority: Priority
     tenant: str
     tasks_key: str  # the task stream it was read from ('': its class's)
-    _slots: Slots | None  # the stage's slots, to give way to a higher class at a chunk (None: never)
+    _slots: Slots | None  # the stage's slots, to give way at a chunk (higher class, fairer turn; None: never)
 
 
     @property

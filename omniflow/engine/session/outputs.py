@@ -72,14 +72,23 @@ class SessionOutputs(SessionCore):
             self._home.call_soon_threadsafe(self._push, step)
             if len(self._inflight) >= MAX_EMITS_IN_FLIGHT:
                 await self.flush()
-            if self._slots is not None and self._slots.higher_waiting(self.priority):
-                await self._on_home(self._slots.yield_to_higher(self.priority, self.tenant))
+            if self._slots is not None and self._slots_say_give_way():
+                await self._on_home(self._slots.give_way(self.priority, self.tenant))
             return
         self._push(step)
         if len(self._inflight) >= MAX_EMITS_IN_FLIGHT:
             await self.flush()
-        if self._slots is not None and self._slots.higher_waiting(self.priority):
-            await self._slots.yield_to_higher(self.priority, self.tenant)    # a chunk boundary: live traffic first
+        if self._slots is not None and self._slots.should_give_way(self.priority, self.tenant):
+            await self._slots.give_way(self.priority, self.tenant)    # a chunk boundary: live traffic, fair turns
+
+    def _slots_say_give_way(self) -> bool:
+        """`should_give_way`, read from the compute thread (the slots live on the worker's loop: a read
+        that races a change is only a hint, and `give_way` decides again on the loop)."""
+        assert self._slots is not None
+        try:
+            return self._slots.should_give_way(self.priority, self.tenant)
+        except RuntimeError:        # a dict changed under the read
+            return False
 
     def _sizes(self, data: Any, to: Mapping[str, Any] | None) -> tuple[dict[str, int], bool]:
         """Each payload's size by stage, and whether `_admit` must run before the step is built (a

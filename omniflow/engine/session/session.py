@@ -69,7 +69,7 @@ class Session(SessionInputs):
     _windows: dict[str, EdgeWindow] = field(default_factory=dict)
     _unreported: dict[str, tuple[int, int]] = field(default_factory=dict)  # src -> chunks, bytes read unreported
     # scheduling: the workflow's priority class and tenant, the task stream it came from ('': the
-    # class's), and the stage's slots when it gives way to a higher class at its chunks (None: never)
+    # class's), and the stage's slots when it gives way at its chunks (None: never)
     priority: Priority = Priority.API
     tenant: str = ""
     tasks_key: str = ""

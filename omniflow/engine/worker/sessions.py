@@ -156,8 +156,8 @@ class SessionRunner:
         """Run the executor; map how it ended to (outcome, detail, retryable)."""
         retry = pool.spec.retry
         try:
-            if session.priority is not Priority.INTERACTIVE and not isinstance(pool.executor, BatchedExecutor):
-                session._slots = pool.slots         # gives way to a higher class at its chunks (see Slots)
+            if not isinstance(pool.executor, BatchedExecutor):
+                session._slots = pool.slots     # gives way at its chunks to a higher class or a fairer turn (Slots)
             async with pool.slots.held(session.priority, session.tenant), asyncio.timeout(retry.attempt_timeout_s):
                 begun = time.monotonic()
                 try:
