@@ -21,7 +21,7 @@ async def test_each_priority_class_has_its_own_task_stream_and_every_class_compl
             doc = await eng.store.wait(wf_id, timeout_s=20)
             assert doc["state"] == "completed" and doc["priority"] == prio.value
         for prio in Priority:
-            info = await eng.redis.xinfo_stream(eng.store.keys.tasks("thinker", 0, prio.value))
+            info = await eng.redis.xinfo_stream(eng.store.keys.tasks(eng.pipeline.queue("thinker"), 0, prio.value))
             assert info["entries-added"] == 1          # the thinker's one session of that class, on its stream
         counts = await eng.redis.hgetall(eng.store.keys.tenant_inflight(0))
         assert {s(k): int(v) for k, v in counts.items()} == {"default": 0}      # every count given back
@@ -57,7 +57,7 @@ async def test_a_running_batch_session_gives_way_to_a_live_one_at_a_chunk_bounda
             assert (await eng.store.wait(wf_id, timeout_s=30))["state"] == "completed"
         ends = [int(s(await eng.redis.hget(eng.store.keys.stages(w), "thinker:t_end"))) for w in (live, batch)]
         assert ends[0] < ends[1]            # the live turn did not wait for the batch line to end
-        assert eng.workers["thinker"][0].pools["thinker"].slots.yields >= 1
+        assert eng.workers["thinker"][0].pools[eng.pipeline.queue("thinker")].slots.yields >= 1
 
 
 async def _emitted(eng, wf_id: str, n: int) -> bool:

@@ -20,12 +20,11 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omniflow.storage import registry
 from omniflow.storage.keys import DLQ_EVENTS, PRIORITY_NAMES, TASK_GROUP
 from omniflow.storage.redisio import translated
-from omniflow.client.store import Store
 from omniflow.storage.schema import csv, now_ms, s
 from omniflow.engine.window import WINDOW_S, merge, percentile
 from omniflow.models import WorkerState, WorkflowState
@@ -34,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 #: text and audio log entries: a stage's first one is its time to first output
 OUTPUT_EVENTS = ("text", "audio")
+
+if TYPE_CHECKING:       # (the store's deadline shedding reads the queues through this module)
+    from omniflow.client.store import Store
 
 
 def entry_ms(entry_id: Any) -> int | None:

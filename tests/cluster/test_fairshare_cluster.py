@@ -32,5 +32,5 @@ async def test_fair_share_holds_over_the_cells_not_per_cell(engine_factory) -> N
         await store.submit(request(), tenant="other", wf_id=new_id(15))
         # the classes' streams are per cell too: a batch workflow lands on its cell's batch stream
         sub = await store.submit(request(), tenant="other", wf_id=new_id(7), priority=Priority.BATCH)
-        assert (await eng.redis.xinfo_stream(store.keys.tasks("thinker", 7, "batch")))["entries-added"] == 1
+        assert (await eng.redis.xinfo_stream(store.keys.tasks(eng.pipeline.queue("thinker"), 7, "batch")))["entries-added"] == 1
         assert (await store.document(sub.id))["priority"] == "batch"

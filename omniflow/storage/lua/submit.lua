@@ -18,7 +18,7 @@
 --      ARGV[12 + 2n] the most the tenant may hold in this cell whatever the others do, once another
 --      tenant has used the cell ('': no cap)
 -- Returns {'ok', id, the cell's in-flight count now} | {'existing', id} | {'retired', id} | {'exists', id} | {'busy', n}
---       | {'busy', n, 'tenant', the tenant's live workflows in this cell}
+--       | {'busy', n, tenant, the tenant's live workflows in this cell}   (tenant: the word, over its fair share)
 -- ('existing': the request id names a workflow already; whether that one is retired is the
 -- caller's question, as its tombstone is a key this call cannot declare)
 --@include _lib.lua
