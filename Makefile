@@ -75,8 +75,10 @@ lint: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not chaos"
 
+# The long chaos runs; tests/cluster/test_cluster_soak.py: 10,000 workflows on a 3-primary cluster with
+# replicas, a primary failover and worker SIGKILLs (OMNIFLOW_SOAK_WORKFLOWS / OMNIFLOW_SOAK_RATE to change it)
 soak: $(STAMP)
-	OMNIFLOW_SOAK=1 $(PY) -m pytest -q tests/chaos -p no:cacheprovider
+	OMNIFLOW_SOAK=1 $(PY) -m pytest -q -s tests/cluster/test_cluster_soak.py tests/chaos -p no:cacheprovider
 
 # The BullMQ peer is Node: its pinned packages (bench/peers/bullmq/package-lock.json) when node is here;
 # without node, or if npm ci fails, bench/run.py skips the BullMQ rows with a note in the table.

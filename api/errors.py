@@ -19,6 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omniflow.errors import (
     AdmissionRefused,
+    DeadlineUnmeetable,
+    PriorityNotAllowed,
     ConfigError,
     IdempotencyConflict,
     InputClosed,
@@ -43,6 +45,8 @@ STATUS_BY_ERROR: tuple[tuple[type[OmniflowError], int], ...] = (
     (NotReady, 409),
     (InputClosed, 409),
     (AdmissionRefused, 429),
+    (PriorityNotAllowed, 403),
+    (DeadlineUnmeetable, 503),
     (RedisUnavailable, 503),
     (ConfigError, 500),
 )
@@ -104,7 +108,7 @@ async def _omniflow_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, OmniflowError)
     status = _status_of(exc)
     code = getattr(exc, "code", None) or ("redis_unavailable" if isinstance(exc, RedisUnavailable) else "internal")
-    headers = retry_after(exc.retry_after_s) if isinstance(exc, AdmissionRefused) else None
+    headers = retry_after(exc.retry_after_s) if isinstance(exc, (AdmissionRefused, DeadlineUnmeetable)) else None
     if isinstance(exc, RedisUnavailable):
         headers = retry_after(1)
     if status >= 500:

@@ -19,7 +19,7 @@ from omniflow.api.audio import BadAudio, DecodedAudio, decode
 from omniflow.api.deps import ApiState, pipeline_ref
 from omniflow.api.errors import ApiError
 from omniflow.errors import OmniflowError
-from omniflow.models import AudioInput, SubmitRequest, WorkflowInput
+from omniflow.models import AudioInput, Priority, SubmitRequest, Submitted, WorkflowInput
 from omniflow.pipeline import Pipeline
 
 ASR_RATE = 16000                 # what Whisper hears: decoding to it sends a third of 48 kHz's bytes
@@ -37,14 +37,16 @@ async def decode_upload(state: ApiState, data: bytes, *, param: str) -> DecodedA
 
 async def submit_audio(state: ApiState, tenant: str, audio: DecodedAudio, *, modalities: list[str],
                        stage_params: dict[str, dict[str, Any]] | None = None, deadline_s: float | None = None,
-                       text: str | None = None, pipeline: Pipeline | None = None) -> str:
+                       text: str | None = None, pipeline: Pipeline | None = None, priority: Priority | None = None,
+                       default_priority: Priority = Priority.API) -> Submitted:
     """Submit a workflow that takes `audio` (on `pipeline`, default the deployment's) and hand it all
-    of it; returns the workflow id."""
+    of it; returns what was submitted. `priority`: the request's class (None: `default_priority`,
+    the entry point's)."""
     pipeline = pipeline or state.pipeline
     submitted = await state.store.submit(SubmitRequest(
         input=WorkflowInput(text=text, audio=AudioInput(sample_rate=audio.sample_rate)),
         output_modalities=modalities, stage_params=stage_params or {}, deadline_s=deadline_s,
-        pipeline=pipeline_ref(pipeline)), tenant=tenant)
+        pipeline=pipeline_ref(pipeline), priority=priority), tenant=tenant, priority=default_priority)
     step = int(CHUNK_S * audio.sample_rate)
     chunks = [np.ascontiguousarray(audio.pcm[i:i + step]) for i in range(0, audio.pcm.size, step)]
     try:
@@ -53,7 +55,7 @@ async def submit_audio(state: ApiState, tenant: str, audio: DecodedAudio, *, mod
     except (OmniflowError, asyncio.CancelledError):
         state.spawn(state.store.abort(submitted.id, reason="its audio input could not be appended"))
         raise
-    return submitted.id
+    return submitted
 
 
 def segments(usage: dict[str, Any]) -> list[dict[str, Any]]:

@@ -400,6 +400,9 @@ def write_markdown(path: Path, results: list[Result], failures: list[str], args,
     from bench import speech         # speech in and out against the models in process (bench/out/speech.json)
 
     md += speech.markdown()
+    from bench import overload       # priorities and fair share, from bench/out/overload.json when it ran
+
+    md += overload.markdown()
     md += dataplane_section(dataplane_result)
     from bench import tracing_bench  # what traces cost, from bench/out/tracing.json when that group ran
 

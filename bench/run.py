@@ -41,7 +41,7 @@ CELERY_VENV = REPO_ROOT / ".venv-bench-celery"
 # tracing: bench/tracing_bench.py (the cost of OpenTelemetry traces: off, on unsampled, on exported)
 # speech: bench/speech.py (transcription and /v1/audio/speech against the models in process; real models)
 GROUPS = ["raw", "inproc", "arq", "dramatiq", "celery", "bullmq", "omniflow", "user", "http", "pipeline", "dataplane",
-          "realtime", "tracing", "speech"]
+          "realtime", "tracing", "speech", "overload"]
 BULLMQ_CONCURRENCY = (1, 8, 32)
 
 
@@ -358,6 +358,16 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"  {line}")
         except Exception as exc:  # noqa: BLE001 - one failed group is reported, the others still render
             failures.append(f"pipeline: {exc!r}")
+    if "overload" in args.only:
+        from bench import overload
+
+        log("- under overload: priorities and fair share (bench/overload.py)")
+        try:
+            doc = overload.run(**({"batch": 500, "probes": 30} if args.quick else {}))
+            for line in overload.lines(doc):
+                log(f"  {line}")
+        except Exception as exc:  # noqa: BLE001 - one failed group is reported, the others still render
+            failures.append(f"overload: {exc!r}")
     if "realtime" in args.only:
         from bench import realtime
 

@@ -160,7 +160,7 @@ async def speech_once(oai: AsyncOpenAI, store: Store) -> tuple[float, float]:
         async for _piece in response.iter_bytes():
             first = first or time.perf_counter()
     marks: dict[str, int] = {}
-    for entry_id, fields in await store.redis.xrange(store.keys.log(wf_id)):
+    for entry_id, fields in await store.client.xrange(store.keys.log(wf_id)):
         f = {s(k): s(v) for k, v in fields.items()}
         at = int(s(entry_id).split("-")[0])
         key = f"{f.get('stage')}:{f.get('status') or f.get('t')}"

@@ -12,6 +12,8 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from omniflow.errors import ConfigError, RedisNotFound
+from omniflow.fairness import DEFAULT_PRIORITY_WEIGHTS, parse_allowances, parse_priority_weights, parse_weights
+from omniflow.models import Priority
 
 DEFAULT_PIPELINE = Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "omni-toy.yaml"
 DEFAULT_HOME = Path(".omniflow")
@@ -80,6 +82,53 @@ class Settings(BaseSettings):
         default=10_000, ge=1,
         description="admission limit: at most this many non-terminal workflows; over it submit answers 429 "
                     "and creates nothing")
+
+    # priorities and fair share (docs/operations.md, "Priorities and fair share")
+    priority_weights: str = Field(
+        default=DEFAULT_PRIORITY_WEIGHTS,
+        description="`interactive=W,api=W,batch=W`: the share of session starts each priority class gets while "
+                    "several wait (smooth weighted round robin; a higher class may not weigh less than a lower "
+                    "one); a lower class is never starved")
+    admission_share_api: float = Field(
+        default=1.0, gt=0, le=1,
+        description="the fraction of `max_in_flight` that `api` requests may fill (below 1: headroom kept for "
+                    "`interactive`)")
+    admission_share_batch: float = Field(
+        default=0.8, gt=0, le=1,
+        description="the fraction of `max_in_flight` that `batch` requests may fill (the rest is headroom for "
+                    "live traffic)")
+    tenant_priorities: str = Field(
+        default="",
+        description="`tenant=class,...`: the highest priority class each tenant may ask for (a request above it "
+                    "is 403 `priority_not_allowed`; a default class above it is lowered to it)")
+    default_max_priority: str = Field(
+        default="interactive", description="the highest priority class of a tenant not in `tenant_priorities`")
+    tenant_weights: str = Field(
+        default="",
+        description="`tenant=W,...` (W from 0.01 to 1000): fair-share weights; others weigh 1. Changed live with "
+                    "`omniflow tenants weight` (held in Redis, over these)")
+    fair_share: bool = Field(
+        default=True,
+        description="per-tenant fair share at admission: once the deployment is busy, a tenant over its "
+                    "weighted share of `max_in_flight` gets 429")
+    fair_share_from: float = Field(
+        default=0.5, ge=0, le=1,
+        description="fair share is enforced once this fraction of `max_in_flight` is in flight (under it every "
+                    "tenant is admitted)")
+    fair_share_reserve: float = Field(
+        default=0.1, ge=0, lt=1,
+        description="the fraction of `max_in_flight` no single tenant may take, kept for the next tenant that "
+                    "arrives while one fills the deployment (it is admitted at once, and the shares follow)")
+    fair_waiting_s: float = Field(
+        default=10.0, gt=0,
+        description="a tenant whose last live workflow ended, or that was refused as busy, counts among the "
+                    "tenants sharing `max_in_flight` for this long (one between two requests, or holding nothing "
+                    "yet, still gets its share)")
+    fair_refresh_ms: int = Field(
+        default=200, ge=10,
+        description="how often a process re-reads the tenant weights and (on a cluster) every cell's live "
+                    "count per tenant")
+
     default_deadline_s: float = Field(
         default=300.0, gt=0, description="a workflow's deadline when the request gives none")
     max_deadline_s: float = Field(
@@ -270,6 +319,35 @@ class Settings(BaseSettings):
         if isinstance(value, (str, Path)):
             return [p.strip() for p in str(value).split(",") if p.strip()]
         return value
+
+    @field_validator("priority_weights")
+    @classmethod
+    def _priority_weights(cls, value: str) -> str:
+        parse_priority_weights(value)
+        return value
+
+    @field_validator("tenant_weights")
+    @classmethod
+    def _tenant_weights(cls, value: str) -> str:
+        parse_weights(value)
+        return value
+
+    @field_validator("tenant_priorities")
+    @classmethod
+    def _tenant_priorities(cls, value: str) -> str:
+        parse_allowances(value)
+        return value
+
+    @field_validator("default_max_priority")
+    @classmethod
+    def _default_max_priority(cls, value: str) -> str:
+        return Priority.parse(value).value
+
+    def admission_limit(self, priority: Priority) -> int:
+        """How much of `max_in_flight` requests of `priority` may fill (at least 1)."""
+        share = {Priority.INTERACTIVE: 1.0, Priority.API: self.admission_share_api,
+                 Priority.BATCH: self.admission_share_batch}[priority]
+        return max(1, int(self.max_in_flight * share))
 
     def pipeline_path(self) -> Path:
         """The default pipeline's YAML (the first one given)."""

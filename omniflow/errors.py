@@ -16,6 +16,9 @@
     │   ├── WorkflowRetired    the id was aborted/failed before: use a fresh id (HTTP 409)
     │   ├── IdempotencyConflict a request_id reused with a different request (HTTP 409)
     │   ├── AdmissionRefused   over `max_in_flight`; carries retry_after_s (HTTP 429)
+    │   │   └── FairShareRefused  the tenant is over its fair share while the deployment is busy (429)
+    │   ├── PriorityNotAllowed a priority class above the tenant's allowance (HTTP 403)
+    │   ├── DeadlineUnmeetable the queues predict a miss of the deadline; the pipeline refuses (HTTP 503)
     │   ├── NotReady           the thing asked for is not produced yet (HTTP 409)
     │   └── InputClosed        streamed input for a workflow that ended it, or has ended (HTTP 409)
     └── StageError             raised by executors
@@ -118,6 +121,29 @@ class AdmissionRefused(WorkflowError):
     """Too many workflows in flight (HTTP 429)."""
 
     code = "over_capacity"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class FairShareRefused(AdmissionRefused):
+    """The tenant holds its fair share of `max_in_flight` and the deployment is busy (HTTP 429)."""
+
+    code = "over_fair_share"
+
+
+class PriorityNotAllowed(WorkflowError):
+    """The request names a priority class above its tenant's allowance (HTTP 403)."""
+
+    code = "priority_not_allowed"
+
+
+class DeadlineUnmeetable(WorkflowError):
+    """The stage queues predict the request would miss its deadline and its pipeline sheds by
+    refusing (HTTP 503 with Retry-After)."""
+
+    code = "deadline_unmeetable"
 
     def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
         super().__init__(message)

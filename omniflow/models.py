@@ -61,6 +61,35 @@ class AudioInput(BaseModel):
     sample_rate: int = Field(16000, ge=8000, le=192_000)
 
 
+class Priority(str, Enum):
+    """A request's priority class, highest first: stage intake serves a higher class first and gives
+    the lower ones a bounded share (`OMNIFLOW_PRIORITY_WEIGHTS`), so none starves."""
+
+    INTERACTIVE = "interactive"     # a live turn (realtime, a user waiting for first audio)
+    API = "api"                     # an ordinary API request (the default)
+    BATCH = "batch"                 # batch jobs: gives way to live traffic
+
+    @property
+    def rank(self) -> int:
+        """0 for the highest class."""
+        return PRIORITY_ORDER.index(self)
+
+    @classmethod
+    def parse(cls, value: str) -> Priority:
+        """A priority by name (`realtime` is `interactive`); ValueError naming the classes otherwise."""
+        name = value.strip().lower()
+        if name == "realtime":
+            return cls.INTERACTIVE
+        try:
+            return cls(name)
+        except ValueError:
+            raise ValueError(f"unknown priority {value!r}; classes are "
+                             f"{[p.value for p in PRIORITY_ORDER]} (realtime = interactive)") from None
+
+
+PRIORITY_ORDER = (Priority.INTERACTIVE, Priority.API, Priority.BATCH)
+
+
 class WorkflowInput(BaseModel):
     """What a workflow answers: a text prompt, or audio (then `text`, if given, is context only)."""
 
@@ -108,6 +137,14 @@ class SubmitRequest(BaseModel):
     )
     webhook_url: str | None = Field(None, max_length=2048)
     deadline_s: float | None = Field(None, gt=0)
+    priority: Priority | None = Field(
+        None, description="priority class (interactive, api, batch); default: the entry point's (the API: api, "
+                          "realtime: interactive, batch jobs: batch), capped by the tenant's allowance")
+
+    @field_validator("priority", mode="before")
+    @classmethod
+    def _priority(cls, value: Any) -> Any:
+        return Priority.parse(value) if isinstance(value, str) else value
 
     @field_validator("output_modalities")
     @classmethod
@@ -121,3 +158,5 @@ class Submitted(BaseModel):
     id: str
     state: WorkflowState
     existing: bool = False
+    degraded: str | None = None             # why the request runs with fewer outputs (deadline shedding)
+    dropped: list[str] = Field(default_factory=list)     # the output modalities it runs without

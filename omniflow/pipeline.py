@@ -89,6 +89,41 @@ class EdgeSpec(BaseModel):
     mode: EdgeMode = EdgeMode.CHUNK
 
 
+class ShedMode(str, Enum):
+    """What a submit does when the stage queues predict its request would miss its deadline."""
+
+    OFF = "off"             # accept it (it may time out)
+    DEGRADE = "degrade"     # run it with fewer outputs (`degrade_to`, e.g. text only), flagged; refuse if even that is late
+    REFUSE = "refuse"       # refuse it at submit (503 `deadline_unmeetable`, Retry-After)
+
+
+Modality = Literal["text", "audio"]
+
+
+def _text_only() -> list[Modality]:
+    return ["text"]
+
+
+class SheddingSpec(BaseModel):
+    """Deadline-aware shedding (docs/operations.md, "Deadline-aware shedding")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    on_late: ShedMode = ShedMode.OFF
+    degrade_to: list[Modality] = Field(
+        default_factory=_text_only, min_length=1,
+        description="the output modalities a degraded request keeps (a subset of the pipeline's)")
+    margin: float = Field(
+        1.0, gt=0, le=10, description="late: the predicted time to the outputs is over deadline_s x margin")
+
+    @field_validator("degrade_to")
+    @classmethod
+    def _distinct(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("degrade_to has duplicates")
+        return value
+
+
 class PipelineSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -101,6 +136,7 @@ class PipelineSpec(BaseModel):
         None, description="the stage that takes each input kind (default: text, at the entry stage)")
     stages: dict[str, StageSpec]
     edges: list[EdgeSpec] = Field(default_factory=list)
+    shedding: SheddingSpec = Field(default_factory=SheddingSpec)
 
 
 @dataclass(frozen=True)
@@ -362,7 +398,20 @@ def _validate(spec: PipelineSpec, source: str) -> Pipeline:
             raise PipelineError(
                 f"{source}: stages.{stage}: inputs mix chunk and full edges; split the stage or use one mode"
             )
-    digest = _hash(spec.model_dump(mode="json", by_alias=True))
+    shed = spec.shedding
+    if shed.on_late is ShedMode.DEGRADE:
+        kinds = {spec.stages[s].final_output for s in finals}
+        extra = sorted(set(shed.degrade_to) - kinds)
+        if extra:
+            raise PipelineError(f"{source}: shedding.degrade_to: {extra} is not produced by this pipeline "
+                                f"(it produces {sorted(k for k in kinds if k)})")
+        if set(shed.degrade_to) == kinds:
+            raise PipelineError(f"{source}: shedding.degrade_to: {shed.degrade_to} is every output of this pipeline; "
+                                "degrading must drop one (or use on_late: refuse)")
+    dumped = spec.model_dump(mode="json", by_alias=True)
+    if shed == SheddingSpec():
+        dumped.pop("shedding")      # the digest of a pipeline without shedding is what it always was
+    digest = _hash(dumped)
     return Pipeline(
         spec=spec,
         digest=digest,

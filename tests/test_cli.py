@@ -81,6 +81,12 @@ async def test_cli_abort_then_exit_code_and_retry(engine_factory, cli_env) -> No
     (["dlq", "replay"], "give a STAGE (or --stage), or --all"),
     (["dlq", "drop", "thinker", "--all"], "give a STAGE (or --stage), or --all"),
     (["drain", "no-such-worker"], "no live worker 'no-such-worker'"),
+    (["submit", "x", "--priority", "urgent"], "--priority: unknown priority 'urgent'"),
+    (["tenants", "weight", "acme", "0"], "weight 0.0 is out of range"),
+    (["tenants", "weight", "acme", "5000"], "weight 5000.0 is out of range"),
+    (["tenants", "weight", "acme", "lots"], "weight 'lots' is not a number"),
+    (["tenants", "weight", "acme"], "give a WEIGHT or --reset"),
+    (["tenants", "weight", "a,b", "2"], "bad tenant name 'a,b'"),
 ])
 async def test_cli_bad_input_exits_2_with_one_clear_line(engine_factory, cli_env, args, message) -> None:
     async with engine_factory(workers=False, reconciler=False) as eng:
@@ -88,6 +94,29 @@ async def test_cli_bad_input_exits_2_with_one_clear_line(engine_factory, cli_env
         assert code == 2, stderr
         assert message in stderr and stderr.count("\n") == 1 and "Traceback" not in stderr
         assert await eng.redis.zcard(eng.store.keys.all_wf(0)) == 0           # nothing ran
+
+
+async def test_cli_priority_over_the_tenants_allowance_exits_2(engine_factory, cli_env) -> None:
+    async with engine_factory(workers=False, reconciler=False) as eng:
+        env = {**cli_env(eng), "OMNIFLOW_TENANT_PRIORITIES": "default=api"}
+        code, _, stderr = await omniflow("submit", "x", "--priority", "interactive", env=env)
+        assert code == 2 and "above what tenant 'default' may ask for" in stderr
+        code, out, _ = await omniflow("submit", "x", "--priority", "batch", "--json", env=env)
+        assert code == 0
+        assert (await eng.store.document(json.loads(out)["id"]))["priority"] == "batch"
+
+
+async def test_cli_tenants_weight_is_set_live_and_listed(engine_factory, cli_env) -> None:
+    async with engine_factory(workers=False, reconciler=False) as eng:
+        env = {**cli_env(eng), "OMNIFLOW_TENANT_WEIGHTS": "gold=3"}
+        code, out, err = await omniflow("tenants", "weight", "acme", "2.5", "--json", env=env)
+        assert code == 0, err
+        assert json.loads(out)["weight"] == 2.5 and json.loads(out)["source"] == "live"
+        code, out, _ = await omniflow("tenants", "ls", "--json", env=env)
+        rows = {r["tenant"]: r for r in json.loads(out)}
+        assert rows["acme"]["weight"] == 2.5 and rows["gold"] == {**rows["gold"], "weight": 3.0, "source": "config"}
+        code, out, _ = await omniflow("tenants", "weight", "acme", "--reset", "--json", env=env)
+        assert code == 0 and json.loads(out)["source"] == "default"
 
 
 async def test_cli_non_utf8_argument_exits_2(engine_factory, cli_env) -> None:

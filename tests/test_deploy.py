@@ -169,8 +169,9 @@ def test_every_stage_has_a_pool_scaled_on_its_consumer_groups(cluster: bool) -> 
         triggers = {t["name"]: t for t in spec["triggers"]}
         # every cell's stream is read, pending and lag, and the formula adds them all up
         assert set(re.findall(r"[a-z_]\w*", spec["advanced"]["scalingModifiers"]["formula"])) == set(triggers)
-        assert {t["metadata"]["stream"] for t in triggers.values()} == {keys.tasks(pipeline.queue(stage), c) for c in keys.all_cells}
-        assert len(triggers) == 2 * keys.cells
+        assert {t["metadata"]["stream"] for t in triggers.values()} == {
+            stream for c in keys.all_cells for stream in keys.task_streams(pipeline.queue(stage), c)}   # every class
+        assert len(triggers) == 2 * 3 * keys.cells
         assert spec["advanced"]["scalingModifiers"]["target"] == str(pipeline.stages[stage].max_sessions)
         assert spec["minReplicaCount"] >= 1           # the API's /readyz needs a live worker per stage
         for trigger in triggers.values():

@@ -56,7 +56,7 @@ from omniflow.api.realtime.turn import TurnEvents, parse_event_id
 from omniflow.client.realtime import SaveResult
 from omniflow.client.store import Store
 from omniflow.errors import AdmissionRefused, InputClosed, OmniflowError
-from omniflow.models import AudioInput, StageStatus, SubmitRequest, WorkflowInput, WorkflowState
+from omniflow.models import AudioInput, Priority, StageStatus, SubmitRequest, WorkflowInput, WorkflowState
 from omniflow.resample import StreamResampler
 
 logger = logging.getLogger(__name__)
@@ -245,7 +245,7 @@ class Connection:
                 output_modalities=self._workflow_modalities(turn.modalities),
                 stage_params=knobs.stage_params(self.pipeline, turn.knobs), request_id=turn.request_id,
                 pipeline=f"{self.pipeline.name}@{self.pipeline.digest}"),
-                tenant=tenant)
+                tenant=tenant, priority=Priority.INTERACTIVE)
         except OmniflowError as exc:
             self.session.state.input = None
             raise ProtocolError("input_audio_buffer_unavailable", f"the turn cannot start: {exc}",
@@ -343,7 +343,8 @@ class Connection:
                     input=WorkflowInput(text=response.prompt),
                     output_modalities=self._workflow_modalities(response.modalities),
                     stage_params=knobs.stage_params(self.pipeline, response.knobs), request_id=response.request_id,
-                    pipeline=f"{self.pipeline.name}@{self.pipeline.digest}"), tenant=tenant)
+                    pipeline=f"{self.pipeline.name}@{self.pipeline.digest}"), tenant=tenant,
+                    priority=Priority.INTERACTIVE)
         except OmniflowError as exc:
             await self._refuse_turn(response, exc)
             return

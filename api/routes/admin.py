@@ -7,9 +7,13 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query
+from pydantic import BaseModel, ConfigDict, Field
 
 from omniflow.ops import admin, fleet
 from omniflow.api.deps import AdminDep, ApiState, StateDep
+from omniflow.api.errors import ApiError
+from omniflow.fairness import MAX_WEIGHT, MIN_WEIGHT
+from omniflow.storage import fairshare
 from omniflow.api.schemas import AUTH_ERRORS, ErrorResponse, Pools, WorkerView
 from omniflow.api.sse import EventStreamResponse, event_schema, sse_event
 from omniflow.errors import RedisUnavailable
@@ -79,3 +83,40 @@ async def drain(worker_id: WorkerId, state: StateDep, _: AdminDep) -> Any:
              summary="Lift a worker's drain: it claims again")
 async def undrain(worker_id: WorkerId, state: StateDep, _: AdminDep) -> Any:
     return await admin.set_drain(state.store, worker_id, drain=False)
+
+
+# ---------------------------------------------------------------- tenants (fair share)
+TenantName = Annotated[str, Path(pattern=r"^[^,=: \t\n]{1,128}$", description="a tenant (as OMNIFLOW_API_KEYS names it)")]
+
+
+class TenantWeight(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    weight: float | None = Field(..., description=f"{MIN_WEIGHT:g} to {MAX_WEIGHT:g}; null: back to the configured one")
+
+
+class TenantRow(BaseModel):
+    tenant: str
+    weight: float
+    source: str = Field(description="live (set here or with `omniflow tenants weight`), config or default")
+    live: int = Field(description="its live workflows")
+    share: int = Field(description="the live workflows it may hold once the deployment is busy")
+
+
+@router.get("/tenants", response_model=list[TenantRow], responses=ADMIN_ERRORS,
+            summary="Fair share: every tenant's weight, live workflows and share")
+async def tenants(state: StateDep, _: AdminDep) -> Any:
+    return await fairshare.weights_table(state.redis, state.settings, state.store.keys)
+
+
+@router.put("/tenants/{tenant}/weight", response_model=TenantRow,
+            responses={422: {"model": E, "description": "a weight out of range"}, **ADMIN_ERRORS},
+            summary="Set a tenant's fair-share weight live (every process follows within a refresh)")
+async def set_tenant_weight(tenant: TenantName, body: TenantWeight, state: StateDep, _: AdminDep) -> Any:
+    try:
+        await fairshare.set_weight(state.redis, state.store.keys, tenant, body.weight)
+    except ValueError as exc:
+        raise ApiError(422, "invalid_value", str(exc), param="weight") from None
+    rows = await fairshare.weights_table(state.redis, state.settings, state.store.keys)
+    return next((r for r in rows if r["tenant"] == tenant),
+                {"tenant": tenant, "weight": 1.0, "source": "default", "live": 0, "share": 0})

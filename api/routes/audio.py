@@ -26,7 +26,7 @@ from omniflow.api.schemas import AUTH_ERRORS as _AUTH
 from omniflow.api.schemas import ErrorResponse as E
 from omniflow.api.speech import SpeechFailed, SpeechStream
 from omniflow.api.sse import WatchedStreamingResponse
-from omniflow.models import SubmitRequest, WorkflowInput
+from omniflow.models import Priority, SubmitRequest, WorkflowInput
 from omniflow.pipeline import Pipeline
 from omniflow.workers import voices
 
@@ -93,7 +93,8 @@ async def speech(body: SpeechRequest, request: Request, state: StateDep, princip
     stage_params = knobs.stage_params(pipeline, {"speed": body.speed if body.speed != 1.0 else None})
     submitted = await state.store.submit(
         SubmitRequest(input=WorkflowInput(text=body.input), output_modalities=["audio"], stage_params=stage_params,
-                      deadline_s=body.deadline_s, pipeline=pipeline_ref(pipeline)), tenant=principal.tenant)
+                      deadline_s=body.deadline_s, pipeline=pipeline_ref(pipeline), priority=body.priority),
+        tenant=principal.tenant, priority=Priority.INTERACTIVE)
     stream = SpeechStream(state.store, state.hub, submitted.id, stage, fmt)
     first = asyncio.ensure_future(stream.first())
     gone = asyncio.ensure_future(_until_disconnect(request))

@@ -30,6 +30,7 @@ from omniflow.api.openai_schemas import (
     ChatAudio,
     ChatChoice,
     ChatCompletion,
+    Degradation,
     ChatRequest,
     ChatResponseMessage,
     ModelCard,
@@ -41,7 +42,7 @@ from omniflow.api.schemas import ErrorResponse as E
 from omniflow.api.selection import pipeline_for
 from omniflow.api.sse import EventStreamResponse, sse_event
 from omniflow.api.transcribe import decode_upload, submit_audio
-from omniflow.models import SubmitRequest, WorkflowInput, WorkflowState
+from omniflow.models import Priority, SubmitRequest, WorkflowInput, WorkflowState
 from omniflow.pipeline import Pipeline
 from omniflow.workers import voices
 
@@ -153,22 +154,28 @@ async def chat_completions(body: ChatRequest, request: Request, state: StateDep,
     if "audio" in modalities and "text" not in modalities and _stage_of(pipeline, "text"):
         modalities.insert(0, "text")          # the transcript comes from the text stage
     text, audio_part = user_turn(body)
+    entry_priority = Priority.INTERACTIVE if body.stream else Priority.API
     if audio_part is not None:
         pipeline = await pipeline_for(state, body.model, takes="audio", param="messages")
         heard = await _audio_in(state, audio_part[0], audio_part[2])
-        wf_id = await submit_audio(state, principal.tenant, heard, modalities=modalities, text=text,
-                                   stage_params=body.stage_params, deadline_s=body.deadline_s, pipeline=pipeline)
+        submitted = await submit_audio(state, principal.tenant, heard, modalities=modalities, text=text,
+                                       stage_params=body.stage_params, deadline_s=body.deadline_s, pipeline=pipeline,
+                                       priority=body.priority, default_priority=entry_priority)
     elif text is None:
         raise ApiError(422, "invalid_request", "messages: no user message with text or audio content")
     else:
-        wf_id = (await state.store.submit(
-            SubmitRequest(input=WorkflowInput(text=text), output_modalities=modalities,
-                          stage_params=body.stage_params, deadline_s=body.deadline_s, pipeline=pipeline_ref(pipeline)),
-            tenant=principal.tenant)).id
+        submitted = await state.store.submit(
+            SubmitRequest(input=WorkflowInput(text=text), output_modalities=modalities, stage_params=body.stage_params,
+                          deadline_s=body.deadline_s, pipeline=pipeline_ref(pipeline), priority=body.priority),
+            tenant=principal.tenant, priority=entry_priority)
     fmt = body.audio.format if body.audio else AudioFormat.WAV
+    degraded = Degradation(reason=submitted.degraded, dropped=submitted.dropped) if submitted.degraded else None
+    modalities = [m for m in modalities if m not in submitted.dropped]
     if body.stream:
-        return EventStreamResponse(_stream(state, pipeline, body, wf_id, modalities))
-    return await _complete(state, pipeline, body, request, wf_id, modalities, fmt)
+        return EventStreamResponse(_stream(state, pipeline, body, submitted.id, modalities, degraded))
+    reply = await _complete(state, pipeline, body, request, submitted.id, modalities, fmt)
+    reply.degraded = degraded
+    return reply
 
 
 async def _complete(state: ApiState, pipeline: Pipeline, body: ChatRequest, request: Request, wf_id: str,
@@ -210,18 +217,20 @@ async def _wait_terminal(state: ApiState, wf_id: str) -> None:
 
 
 def _chunk(wf_id: str, model: str, created: int, delta: dict[str, Any], finish: str | None = None,
-           usage: Usage | None = None) -> bytes:
+           usage: Usage | None = None, degraded: Degradation | None = None) -> bytes:
     payload: dict[str, Any] = {
         "id": f"chatcmpl-{wf_id}", "object": "chat.completion.chunk", "created": created, "model": model,
         "choices": [] if usage is not None else [{"index": 0, "delta": delta, "finish_reason": finish}],
     }
+    if degraded is not None:        # omniflow extension, on the first chunk (as on the whole reply)
+        payload["degraded"] = degraded.model_dump()
     if usage is not None:
         payload["usage"] = usage.model_dump()
     return sse_event(json.dumps(payload))
 
 
-async def _stream(state: ApiState, pipeline: Pipeline, body: ChatRequest, wf_id: str,
-                  modalities: list[str]) -> AsyncIterator[bytes]:
+async def _stream(state: ApiState, pipeline: Pipeline, body: ChatRequest, wf_id: str, modalities: list[str],
+                  degraded: Degradation | None = None) -> AsyncIterator[bytes]:
     created = int(time.time())
     text_stage, audio_stage = _stage_of(pipeline, "text"), _stage_of(pipeline, "audio")
     want_audio = "audio" in modalities and audio_stage is not None
@@ -229,7 +238,7 @@ async def _stream(state: ApiState, pipeline: Pipeline, body: ChatRequest, wf_id:
     transcript: list[str] = []
     finished = False
     try:
-        yield _chunk(wf_id, body.model, created, {"role": "assistant", "content": ""})
+        yield _chunk(wf_id, body.model, created, {"role": "assistant", "content": ""}, degraded=degraded)
         async with state.hub.follow(wf_id) as events:
             async for _eid, fields in events:
                 kind = fields.get("t")

@@ -86,8 +86,8 @@ async def transcriptions(
                        param="timestamp_granularities")
     stage_params = _params(stage, language, prompt, temperature)
     audio = await decode_upload(state, await file.read(state.settings.max_upload_bytes + 1), param="file")
-    wf_id = await submit_audio(state, principal.tenant, audio, modalities=["text"], stage_params=stage_params,
-                               pipeline=pipeline)
+    wf_id = (await submit_audio(state, principal.tenant, audio, modalities=["text"], stage_params=stage_params,
+                                pipeline=pipeline)).id
     if stream:
         return EventStreamResponse(_stream(state, wf_id, stage), headers={WORKFLOW_HEADER: wf_id})
     doc = await _wait(state, request, wf_id)

@@ -35,7 +35,7 @@ from omniflow.cli.common import (
     print_rows,
 )
 from omniflow.errors import InvalidRequest, PipelineError, UnknownPipeline
-from omniflow.models import SubmitRequest, WorkflowInput
+from omniflow.models import Priority, SubmitRequest, WorkflowInput
 from omniflow.pipeline import Pipeline, load_pipeline
 
 app = typer.Typer(help="omniflow: durable multi-stage model serving on Redis.", no_args_is_help=True,
@@ -148,8 +148,12 @@ def api_cmd(host: str = typer.Option(None, "--host"), port: int = typer.Option(N
 
 # ---------------------------------------------------------------- client commands
 def submit_request(pipe: Pipeline, text: str, *, modalities: str | None, request_id: str | None,
-                   deadline: float | None, out: Path | None) -> SubmitRequest:
+                   deadline: float | None, out: Path | None, priority: str | None = None) -> SubmitRequest:
     """Check every argument of `submit` before anything runs; one clear `InvalidRequest` otherwise."""
+    try:
+        prio = Priority.parse(priority) if priority is not None else None
+    except ValueError as exc:
+        raise InvalidRequest(f"--priority: {exc}") from None
     if deadline is not None and not deadline > 0:
         raise InvalidRequest(f"--deadline: {deadline:g} is not a positive number of seconds")
     mods = [m.strip() for m in modalities.split(",") if m.strip()] if modalities is not None else None
@@ -164,7 +168,7 @@ def submit_request(pipe: Pipeline, text: str, *, modalities: str | None, request
         raise InvalidRequest(f"--request-id: {request_id!r} must be 1-128 characters of letters, digits and _ . : -")
     try:
         req = SubmitRequest(input=WorkflowInput(text=text), output_modalities=mods, request_id=request_id,
-                            deadline_s=deadline)
+                            deadline_s=deadline, priority=prio)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
@@ -215,13 +219,15 @@ def submit(text: str = typer.Argument(..., help="the prompt"),
            pipeline: str = typer.Option(None, "--pipeline",
                                         help="the pipeline to run, by name (`omniflow pipelines`), or NAME@VERSION; "
                                              "default: the deployment's first"),
+           priority: str = typer.Option(None, "--priority", help="interactive, api (default) or batch"),
            as_json: bool = JsonOpt) -> None:
     """Submit one request; with --wait print its outputs and exit 0 (completed), 1 (failed or
     aborted) or 4 (still running when --timeout ran out)."""
     if timeout is not None and not timeout > 0:
         raise InvalidRequest(f"--timeout: {timeout:g} is not a positive number of seconds")
     pipe = _pipeline() if pipeline is None else _run(_with_client, _named_pipeline, pipeline)
-    req = submit_request(pipe, text, modalities=modalities, request_id=request_id, deadline=deadline, out=out)
+    req = submit_request(pipe, text, modalities=modalities, request_id=request_id, deadline=deadline, out=out,
+                         priority=priority)
     if pipeline is not None:
         req = req.model_copy(update={"pipeline": f"{pipe.name}@{pipe.digest}"})
     from omniflow import tracing
@@ -346,10 +352,12 @@ def retry(wf_id: str = typer.Argument(..., metavar="ID"), as_json: bool = JsonOp
 
 from omniflow.cli.admin import register as register_admin  # noqa: E402 - uses the helpers above
 from omniflow.cli.batch import batch_app, jobs_cmd  # noqa: E402
+from omniflow.cli.tenants import register as register_tenants  # noqa: E402
 from omniflow.cli.usage import register as register_usage  # noqa: E402
 
 register_admin(app)
 register_usage(app)
+register_tenants(app)
 app.add_typer(batch_app, name="batch")
 app.command("jobs")(jobs_cmd)
 

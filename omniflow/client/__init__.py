@@ -167,13 +167,13 @@ class Client:
         call, tried = store.submit_call(req, tenant=self._client.tenant)
         try:
             reply = redisio.call_sync(self._sync, call)
-            if s(reply[0]) == SubmitResult.BUSY and not request_id and store.keys.cells > 1:
+            if s(reply[0]) == SubmitResult.BUSY and len(reply) == 2 and not request_id and store.keys.cells > 1:
                 # that cell is full: one more try in another one (as Store.submit does)
                 call, tried = store.submit_call(req, tenant=self._client.tenant, wf_id=store.other_cell_id(tried))
                 reply = redisio.call_sync(self._sync, call)
         except RedisRefused as exc:
             raise store.refused(exc) from exc
-        result = store.submitted(reply)
+        result = store.submitted(reply, tenant=self._client.tenant)
         with redisio.boundary():
             if result.existing:     # retired, or the same key with a different request (IdempotencyConflict)
                 if self._sync.exists(store.keys.tomb(result.id)):

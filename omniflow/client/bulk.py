@@ -77,15 +77,15 @@ async def _submit_batch(store: Store, batch: Sequence[SubmitRequest], tenant: st
     retry: list[tuple[int, Call, str]] = []
     for (i, _call, tried), reply in zip(calls, await _scripts(store, calls)):
         req = batch[i]
-        if (not isinstance(reply, BaseException) and s(reply[0]) == SubmitResult.BUSY and not req.request_id
+        if (not isinstance(reply, BaseException) and s(reply[0]) == SubmitResult.BUSY and len(reply) == 2 and not req.request_id
                 and store.keys.cells > 1):
             # that cell is full: one more try in another one (as `Store.submit` does)
             call, wf_id = store.submit_call(req, tenant=tenant, wf_id=store.other_cell_id(tried))
             retry.append((i, call, wf_id))
             continue
-        results[i] = _result(store, reply)
+        results[i] = _result(store, reply, tenant)
     for (i, _call, _tried), reply in zip(retry, await _scripts(store, retry)):
-        results[i] = _result(store, reply)
+        results[i] = _result(store, reply, tenant)
     for i, result in enumerate(results):
         if isinstance(result, Submitted) and result.existing:
             try:
@@ -101,13 +101,13 @@ async def _scripts(store: Store, calls: list[tuple[int, Call, str]]) -> list[Any
     return await redisio.execute(store.client, [call for _, call, _ in calls])
 
 
-def _result(store: Store, reply: Any) -> Submitted | BaseException:
+def _result(store: Store, reply: Any, tenant: str) -> Submitted | BaseException:
     if isinstance(reply, RedisRefused):
         return store.refused(reply)
     if isinstance(reply, BaseException):
         return reply
     try:
-        return store.submitted(reply)
+        return store.submitted(reply, tenant=tenant)
     except Exception as exc:  # noqa: BLE001 - busy, retired: that request's answer
         return exc
 

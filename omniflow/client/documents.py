@@ -52,6 +52,9 @@ def workflow_document(wf_id: str, rec: dict[str, str], st: dict[str, str], texts
         "request_id": record.request_id or None,
         "state": rec.get(RecordField.STATE),
         "tenant": rec.get(RecordField.TENANT),
+        "priority": rec.get(RecordField.PRIORITY) or "api",
+        "degraded": ({"reason": rec[RecordField.DEGRADED], "dropped": csv(rec.get(RecordField.DROPPED))}
+                     if rec.get(RecordField.DEGRADED) else None),
         "pipeline": rec.get(RecordField.PIPELINE),
         "pipeline_version": rec.get(RecordField.PIPELINE_HASH) or None,
         "final_stages": record.finals,

@@ -25,12 +25,15 @@ from omniflow.dataplane import codec
 from omniflow.storage import cells, redisio, registry
 from omniflow.storage.batcher import Batcher
 from omniflow.config import Settings
-from omniflow.errors import (AdmissionRefused, ConfigError, IdempotencyConflict, InputClosed, InvalidRequest, NotReady,
-                             RedisRefused, RedisUnavailable, UnknownPipeline,
-                             ScriptError, WorkflowNotFound, WorkflowRetired)
+from omniflow.errors import (AdmissionRefused, ConfigError, DeadlineUnmeetable, FairShareRefused, IdempotencyConflict,
+                             InputClosed, InvalidRequest, NotReady, PriorityNotAllowed, RedisRefused, RedisUnavailable,
+                             UnknownPipeline, ScriptError, WorkflowNotFound, WorkflowRetired)
 from omniflow.storage.keys import FinalizePlan, Keys, finalize_plan
-from omniflow.models import TERMINAL_STATES, SubmitRequest, Submitted, WorkflowState
-from omniflow.pipeline import INPUT_SRC, Pipeline, Plan
+from omniflow.fairness import allowed, cap, parse_allowances
+from omniflow.models import TERMINAL_STATES, Priority, SubmitRequest, Submitted, WorkflowState
+from omniflow.storage.fairshare import FairShare
+from omniflow.client.shedding import Predictor
+from omniflow.pipeline import INPUT_SRC, Pipeline, Plan, ShedMode
 from omniflow.storage.redisio import connect, translated
 from omniflow.client.documents import text_stages, workflow_document
 from omniflow.client.realtime import RealtimeSessions
@@ -79,6 +82,21 @@ def abort_call(keys: Keys, settings: Settings, plan: FinalizePlan, wf_id: str, *
                            tombstone_ttl_s=settings.tombstone_ttl_s, result_ttl_s=settings.result_ttl_s)
 
 
+def limit_note(settings: Settings, priority: Priority) -> str:
+    """How much of the limit a class may fill, when that is not all of it."""
+    limit = settings.admission_limit(priority)
+    return "" if limit >= settings.max_in_flight else f" ({priority.value} requests may fill {limit} of it)"
+
+
+@dataclass(frozen=True)
+class Degraded:
+    """A request that runs with fewer outputs than it asked for (deadline shedding)."""
+
+    reason: str
+    kept: tuple[str, ...]
+    dropped: tuple[str, ...]
+
+
 @dataclass(frozen=True)
 class _PlanParts:
     plan: Plan
@@ -108,6 +126,9 @@ class Store:
                               f"({self.keys.cells}): every cell must admit at least one workflow")
         self._finalize_plan = finalize_plan(self.pipeline)
         self._input_consumers: dict[tuple[str, int], str] = {}     # (stage, cell) -> the replica reading its input
+        self.allowances = parse_allowances(settings.tenant_priorities)
+        self.fair = FairShare(redis, settings, self.keys)
+        self.predictor = Predictor(self)
         self.realtime = RealtimeSessions(redis, self.keys, ttl_s=settings.realtime_session_ttl_s)
 
     @property
@@ -117,23 +138,40 @@ class Store:
 
     # ---------------------------------------------------------------- submit
     @translated
-    async def submit(self, req: SubmitRequest, *, tenant: str = "default", wf_id: str | None = None) -> Submitted:
-        """Create, admit and pre-submit a workflow (one `submit.lua` call).
+    async def submit(self, req: SubmitRequest, *, tenant: str = "default", wf_id: str | None = None,
+                     priority: Priority = Priority.API) -> Submitted:
+        """Create, admit and pre-submit a workflow (one `submit.lua` call). `priority`: the entry
+        point's default class, used when the request names none (`req.priority`).
 
-        A server out of memory refuses it like admission control does: `AdmissionRefused` (busy)."""
+        A server out of memory refuses it like admission control does: `AdmissionRefused` (busy);
+        so does a tenant over its fair share while the deployment is busy; a priority above the
+        tenant's allowance is `PriorityNotAllowed`."""
         if req.pipeline and self.catalog.find(req.pipeline) is None:
             await self.pipeline_named(req.pipeline, param="pipeline")
-        call, tried = self.submit_call(req, tenant=tenant, wf_id=wf_id)
+        if self.settings.fair_share:
+            if self.fair.must_refresh:      # shares are being enforced: decide on a fresh view
+                await self.fair.refresh()
+            elif self.fair.stale:
+                self.fair.refresh_soon()
+        shed = None
+        if self.catalog.resolve(req.pipeline, param="pipeline").spec.shedding.on_late is not ShedMode.OFF:
+            shed = await self._shed(req, tenant, priority)
+        call, tried = self.submit_call(req, tenant=tenant, wf_id=wf_id, priority=priority, degraded=shed)
         try:
             reply = await self._submit_script(call)
-            if (s(reply[0]) == SubmitResult.BUSY and wf_id is None and not req.request_id
-                    and self.keys.cells > 1):
+            if (s(reply[0]) == SubmitResult.BUSY and len(reply) == 2 and wf_id is None
+                    and not req.request_id and self.keys.cells > 1):
                 # this cell is full: one more try in another (the limit is shared evenly by cells)
-                call, tried = self.submit_call(req, tenant=tenant, wf_id=self.other_cell_id(tried))
+                call, tried = self.submit_call(req, tenant=tenant, wf_id=self.other_cell_id(tried),
+                                               priority=priority, degraded=shed)
                 reply = await self._submit_script(call)
         except RedisRefused as exc:
             raise self.refused(exc) from exc
-        result = self.submitted(reply)
+        try:
+            result = self.submitted(reply, tenant=tenant, priority=self.priority_of(req, tenant, priority))
+        except AdmissionRefused:
+            await self.fair.refused(tenant)
+            raise
         if result.existing:
             pipe = self._redis.pipeline(transaction=False)
             pipe.hmget(self.keys.wf(result.id), ["state", "body_hash"])
@@ -146,7 +184,35 @@ class Store:
             return Submitted(id=result.id, state=WorkflowState(state), existing=True)
         if self.settings.wait_aof:
             await self._wait_aof()
+        if shed is not None:
+            result = result.model_copy(update={"degraded": shed.reason, "dropped": list(shed.dropped)})
         return result
+
+    async def _shed(self, req: SubmitRequest, tenant: str, default: Priority) -> Degraded | None:
+        """Deadline-aware shedding (the pipeline's `shedding`): None when the queues predict the
+        request meets its deadline; a `Degraded` (fewer outputs) when that one would and the pipeline
+        degrades; else `DeadlineUnmeetable`."""
+        pipeline = self.catalog.resolve(req.pipeline, param="pipeline")
+        shed = pipeline.spec.shedding
+        prio = self.priority_of(req, tenant, default)
+        deadline_s = req.deadline_s or self.settings.default_deadline_s
+        limit_s = deadline_s * shed.margin
+        await self.predictor.refresh()
+        asked = list(req.output_modalities) if req.output_modalities is not None else sorted(pipeline.modalities())
+        predicted = self.predictor.predict_s(self._plan_parts(pipeline, tuple(asked), req.input.kind).plan.stages, prio)
+        if predicted <= limit_s:
+            return None
+        why = (f"the stage queues predict {predicted:.1f}s to {'+'.join(asked)}, over the deadline of "
+               f"{deadline_s:g}s")
+        if shed.on_late is ShedMode.DEGRADE:
+            kept = [m for m in asked if m in shed.degrade_to]
+            if kept and kept != asked:
+                if self.predictor.predict_s(self._plan_parts(pipeline, tuple(kept), req.input.kind).plan.stages, prio) <= limit_s:
+                    dropped = tuple(m for m in asked if m not in kept)
+                    return Degraded(reason=f"{why}: runs without {'+'.join(dropped)}", kept=tuple(kept),
+                                    dropped=dropped)
+        raise DeadlineUnmeetable(f"{why}; retry later or with a longer deadline_s",
+                                 retry_after_s=max(1.0, min(30.0, predicted - limit_s)))
 
     def other_cell_id(self, refused_id: Any) -> str:
         """A fresh id in a cell other than that of `refused_id` (its cell was full)."""
@@ -158,9 +224,25 @@ class Store:
             return await self.batcher.send(*call, retry_refused=False)
         return await redisio.call(self._redis, *call)
 
-    def submit_call(self, req: SubmitRequest, *, tenant: str = "default",
-                    wf_id: str | None = None) -> tuple[Call, str]:
-        """Validate a request and build its `submit.lua` call (no I/O); the call and the id it submits."""
+    def priority_of(self, req: SubmitRequest, tenant: str, default: Priority = Priority.API) -> Priority:
+        """The class a request runs in: the one it names (refused over the tenant's allowance), else
+        the entry point's default lowered to the allowance."""
+        allowance = self.allowances.get(tenant, Priority(self.settings.default_max_priority))
+        if req.priority is None:
+            return cap(default, allowance)
+        if not allowed(req.priority, allowance):
+            raise PriorityNotAllowed(f"priority {req.priority.value!r} is above what tenant {tenant!r} may ask for "
+                                     f"({allowance.value!r} and below)")
+        return req.priority
+
+    def submit_call(self, req: SubmitRequest, *, tenant: str = "default", wf_id: str | None = None,
+                    priority: Priority = Priority.API, degraded: Degraded | None = None) -> tuple[Call, str]:
+        """Validate a request and build its `submit.lua` call (no I/O but the fair-share view's, read
+        beforehand by `submit`); the call and the id it submits. `degraded`: run it with fewer outputs."""
+        prio = self.priority_of(req, tenant, priority)
+        original = req
+        if degraded is not None:
+            req = req.model_copy(update={"output_modalities": list(degraded.kept)})
         pipeline = self.catalog.resolve(req.pipeline, param="pipeline")
         parts = self._plan_parts(pipeline, tuple(req.output_modalities) if req.output_modalities is not None else None,
                                  req.input.kind)
@@ -192,21 +274,25 @@ class Store:
             "input", req.input.model_dump_json(exclude_none=True),
             "params", params,
             "webhook", req.webhook_url or "",
+            "prio", prio.value,
             *parts.fields,
         ]
         if req.webhook_url:
             self._check_webhook(req.webhook_url)
         if req.request_id:     # what a reuse of the key is compared with (409 idempotency_conflict)
-            record += ["body_hash", body_hash(req)]
+            record += ["body_hash", body_hash(original)]
+        if degraded is not None:
+            record += ["degraded", degraded.reason, "dropped", ",".join(degraded.dropped)]
         if tracing.tracer is not None:     # the request's trace, continued by every process (omniflow.tracing)
             record += tracing.record_fields(wf_id)
         call = admission.submit(
             self.keys, wf_id, tenant=tenant, request_id=req.request_id or "",
-            admit=tuple(pipeline.queue(st) for st in parts.plan.admit),
+            admit=tuple(pipeline.queue(st) for st in parts.plan.admit), priority=prio.value,
             now_ms=now, deadline_ms=now + int(deadline_s * 1000),
-            cell_limit=cells.cell_limit(self.settings.max_in_flight, self.keys.cells, cell),
+            cell_limit=cells.cell_limit(self.settings.admission_limit(prio), self.keys.cells, cell),
             idempotency_ttl_s=self.settings.idempotency_ttl_s if req.request_id else 0,
-            stages_csv=parts.stages, admit_csv=parts.admit, record=record)
+            stages_csv=parts.stages, admit_csv=parts.admit, record=record,
+            fair=self.fair.submit_args(tenant, cell))
         return call, wf_id
 
     def _check_webhook(self, url: str) -> None:
@@ -293,17 +379,27 @@ class Store:
                                     retry_after_s=SUBMIT_OOM_RETRY_AFTER_S)
         return exc
 
-    def submitted(self, reply: Any) -> Submitted:
+    def submitted(self, reply: Any, *, tenant: str = "default", priority: Priority = Priority.API) -> Submitted:
         """Map a `submit.lua` reply to the result, or to the error it means."""
         code, ident = admission.submit_result(reply)
         if code is SubmitResult.OK:
+            if len(reply) > 2:
+                self.fair.admitted(cells.cell_of(ident), int(reply[2]))
             return Submitted(id=ident, state=WorkflowState.PENDING)
         if code is SubmitResult.EXISTING:
             return Submitted(id=ident, state=WorkflowState.PENDING, existing=True)
         admission.raise_for_submit(code, ident)
+        if len(reply) > 2 and s(reply[2]) == "tenant":
+            held = s(reply[3]) if self.keys.cells == 1 else str(self.fair.live(tenant))
+            raise FairShareRefused(
+                f"tenant {tenant!r} is over its fair share: it holds {held} live "
+                f"workflow(s) and may hold {min(self.fair.share(tenant), self.fair.cap())} of max_in_flight "
+                f"{self.settings.max_in_flight} while the deployment is busy; retry later",
+                retry_after_s=1.0)
         where = "" if self.keys.cells == 1 else f" in the cell tried (max_in_flight is split over {self.keys.cells} cells)"
         raise AdmissionRefused(
-            f"{ident} workflows in flight{where}, the limit is {self.settings.max_in_flight}; retry later",
+            f"{ident} workflows in flight{where}, the limit is {self.settings.max_in_flight}"
+            f"{limit_note(self.settings, priority)}; retry later",
             retry_after_s=1.0,
         )
 

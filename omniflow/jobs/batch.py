@@ -39,7 +39,7 @@ from omniflow.config import Settings
 from omniflow.errors import AdmissionRefused, InvalidRequest, WorkflowError, WorkflowNotFound
 from omniflow.storage.keys import Keys
 from omniflow.jobs.queue import RUN_BATCH_CHUNK
-from omniflow.models import TERMINAL_STATES, SubmitRequest, WorkflowState
+from omniflow.models import TERMINAL_STATES, Priority, SubmitRequest, WorkflowState
 from omniflow.pipeline import Pipeline
 from omniflow.client.store import Store
 from omniflow.storage.schema import now_ms, s
@@ -223,7 +223,8 @@ class _Chunk:
         if await self.store.state(wf_id) is None:
             while True:
                 try:
-                    wf_id = (await self.store.submit(req, tenant=self.tenant, wf_id=wf_id)).id
+                    wf_id = (await self.store.submit(req, tenant=self.tenant, wf_id=wf_id,
+                                                     priority=Priority.BATCH)).id
                     break
                 except AdmissionRefused as exc:
                     if self.left_s() <= exc.retry_after_s:

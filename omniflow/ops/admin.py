@@ -15,7 +15,7 @@ from omniflow.storage import listing
 from omniflow.errors import InvalidRequest, UnknownPipeline, WorkflowNotFound
 from omniflow.ops.fleet import entry_ms, list_workers
 from omniflow.storage.keys import DLQ_EVENTS
-from omniflow.models import TERMINAL_STATES, SubmitRequest, WorkflowInput, WorkflowState
+from omniflow.models import TERMINAL_STATES, Priority, SubmitRequest, WorkflowInput, WorkflowState
 from omniflow.catalog import Catalog
 from omniflow.pipeline import Pipeline
 from omniflow.storage import redisio
@@ -60,7 +60,8 @@ async def retry_workflow(store: Store, wf_id: str, *, tenant: str | None = None)
     # on the pipeline of the same name (its current version: a retry is a new workflow)
     req = SubmitRequest(input=given, output_modalities=kinds,
                         stage_params=params, webhook_url=rec.webhook or None, pipeline=rec.pipeline or None)
-    return (await store.submit(req, tenant=rec.tenant or "default")).id
+    prio = Priority.parse(rec.priority or "api")
+    return (await store.submit(req, tenant=rec.tenant or "default", priority=prio)).id
 
 
 def finished_states(state: str | None) -> tuple[str, ...]:

@@ -20,12 +20,11 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omniflow.storage import registry
-from omniflow.storage.keys import DLQ_EVENTS, TASK_GROUP
+from omniflow.storage.keys import DLQ_EVENTS, PRIORITY_NAMES, TASK_GROUP
 from omniflow.storage.redisio import translated
-from omniflow.client.store import Store
 from omniflow.storage.schema import csv, now_ms, s
 from omniflow.engine.window import WINDOW_S, merge, percentile
 from omniflow.models import WorkerState, WorkflowState
@@ -34,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 #: text and audio log entries: a stage's first one is its time to first output
 OUTPUT_EVENTS = ("text", "audio")
+
+if TYPE_CHECKING:       # (the store's deadline shedding reads the queues through this module)
+    from omniflow.client.store import Store
 
 
 def entry_ms(entry_id: Any) -> int | None:
@@ -121,12 +123,14 @@ def workers_by_state(workers: list[dict[str, Any]], stages: tuple[str, ...] | li
 # ---------------------------------------------------------------- queues
 @dataclass(frozen=True)
 class StageQueue:
-    """One stage's task stream in one cell."""
+    """One stage's task stream of one priority class in one cell."""
 
     length: int
     group: dict[Any, Any]           # the `workers` group's XINFO GROUPS row ({} before the group exists)
     oldest_pending_ms: int | None   # creation ms of the oldest task delivered and not yet acknowledged
-    dlq: int                        # its dead letters in that cell
+    dlq: int                        # its dead letters in that cell (counted on the `api` class's row)
+    stream: str = ""
+    priority: str = "api"
 
     @property
     def lag(self) -> int | None:
@@ -160,9 +164,10 @@ async def read_queues(store: Store) -> Queues:
     pipe = redis.pipeline(transaction=False)
     for cell in keys.all_cells:
         for name, queue in order:
-            pipe.xlen(keys.tasks(queue, cell))
-            pipe.xinfo_groups(keys.tasks(queue, cell))
-            pipe.xpending(keys.tasks(queue, cell), TASK_GROUP)
+            for stream in keys.task_streams(queue, cell):
+                pipe.xlen(stream)
+                pipe.xinfo_groups(stream)
+                pipe.xpending(stream, TASK_GROUP)
             if queue == by_stage[name][0]:      # dead letters are per stage name: counted once
                 pipe.xlen(keys.dlq(name, cell))
             else:
@@ -173,18 +178,23 @@ async def read_queues(store: Store) -> Queues:
         pipe.xlen(keys.events(cell))
         pipe.xlen(keys.notify(cell))
     replies = await pipe.execute(raise_on_error=False)
-    width = 4 * len(order) + 5
+    per_stage = 3 * len(PRIORITY_NAMES) + 1
+    width = per_stage * len(order) + 5
     per_cell = [replies[width * i: width * (i + 1)] for i in keys.all_cells]
     stages: dict[str, list[StageQueue]] = {}
-    for i, (name, _queue) in enumerate(order):
+    for i, (name, queue) in enumerate(order):
         stages.setdefault(name, [])
-        for row in per_cell:
-            length, groups, pending, dlq = row[4 * i: 4 * i + 4]
-            group: dict[Any, Any] = next(
-                (g for g in (groups if isinstance(groups, list) else []) if s(g.get("name")) == TASK_GROUP), {})
-            oldest = entry_ms(pending.get("min")) if isinstance(pending, dict) and pending.get("min") else None
-            stages[name].append(StageQueue(length=_int(length), group=group, oldest_pending_ms=oldest, dlq=_int(dlq)))
-    dlq_events, in_flight, retries, events, notify = (sum(_int(row[4 * len(order) + j]) for row in per_cell)
+        for cell, row in zip(keys.all_cells, per_cell):
+            part = row[per_stage * i: per_stage * (i + 1)]
+            dlq = part[-1]
+            for j, (prio, stream) in enumerate(zip(PRIORITY_NAMES, keys.task_streams(queue, cell))):
+                length, groups, pending = part[3 * j: 3 * j + 3]
+                group: dict[Any, Any] = next(
+                    (g for g in (groups if isinstance(groups, list) else []) if s(g.get("name")) == TASK_GROUP), {})
+                oldest = entry_ms(pending.get("min")) if isinstance(pending, dict) and pending.get("min") else None
+                stages[name].append(StageQueue(length=_int(length), group=group, oldest_pending_ms=oldest,
+                                               dlq=_int(dlq) if prio == "api" else 0, stream=stream, priority=prio))
+    dlq_events, in_flight, retries, events, notify = (sum(_int(row[per_stage * len(order) + j]) for row in per_cell)
                                                       for j in range(5))
     return Queues(stages=stages, dlq_events=dlq_events, in_flight=in_flight, retries=retries, events=events,
                   notify=notify)
@@ -200,21 +210,19 @@ async def counters(store: Store) -> dict[str, int]:
 @translated
 async def oldest_queued_ms(store: Store, queues: Queues) -> dict[str, int | None]:
     """Per stage, the creation ms of the oldest task no worker has read yet (over the cells; None: none)."""
-    keys = store.keys
-    order = [(name, queue) for name, queues in store.stage_queues().items() for queue in queues]
-    rows = {name: iter(queues.stages[name]) for name, _q in order}
     pipe = store.client.pipeline(transaction=False)
-    for name, queue in order:
-        # read_queues lists a stage's rows queue by queue, each queue cell by cell
-        for cell, row in zip(keys.all_cells, [next(rows[name]) for _ in keys.all_cells]):
-            pipe.xrange(keys.tasks(queue, cell), f"({s(row.group.get('last-delivered-id')) or '0-0'}", "+",
-                        count=1)
+    spans = []
+    for name, rows in queues.stages.items():      # one row per queue, cell and priority class (read_queues)
+        spans.append((name, len(rows)))
+        for row in rows:
+            pipe.xrange(row.stream, f"({s(row.group.get('last-delivered-id')) or '0-0'}", "+", count=1)
     firsts = await pipe.execute(raise_on_error=False)
     out: dict[str, int | None] = {}
-    for i, (name, _queue) in enumerate(order):
-        found = [entry_ms(f[0][0]) for f in firsts[i * keys.cells:(i + 1) * keys.cells] if isinstance(f, list) and f]
-        earlier = out.get(name)
-        out[name] = min([x for x in found if x] + ([earlier] if earlier else []), default=None)
+    at = 0
+    for name, n in spans:
+        found = [entry_ms(f[0][0]) for f in firsts[at:at + n] if isinstance(f, list) and f]
+        at += n
+        out[name] = min((x for x in found if x), default=None)
     return out
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from omniflow.config import Settings
-from omniflow.storage.keys import TASK_GROUP, Keys
+from omniflow.storage.keys import PRIORITY_NAMES, TASK_GROUP, Keys
 from omniflow.pipeline import Pipeline, load_pipeline
 
 IMAGE = "omniflow:latest"
@@ -115,23 +115,25 @@ def worker_pdb(stage: str) -> dict[str, Any]:
 
 def scaled_object(stage: str, *, max_sessions: int, keys: Keys, cluster: bool = False,
                   max_replicas: int = DEFAULT_MAX_REPLICAS, queue: str | None = None) -> dict[str, Any]:
-    """The KEDA ScaledObject of a stage's pool. Each cell has its own task stream: two triggers per
-    cell (`pending_c<N>`, `lag_c<N>`), added up by the formula. On a cluster the scaler type is
+    """The KEDA ScaledObject of a stage's pool. Each cell has its own task streams (one per priority
+    class): two triggers per stream (`pending_c<N>`, `lag_c<N>`, `_<class>` added for the classes
+    other than api), added up by the formula. On a cluster the scaler type is
     `redis-cluster-streams` and reads the node list from `REDIS_ADDRESSES`."""
     triggers: list[dict[str, Any]] = []
     for cell in keys.all_cells:
-        if cluster:
-            base = {"addressesFromEnv": "REDIS_ADDRESSES", "stream": keys.tasks(queue or stage, cell),
-                    "consumerGroup": TASK_GROUP}
-        else:
-            base = {"addressFromEnv": "REDIS_ADDRESS", "stream": keys.tasks(queue or stage, cell),
-                    "consumerGroup": TASK_GROUP}
-        kind = "redis-cluster-streams" if cluster else "redis-streams"
-        triggers += [
-            {"type": kind, "name": f"pending_c{cell}", "metadata": {**base, "pendingEntriesCount": str(max_sessions)}},
-            {"type": kind, "name": f"lag_c{cell}",
-             "metadata": {**base, "lagCount": str(max_sessions), "activationLagCount": "1"}},
-        ]
+        for prio, stream in zip(PRIORITY_NAMES, keys.task_streams(queue or stage, cell)):
+            if cluster:
+                base = {"addressesFromEnv": "REDIS_ADDRESSES", "stream": stream, "consumerGroup": TASK_GROUP}
+            else:
+                base = {"addressFromEnv": "REDIS_ADDRESS", "stream": stream, "consumerGroup": TASK_GROUP}
+            kind = "redis-cluster-streams" if cluster else "redis-streams"
+            tag = "" if prio == "api" else f"_{prio}"      # the api class keeps the names it always had
+            triggers += [
+                {"type": kind, "name": f"pending_c{cell}{tag}",
+                 "metadata": {**base, "pendingEntriesCount": str(max_sessions)}},
+                {"type": kind, "name": f"lag_c{cell}{tag}",
+                 "metadata": {**base, "lagCount": str(max_sessions), "activationLagCount": "1"}},
+            ]
     formula = " + ".join(t["name"] for t in triggers)
     return {
         "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",

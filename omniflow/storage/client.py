@@ -719,6 +719,9 @@ class RedisClient:
     async def xinfo_groups(self, key: KeyT) -> list[dict[str, Any]]:
         return cast("list[dict[str, Any]]", await self._do("xinfo_groups", key))
 
+    async def xinfo_stream(self, key: KeyT) -> dict[str, Any]:
+        return cast("dict[str, Any]", await self._do("xinfo_stream", key))
+
     async def xgroup_create(self, key: KeyT, group: str, **kwargs: Any) -> bool:
         return bool(await self._do("xgroup_create", key, group, **kwargs))
 

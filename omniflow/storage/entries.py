@@ -16,6 +16,9 @@ from enum import Enum
 
 from omniflow.errors import MalformedEntry
 from omniflow.pipeline import STAGE_NAME_PATTERN
+from omniflow.models import PRIORITY_ORDER
+
+PRIORITY_NAMES = tuple(p.value for p in PRIORITY_ORDER)
 
 MAX_ATTEMPT = 10_000          # RetryPolicy.max_attempts is at most 100; restarts of upstream stages add some
 MAX_ID_CHARS = 256
@@ -108,6 +111,7 @@ class Event:
     retryable: bool
     task_entry: str               # 'lost' only: the task entry to acknowledge
     version: str = ""             # the workflow's pipeline version ('': not said, the default pipeline)
+    priority: str = "api"         # 'lost' only: the priority class of the stream that entry is in
 
 
 def event(fields: Fields | None, *, stages: Collection[str] | None = None) -> Event:
@@ -125,6 +129,7 @@ def event(fields: Fields | None, *, stages: Collection[str] | None = None) -> Ev
         retryable=text(fields, b"r", max_chars=1, required=False) == "1",
         task_entry=text(fields, b"e", max_chars=64, required=False),
         version=text(fields, b"p", max_chars=64, required=False),
+        priority=one_of(text(fields, b"c", max_chars=16, required=False) or "api", PRIORITY_NAMES, "priority"),
     )
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from omniflow.storage.cells import DEFAULT_CLUSTER_CELLS, cell_for_key, cell_of, cell_tag
-from omniflow.models import WorkflowState
+from omniflow.models import PRIORITY_ORDER, WorkflowState
 from omniflow.pipeline import INPUT_SRC
 from omniflow.storage.topology import is_cluster
 
@@ -29,6 +29,7 @@ DEFAULT_PREFIX = "of"
 TASK_GROUP = "workers"
 EVENT_GROUP = "reconciler"
 NOTIFY_GROUP = "webhooks"
+PRIORITY_NAMES = tuple(p.value for p in PRIORITY_ORDER)
 DLQ_EVENTS = "events"           # the dead-letter stream of malformed events (`Keys.dlq`; not a stage)
 #: a payload key (`Keys.blob`): `<prefix>:{<cell tag>}:wf:<id>:blob:<src>:<dst>:<attempt>:<seq>`
 BLOB_KEY = re.compile(r"[^{}]+:\{[^}]+\}:wf:[^:{}]+:blob:[^{}]+")
@@ -123,11 +124,12 @@ class Keys:
 
     def finalize_keys(self, wf_id: str, plan: FinalizePlan) -> list[str]:
         """Every key `finalize` (_lib.lua) may touch besides the workflow's base key and its cell's
-        in-flight set: its tombstone, its cell's notify stream and state indexes, its stages, log,
-        done and payload registry, its final stages' outputs and its edge logs (`plan`). Every
-        script that may end a workflow declares them."""
+        in-flight set: its tombstone, its cell's notify stream and state indexes, its cell's live count
+        and last-seen time per tenant (fair share), its stages, log, done and payload registry, its
+        final stages' outputs and its edge logs (`plan`). Every script that may end a workflow declares them."""
         cell = cell_of(wf_id)
-        return [self.tomb(wf_id), self.notify(cell), *self.state_indexes(cell), self.stages(wf_id), self.log(wf_id),
+        return [self.tomb(wf_id), self.notify(cell), *self.state_indexes(cell), self.tenant_inflight(cell),
+                self.tenant_seen(cell), self.stages(wf_id), self.log(wf_id),
                 self.done(wf_id), self.blobs(wf_id), *(self.out(wf_id, st) for st in plan.finals),
                 *(self.edge(wf_id, a, b) for a, b in plan.edges)]
 
@@ -153,11 +155,28 @@ class Keys:
         return f"{self.wf(wf_id or '<id>')}:blob:*"
 
     # --- one cell -------------------------------------------------------------
-    def tasks(self, stage: str, cell: int) -> str:
-        """A task stream in one cell (consumer group `workers`): `stage` is a stage's queue in one
-        pipeline version, `Pipeline.queue(stage)` = `<stage>@<version>` (a bare stage name is what a
-        record without a version uses)."""
-        return f"{self.cell(cell)}:stage:{stage}:tasks"
+    def tasks(self, stage: str, cell: int, priority: str = "api") -> str:
+        """A task stream of one priority class in one cell (consumer group `workers`): `stage` is a
+        stage's queue in one pipeline version, `Pipeline.queue(stage)` = `<stage>@<version>` (a bare
+        stage name is what a record without a version uses); the `api` class keeps the plain name,
+        the others add theirs (`...:tasks:interactive`)."""
+        base = f"{self.cell(cell)}:stage:{stage}:tasks"
+        return base if priority == "api" else f"{base}:{priority}"
+
+    def task_streams(self, stage: str, cell: int) -> list[str]:
+        """A queue's task streams in one cell, highest priority class first (what a transition that
+        may queue a session of any class declares)."""
+        return [self.tasks(stage, cell, p) for p in PRIORITY_NAMES]
+
+    def tenant_inflight(self, cell: int) -> str:
+        """Live workflows per tenant in one cell (hash tenant -> count; submit adds, finalize takes
+        away): what per-tenant fair share admission reads (`omniflow.storage.fairshare`)."""
+        return f"{self.cell(cell)}:tinf"
+
+    def tenant_seen(self, cell: int) -> str:
+        """When (ms) each tenant's live workflows in one cell last fell to none (hash tenant -> ms, written
+        by `finalize`): a tenant that comes and goes keeps its share between its requests."""
+        return f"{self.cell(cell)}:tseen"
 
     def dlq(self, stage: str, cell: int) -> str:
         """Dead letters of one cell: a stage's exhausted tasks (`events`, `notify`: malformed entries)."""
@@ -214,6 +233,17 @@ class Keys:
         return f"{self.cell(cell)}:wake:{owner_id}"
 
     # --- outside the cells ----------------------------------------------------
+    @property
+    def fair_weights(self) -> str:
+        """hash tenant -> fair-share weight, set live (`omniflow tenants weight`); one slot."""
+        return f"{self.prefix}:{{fair}}:weights"
+
+    @property
+    def fair_waiting(self) -> str:
+        """zset tenant -> when (ms) a submit of it was last refused as busy: a tenant waiting for room
+        counts among those sharing it even before it holds anything."""
+        return f"{self.prefix}:{{fair}}:waiting"
+
     @property
     def workers(self) -> str:
         """zset of live workers scored by lease expiry (ms)."""

@@ -171,6 +171,10 @@ class RecordField:
     ERROR = "error"
     ERROR_STAGE = "error_stage"
     BODY_HASH = "body_hash"
+    PRIORITY = "prio"           # its priority class (omniflow.models.Priority; none: api)
+    DEGRADED = "degraded"       # why deadline-aware shedding degraded it ('' or none: it was not)
+    DROPPED = "dropped"         # csv: the outputs shedding dropped
+    TENANT_COUNTED = "tf"       # '1': counted in its cell's live workflows per tenant (fair share)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +198,7 @@ class WorkflowRecord:
     deadline_ms: int
     error: str
     error_stage: str
+    priority: str = "api"       # its priority class ('api' when it has none)
 
     @classmethod
     def decode(cls, wf_id: str, rec: dict[str, str]) -> WorkflowRecord:
@@ -209,7 +214,8 @@ class WorkflowRecord:
             kinds=dict(x.split("=", 1) for x in csv(g(RecordField.KINDS))),
             created_ms=_int(g(RecordField.CREATED_MS)),
             finished_ms=int(g(RecordField.FINISHED_MS) or 0) or None, deadline_ms=_int(g(RecordField.DEADLINE_MS)),
-            error=g(RecordField.ERROR) or "", error_stage=g(RecordField.ERROR_STAGE) or "")
+            error=g(RecordField.ERROR) or "", error_stage=g(RecordField.ERROR_STAGE) or "",
+            priority=g(RecordField.PRIORITY) or "api")
 
     @classmethod
     def decode_raw(cls, wf_id: str, raw: dict[Any, Any]) -> WorkflowRecord:

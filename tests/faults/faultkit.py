@@ -293,6 +293,10 @@ class FaultRun:
         # per-process keys are bounded by the processes alive; the rest by what existed before the faults
         workers = len(self.cluster.live("worker:"))
         bound = {**baseline, **{_shape(self.keys.inbox("*", 0)): workers, _shape(self.keys.worker_info("*")): workers}}
+        # fair share's per-cell tenant hashes: one key a cell (tseen appears once a tenant's live count first falls to 0)
+        for cell in self.keys.all_cells:
+            for key in (self.keys.tenant_inflight(cell), self.keys.tenant_seen(cell)):
+                bound[_shape(key)] = max(bound.get(_shape(key), 0), 1)
         rep.grown = {shape: (bound.get(shape, 0), n) for shape, n in after.items()
                      if n > bound.get(shape, 0) and ":dlq:" not in shape}
         if rep.grown:

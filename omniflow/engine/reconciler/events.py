@@ -126,7 +126,7 @@ class Events:
             due += backoff_ms(ev.attempt, base_s=retry.backoff_s, cap_s=retry.backoff_max_s,
                               jitter=retry.jitter, rng=ctx.rng)
         elif ev.kind is EventKind.LOST:   # a live worker lost Redis mid-session: ack its task, retry it at once
-            task = (ctx.keys.tasks(pipe.queue(ev.stage), cell), ev.task_entry)
+            task = (ctx.keys.tasks(pipe.queue(ev.stage), cell, ev.priority), ev.task_entry)
         return self.stage_event_call(ev.wf_id, ev.stage, ev.kind.value, ev.attempt, now, ev.detail,
                                      retryable=ev.retryable, due_ms=due, task=task, event_id=entry_id,
                                      pipeline=pipe)

@@ -124,7 +124,8 @@ class Reconciler:
             await ensure_group(ctx.redis, ctx.keys.events(cell), EVENT_GROUP)
             for pipe in ctx.catalog:
                 for stage in pipe.order:
-                    await ensure_group(ctx.redis, ctx.keys.tasks(pipe.queue(stage), cell), TASK_GROUP)
+                    for stream in ctx.keys.task_streams(pipe.queue(stage), cell):
+                        await ensure_group(ctx.redis, stream, TASK_GROUP)
         for pipe in ctx.catalog:
             await registry.register(ctx.redis, ctx.keys, pipe)
 

@@ -118,18 +118,19 @@ class Sweeps:
             left = mine = 0
             for name in stages:
                 for cell in self.ctx.keys.all_cells:
-                    n, more = await self._requeue_pending(name, cell, worker_id)
-                    mine += n
-                    left += more
+                    for stream in self.ctx.keys.task_streams(name, cell):
+                        n, more = await self._requeue_pending(name, cell, worker_id, stream)
+                        mine += n
+                        left += more
             requeued += mine
             if left == 0:
                 # Delete the consumer only if it holds nothing: XGROUP DELCONSUMER drops its pending
                 # entries, and a worker declared dead may still be alive (SIGSTOP, a long GC pause)
                 # and have read new tasks since we listed them. Such a worker re-registers with its
                 # next heartbeat; its stale sessions are fenced by attempt.
-                reaped = await self._run_scripts([housekeeping.reap_consumer(self.ctx.keys.tasks(name, cell), TASK_GROUP,
-                                                                             worker_id)
-                                                  for name in stages for cell in self.ctx.keys.all_cells])
+                reaped = await self._run_scripts([housekeeping.reap_consumer(stream, TASK_GROUP, worker_id)
+                                                  for name in stages for cell in self.ctx.keys.all_cells
+                                                  for stream in self.ctx.keys.task_streams(name, cell)])
                 if all(r == housekeeping.ReapResult.GONE for r in reaped):
                     pipe = self.ctx.redis.pipeline(transaction=False)
                     pipe.zrem(self.ctx.keys.workers, worker_id)
@@ -166,8 +167,7 @@ class Sweeps:
         await pipe.execute(raise_on_error=False)
         return len(lapsed)
 
-    async def _requeue_pending(self, queue: str, cell: int, worker_id: str) -> tuple[int, int]:
-        stream = self.ctx.keys.tasks(queue, cell)
+    async def _requeue_pending(self, queue: str, cell: int, worker_id: str, stream: str) -> tuple[int, int]:
         stage, _, version = queue.partition("@")
         pipeline = self.ctx.pipeline_of(version) or self.ctx.pipeline
         try:

@@ -7,11 +7,12 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from omniflow.engine.compute import handoff, run_on
-from omniflow.models import SessionState
+from omniflow.models import Priority, SessionState
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
+    from omniflow.engine.worker.slots import Slots
     from omniflow.dataplane.backpressure import EdgeWindow, WaitStats
     from omniflow.dataplane.base import Ref
     from omniflow.dataplane.plane import DataPlane
@@ -78,6 +79,10 @@ class SessionCore:
     _unreported: dict[str, tuple[int, int]]  # src -> chunks, bytes read unreported
     trace: tuple[str, str]  # the workflow's W3C (traceparent, tracestate)
     _span: Span | None  # this session's span while tracing is on (omniflow.tracing)
+    priority: Priority
+    tenant: str
+    tasks_key: str  # the task stream it was read from ('': its class's)
+    _slots: Slots | None  # the stage's slots, to give way at a chunk (higher class, fairer turn; None: never)
 
 
     @property

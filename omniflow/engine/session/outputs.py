@@ -78,6 +78,21 @@ class SessionOutputs(SessionCore):
         self._call_home(self._push, step)      # from a compute thread: batched with its other handoffs
         if len(self._inflight) >= MAX_EMITS_IN_FLIGHT:
             await self.flush()
+        if self._slots is not None:       # a chunk boundary: live traffic, fair turns
+            if self._remote():          # the compute thread reads the hint; the loop decides
+                if self._slots_say_give_way():
+                    await self._on_home(self._slots.give_way(self.priority, self.tenant))
+            elif self._slots.should_give_way(self.priority, self.tenant):
+                await self._slots.give_way(self.priority, self.tenant)
+
+    def _slots_say_give_way(self) -> bool:
+        """`should_give_way`, read from the compute thread (the slots live on the worker's loop: a read
+        that races a change is only a hint, and `give_way` decides again on the loop)."""
+        assert self._slots is not None
+        try:
+            return self._slots.should_give_way(self.priority, self.tenant)
+        except RuntimeError:        # a dict changed under the read
+            return False
 
     def _sizes(self, data: Any, to: Mapping[str, Any] | None) -> tuple[dict[str, int], bool]:
         """Each payload's size by stage, and whether `_admit` must run before the step is built (a
@@ -257,9 +272,11 @@ class SessionOutputs(SessionCore):
         return keys
 
     def emit_keys(self) -> list[str]:
-        """Every key an `emit.lua` call of this session may touch (`transitions.emit.emit_keys`)."""
+        """Every key an `emit.lua` call of this session may touch (`transitions.emit.emit_keys`): its
+        task stream is the queue's of its priority class."""
         return emit_keys(self._keys, self.wf_id, self.stage, self.downstream,
-                         self._consumers.of(self.downstream, self._keys.cell_of(self.wf_id)), queue=self.queue)
+                         self._consumers.of(self.downstream, self._keys.cell_of(self.wf_id)), queue=self.queue,
+                         priority=self.priority.value)
 
     async def close(self, *, tasks_key: str, events_key: str, group: str, entry_id: str, outcome: str,
                     detail: str, retryable: bool, meter: Meter | None = None) -> str:

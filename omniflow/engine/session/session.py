@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING, Any
 from omniflow.engine.session.consumers import Consumers
 from omniflow.engine.session.inputs import SessionInputs
 from omniflow.executor import Session as ExecutorSession
-from omniflow.models import SessionState
+from omniflow.models import Priority, SessionState
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
+    from omniflow.engine.worker.slots import Slots
     from omniflow.dataplane.backpressure import EdgeWindow, WaitStats
     from omniflow.dataplane.base import Ref
     from omniflow.dataplane.plane import DataPlane
@@ -77,6 +78,12 @@ class Session(SessionInputs):
     _unreported: dict[str, tuple[int, int]] = field(default_factory=dict)  # src -> chunks, bytes read unreported
     trace: tuple[str, str] = ("", "")   # the workflow's W3C (traceparent, tracestate), from its record
     _span: Span | None = None           # this session's span while tracing is on (omniflow.tracing)
+    # scheduling: the workflow's priority class and tenant, the task stream it came from ('': the
+    # class's), and the stage's slots when it gives way at its chunks (None: never)
+    priority: Priority = Priority.API
+    tenant: str = ""
+    tasks_key: str = ""
+    _slots: Slots | None = None
 
 
 # mypy checks here that this class is what the executor contract promises (and

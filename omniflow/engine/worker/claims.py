@@ -14,7 +14,7 @@ from omniflow.engine.worker.context import WorkerContext
 from omniflow.engine.worker.pool import StagePool
 from omniflow.engine.worker.sessions import SessionRunner
 from omniflow.errors import RedisUnavailable, ScriptError
-from omniflow.models import SessionState, StageStatus
+from omniflow.models import Priority, SessionState, StageStatus
 from omniflow.pipeline import INPUT_SRC
 from omniflow.runtime import Backoff
 from omniflow.storage.keys import TASK_GROUP
@@ -37,9 +37,11 @@ class Claims:
         self._plans: dict[tuple[str, bytes, bytes], tuple[tuple[str, ...], ...]] = {}
         self._params: dict[bytes, dict[str, Any]] = {}
 
-    async def claim(self, pool: StagePool, cell: int, claims: list[Claim]) -> None:
-        """Claim a batch of tasks with one `claim.lua` call, then start a session for each one kept."""
+    async def claim(self, pool: StagePool, cell: int, claims: list[Claim], prio: Priority = Priority.API) -> None:
+        """Claim a batch of tasks of one priority class's stream with one `claim.lua` call, then start
+        a session for each one kept."""
         ctx = self.ctx
+        stream = pool.stream(cell, prio)
         stage, upstream = pool.stage, pool.upstream
         queues: list[asyncio.Queue[Any]] = []
         for _entry_id, wf_id, attempt in claims:
@@ -49,7 +51,7 @@ class Claims:
             queues.append(queue)
         replies: list[Any] | None = None
         try:
-            replies = await self._claim_call(pool, cell, claims)
+            replies = await self._claim_call(pool, cell, prio, claims)
         finally:
             pool.claiming -= len(claims)
             ctx.slot_free.set()
@@ -62,7 +64,7 @@ class Claims:
         for (entry_id, wf_id, attempt), queue, reply in zip(claims, queues, replies, strict=True):
             if isinstance(reply, Exception) or claim_code(reply) is not ClaimResult.OK:
                 if isinstance(reply, Exception):    # this task alone cannot be claimed: poison
-                    ctx.dead_letter(stage, cell, pool.tasks_keys[cell], TASK_GROUP, entry_id,
+                    ctx.dead_letter(stage, cell, stream, TASK_GROUP, entry_id,
                                     {b"wf": wf_id.encode(), b"s": stage.encode(), b"a": str(attempt).encode()},
                                     f"claim failed: {reply}")
                 ctx.stats["dropped"] += 1
@@ -73,6 +75,7 @@ class Claims:
                 _, raw_input, raw_params, raw_stages, raw_finals, seq = reply[:6]
                 checkpoint = s(reply[7]) if len(reply) > 7 else ""
                 trace = (s(reply[8]), s(reply[9])) if tracing.tracer is not None and len(reply) > 9 else ("", "")
+                tenant = s(reply[10]) if len(reply) > 10 else ""
                 catchup = [(s(src), chunk) for src, entries in reply[6] for entry in entries
                            for chunk in chunk_fields(fields_dict(entry[1]))] if upstream else []
                 required, finals, downstream = self._plan_of(pool, raw_stages, raw_finals)
@@ -93,11 +96,13 @@ class Claims:
                     checkpoint=checkpoint, _home=loop if pool.compute is not None else None,
                     _plane=ctx.plane, _domain_of=self.runner.domain_of, _chunk_dsts=pool.chunk_dsts,
                     _bp=ctx.backpressure, _consumers=ctx.consumers, queue=pool.queue, trace=trace,
+                    priority=prio, tenant=tenant, tasks_key=stream,
                 )
             except Exception as exc:  # noqa: BLE001 - a record that does not decode fails its workflow, not us
                 ctx.inputs.pop((wf_id, stage, attempt), None)
                 why = f"workflow record is malformed: {type(exc).__name__}: {exc}"[:MAX_DETAIL_CHARS]
-                ctx.spawn(f"{wf_id}|{stage}|{attempt}", self._fail_unstartable(pool, cell, entry_id, wf_id, attempt, why),
+                ctx.spawn(f"{wf_id}|{stage}|{attempt}", self._fail_unstartable(pool, cell, prio, entry_id, wf_id,
+                                                                               attempt, why),
                           entry_id=entry_id)
                 continue
             ctx.stats["claimed"] += 1
@@ -106,14 +111,14 @@ class Claims:
             ctx.spawn(f"{wf_id}|{stage}|{attempt}", self.runner.run(pool, cell, entry_id, session), session, pool,
                       entry_id=entry_id)
 
-    async def _claim_call(self, pool: StagePool, cell: int, claims: list[Claim]) -> list[Any] | None:
+    async def _claim_call(self, pool: StagePool, cell: int, prio: Priority, claims: list[Claim]) -> list[Any] | None:
         """The `claim.lua` replies of a batch, one per task (an exception for a task that alone cannot
         be claimed); None when the worker stopped first. A claim sent again is harmless (same replica:
         'ok' again), so transient errors are retried; a batch the script fails on is split, to find
         the task that causes it."""
         ctx = self.ctx
         call = transitions.claim(ctx.keys, pool.stage, pool.upstream, cell, claims, worker_id=ctx.id, now_ms=now_ms(),
-                                 queue=pool.queue)
+                                 queue=pool.queue, priority=prio.value)
         backoff = Backoff()
         while True:
             try:
@@ -132,20 +137,20 @@ class Claims:
                                ctx.id, len(claims), exc)
                 out: list[Any] = []
                 for claim in claims:
-                    one = await self._claim_call(pool, cell, [claim])
+                    one = await self._claim_call(pool, cell, prio, [claim])
                     if one is None:
                         return None
                     out += one
                 return out
 
-    async def _fail_unstartable(self, pool: StagePool, cell: int, entry_id: str, wf_id: str, attempt: int,
-                                why: str) -> None:
+    async def _fail_unstartable(self, pool: StagePool, cell: int, prio: Priority, entry_id: str, wf_id: str,
+                                attempt: int, why: str) -> None:
         """Close a claimed session that cannot start (its record does not decode) as a failure that
         is not retried: its workflow fails with the reason, its task is acknowledged."""
         ctx = self.ctx
         logger.warning("session %s/%s cannot start: %s", wf_id, pool.stage, why)
         call = finish(ctx.keys, wf_id, pool.stage, attempt, entry_id=entry_id, outcome="failed", detail=why,
-                      retryable=False, now_ms=now_ms(), seq=0, downstream=(), queue=pool.queue)
+                      retryable=False, now_ms=now_ms(), seq=0, downstream=(), queue=pool.queue, priority=prio.value)
         await ctx.write_until_done(call, f"failing session {wf_id}/{pool.stage}")
 
     def _plan_of(self, pool: StagePool, raw_stages: bytes, raw_finals: bytes) -> tuple[tuple[str, ...], ...]:

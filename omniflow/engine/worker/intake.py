@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from omniflow.engine.worker.claims import Claims
 from omniflow.engine.worker.context import WorkerContext
 from omniflow.engine.worker.pool import StagePool
 from omniflow.errors import MalformedEntry, RedisError
+from omniflow.models import PRIORITY_ORDER, Priority
 from omniflow.runtime import Backoff
 from omniflow.storage import redisio
 from omniflow.storage.entries import task as task_entry
@@ -21,6 +23,8 @@ from omniflow.storage.topology import is_cluster
 logger = logging.getLogger(__name__)
 
 INTAKE_RECHECK_MS = 20      # a multi-stage worker with a full stage re-reads this often to add it back
+LIVE_LOOKAHEAD = 4          # interactive tasks a full stage may still take beyond its capacity
+LIVE_RECENT_S = 60.0        # ... while interactive tasks came this recently
 # Tasks delivered to this worker that it never heard of (the reply of its read was lost with the
 # connection: a failover, a killed client) are looked for this often, once pending this long.
 ORPHAN_AUDIT_S = 5.0
@@ -38,14 +42,18 @@ class Intake:
         self.claims = claims
         self.loops = loops              # intake loops running (one per read group)
         self.starved = 0                # intake loops waiting for a free session slot
-        self.by_stream: dict[str, tuple[StagePool, int]] = {
-            key: (pool, cell) for pool in ctx.pools.values() for cell, key in pool.tasks_keys.items()}
+        self.live_seen_at = -LIVE_RECENT_S      # monotonic time an interactive task was last delivered
+        self.by_stream: dict[str, tuple[StagePool, int, Priority]] = {
+            key: (pool, cell, prio) for pool in ctx.pools.values() for cell, keys in pool.class_streams.items()
+            for prio, key in zip(PRIORITY_ORDER, keys)}
 
     async def run(self, cells: tuple[int, ...]) -> None:
         """One blocking XREADGROUP over the task streams of `cells` for every stage with a free slot.
         On a single server one loop reads every cell; on a cluster one loop per cell (one slot per
-        read). Each read reserves the slots it may fill (COUNT applies per stream), so the loops
-        together never take more tasks than the stages have room for."""
+        read). Each stage has one stream per priority class (`Keys.tasks`), all in the read; which
+        session starts first is the slots' choice (`Slots`: by class, then tenant). Each read reserves
+        the slots it may fill (COUNT applies per stream), so the loops together never take more
+        tasks than the stages have room for."""
         ctx = self.ctx
         backoff = Backoff()
         while True:
@@ -53,37 +61,48 @@ class Intake:
                 await ctx.undrained.wait()
                 continue
             ready = [pool for pool in ctx.pools.values() if pool.free > 0]
-            if not ready:
-                self.starved += 1
-                try:
-                    ctx.slot_free.clear()
-                    await ctx.slot_free.wait()
-                finally:
-                    self.starved -= 1
-                continue
-            share = len(cells) * self.loops
-            # a pool that serves several queues (stages of several pipelines) splits its room between them
-            count = max(1, min(ctx.settings.read_batch, *(pool.free // (share * pool.core.routes) for pool in ready)))
-            # A stage left out because it was full is not in the blocking read (nor are the slots
-            # other loops wait for): come back soon to add it when its slots free up (a blocking read
-            # cannot be interrupted without losing what it may already have delivered).
-            block = ctx.settings.block_ms if len(ready) == len(ctx.pools) and not self.starved else \
-                min(ctx.settings.block_ms, INTAKE_RECHECK_MS)
-            reserved = count * len(cells)
+            if ready:
+                share = len(cells) * self.loops * len(PRIORITY_ORDER)
+                # a pool that serves several queues (stages of several pipelines) splits its room between them
+                count = max(1, min(ctx.settings.read_batch, *(pool.free // (share * pool.core.routes) for pool in ready)))
+                streams = {stream: ">" for pool in ready for cell in cells for stream in pool.class_streams[cell]}
+                # A stage left out because it was full is not in the blocking read (nor are the slots
+                # other loops wait for): come back soon to add it when its slots free up (a blocking read
+                # cannot be interrupted without losing what it may already have delivered).
+                block = ctx.settings.block_ms if len(ready) == len(ctx.pools) and not self.starved else \
+                    min(ctx.settings.block_ms, INTAKE_RECHECK_MS)
+                reserved = count * len(cells) * len(PRIORITY_ORDER)
+            else:
+                # Every stage is full (its slots and its prefetch). Live traffic must not wait for a
+                # session to end before it is even read: a full stage still reads its interactive
+                # stream, one task at a time, up to LIVE_LOOKAHEAD over its capacity (those wait for
+                # the slots, which serve them first); it polls, so a freed slot is seen soon.
+                # (only while live traffic came lately: a deployment without any pays no polling)
+                lately = time.monotonic() - self.live_seen_at < LIVE_RECENT_S
+                ready = [pool for pool in ctx.pools.values() if lately and pool.free > -LIVE_LOOKAHEAD]
+                if not ready:
+                    self.starved += 1
+                    try:
+                        ctx.slot_free.clear()
+                        await ctx.slot_free.wait()
+                    finally:
+                        self.starved -= 1
+                    continue
+                count, block, reserved = 1, INTAKE_RECHECK_MS, len(cells)
+                streams = {pool.stream(cell, Priority.INTERACTIVE): ">" for pool in ready for cell in cells}
             for pool in ready:
                 pool.claiming += reserved
             try:
                 with redisio.boundary():
-                    reply = await ctx.intake_redis.xreadgroup(
-                        TASK_GROUP, ctx.id, {pool.tasks_keys[cell]: ">" for pool in ready for cell in cells},
-                        count=count, block=block)
+                    reply = await ctx.intake_redis.xreadgroup(TASK_GROUP, ctx.id, streams, count=count, block=block)
                 backoff.reset()
             except RedisError as exc:
                 if redisio.is_nogroup(exc):        # the stream was deleted (or the server lost it)
                     try:
                         for pool in ready:
                             for cell in cells:
-                                await ensure_group(ctx.redis, pool.tasks_keys[cell], TASK_GROUP)
+                                for stream in pool.class_streams[cell]:
+                                    await ensure_group(ctx.redis, stream, TASK_GROUP)
                         continue
                     except RedisError as again:
                         exc = again
@@ -94,21 +113,24 @@ class Intake:
                     pool.claiming -= reserved
                 ctx.slot_free.set()
             for stream, entries in reply or []:
-                pool, cell = self.by_stream[s(stream)]
-                self.accept(pool, cell, [(s(entry_id), fields) for entry_id, fields in entries])
+                pool, cell, prio = self.by_stream[s(stream)]
+                self.accept(pool, cell, [(s(entry_id), fields) for entry_id, fields in entries], prio)
 
-    def accept(self, pool: StagePool, cell: int, entries: Delivered) -> None:
+    def accept(self, pool: StagePool, cell: int, entries: Delivered, prio: Priority = Priority.API) -> None:
         """Validate delivered tasks (malformed ones go to the dead-letter stream) and claim the rest in one call."""
         ctx = self.ctx
         if ctx.draining:       # read by a blocking read that began before the drain: give them back
-            ctx.track(asyncio.create_task(self._hand_back(pool, cell, entries)))
+            ctx.track(asyncio.create_task(self._hand_back(pool, cell, entries, prio)))
             return
+        stream = pool.stream(cell, prio)
+        if prio is Priority.INTERACTIVE:
+            self.live_seen_at = time.monotonic()
         claims: list[tuple[str, str, int]] = []
         for entry_id, fields in entries:
             try:
                 entry = task_entry(fields, stage=pool.stage)
             except MalformedEntry as exc:
-                ctx.dead_letter(pool.stage, cell, pool.tasks_keys[cell], TASK_GROUP, entry_id, fields,
+                ctx.dead_letter(pool.stage, cell, stream, TASK_GROUP, entry_id, fields,
                                 f"malformed task entry: {exc}")
                 continue
             wf_id, stage, attempt = entry.wf_id, entry.stage, entry.attempt
@@ -124,12 +146,14 @@ class Intake:
             ctx.held.add(entry_id)
         if claims:
             pool.claiming += len(claims)
-            ctx.track(asyncio.create_task(self.claims.claim(pool, cell, claims)))
+            ctx.track(asyncio.create_task(self.claims.claim(pool, cell, claims, prio)))
 
-    async def _hand_back(self, pool: StagePool, cell: int, entries: Delivered) -> None:
+    async def _hand_back(self, pool: StagePool, cell: int, entries: Delivered, prio: Priority) -> None:
         """Re-queue unclaimed tasks as they were (same attempt: still valid for any other worker)."""
         ctx = self.ctx
-        stream = pool.tasks_keys[cell]
+        stream = pool.stream(cell, prio)
+        if prio is Priority.INTERACTIVE:
+            self.live_seen_at = time.monotonic()
         pipe = ctx.redis.pipeline(transaction=not is_cluster(ctx.redis))    # one stream: one slot
         for entry_id, fields in entries:
             pipe.xadd(stream, fields)
@@ -153,14 +177,15 @@ class Intake:
         while True:
             await asyncio.sleep(ORPHAN_AUDIT_S)
             for pool in self.ctx.pools.values():
-                for cell, stream in pool.tasks_keys.items():
-                    try:
-                        await self.adopt_orphans(pool, cell, stream)
-                    except RedisError as exc:
-                        logger.warning("worker %s: looking for orphaned tasks of %s failed: %s", self.ctx.id,
-                                       stream, exc)
+                for cell, streams in pool.class_streams.items():
+                    for prio, stream in zip(PRIORITY_ORDER, streams):
+                        try:
+                            await self.adopt_orphans(pool, cell, stream, prio)
+                        except RedisError as exc:
+                            logger.warning("worker %s: looking for orphaned tasks of %s failed: %s", self.ctx.id,
+                                           stream, exc)
 
-    async def adopt_orphans(self, pool: StagePool, cell: int, stream: str) -> int:
+    async def adopt_orphans(self, pool: StagePool, cell: int, stream: str, prio: Priority = Priority.API) -> int:
         ctx = self.ctx
         with redisio.boundary():
             rows = await ctx.redis.xpending_range(stream, TASK_GROUP, min="-", max="+", count=ORPHAN_BATCH,
@@ -181,5 +206,5 @@ class Intake:
             logger.warning("worker %s: %d task(s) of %s were delivered to it but never received; claiming them",
                            ctx.id, len(found), pool.stage)
             ctx.stats["orphans"] = ctx.stats.get("orphans", 0) + len(found)
-            self.accept(pool, cell, found)
+            self.accept(pool, cell, found, prio)
         return len(found)

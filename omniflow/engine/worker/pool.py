@@ -1,14 +1,15 @@
 """One stage served by a worker: its executor, its session slots, its task streams."""
 from __future__ import annotations
 
-import asyncio
 import os
 import uuid
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from omniflow.engine.compute import ComputeThread
+from omniflow.engine.worker.slots import Slots
 from omniflow.errors import PipelineError
+from omniflow.models import PRIORITY_ORDER, Priority
 from omniflow.pipeline import EdgeMode, Pipeline, StageSpec, import_executor, pool_key
 from omniflow.storage.keys import Keys
 from omniflow.executor import Executor
@@ -25,15 +26,19 @@ class PoolCore:
     compute thread and its session slots. Stages two pipelines declare identically (same pool key:
     `Pipeline.pool_key`) are one pool, so one model in one process serves them all."""
 
-    def __init__(self, stage: str, spec: StageSpec, *, executor: Executor | None, max_sessions: int | None) -> None:
+    def __init__(self, stage: str, spec: StageSpec, *, executor: Executor | None, max_sessions: int | None,
+                 class_weights: Mapping[Priority, float] | None = None,
+                 tenant_weights: Mapping[str, float] | None = None) -> None:
         self.key = pool_key(spec)
         self.max_sessions = max_sessions or spec.max_sessions
         self.executor = executor or import_executor(spec.executor)(stage=stage, params=spec.params)
+        self.class_weights = class_weights
+        self.tenant_weights = tenant_weights
         # At most max_sessions run the executor at once (the GPU's batch slots); up to `prefetch` more
         # are claimed and wait for a slot, so a freed slot starts the next session without a round trip.
         prefetch = spec.prefetch if spec.prefetch is not None else max(1, self.max_sessions // 4)
         self.capacity = self.max_sessions + prefetch
-        self.slots = asyncio.Semaphore(self.max_sessions)
+        self.slots = Slots(self.max_sessions, class_weights=class_weights, tenant_weights=tenant_weights)
         self.active = 0             # sessions held (running or waiting for a slot)
         self.claiming = 0           # tasks read but not yet claimed (they hold session slots too)
         self.compute: ComputeThread | None = None    # where the executor runs (runs_on == "thread")
@@ -51,7 +56,8 @@ class StagePool:
         self.pipeline = pipeline
         self.queue = pipeline.queue(stage)
         self.spec = pipeline.stages[stage]
-        self.tasks_keys: dict[int, str] = {}      # cell -> the stage's task stream there (see `bind`)
+        self.tasks_keys: dict[int, str] = {}      # cell -> the queue's task stream there (class api; see `bind`)
+        self.class_streams: dict[int, tuple[str, ...]] = {}   # cell -> its streams, highest class first
         self.upstream = pipeline.sources(stage)     # `@input` too for the stage that takes audio
         # downstream stages that run while we produce (backpressure applies to these edges only)
         self.chunk_dsts = frozenset(e.dst for e in pipeline.outputs[stage] if e.mode is EdgeMode.CHUNK)
@@ -72,7 +78,7 @@ class StagePool:
         return self.core.capacity
 
     @property
-    def slots(self) -> asyncio.Semaphore:
+    def slots(self) -> Slots:
         return self.core.slots
 
     @property
@@ -98,6 +104,12 @@ class StagePool:
     def bind(self, keys: Keys) -> None:
         """Learn the task stream of every cell (once the deployment's layout is known)."""
         self.tasks_keys = {cell: keys.tasks(self.queue, cell) for cell in keys.all_cells}
+        self.class_streams = {cell: tuple(keys.tasks(self.queue, cell, p.value) for p in PRIORITY_ORDER)
+                              for cell in keys.all_cells}
+
+    def stream(self, cell: int, priority: Priority) -> str:
+        """The queue's task stream of `priority` in `cell`."""
+        return self.class_streams[cell][priority.rank]
 
     def start_compute(self) -> None:
         if self.executor.runs_on == "thread" and self.core.compute is None:
@@ -123,7 +135,8 @@ class StagePool:
 
 
 def build_pools(routes: Sequence[tuple[Pipeline, str]], *, executor: Executor | None = None,
-                max_sessions: int | None = None) -> dict[str, StagePool]:
+                max_sessions: int | None = None, class_weights: Mapping[Priority, float] | None = None,
+                tenant_weights: Mapping[str, float] | None = None) -> dict[str, StagePool]:
     """The `StagePool` of every (pipeline, stage) a worker serves, by queue; stages with one pool key
     share one `PoolCore` (one executor). Its capacity is the largest any of them declares."""
     cores: dict[str, PoolCore] = {}
@@ -133,12 +146,13 @@ def build_pools(routes: Sequence[tuple[Pipeline, str]], *, executor: Executor | 
         key = pool_key(spec)
         core = cores.get(key)
         if core is None:
-            core = cores[key] = PoolCore(stage, spec, executor=executor, max_sessions=max_sessions)
+            core = cores[key] = PoolCore(stage, spec, executor=executor, max_sessions=max_sessions,
+                                         class_weights=class_weights, tenant_weights=tenant_weights)
         elif max_sessions is None and spec.max_sessions > core.max_sessions:
             core.max_sessions = spec.max_sessions
             prefetch = spec.prefetch if spec.prefetch is not None else max(1, spec.max_sessions // 4)
             core.capacity = max(core.capacity, spec.max_sessions + prefetch)
-            core.slots = asyncio.Semaphore(spec.max_sessions)
+            core.slots = Slots(spec.max_sessions, class_weights=class_weights, tenant_weights=tenant_weights)
         pools[pipe.queue(stage)] = StagePool(pipe, stage, core=core)
     return pools
 

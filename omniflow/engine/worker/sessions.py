@@ -15,6 +15,8 @@ from omniflow.engine.session import Session
 from omniflow.engine.worker.chunks import MAX_DETAIL_CHARS, usage_json
 from omniflow.engine.worker.context import WorkerContext
 from omniflow.engine.worker.pool import StagePool
+from omniflow.executor import BatchedExecutor
+from omniflow.models import Priority
 from omniflow.errors import Fenced, RedisError, RedisUnavailable, StageError
 from omniflow.runtime import Backoff
 from omniflow.storage import redisio
@@ -90,7 +92,8 @@ class SessionRunner:
                          set_expiry=usage_key not in self._expiring)
         while True:
             try:
-                code = await session.close(tasks_key=pool.tasks_keys[cell], events_key=ctx.keys.events(cell),
+                code = await session.close(tasks_key=session.tasks_key or pool.stream(cell, session.priority),
+                                           events_key=ctx.keys.events(cell),
                                            group=TASK_GROUP, entry_id=entry_id, outcome=outcome, detail=detail,
                                            retryable=retryable, meter=meter)
                 if code != "fenced" and meter.expire_at_s:       # the script set the hour's expiry
@@ -106,11 +109,11 @@ class SessionRunner:
             except RedisError as exc:   # the finish itself fails (a bug, a record it cannot take)
                 await self._report_lost(entry_id, session.wf_id, session.stage, session.attempt,
                                         f"worker {ctx.id} could not finish the session: {exc}"[:MAX_DETAIL_CHARS],
-                                        version=pool.pipeline.digest)
+                                        version=pool.pipeline.digest, priority=session.priority)
                 return None
 
     async def _report_lost(self, entry_id: str, wf_id: str, stage: str, attempt: int, why: str, *,
-                           version: str = "") -> None:
+                           version: str = "", priority: Priority = Priority.API) -> None:
         """Tell the reconciler this session is lost (it acks the task and retries with attempt + 1),
         retrying until Redis takes the report: a task must never stay pending on a live worker."""
         ctx = self.ctx
@@ -120,7 +123,7 @@ class SessionRunner:
                 with redisio.boundary():
                     await ctx.redis.xadd(ctx.keys.events(ctx.keys.cell_of(wf_id)),
                                          {"t": "lost", "wf": wf_id, "s": stage, "a": attempt, "d": why, "r": "1",
-                                          "e": entry_id, "p": version})
+                                          "e": entry_id, "p": version, "c": priority.value})
                 return
             except RedisError as exc:
                 if ctx.stopping:
@@ -147,7 +150,8 @@ class SessionRunner:
                        edges=edges, requeued=[pipeline.queue(st) for st in requeued], now_ms=now_ms(),
                        regenerate=None if lost is None else (session.stage, session.attempt,
                                                              pipeline.stages[stage].retry.max_attempts,
-                                                             str(lost)[:MAX_DETAIL_CHARS]))
+                                                             str(lost)[:MAX_DETAIL_CHARS]),
+                       priority=session.priority.value)
         reply = restart_result(await ctx.batcher_for(session.wf_id).send(*call))
         if reply is RestartResult.FENCED or (lost is not None and reply is RestartResult.OK):
             session.fence()
@@ -159,7 +163,9 @@ class SessionRunner:
         """Run the executor; map how it ended to (outcome, detail, retryable)."""
         retry = pool.spec.retry
         try:
-            async with pool.slots, asyncio.timeout(retry.attempt_timeout_s):
+            if not isinstance(pool.executor, BatchedExecutor):
+                session._slots = pool.slots     # gives way at its chunks to a higher class or a fairer turn (Slots)
+            async with pool.slots.held(session.priority, session.tenant), asyncio.timeout(retry.attempt_timeout_s):
                 begun = time.monotonic()
                 try:
                     usage = await pool.call(pool.executor.run(session))

@@ -25,6 +25,8 @@ from omniflow.engine.worker.pool import build_pools, new_worker_id, unique_cores
 from omniflow.engine.worker.sessions import SessionRunner
 from omniflow.errors import RedisError
 from omniflow.catalog import Catalog
+from omniflow.fairness import parse_priority_weights, parse_weights
+from omniflow.storage.fairshare import decode_weights
 from omniflow.pipeline import Pipeline
 from omniflow.runtime import check_eviction_policy, check_layout, forever, when_redis_answers
 from omniflow.storage import redisio, registry
@@ -45,7 +47,11 @@ class Worker:
                  executor: Executor | None = None, max_sessions: int | None = None) -> None:
         catalog = pipeline if isinstance(pipeline, Catalog) else Catalog.of(pipeline)
         routes = catalog.routes(stage)
-        pools = build_pools(routes, executor=executor, max_sessions=max_sessions)
+        # tenant weights: the configured ones, refreshed from Redis (`_weights`); shared by every pool's slots
+        self.tenant_weights: dict[str, float] = parse_weights(settings.tenant_weights)
+        pools = build_pools(routes, executor=executor, max_sessions=max_sessions,
+                            class_weights=parse_priority_weights(settings.priority_weights),
+                            tenant_weights=self.tenant_weights)
         if executor is not None and len(unique_cores(pools)) > 1:
             raise ValueError("an executor instance can serve one stage (one pool) only")
         stages = list(dict.fromkeys(st for _p, st in routes))
@@ -159,7 +165,7 @@ class Worker:
                 *((f"intake:{g[0]}", functools.partial(intake.run, g)) for g in groups),
                 ("heartbeat", self.liveness.heartbeat), ("abort-listener", self.abort.listen),
                 ("watchdog", self.liveness.watchdog), ("dataplane-sweep", self.abort.sweep),
-                ("orphans", intake.orphans),
+                ("orphans", intake.orphans), ("tenant-weights", self._weights),
                 *((f"inbox:{g[0]}", functools.partial(self.inbox.run, g)) for g in groups)]
             background = [asyncio.create_task(forever(f"worker {self.id}: {name}", loop), name=name)
                           for name, loop in loops]
@@ -184,6 +190,21 @@ class Worker:
             for client in self._clients:
                 await client.aclose()
 
+    async def _weights(self) -> None:
+        """Follow the tenant weights set live (`omniflow tenants weight`) for the slots' tenant order."""
+        configured = parse_weights(self.settings.tenant_weights)
+        while True:
+            try:
+                with redisio.boundary():
+                    live = decode_weights(await self.ctx.redis.hgetall(self.ctx.keys.fair_weights))
+                fresh = {**configured, **live}
+                if fresh != self.tenant_weights:
+                    self.tenant_weights.clear()
+                    self.tenant_weights.update(fresh)
+            except RedisError as exc:
+                logger.debug("worker %s: reading tenant weights failed: %s", self.id, exc)
+            await asyncio.sleep(max(1.0, self.settings.fair_refresh_ms / 1000))
+
     async def _setup_redis(self) -> None:
         ctx = self.ctx
         if not self._clients:
@@ -207,8 +228,9 @@ class Worker:
         for pipe in self.catalog:       # a new pipeline (or version) joins the deployment with its first worker
             await registry.register(ctx.redis, ctx.keys, pipe)
         for pool in self.pools.values():
-            for key in pool.tasks_keys.values():
-                await ensure_group(ctx.redis, key, TASK_GROUP)
+            for streams in pool.class_streams.values():
+                for key in streams:
+                    await ensure_group(ctx.redis, key, TASK_GROUP)
 
     async def _shutdown(self, intake: list[asyncio.Task[Any]], rest: list[asyncio.Task[Any]], grace_s: float) -> None:
         ctx = self.ctx

@@ -56,18 +56,29 @@ end
 -- `<prefix>:notify` keeps at most about this many entries (`omniflow jobs` reads and deletes them)
 local NOTIFY_MAX_LEN = 100000
 
--- A stage's task stream is its queue in the workflow's pipeline version: `<c>:stage:<stage>@<version>:tasks`
--- (omniflow/pipeline.py `Pipeline.queue`), so a session waits for a worker that serves that version.
--- Its name is data (the record's `pipeline_hash`): built from the cell's base, it is in this
--- script's slot; callers that know the version declare it, the others (a retry, a successor
--- submitted by the reconciler) need not. A record without a version (made by hand) uses the stage's name.
+-- A stage's task stream is its queue in the workflow's pipeline version and priority class:
+-- `<c>:stage:<stage>@<version>:tasks` for the `api` class, `...:tasks:<class>` for the others
+-- (omniflow/pipeline.py `Pipeline.queue`, `Keys.tasks`), so a session waits for a worker that serves that
+-- version, in its class. Its name is data (the record's `pipeline_hash` and `prio`): built from the
+-- cell's base, it is in this script's slot; callers that know the version declare it (every class's
+-- stream: `Keys.task_streams`), the others (a retry, a successor submitted by the reconciler) need not.
+-- A record without a version (made by hand) uses the stage's name; one without a class, `api`.
 -- `version`: the record's `pipeline_hash` when the caller has read it already (nil: read here).
+-- The class is read once per workflow and call (PRIO; submit sets it from its fields).
+local PRIO = {}
 local function tasks_key(wf, stage, version)
   if version == nil then version = redis.call('HGET', wf, 'pipeline_hash') end
-  if version and version ~= '' then
-    return cell_base(wf) .. ':stage:' .. stage .. '@' .. version .. ':tasks'
+  local prio = PRIO[wf]
+  if prio == nil then
+    prio = redis.call('HGET', wf, 'prio') or 'api'
+    PRIO[wf] = prio
   end
-  return cell_base(wf) .. ':stage:' .. stage .. ':tasks'
+  local base = cell_base(wf) .. ':stage:' .. stage .. ':tasks'
+  if version and version ~= '' then
+    base = cell_base(wf) .. ':stage:' .. stage .. '@' .. version .. ':tasks'
+  end
+  if prio == 'api' or prio == '' then return base end
+  return base .. ':' .. prio
 end
 
 local function submit_stage(wf, id, stage, attempt, now, version)
@@ -82,8 +93,14 @@ end
 local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now, tomb_ttl, result_ttl)
   local sk = key(wf .. ':stages')
   local cell = cell_base(wf)
-  local rec = redis.call('HMGET', wf, 'stages', 'edges', 'finals', 'webhook', 'state', 'created_ms', 'blobs')
+  local rec = redis.call('HMGET', wf, 'stages', 'edges', 'finals', 'webhook', 'state', 'created_ms', 'blobs',
+    'tenant', 'tf')
   redis.call('HSET', wf, 'state', state, 'finished_ms', now, 'updated_ms', now)
+  if rec[9] then       -- counted in its tenant's live workflows at submit (fair share): no longer
+    local tinf = key(cell .. ':tinf')
+    -- a tenant at 0 keeps its field (one per tenant), and when it got there: it keeps its share a while
+    if redis.call('HINCRBY', tinf, rec[8], -1) <= 0 then redis.call('HSET', key(cell .. ':tseen'), rec[8], now) end
+  end
   index_state(wf, id, rec[5], state, rec[6] or now)
   if err and err ~= '' then
     redis.call('HSET', wf, 'error', err, 'error_stage', err_stage or '')

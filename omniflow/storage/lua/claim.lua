@@ -1,17 +1,18 @@
 -- claim: bind a batch of delivered stage tasks to this worker, dropping the ones that are void.
--- KEYS[1] the stage's task stream of one cell  KEYS[2], KEYS[3] its listing indexes of the states
+-- KEYS[1] the stage's task stream of one cell and priority class  KEYS[2], KEYS[3] its listing indexes of the states
 --         pending and running; then, per task (in ARGV's order), the workflow's wf base key, stage
 --         hash, log, and edge:<src>:<stage> of each upstream stage (all in that cell)
 -- ARGV[1] prefix  ARGV[2] group  ARGV[3] replica (worker id)  ARGV[4] now_ms
 -- ARGV[5] upstream stages csv ('' for the entry stage)  ARGV[6] stage
 -- ARGV[7..] triples: task entry id, workflow id, attempt
 -- Returns one reply per task, in order:
---   {'ok', input, params, stages csv, finals csv, emitted seq, catch-up, checkpoint, trace, tracestate}
+--   {'ok', input, params, stages csv, finals csv, emitted seq, catch-up, checkpoint, trace, tracestate, tenant}
 --       catch-up: for each upstream stage, {src, entries of its edge log so far}; entries written
 --       after this call reach the worker's inbox instead (see edge_append in _lib.lua)
 --       checkpoint: what earlier attempts checkpointed with their steps (emit.lua op 'C'), '' if none
 --       trace, tracestate: the W3C context of the request that made the workflow ('' if none;
 --       omniflow.tracing)
+--       tenant: the workflow's (the slots take tenants in weighted turn)
 --   {'drop', reason}   (task acked and deleted: workflow gone/terminal/tombstoned, or stale attempt)
 -- Claiming again a task this replica already holds answers 'ok' again (a retried call is harmless).
 --@include _lib.lua
@@ -26,7 +27,7 @@ for i = 7, #ARGV, 3 do
   local wf = KEYS[4 + (i - 7) / 3 * per_task]
   local sk = key(wf .. ':stages')
   local rec = redis.call('HMGET', wf, 'state', 'input', 'params', 'stages', 'finals', 'created_ms', 'trace',
-    'tracestate')
+    'tracestate', 'tenant')
   local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':replica',
     stage .. ':ckpt')
   local why = nil
@@ -59,7 +60,7 @@ for i = 7, #ARGV, 3 do
       catchup[#catchup + 1] = {src, redis.call('XRANGE', key(wf .. ':edge:' .. src .. ':' .. stage), '-', '+')}
     end
     out[#out + 1] = {'ok', rec[2], rec[3], rec[4], rec[5], cur[3] or '0', catchup, cur[5] or '',
-      rec[7] or '', rec[8] or ''}
+      rec[7] or '', rec[8] or '', rec[9] or ''}
   end
 end
 return out

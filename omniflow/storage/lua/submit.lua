@@ -6,12 +6,19 @@
 --                       id's cell is the workflow's cell)
 -- KEYS[7] all-ids zset  `<c>:all`
 -- KEYS[8] tenant index  `<c>:idx:tenant:<tenant>`  KEYS[9] tenant names set `<c>:idx:tenants`
--- KEYS[10..] `<c>:stage:<s>@<version>:tasks` of each stage in ARGV[8] (version: the record's pipeline_hash), and `<c>:idx:state:pending`
+-- KEYS[10..] `<c>:stage:<s>@<version>:tasks[:<class>]` of each stage in ARGV[8] (version: the record's
+--            pipeline_hash; class: the request's priority class, record field `prio`),
+--            `<c>:idx:state:pending` and `<c>:tinf` (live per tenant)
 -- ARGV[1] prefix  ARGV[2] id  ARGV[3] now_ms  ARGV[4] deadline_ms
--- ARGV[5] max_in_flight of this cell  ARGV[6] idempotency ttl s (0: no key)
+-- ARGV[5] max_in_flight of this cell for the request's priority class  ARGV[6] idempotency ttl s (0: no key)
 -- ARGV[7] required stages csv  ARGV[8] stages submitted at admission csv
 -- ARGV[9] n record fields, then that many field/value pairs (the first pair is 'tenant', <tenant>)
--- Returns {'ok', id} | {'existing', id} | {'retired', id} | {'exists', id} | {'busy', n}
+-- then ARGV[10 + 2n] the tenant's fair share left for this cell ('': no fair-share check),
+--      ARGV[11 + 2n] the cell's in-flight count from which the share is enforced and
+--      ARGV[12 + 2n] the most the tenant may hold in this cell whatever the others do, once another
+--      tenant has used the cell ('': no cap)
+-- Returns {'ok', id, the cell's in-flight count now} | {'existing', id} | {'retired', id} | {'exists', id} | {'busy', n}
+--       | {'busy', n, tenant, the tenant's live workflows in this cell}   (tenant: the word, over its fair share)
 -- ('existing': the request id names a workflow already; whether that one is retired is the
 -- caller's question, as its tombstone is a key this call cannot declare)
 --@include _lib.lua
@@ -25,10 +32,26 @@ if redis.call('EXISTS', KEYS[5]) == 1 then return {'retired', id} end
 if redis.call('EXISTS', wf) == 1 then return {'exists', id} end
 local n = redis.call('ZCARD', KEYS[4])
 if n >= tonumber(ARGV[5]) then return {'busy', tostring(n)} end
-
 local nf = tonumber(ARGV[9])
+local tenant = ARGV[11]
+local tinf = key(cell_base(wf) .. ':tinf')
+local share = tonumber(ARGV[10 + 2 * nf] or '')
+if share then
+  local mine = tonumber(redis.call('HGET', tinf, tenant) or '0')
+  -- the cap holds once another tenant has used this cell (its field in tinf, even at 0)
+  local cap = tonumber(ARGV[12 + 2 * nf] or '')
+  local others = cap and mine >= cap and redis.call('HLEN', tinf) > (mine > 0 and 1 or 0)
+  if (n >= tonumber(ARGV[11 + 2 * nf]) and mine >= share) or others then
+    return {'busy', tostring(n), 'tenant', tostring(mine)}
+  end
+end
+
 redis.call('HSET', wf, 'id', id, 'state', 'pending', 'created_ms', now, 'updated_ms', now,
-  'deadline_ms', ARGV[4], 'finished', '', 'gsub', '', unpack(ARGV, 10, 9 + 2 * nf))
+  'deadline_ms', ARGV[4], 'finished', '', 'gsub', '', 'tf', '1', unpack(ARGV, 10, 9 + 2 * nf))
+redis.call('HINCRBY', tinf, tenant, 1)
+for i = 10, 8 + 2 * nf, 2 do      -- the record's priority class, for tasks_key (no read back)
+  if ARGV[i] == 'prio' then PRIO[wf] = ARGV[i + 1] end
+end
 -- every required stage in one HSET; the admitted ones with attempt 1 (they are queued below)
 local admit = csv(ARGV[8])
 local fields = {}
@@ -58,4 +81,4 @@ redis.call('ZADD', KEYS[8], now, id)
 redis.call('SADD', KEYS[9], ARGV[11])
 redis.call('XADD', key(wf .. ':log'), '*', 't', 'state', 'state', 'pending')
 if use_idem then redis.call('SET', KEYS[6], id, 'EX', ARGV[6]) end
-return {'ok', id}
+return {'ok', id, tostring(n + 1)}

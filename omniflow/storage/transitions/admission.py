@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from enum import Enum
+from collections.abc import Sequence
 from typing import Any
 
 from omniflow.errors import InvalidRequest, WorkflowNotFound, WorkflowRetired
@@ -29,17 +30,20 @@ class AbortResult(str, Enum):
 
 def submit(keys: Keys, wf_id: str, *, tenant: str, request_id: str, admit: tuple[str, ...], now_ms: int,
            deadline_ms: int, cell_limit: int, idempotency_ttl_s: int, stages_csv: str, admit_csv: str,
-           record: list[Any]) -> Call:
+           record: list[Any], priority: str = "api", fair: Sequence[Any] = ()) -> Call:
     """The `submit.lua` call of one workflow (`record`: flat field/value pairs, tenant first); its
-    idempotency key is that of (`tenant`, `request_id`), ignored when `idempotency_ttl_s` is 0."""
+    idempotency key is that of (`tenant`, `request_id`), ignored when `idempotency_ttl_s` is 0.
+    `admit`: the queues admitted, written in the streams of class `priority` (the record's `prio`);
+    `fair`: the fair-share arguments (`FairShare.submit_args`: share, floor, cap; none: no check)."""
     cell = keys.cell_of(wf_id)
     return script_call("submit", [
         keys.wf(wf_id), keys.stages(wf_id), keys.log(wf_id), keys.inflight(cell), keys.tomb(wf_id),
         keys.idem(tenant, request_id or "-", cell),
         keys.all_wf(cell), keys.tenant_index(tenant, cell), keys.tenants(cell),
-        keys.state_index(WorkflowState.PENDING.value, cell), *(keys.tasks(st, cell) for st in admit),
+        keys.state_index(WorkflowState.PENDING.value, cell), keys.tenant_inflight(cell),
+        *(keys.tasks(st, cell, priority) for st in admit),
     ], [keys.prefix, wf_id, now_ms, deadline_ms, cell_limit, idempotency_ttl_s, stages_csv, admit_csv,
-        len(record) // 2, *record])
+        len(record) // 2, *record, *fair])
 
 
 def submit_result(reply: Any) -> tuple[SubmitResult, str]:

@@ -54,14 +54,16 @@ def inbox_keys(keys: Keys, cell: int, consumers: Mapping[str, Sequence[str]]) ->
 
 
 def emit_keys(keys: Keys, wf_id: str, stage: str, downstream: Sequence[str],
-              consumers: Mapping[str, Sequence[str]] | None = None, *, queue: str | None = None) -> list[str]:
+              consumers: Mapping[str, Sequence[str]] | None = None, *, queue: str | None = None,
+              priority: str = "api") -> list[str]:
     """Every key a session's `emit.lua` calls may touch (see its header), in the order the script
     reads them: the base key, the task and event streams of the workflow's cell, stages, log, this
     stage's output, the payload registry, its edges, the inboxes of the replicas known to consume
     its downstream stages (`consumers`). Built once per session (again when `consumers` changes).
-    `queue`: the stage's task stream name (`Pipeline.queue`: `<stage>@<version>`), the stage's if None."""
+    `queue`: the stage's task stream name (`Pipeline.queue`: `<stage>@<version>`), the stage's if None;
+    `priority`: the class of the stream the session's task came from."""
     cell = keys.cell_of(wf_id)
-    return [keys.wf(wf_id), keys.tasks(queue or stage, cell), keys.events(cell), keys.stages(wf_id), keys.log(wf_id),
+    return [keys.wf(wf_id), keys.tasks(queue or stage, cell, priority), keys.events(cell), keys.stages(wf_id), keys.log(wf_id),
             keys.out(wf_id, stage), keys.blobs(wf_id), *(keys.edge(wf_id, stage, dst) for dst in downstream),
             *inbox_keys(keys, cell, consumers or {})]
 
@@ -102,12 +104,13 @@ def emit_code(reply: Any) -> EmitResult:
 
 def finish(keys: Keys, wf_id: str, stage: str, attempt: int, *, entry_id: str, outcome: str, detail: str,
            retryable: bool, now_ms: int, seq: int, downstream: Sequence[str],
-           consumers: Mapping[str, Sequence[str]] | None = None, queue: str | None = None) -> Call:
+           consumers: Mapping[str, Sequence[str]] | None = None, queue: str | None = None,
+           priority: str = "api") -> Call:
     """The `finish.lua` call ending a session (acks its task in the stream of `queue`, the stage's
-    own if None; reports to the reconciler); a `done` declares the inboxes of the replicas known to
+    own if None, of class `priority`; reports to the reconciler); a `done` declares the inboxes of the replicas known to
     consume its downstream stages (`consumers`)."""
     cell = keys.cell_of(wf_id)
-    return script_call("finish", [keys.wf(wf_id), keys.tasks(queue or stage, cell), keys.events(cell), keys.stages(wf_id),
+    return script_call("finish", [keys.wf(wf_id), keys.tasks(queue or stage, cell, priority), keys.events(cell), keys.stages(wf_id),
                                   keys.log(wf_id), *(keys.edge(wf_id, stage, dst) for dst in downstream),
                                   *inbox_keys(keys, cell, consumers or {})],
                        [TASK_GROUP, entry_id, stage, attempt, outcome, detail, "1" if retryable else "0", now_ms, seq,

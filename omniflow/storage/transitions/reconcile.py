@@ -38,7 +38,7 @@ def stage_event_keys(keys: Keys, plan: FinalizePlan, stages: Sequence[str], wf_i
     """KEYS of a `stage_event.lua` call (see its header): all of `wf_id`'s cell."""
     wf, cell = keys.wf(wf_id), keys.cell_of(wf_id)
     return [wf, keys.inflight(cell), keys.retries(cell), keys.events(cell), keys.dlq(stage, cell),
-            *(keys.tasks(st, cell) for st in stages), *keys.finalize_keys(wf_id, plan)]
+            *(k for st in stages for k in keys.task_streams(st, cell)), *keys.finalize_keys(wf_id, plan)]
 
 
 def stage_event(keys: Keys, plan: FinalizePlan, stages: Sequence[str], wf_id: str, stage: str, kind: str,
@@ -60,10 +60,11 @@ def event_code(reply: Any) -> EventResult:
 
 def retry_due(keys: Keys, wf_id: str, stage: str, attempt: int, member: str, *, version: str = "") -> Call:
     """The `retry_due.lua` call moving the scheduled retry `member` onto its stage's task stream (the
-    queue of the workflow's pipeline `version`: `stage_queue`)."""
+    queue of the workflow's pipeline `version`: `stage_queue`; every priority class's stream of it, the
+    record names its own)."""
     cell = keys.cell_of(wf_id)
     return script_call("retry_due", [keys.wf(wf_id), keys.retries(cell), keys.stages(wf_id),
-                                     keys.tasks(stage_queue(stage, version), cell)],
+                                     *keys.task_streams(stage_queue(stage, version), cell)],
                        [keys.prefix, member, stage, attempt])
 
 

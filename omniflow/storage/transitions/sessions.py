@@ -28,10 +28,10 @@ class RestartResult(str, Enum):
 
 
 def claim(keys: Keys, stage: str, upstream: Sequence[str], cell: int, claims: Sequence[Claim], *, worker_id: str,
-          now_ms: int, queue: str | None = None) -> Call:
+          now_ms: int, queue: str | None = None, priority: str = "api") -> Call:
     """One `claim.lua` call for a batch of tasks of `stage` in `cell` delivered to `worker_id` from the
-    task stream of `queue` (`Pipeline.queue`: `<stage>@<version>`; the stage's own if None)."""
-    kk = [keys.tasks(queue or stage, cell), keys.state_index(WorkflowState.PENDING.value, cell),
+    task stream of `queue` (`Pipeline.queue`: `<stage>@<version>`; the stage's own if None) of class `priority`."""
+    kk = [keys.tasks(queue or stage, cell, priority), keys.state_index(WorkflowState.PENDING.value, cell),
           keys.state_index(WorkflowState.RUNNING.value, cell)]
     for _entry_id, wf_id, _attempt in claims:
         kk += [keys.wf(wf_id), keys.stages(wf_id), keys.log(wf_id), *(keys.edge(wf_id, src, stage) for src in upstream)]
@@ -45,14 +45,15 @@ def claim_code(reply: Any) -> ClaimResult:
 
 
 def restart(keys: Keys, wf_id: str, stage: str, *, attempt: int | str, below: Sequence[str], edges: Sequence[tuple[str, str]],
-            requeued: Sequence[str], now_ms: int, regenerate: tuple[str, int, int, str] | None = None) -> Call:
+            requeued: Sequence[str], now_ms: int, regenerate: tuple[str, int, int, str] | None = None,
+            priority: str = "api") -> Call:
     """The `restart.lua` call: `stage` (attempt `attempt`; '' to regenerate) and the stages `below`
     it start over; `edges` (src, dst) are cleared, the task streams `requeued` (the queues of the
-    stages re-queued: `Pipeline.queue`) written to. `regenerate`:
+    stages re-queued: `Pipeline.queue`; of the workflow's class `priority`) written to. `regenerate`:
     (the consuming stage that asks, its attempt, the producer's most attempts, why)."""
     cell = keys.cell_of(wf_id)
     kk = [keys.wf(wf_id), keys.stages(wf_id), keys.log(wf_id), *(keys.edge(wf_id, a, b) for a, b in edges),
-          *(keys.out(wf_id, st) for st in (stage, *below)), *(keys.tasks(st, cell) for st in requeued)]
+          *(keys.out(wf_id, st) for st in (stage, *below)), *(keys.tasks(st, cell, priority) for st in requeued)]
     args: list[Any] = [keys.prefix, stage, attempt, now_ms, ",".join(below), ",".join(f"{a}:{b}" for a, b in edges)]
     if regenerate is not None:
         args += list(regenerate)

@@ -1,0 +1,141 @@
+"""A stage's session slots (`max_sessions`), handed out by priority class and tenant.
+
+When a slot frees and sessions wait for one, the next is chosen by smooth weighted round robin over
+the priority classes that have one waiting (`OMNIFLOW_PRIORITY_WEIGHTS`: a higher class gets most
+slots, a lower one its weight's share, so it never starves), then, within the class, the waiting
+tenant that holds the fewest of this stage's slots for its weight (ties in weighted turn), then first
+come first served. A running session gives its slot way at its next chunk (`give_way`) while a higher
+class waits, or while a tenant of its own class waits that holds fewer slots for its weight than its
+own tenant would after giving one up; it queues again ahead of the sessions that have not started.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+
+from omniflow.fairness import DEFAULT_WEIGHT, WeightedPicker
+from omniflow.models import PRIORITY_ORDER, Priority
+
+
+class Slots:
+    """`n` slots; `async with slots.held(priority, tenant):` runs with one."""
+
+    def __init__(self, n: int, *, class_weights: Mapping[Priority, float] | None = None,
+                 tenant_weights: Mapping[str, float] | None = None) -> None:
+        self.n = n
+        self.free = n
+        self._waiting: dict[Priority, dict[str, deque[asyncio.Future[None]]]] = {p: {} for p in PRIORITY_ORDER}
+        self._count = [0] * len(PRIORITY_ORDER)         # waiters per class rank
+        self._classes: WeightedPicker[Priority] = WeightedPicker(
+            class_weights or {p: 1.0 for p in PRIORITY_ORDER})
+        self.tenant_weights: Mapping[str, float] = tenant_weights if tenant_weights is not None else {}
+        self._tenants = {p: WeightedPicker(self.tenant_weights) for p in PRIORITY_ORDER}
+        self.holding: dict[str, int] = {}               # tenant -> slots it holds now
+        self.yields = 0
+
+    @property
+    def waiting(self) -> int:
+        return sum(self._count)
+
+    def higher_waiting(self, priority: Priority) -> bool:
+        """Whether a session of a class above `priority` waits for a slot (cheap: read from any thread)."""
+        return any(self._count[:priority.rank])
+
+    def _load(self, tenant: str, extra: int = 0) -> float:
+        return (self.holding.get(tenant, 0) + extra) / self.tenant_weights.get(tenant, DEFAULT_WEIGHT)
+
+    def should_give_way(self, priority: Priority, tenant: str) -> bool:
+        """Whether a session of (`priority`, `tenant`) holding a slot should hand it on now: a higher
+        class waits, or a tenant of its class waits that would still hold less than it after the swap."""
+        if any(self._count[:priority.rank]):
+            return True
+        queues = self._waiting[priority]
+        if not queues or (len(queues) == 1 and tenant in queues):
+            return False
+        mine = self._load(tenant)
+        return any(self._load(other, 1) < mine for other, queue in list(queues.items()) if other != tenant and queue)
+
+    async def acquire(self, priority: Priority = Priority.API, tenant: str = "", *, first: bool = False) -> None:
+        """Wait for a slot in `priority`'s and `tenant`'s turn (`first`: ahead of the others of its
+        class and tenant, for a session that gave its slot way mid-stream)."""
+        if self.free > 0 and not self.waiting:
+            self.free -= 1
+            self.holding[tenant] = self.holding.get(tenant, 0) + 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        queue = self._waiting[priority].setdefault(tenant, deque())
+        if first:
+            queue.appendleft(fut)
+        else:
+            queue.append(fut)
+        self._count[priority.rank] += 1
+        self._grant()       # a free slot and only this waiter (the free ones went to nobody)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release(tenant)    # granted as we were cancelled: pass it on
+            else:
+                self._forget(priority, tenant, fut)
+            raise
+
+    def release(self, tenant: str = "") -> None:
+        left = self.holding.get(tenant, 0) - 1
+        if left > 0:
+            self.holding[tenant] = left
+        else:
+            self.holding.pop(tenant, None)
+        self.free += 1
+        self._grant()
+
+    def _grant(self) -> None:
+        while self.free > 0 and self.waiting:
+            classes = [p for p in PRIORITY_ORDER if self._count[p.rank]]
+            prio = self._classes.pick(classes)
+            queues = self._waiting[prio]
+            tenants = [t for t, q in queues.items() if q]
+            least = min(self._load(t, 1) for t in tenants)
+            tenant = self._tenants[prio].pick([t for t in tenants if self._load(t, 1) == least])
+            fut = queues[tenant].popleft()
+            if not queues[tenant]:
+                del queues[tenant]
+            self._count[prio.rank] -= 1
+            self.free -= 1
+            self.holding[tenant] = self.holding.get(tenant, 0) + 1
+            fut.set_result(None)
+
+    def _forget(self, priority: Priority, tenant: str, fut: asyncio.Future[None]) -> None:
+        queue = self._waiting[priority].get(tenant)
+        if queue is not None and fut in queue:
+            queue.remove(fut)
+            self._count[priority.rank] -= 1
+            if not queue:
+                del self._waiting[priority][tenant]
+
+    @asynccontextmanager
+    async def held(self, priority: Priority = Priority.API, tenant: str = "") -> AsyncIterator[None]:
+        await self.acquire(priority, tenant)
+        try:
+            yield
+        finally:
+            self.release(tenant)
+
+    async def give_way(self, priority: Priority, tenant: str = "") -> bool:
+        """Called by a session holding a slot at a chunk boundary: if it should (`should_give_way`),
+        hand the slot on and queue for one again, in its class's turn but ahead of the sessions of
+        its class and tenant that have not started (it holds its downstream sessions' slots, waiting
+        for its chunks). Returns whether it gave way."""
+        if not self.should_give_way(priority, tenant):
+            return False
+        self.yields += 1
+        self.release(tenant)
+        try:
+            await self.acquire(priority, tenant, first=True)
+        except asyncio.CancelledError:
+            # not held again: the holder's release at its end must not add a slot
+            self.free -= 1
+            self.holding[tenant] = self.holding.get(tenant, 0) + 1
+            raise
+        return True
