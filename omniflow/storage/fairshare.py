@@ -28,6 +28,7 @@ from omniflow.storage.keys import Keys
 from omniflow.storage.schema import now_ms, s
 
 MAX_WAITING = 10_000
+MAX_DERIVED = 4096
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class FairShare:
         self.weights: dict[str, float] = dict(self.configured)
         self.counts: list[dict[str, int]] = [{} for _ in keys.all_cells]    # per cell: tenant -> live
         self.waiting: set[str] = set()          # tenants active or refused lately (they want a share too)
+        self._derived: dict[Any, Any] = {}      # what the submits compute from the view, until it changes
         self._at = -math.inf
         self.must_refresh = False           # a cell is past the line: re-read before the next submit
         self._background: asyncio.Task[None] | None = None
@@ -82,6 +84,7 @@ class FairShare:
         seen = {s(t) for r in replies[3::2] for t, ms in (r or {}).items() if int(ms) >= since}
         self.waiting = {s(t) for t in replies[1] or []} | seen
         self.counts = [{s(k): int(v) for k, v in (r or {}).items()} for r in replies[2::2]]
+        self._derived.clear()
         self._at = started
         self.must_refresh = False
 
@@ -93,8 +96,19 @@ class FairShare:
         """A submit into `cell` was admitted, leaving `in_flight` there: once that is where shares are
         enforced, every submit re-reads the view first (a busy deployment only: the happy path keeps
         its one round trip)."""
-        if self.settings.fair_share and in_flight >= self.submit_args("", cell)[1]:
+        if self.settings.fair_share and in_flight >= self._from(cell):
             self.invalidate()
+
+    def _from(self, cell: int) -> int:
+        """The in-flight count of `cell` from which shares are enforced."""
+        limit = cells_mod.cell_limit(self.settings.max_in_flight, self.keys.cells, cell)
+        return math.floor(limit * self.settings.fair_share_from)
+
+    def _active(self) -> frozenset[str]:
+        found = self._derived.get("active")
+        if found is None:
+            found = self._derived["active"] = frozenset(self.active())
+        return found
 
     def active(self) -> set[str]:
         """The tenants sharing the deployment: those holding live workflows, and those whose last one
@@ -108,6 +122,7 @@ class FairShare:
         if not self.settings.fair_share or self.alone(tenant) or tenant in self.active():
             return      # alone, or already a sharer (it holds some): nothing to note (a flood writes nothing)
         self.waiting.add(tenant)
+        self._derived.clear()
         pipe = self.redis.pipeline(transaction=False)
         pipe.zadd(self.keys.fair_waiting, {tenant: now_ms()})
         pipe.zremrangebyscore(self.keys.fair_waiting, "-inf", now_ms() - int(self.settings.fair_waiting_s * 1000))
@@ -118,7 +133,7 @@ class FairShare:
 
     def share(self, tenant: str) -> int:
         """The live workflows `tenant` may hold in the whole deployment once it is busy."""
-        return tenant_share(self.settings.max_in_flight, tenant, self.weights, self.active())
+        return tenant_share(self.settings.max_in_flight, tenant, self.weights, self._active())
 
     def alone(self, tenant: str) -> bool:
         """Whether no other tenant has used this deployment (as far as the view knows)."""
@@ -137,12 +152,15 @@ class FairShare:
         its cap left there."""
         if not self.settings.fair_share:
             return ["", 0, ""]
-        elsewhere = sum(counts.get(tenant, 0) for c, counts in enumerate(self.counts) if c != cell)
-        limit = cells_mod.cell_limit(self.settings.max_in_flight, self.keys.cells, cell)
-        # the cap only binds once another tenant has used the deployment: the view says so for the
-        # other cells, the cell's own counts (in the script) for this one
-        return [self.share(tenant) - elsewhere, math.floor(limit * self.settings.fair_share_from),
-                self.cap() - elsewhere]
+        found = self._derived.get((tenant, cell))        # the same until the view changes
+        if found is None:
+            elsewhere = sum(counts.get(tenant, 0) for c, counts in enumerate(self.counts) if c != cell)
+            # the cap only binds once another tenant has used the deployment: the view says so for the
+            # other cells, the cell's own counts (in the script) for this one
+            found = [self.share(tenant) - elsewhere, self._from(cell), self.cap() - elsewhere]
+            if len(self._derived) < MAX_DERIVED:
+                self._derived[(tenant, cell)] = found
+        return list(found)
 
 
 def decode_weights(raw: Mapping[Any, Any] | None) -> dict[str, float]:

@@ -52,8 +52,8 @@ class Intake:
         On a single server one loop reads every cell; on a cluster one loop per cell (one slot per
         read). Each stage has one stream per priority class (`Keys.tasks`), all in the read; which
         session starts first is the slots' choice (`Slots`: by class, then tenant). Each read reserves
-        the slots it may fill (COUNT applies per stream), so the loops together never take more
-        tasks than the stages have room for."""
+        the slots it may fill (one COUNT per cell), so the loops together take no more tasks than the
+        stages have room for, beyond one COUNT per extra class when several classes are queued."""
         ctx = self.ctx
         backoff = Backoff()
         while True:
@@ -62,8 +62,12 @@ class Intake:
                 continue
             ready = [pool for pool in ctx.pools.values() if pool.free > 0]
             if ready:
-                share = len(cells) * self.loops * len(PRIORITY_ORDER)
-                # a pool that serves several queues (stages of several pipelines) splits its room between them
+                # COUNT applies per stream: with several classes queued at once a read may take up to one
+                # COUNT per class; the reservation is one COUNT per cell, as with one stream (reserving
+                # one per class would starve the loops of a cluster's cells), and what comes beyond it
+                # waits for a slot like a prefetched session. A pool that serves several queues (stages
+                # of several pipelines) splits its room between them.
+                share = len(cells) * self.loops
                 count = max(1, min(ctx.settings.read_batch, *(pool.free // (share * pool.core.routes) for pool in ready)))
                 streams = {stream: ">" for pool in ready for cell in cells for stream in pool.class_streams[cell]}
                 # A stage left out because it was full is not in the blocking read (nor are the slots
@@ -71,7 +75,7 @@ class Intake:
                 # cannot be interrupted without losing what it may already have delivered).
                 block = ctx.settings.block_ms if len(ready) == len(ctx.pools) and not self.starved else \
                     min(ctx.settings.block_ms, INTAKE_RECHECK_MS)
-                reserved = count * len(cells) * len(PRIORITY_ORDER)
+                reserved = count * len(cells)
             else:
                 # Every stage is full (its slots and its prefetch). Live traffic must not wait for a
                 # session to end before it is even read: a full stage still reads its interactive
