@@ -50,4 +50,4 @@ async def test_openapi_fuzz_finds_no_server_errors(api_factory):
     async with api_factory(**auth_settings()) as (_engine, server):
         failures = await asyncio.to_thread(fuzz, server.url)
     assert not failures, "\n\n".join(failures)
-    assert len(set(CALLS)) == 23                     # every operation was exercised (the dashboard's, audio's and usage's included)
+    assert len(set(CALLS)) == 25                     # every operation was exercised (the dashboard's, audio's and usage's and the tenants' included)

@@ -68,7 +68,7 @@ async def test_openapi_documents_every_route(api_factory):
             "/v1/workflows", "/v1/workflows/{wf_id}", "/v1/workflows/{wf_id}/abort", "/v1/workflows/{wf_id}/events",
             "/v1/workflows/{wf_id}/audio", "/v1/workflows/{wf_id}/timeline", "/v1/workflows/{wf_id}/retry", "/v1/usage",
             "/v1/workflows/{wf_id}/input",
-            "/v1/admin/pools", "/v1/admin/pools/events", "/v1/admin/workers", "/v1/admin/workers/{worker_id}/drain",
+            "/v1/admin/pools", "/v1/admin/pools/events", "/v1/admin/tenants", "/v1/admin/tenants/{tenant}/weight", "/v1/admin/workers", "/v1/admin/workers/{worker_id}/drain",
             "/v1/admin/workers/{worker_id}/undrain", "/v1/models", "/v1/chat/completions", "/v1/audio/speech",
             "/v1/audio/voices", "/v1/audio/transcriptions", "/healthz", "/readyz", "/metrics"}
         submit = spec["paths"]["/v1/workflows"]["post"]["responses"]
