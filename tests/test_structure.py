@@ -155,7 +155,7 @@ def test_no_engine_module_is_over_the_limit() -> None:
 def test_only_the_transitions_build_script_calls() -> None:
     """KEYS lists are built in `omniflow.storage.transitions` only: nothing else names the raw builders."""
     builders = {"evalsha_args", "script_call", "evalsha"}
-    allowed = ("omniflow.storage.transitions", "omniflow.storage.scripts", "omniflow.storage.client",
+    allowed = ("omniflow.storage.transitions", "omniflow.storage.scripts", "omniflow.storage.client", "omniflow.storage.runner",
                "omniflow.storage.redisio")
     wrong = []
     for name, path in modules().items():

@@ -32,7 +32,6 @@ from typing import Any, ParamSpec, TypeVar, cast
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline as RawPipeline
-from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import (
     AuthenticationError,
     BusyLoadingError,
@@ -47,6 +46,7 @@ from redis.exceptions import (
 )
 from redis.exceptions import RedisError as ClientError
 
+
 from omniflow.errors import (
     ConfigError,
     OmniflowError,
@@ -55,8 +55,12 @@ from omniflow.errors import (
     RedisUnavailable,
     ScriptError,
 )
-from omniflow.storage.scripts import SCRIPTS
 from omniflow.storage.topology import is_cluster, open_client, open_sync_client, pubsub_client
+
+# the two redis-py errors `omniflow.storage.runner` catches (redis-py is imported here, not there)
+NoScript = NoScriptError
+ReplyError = ResponseError
+
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -150,144 +154,6 @@ def translated(fn: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any,
             raise translate(exc) from exc
 
     return wrapper
-
-
-# ---------------------------------------------------------------- the script runner
-async def load_scripts(client: RedisClient) -> None:
-    """SCRIPT LOAD every script (cheap; idempotent). Called at start and after NOSCRIPT."""
-    redis = client.raw
-    with boundary():
-        if is_cluster(redis):       # one SCRIPT LOAD per script, sent to every primary
-            for source in SCRIPTS.values():
-                await redis.script_load(source.source)
-            return
-        pipe = redis.pipeline(transaction=False)
-        for source in SCRIPTS.values():
-            pipe.script_load(source.source)
-        await pipe.execute()
-
-
-async def execute(redis: RedisClient, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
-    """Send `commands` in one round trip; each reply in place, an error as its translated class.
-
-    Scripts missing on the server (NOSCRIPT) are loaded and those calls sent again. Raises
-    `RedisUnavailable` (or `RedisRefused`) when the round trip itself failed: then nothing can be
-    said of any command."""
-    results = await _send(redis, commands)
-    missing = [i for i, r in enumerate(results) if is_refused(r, "NOSCRIPT")]
-    if missing:
-        await load_scripts(redis)
-        for i, result in zip(missing, await _send(redis, [commands[i] for i in missing])):
-            results[i] = result
-    return results
-
-
-#: commands that write nothing: a round trip of only these needs no replication wait
-READ_ONLY = frozenset({"XREAD", "XREADGROUP", "XRANGE", "XREVRANGE", "XLEN", "XPENDING", "XINFO", "GET", "MGET",
-                       "HGET", "HMGET", "HGETALL", "EXISTS", "ZCARD", "ZRANGE", "ZREVRANGE", "ZRANGEBYSCORE",
-                       "ZSCORE", "TTL", "PTTL", "PING", "INFO", "SCAN", "TYPE"})
-
-
-_HEARTBEAT_SHA = SCRIPTS["heartbeat"].sha
-
-
-def require_replicas(client: RedisClient, replicas: int, timeout_ms: int) -> None:
-    """Make every round trip of `client` that writes wait until `replicas` replicas have its writes
-    (`WAIT`, in the same pipeline: one wait per round trip, whatever it carries; on a cluster one
-    per primary the round trip touched). A round trip not replicated in time counts as lost
-    (`RedisUnavailable`): its writes may or may not survive a failover, and every transition is
-    idempotent, so the caller's retry is safe. 0 replicas: no wait (asynchronous replication)."""
-    client.omniflow_wait = (replicas, timeout_ms) if replicas > 0 else None
-
-
-def _first_key(cmd: tuple[Any, ...]) -> Any:
-    return cmd[3] if str(cmd[0]).upper() in ("EVALSHA", "EVAL") else cmd[1]
-
-
-def _needs_replicas(cmd: tuple[Any, ...]) -> bool:
-    name = str(cmd[0]).split(" ", 1)[0].upper()
-    # a lease renewal is not state to keep: waiting on it would let leases lapse while a replica is away
-    return name not in READ_ONLY and not (name == "EVALSHA" and cmd[1] == _HEARTBEAT_SHA)
-
-
-async def _send(client: RedisClient, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
-    wait = client.omniflow_wait
-    redis = client.raw
-    if wait is not None and any(_needs_replicas(c) for c in commands):
-        return await _send_replicated(redis, commands, *wait)
-    try:
-        if len(commands) == 1:
-            try:
-                return [await cast(Any, redis).execute_command(*commands[0])]
-            except ResponseError as exc:         # in place, like a pipeline
-                return [translate(exc)]
-        pipe = redis.pipeline(transaction=False)
-        for cmd in commands:
-            pipe.execute_command(*cmd)
-        results = await pipe.execute(raise_on_error=False)
-    except CLIENT_ERRORS as exc:
-        raise translate(exc) from exc
-    return [translate(r) if isinstance(r, Exception) else r for r in results]
-
-
-async def _send_replicated(redis: Redis, commands: Sequence[tuple[Any, ...]], replicas: int,
-                           timeout_ms: int) -> list[Any]:
-    """`_send` followed by WAIT on every primary it wrote to, in the same round trip."""
-    cluster = is_cluster(redis)
-    try:
-        pipe = redis.pipeline(transaction=False)
-        for cmd in commands:
-            pipe.execute_command(*cmd)
-        nodes = {}
-        if cluster:
-            await redis.initialize()        # the slot map (a no-op once the client knows it)
-            for cmd in commands:
-                node = cast(RedisCluster, redis).get_node_from_key(_first_key(cmd))
-                if node is not None:        # a slot without a primary: the round trip fails on its own
-                    nodes[node.name] = node
-            for node in nodes.values():
-                pipe.execute_command("WAIT", replicas, timeout_ms, target_nodes=node)
-        else:
-            pipe.execute_command("WAIT", replicas, timeout_ms)
-        results = await pipe.execute(raise_on_error=False)
-    except CLIENT_ERRORS as exc:
-        raise translate(exc) from exc
-    replies, acks = results[:len(commands)], results[len(commands):]
-    if any(isinstance(a, Exception) or int(a) < replicas for a in acks):
-        lost = RedisUnavailable(f"writes not confirmed by {replicas} replica(s) within {timeout_ms} ms "
-                                f"(WAIT answered {[a if isinstance(a, int) else str(a) for a in acks]})")
-        return [lost] * len(commands)
-    return [translate(r) if isinstance(r, Exception) else r for r in replies]
-
-
-async def call(redis: RedisClient, *command: Any) -> Any:
-    """One command (NOSCRIPT handled); its reply, or its translated error raised."""
-    (result,) = await execute(redis, [command])
-    if isinstance(result, Exception):
-        raise result
-    return result
-
-
-async def script(redis: RedisClient, name: str, keys: list[str], args: list[Any]) -> Any:
-    """Call one registered script by name with hand-built KEYS (tests and debugging only: library
-    code builds its calls in `omniflow.storage.transitions`)."""
-    return await call(redis, *SCRIPTS[name].evalsha(keys, args))
-
-
-def call_sync(client: SyncRedisClient, command: tuple[Any, ...]) -> Any:
-    """`call` for a synchronous client: one command (a script's call reloaded after a NOSCRIPT)."""
-    redis = client.raw
-    try:
-        try:
-            return cast(Any, redis).execute_command(*command)
-        except NoScriptError:
-            pipe = redis.pipeline(transaction=False)
-            for source in SCRIPTS.values():
-                pipe.script_load(source.source)
-            pipe.execute()
-            return cast(Any, redis).execute_command(*command)
-    except CLIENT_ERRORS as exc:
-        raise translate(exc) from exc
 
 
 # ---------------------------------------------------------------- streams and groups

@@ -1,30 +1,24 @@
-"""The Redis boundary under its former name: everything here is `omniflow.storage.client`'s
+"""The Redis boundary under its former name: everything here is `omniflow.storage.client`'s and `.runner`'s
 (kept so that code written against `redisio` keeps working; new code imports the client)."""
 from __future__ import annotations
 
 from omniflow.storage.client import (
     CLIENT_ERRORS,
-    READ_ONLY,
     REDIS_ERRORS,
     REFUSALS,
     Pipeline,
     RedisClient,
     SyncRedisClient,
     boundary,
-    call,
-    call_sync,
     connect,
     connect_sync,
     ensure_group,
-    execute,
     is_nogroup,
     is_refused,
-    load_scripts,
-    require_replicas,
-    script,
     translate,
     translated,
 )
+from omniflow.storage.runner import READ_ONLY, call, call_sync, execute, load_scripts, require_replicas, script
 
 __all__ = ["CLIENT_ERRORS", "READ_ONLY", "REDIS_ERRORS", "REFUSALS", "Pipeline", "RedisClient", "SyncRedisClient",
            "boundary", "call", "call_sync", "connect", "connect_sync", "ensure_group", "execute", "is_nogroup",
