@@ -6,7 +6,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from omniflow.api.audio import AudioFormat
-from omniflow.models import Priority
+from omniflow.models import PriorityName
 
 
 class ChatMessage(BaseModel):
@@ -45,14 +45,9 @@ class ChatRequest(BaseModel):
     stage_params: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="omniflow extension: per-stage parameter overrides")
     deadline_s: float | None = Field(None, gt=0, description="omniflow extension: workflow deadline")
-    priority: Priority | None = Field(
+    priority: PriorityName | None = Field(
         None, description="omniflow extension: priority class (interactive, api, batch), capped by the tenant's "
                           "allowance")
-
-    @field_validator("priority", mode="before")
-    @classmethod
-    def _priority(cls, value: Any) -> Any:
-        return Priority.parse(value) if isinstance(value, str) else value
     n: int | None = Field(None, description="choices to generate: only 1 is supported (anything else: 422)")
     tools: list[dict[str, Any]] | None = Field(
         None, description="not supported: a request with tools (or functions) is refused with 422")
@@ -157,14 +152,9 @@ class SpeechRequest(BaseModel):
     stream_format: Literal["audio", "sse"] = Field(
         "audio", description="`audio` (the default: the file, streamed as it is produced); `sse` is refused")
     deadline_s: float | None = Field(None, gt=0, description="omniflow extension: workflow deadline")
-    priority: Priority | None = Field(
+    priority: PriorityName | None = Field(
         None, description="omniflow extension: priority class (interactive, api, batch), capped by the tenant's "
                           "allowance")
-
-    @field_validator("priority", mode="before")
-    @classmethod
-    def _priority(cls, value: Any) -> Any:
-        return Priority.parse(value) if isinstance(value, str) else value
 
 
 class VoiceCard(BaseModel):

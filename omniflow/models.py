@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 
 class WorkflowState(str, Enum):
@@ -87,6 +87,13 @@ class Priority(str, Enum):
                              f"{[p.value for p in PRIORITY_ORDER]} (realtime = interactive)") from None
 
 
+def _parse_priority(value: Any) -> Any:
+    return Priority.parse(value) if isinstance(value, str) else value
+
+
+#: a `priority` field: its name parsed with `Priority.parse` (its clear error for an unknown one)
+PriorityName = Annotated[Priority, BeforeValidator(_parse_priority)]
+
 PRIORITY_ORDER = (Priority.INTERACTIVE, Priority.API, Priority.BATCH)
 
 
@@ -137,14 +144,9 @@ class SubmitRequest(BaseModel):
     )
     webhook_url: str | None = Field(None, max_length=2048)
     deadline_s: float | None = Field(None, gt=0)
-    priority: Priority | None = Field(
+    priority: PriorityName | None = Field(
         None, description="priority class (interactive, api, batch); default: the entry point's (the API: api, "
                           "realtime: interactive, batch jobs: batch), capped by the tenant's allowance")
-
-    @field_validator("priority", mode="before")
-    @classmethod
-    def _priority(cls, value: Any) -> Any:
-        return Priority.parse(value) if isinstance(value, str) else value
 
     @field_validator("output_modalities")
     @classmethod
