@@ -104,6 +104,7 @@ class _PlanParts:
     stages: str
     admit: str
     params: str                    # the stages' params JSON when the request overrides none
+    queues: tuple[str, ...]        # the task queues of the admitted stages (`Pipeline.queue`)
 
 
 class Store:
@@ -287,7 +288,7 @@ class Store:
             record += tracing.record_fields(wf_id)
         call = admission.submit(
             self.keys, wf_id, tenant=tenant, request_id=req.request_id or "",
-            admit=tuple(pipeline.queue(st) for st in parts.plan.admit), priority=prio.value,
+            admit=parts.queues, priority=prio.value,
             now_ms=now, deadline_ms=now + int(deadline_s * 1000),
             cell_limit=cells.cell_limit(self.settings.admission_limit(prio), self.keys.cells, cell),
             idempotency_ttl_s=self.settings.idempotency_ttl_s if req.request_id else 0,
@@ -320,7 +321,8 @@ class Store:
                       "stages", ",".join(plan.stages), "finals", ",".join(plan.finals), "kinds", ",".join(kinds),
                       "edges", ",".join(edges), "groups", plan.record_groups())
             parts = _PlanParts(plan=plan, fields=fields, stages=",".join(plan.stages), admit=",".join(plan.admit),
-                               params=json.dumps({st: dict(pipeline.stages[st].params) for st in plan.stages}))
+                               params=json.dumps({st: dict(pipeline.stages[st].params) for st in plan.stages}),
+                               queues=tuple(pipeline.queue(st) for st in plan.admit))
             if len(self._plans) < 64:
                 self._plans[(pipeline.digest, modalities, input_kind)] = parts
         return parts
