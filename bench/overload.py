@@ -55,6 +55,7 @@ SLOTS = 8
 THINK_S, TALK_S, WAV_S = 0.015, 0.005, 0.005
 BATCH_MAX_IN_FLIGHT, FAIR_MAX_IN_FLIGHT = 200, 64
 FLOOD_LOOPS = 64
+FLOOD_X = float(os.environ.get("BENCH_FLOOD_X", "20"))     # the flood asks this many times what it is admitted
 BATCH_WINDOW = 150             # batch lines in flight (what admission lets batch fill: 80 % of 200 = 160)
 GENERATOR_NICE = 10            # the load generators run niced (see _load_main)
 PREFETCH = 32                  # tasks a worker holds beyond its slots: the depth stage intake can reorder
@@ -224,6 +225,7 @@ async def _load_main(role: str, n: int, tenant: str) -> dict[str, Any]:
 
         store.batcher = Batcher(store.client)
     counts = {"admitted": 0, "refused": 0}
+    admitted_at: list[float] = []           # (flood) when each of the last second's submits was admitted
     left = [n]
     stop_at = [False]
     t0 = time.perf_counter()
@@ -237,10 +239,19 @@ async def _load_main(role: str, n: int, tenant: str) -> dict[str, Any]:
                 try:
                     wf_id = (await store.submit(req, tenant=tenant)).id
                     counts["admitted"] += 1
+                    if role == "flood":
+                        now = time.perf_counter()
+                        admitted_at.append(now)
+                        while admitted_at[0] < now - 1.0:
+                            admitted_at.pop(0)
                     break
                 except AdmissionRefused:
                     counts["refused"] += 1
-                    await asyncio.sleep(0.02 if role == "batch" else 0.001)
+                    if role == "batch":
+                        await asyncio.sleep(0.02)
+                    else:   # FLOOD_X times its admitted rate over the last second, over the loops
+                        rate = FLOOD_X * max(len(admitted_at), 20)
+                        await asyncio.sleep(FLOOD_LOOPS / rate)
             if role == "batch":         # the batch keeps BATCH_WINDOW lines in flight, as a batch job does
                 await store.wait(wf_id, timeout_s=120)
 

@@ -124,6 +124,16 @@ class Settings(BaseSettings):
         description="a tenant whose last live workflow ended, or that was refused as busy, counts among the "
                     "tenants sharing `max_in_flight` for this long (one between two requests, or holding nothing "
                     "yet, still gets its share)")
+    live_window_s: float = Field(
+        default=2.0, gt=0, le=3600,
+        description="a stage keeps its `reserved_slots` free while a higher priority class, or a tenant holding "
+                    "fewer of its slots, asked it for one within this many seconds; quiet that long, the others "
+                    "borrow them")
+    fair_hold_ms: int = Field(
+        default=10, ge=0, le=10_000,
+        description="a tenant refused as over its fair share has its next submits to the same process refused "
+                    "there, without a Redis round trip, for this long (a flood's retries cost the server "
+                    "nothing; 0: ask Redis every time)")
     fair_refresh_ms: int = Field(
         default=200, ge=10,
         description="how often a process re-reads the tenant weights and (on a cluster) every cell's live "

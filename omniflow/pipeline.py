@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from omniflow.errors import InvalidRequest, PipelineError
 
@@ -69,8 +69,20 @@ class StageSpec(BaseModel):
         None, ge=0, le=4096,
         description="sessions claimed ahead of a free slot, so a freed slot starts the next one with no "
                     "round trip (default: max_sessions / 4, at least 1)")
+    reserved_slots: int | None = Field(
+        None, ge=0, le=4095,
+        description="session slots kept free for live traffic while it is about: a lower priority class, or a "
+                    "tenant holding more than its share, takes them only when no one ahead of it asked for a "
+                    "slot in the last `live_window_s` (default: max_sessions / 8; 0: none)")
     params: dict[str, Any] = Field(default_factory=dict)
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
+
+    @model_validator(mode="after")
+    def _reserve_below_sessions(self) -> StageSpec:
+        if self.reserved_slots is not None and self.reserved_slots >= self.max_sessions:
+            raise ValueError(f"reserved_slots ({self.reserved_slots}) must be below max_sessions "
+                             f"({self.max_sessions}): the kept slots are a part of them")
+        return self
 
     @field_validator("executor")
     @classmethod
@@ -411,6 +423,9 @@ def _validate(spec: PipelineSpec, source: str) -> Pipeline:
     dumped = spec.model_dump(mode="json", by_alias=True)
     if shed == SheddingSpec():
         dumped.pop("shedding")      # the digest of a pipeline without shedding is what it always was
+    for name, stage_doc in dumped["stages"].items():
+        if spec.stages[name].reserved_slots is None:
+            stage_doc.pop("reserved_slots")     # (nor does the default headroom change it)
     digest = _hash(dumped)
     return Pipeline(
         spec=spec,

@@ -190,3 +190,66 @@ async def test_a_cancelled_waiter_leaves_no_slot_behind() -> None:
     assert slots.waiting == 0
     slots.release()
     assert slots.free == 1
+
+
+async def test_the_kept_slot_waits_for_live_traffic_while_it_is_about() -> None:
+    slots = Slots(4, reserve=1, window_s=30.0)
+    async with slots.held(Priority.INTERACTIVE, "t"):           # live traffic asked just now
+        pass
+    for _ in range(3):
+        await slots.acquire(Priority.BATCH, "t")
+    batch = asyncio.create_task(slots.acquire(Priority.BATCH, "t"))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not batch.done() and slots.free == 1                 # the last slot is kept
+    await slots.acquire(Priority.INTERACTIVE, "t")              # a live session starts at once
+    assert slots.free == 0 and not batch.done()
+    slots.release("t")                                          # the live one ends: kept again
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not batch.done()
+    slots.release("t")                                          # a batch one ends: above the reserve
+    await asyncio.wait_for(batch, 5)
+    assert slots.free == 1 and slots.holding == {"t": 3}
+
+
+async def test_a_lower_class_borrows_the_kept_slots_once_live_traffic_went_quiet() -> None:
+    slots = Slots(2, reserve=1, window_s=0.05)
+    async with slots.held(Priority.INTERACTIVE, "t"):
+        pass
+    await slots.acquire(Priority.BATCH, "t")
+    borrowed = asyncio.create_task(slots.acquire(Priority.BATCH, "t"))
+    await asyncio.wait_for(borrowed, 5)     # granted by the timer as the window closes, no release needed
+    assert slots.free == 0
+    slots = Slots(2, reserve=1, window_s=30.0)                  # a stage that saw no live traffic lends it all
+    await slots.acquire(Priority.BATCH, "t")
+    await asyncio.wait_for(slots.acquire(Priority.BATCH, "t"), 5)
+    assert slots.free == 0
+
+
+async def test_a_tenant_holding_more_than_its_turn_leaves_the_kept_slot_to_the_others() -> None:
+    slots = Slots(4, reserve=1, window_s=30.0, tenant_weights={"flood": 1, "other": 1})
+    async with slots.held(Priority.API, "other"):               # "other" asked lately
+        pass
+    for _ in range(3):
+        await slots.acquire(Priority.API, "flood")
+    flood = asyncio.create_task(slots.acquire(Priority.API, "flood"))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not flood.done()
+    await slots.acquire(Priority.API, "other")                  # the other tenant starts at once
+    assert slots.holding == {"flood": 3, "other": 1}
+    slots.release("other")
+    slots.release("flood")
+    await asyncio.wait_for(flood, 5)                            # above the reserve again: the flood's turn
+    assert slots.holding == {"flood": 3} and slots.free == 1
+    # two tenants level with each other may use the kept slot: it keeps nobody out
+    even = Slots(2, reserve=1, window_s=30.0)
+    await even.acquire(Priority.API, "a")
+    await asyncio.wait_for(even.acquire(Priority.API, "b"), 5)
+    assert even.holding == {"a": 1, "b": 1}
+
+
+def test_reserved_slots_are_checked() -> None:
+    with pytest.raises(ValueError, match="reserved slots must be from 0 to 3"):
+        Slots(4, reserve=4)

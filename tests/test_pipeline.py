@@ -91,6 +91,20 @@ def test_unknown_field_and_bad_values_name_the_field() -> None:
         build_pipeline(spec)
 
 
+def test_reserved_slots_must_leave_a_slot_and_leave_the_digest_alone() -> None:
+    spec = toy_spec()
+    spec["stages"]["thinker"].update(max_sessions=4, reserved_slots=4)
+    with pytest.raises(PipelineError, match=r"stages\.thinker: .*reserved_slots \(4\) must be below max_sessions \(4\)"):
+        build_pipeline(spec)
+    spec["stages"]["thinker"]["reserved_slots"] = 1
+    assert build_pipeline(spec).spec.stages["thinker"].reserved_slots == 1
+    # the default headroom (reserved_slots unset) leaves a pipeline's version what it was before the
+    # field existed (the digest names the task queues of a deployment being upgraded)
+    plain, explicit = toy_spec(), toy_spec()
+    explicit["stages"]["thinker"]["reserved_slots"] = 1
+    assert build_pipeline(plain).digest == "6a4a30d601a56b10" != build_pipeline(explicit).digest
+
+
 def test_bad_yaml_file_is_refused(tmp_path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: [unclosed")

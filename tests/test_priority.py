@@ -152,3 +152,38 @@ async def test_tenant_weights_change_live_and_bad_weights_are_refused(engine_fac
 async def _weight_of(eng, tenant: str, weight: float) -> bool:
     await eng.store.fair.refresh()
     return eng.store.fair.weights.get(tenant, 1.0) == weight
+
+
+async def test_a_tenant_just_refused_over_its_share_is_refused_again_without_a_round_trip(engine_factory) -> None:
+    async with engine_factory(workers=False, max_in_flight=10, fair_share_from=0.5, fair_hold_ms=10_000) as eng:
+        store = eng.store
+        await store.abort((await store.submit(request(), tenant="other")).id)     # "other" was here lately
+        await store.fair.refresh()
+        for _ in range(5):
+            await store.submit(request(), tenant="flood")
+        with pytest.raises(FairShareRefused, match="it holds 5 live"):
+            await store.submit(request(), tenant="flood")
+        calls = []
+        real = store._submit_script
+
+        async def counted(call):
+            calls.append(call)
+            return await real(call)
+
+        store._submit_script = counted
+        for _ in range(20):                 # the flood's retries: refused here, Redis never asked
+            with pytest.raises(FairShareRefused, match="over its fair share") as refused:
+                await store.submit(request(), tenant="flood")
+            assert refused.value.retry_after_s == 1.0
+        assert calls == []
+        await store.submit(request(), tenant="other")               # another tenant is asked as always
+        assert len(calls) == 1
+        # a retry with an idempotency key asks Redis (it may name a workflow that exists)
+        with pytest.raises(FairShareRefused):
+            await store.submit(request(request_id="flood-retry-1"), tenant="flood")
+        assert len(calls) == 2
+        # a fresh view of the shares ends the hold: the flood's workflows may have ended
+        await store.fair.refresh()
+        with pytest.raises(FairShareRefused, match="it holds 5 live"):
+            await store.submit(request(), tenant="flood")
+        assert len(calls) == 3

@@ -50,6 +50,7 @@ __all__ = ["LOG_ENTRY_LIMIT", "Store", "abort_call", "connect", "new_id"]
 LOG_ENTRY_LIMIT = 10_000
 #: a submit refused for memory is over capacity, like one over `max_in_flight`
 SUBMIT_OOM_RETRY_AFTER_S = 1.0
+FAIR_RETRY_AFTER_S = 1.0           # what a tenant over its fair share is told to wait (Retry-After)
 
 
 def new_id(cell: int = 0) -> str:
@@ -150,8 +151,13 @@ class Store:
         if req.pipeline and self.catalog.find(req.pipeline) is None:
             await self.pipeline_named(req.pipeline, param="pipeline")
         if self.settings.fair_share:
-            if self.fair.must_refresh:      # shares are being enforced: decide on a fresh view
-                await self.fair.refresh()
+            held = None if wf_id is not None or req.request_id else self.fair.held(tenant)
+            if held is not None:            # refused as over its share a moment ago: still is, here
+                raise FairShareRefused(held, retry_after_s=FAIR_RETRY_AFTER_S)
+            if self.fair.must_refresh or self.fair.never_read:
+                # shares are being enforced, or this process has no view yet (a fresh API process
+                # would admit its first burst as if its tenant were alone): decide on a fresh view
+                await self.fair.refresh_shared()
             elif self.fair.stale:
                 self.fair.refresh_soon()
         shed = None
@@ -170,6 +176,10 @@ class Store:
             raise self.refused(exc) from exc
         try:
             result = self.submitted(reply, tenant=tenant, priority=self.priority_of(req, tenant, priority))
+        except FairShareRefused as exc:
+            self.fair.hold(tenant, str(exc))
+            await self.fair.refused(tenant)
+            raise
         except AdmissionRefused:
             await self.fair.refused(tenant)
             raise
@@ -397,7 +407,7 @@ class Store:
                 f"tenant {tenant!r} is over its fair share: it holds {held} live "
                 f"workflow(s) and may hold {min(self.fair.share(tenant), self.fair.cap())} of max_in_flight "
                 f"{self.settings.max_in_flight} while the deployment is busy; retry later",
-                retry_after_s=1.0)
+                retry_after_s=FAIR_RETRY_AFTER_S)
         where = "" if self.keys.cells == 1 else f" in the cell tried (max_in_flight is split over {self.keys.cells} cells)"
         raise AdmissionRefused(
             f"{ident} workflows in flight{where}, the limit is {self.settings.max_in_flight}"

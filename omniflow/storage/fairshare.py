@@ -48,6 +48,12 @@ class FairShare:
         self._at = -math.inf
         self.must_refresh = False           # a cell is past the line: re-read before the next submit
         self._background: asyncio.Task[None] | None = None
+        self._shared: asyncio.Task[None] | None = None      # the re-read the busy submits share
+        self._held: dict[str, tuple[float, str]] = {}      # tenant refused as over its share -> (until, why)
+
+    @property
+    def never_read(self) -> bool:
+        return self._at == -math.inf
 
     @property
     def stale(self) -> bool:
@@ -58,6 +64,34 @@ class FairShare:
         weights and the shares lags by one read, and the happy path waits for nothing)."""
         if self._background is None or self._background.done():
             self._background = asyncio.get_running_loop().create_task(self._refresh_quietly())
+
+    async def refresh_shared(self) -> None:
+        """`refresh`, joined by every submit that needs one while it runs (a busy deployment, many
+        submits at once: one read of the view, not one each)."""
+        if self._shared is None or self._shared.done():
+            self._shared = asyncio.get_running_loop().create_task(self.refresh())
+        await asyncio.shield(self._shared)
+
+    def hold(self, tenant: str, why: str) -> None:
+        """`tenant` was just refused as over its fair share: refuse its next submits here, without a
+        round trip, for `fair_hold_ms` (a flood's retries cost the server nothing; the tenant loses at
+        most the room that frees in that time)."""
+        hold_s = self.settings.fair_hold_ms / 1000
+        if hold_s > 0:
+            if len(self._held) >= MAX_DERIVED:
+                now = time.monotonic()
+                self._held = {t: h for t, h in self._held.items() if h[0] > now}
+            self._held[tenant] = (time.monotonic() + hold_s, why)
+
+    def held(self, tenant: str) -> str | None:
+        """Why `tenant`'s submit is refused here without asking the server (None: ask it)."""
+        found = self._held.get(tenant)
+        if found is None:
+            return None
+        if found[0] <= time.monotonic():
+            del self._held[tenant]
+            return None
+        return found[1]
 
     async def _refresh_quietly(self) -> None:
         try:
@@ -85,6 +119,7 @@ class FairShare:
         self.waiting = {s(t) for t in replies[1] or []} | seen
         self.counts = [{s(k): int(v) for k, v in (r or {}).items()} for r in replies[2::2]]
         self._derived.clear()
+        self._held.clear()          # what the view says now decides (a tenant's workflows may have ended)
         self._at = started
         self.must_refresh = False
 

@@ -28,22 +28,31 @@ class PoolCore:
 
     def __init__(self, stage: str, spec: StageSpec, *, executor: Executor | None, max_sessions: int | None,
                  class_weights: Mapping[Priority, float] | None = None,
-                 tenant_weights: Mapping[str, float] | None = None) -> None:
+                 tenant_weights: Mapping[str, float] | None = None, live_window_s: float = 2.0) -> None:
         self.key = pool_key(spec)
         self.max_sessions = max_sessions or spec.max_sessions
         self.executor = executor or import_executor(spec.executor)(stage=stage, params=spec.params)
         self.class_weights = class_weights
         self.tenant_weights = tenant_weights
+        self.live_window_s = live_window_s
         # At most max_sessions run the executor at once (the GPU's batch slots); up to `prefetch` more
         # are claimed and wait for a slot, so a freed slot starts the next session without a round trip.
         prefetch = spec.prefetch if spec.prefetch is not None else max(1, self.max_sessions // 4)
         self.capacity = self.max_sessions + prefetch
-        self.slots = Slots(self.max_sessions, class_weights=class_weights, tenant_weights=tenant_weights)
+        self.slots = self.new_slots(spec)
         self.active = 0             # sessions held (running or waiting for a slot)
         self.claiming = 0           # tasks read but not yet claimed (they hold session slots too)
         self.compute: ComputeThread | None = None    # where the executor runs (runs_on == "thread")
         self.routes = 0             # stages (of pipelines and versions) this pool serves
         self.stage = stage
+
+    def new_slots(self, spec: StageSpec) -> Slots:
+        """`max_sessions` slots, of which `reserved_slots` (default one in eight) are kept for live
+        traffic while it is about (`Slots`)."""
+        n = self.max_sessions
+        reserve = spec.reserved_slots if spec.reserved_slots is not None else n // 8
+        return Slots(n, class_weights=self.class_weights, tenant_weights=self.tenant_weights,
+                     reserve=min(reserve, n - 1), window_s=self.live_window_s)
 
 
 class StagePool:
@@ -136,7 +145,8 @@ class StagePool:
 
 def build_pools(routes: Sequence[tuple[Pipeline, str]], *, executor: Executor | None = None,
                 max_sessions: int | None = None, class_weights: Mapping[Priority, float] | None = None,
-                tenant_weights: Mapping[str, float] | None = None) -> dict[str, StagePool]:
+                tenant_weights: Mapping[str, float] | None = None,
+                live_window_s: float = 2.0) -> dict[str, StagePool]:
     """The `StagePool` of every (pipeline, stage) a worker serves, by queue; stages with one pool key
     share one `PoolCore` (one executor). Its capacity is the largest any of them declares."""
     cores: dict[str, PoolCore] = {}
@@ -147,12 +157,13 @@ def build_pools(routes: Sequence[tuple[Pipeline, str]], *, executor: Executor | 
         core = cores.get(key)
         if core is None:
             core = cores[key] = PoolCore(stage, spec, executor=executor, max_sessions=max_sessions,
-                                         class_weights=class_weights, tenant_weights=tenant_weights)
+                                         class_weights=class_weights, tenant_weights=tenant_weights,
+                                         live_window_s=live_window_s)
         elif max_sessions is None and spec.max_sessions > core.max_sessions:
             core.max_sessions = spec.max_sessions
             prefetch = spec.prefetch if spec.prefetch is not None else max(1, spec.max_sessions // 4)
             core.capacity = max(core.capacity, spec.max_sessions + prefetch)
-            core.slots = Slots(spec.max_sessions, class_weights=class_weights, tenant_weights=tenant_weights)
+            core.slots = core.new_slots(spec)
         pools[pipe.queue(stage)] = StagePool(pipe, stage, core=core)
     return pools
 

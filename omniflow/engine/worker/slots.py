@@ -7,10 +7,18 @@ tenant that holds the fewest of this stage's slots for its weight (ties in weigh
 come first served. A running session gives its slot way at its next chunk (`give_way`) while a higher
 class waits, or while a tenant of its own class waits that holds fewer slots for its weight than its
 own tenant would after giving one up; it queues again ahead of the sessions that have not started.
+
+Headroom (`reserve`, the stage's `reserved_slots`): while live traffic is about, the last `reserve`
+free slots are kept for it, so a live request starts at once instead of waiting for a running
+session's next chunk. A session may take one of them only if no session of a higher class, and no
+tenant of its own class that would hold fewer slots for its weight, asked this stage for a slot in
+the last `window_s`; when nobody else has asked for that long, a lower class or a flooding tenant
+borrows the whole stage (a timer hands the kept slots on as the window closes).
 """
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -23,9 +31,18 @@ class Slots:
     """`n` slots; `async with slots.held(priority, tenant):` runs with one."""
 
     def __init__(self, n: int, *, class_weights: Mapping[Priority, float] | None = None,
-                 tenant_weights: Mapping[str, float] | None = None) -> None:
+                 tenant_weights: Mapping[str, float] | None = None, reserve: int = 0,
+                 window_s: float = 2.0) -> None:
+        if not 0 <= reserve < max(n, 1):
+            raise ValueError(f"reserved slots must be from 0 to {n - 1} (of {n}), got {reserve}")
         self.n = n
         self.free = n
+        self.reserve = reserve
+        self.window_s = window_s
+        # when each class (by rank) and each (class rank, tenant) last asked for a slot (monotonic s)
+        self._asked = [float("-inf")] * len(PRIORITY_ORDER)
+        self._asked_by: dict[tuple[int, str], float] = {}
+        self._timer: asyncio.TimerHandle | None = None
         self._waiting: dict[Priority, dict[str, deque[asyncio.Future[None]]]] = {p: {} for p in PRIORITY_ORDER}
         self._count = [0] * len(PRIORITY_ORDER)         # waiters per class rank
         self._classes: WeightedPicker[Priority] = WeightedPicker(
@@ -57,10 +74,36 @@ class Slots:
         mine = self._load(tenant)
         return any(self._load(other, 1) < mine for other, queue in list(queues.items()) if other != tenant and queue)
 
+    def _note(self, priority: Priority, tenant: str, now: float) -> None:
+        if not self.reserve:
+            return
+        self._asked[priority.rank] = now
+        self._asked_by[(priority.rank, tenant)] = now
+        if len(self._asked_by) > 4 * self.n + 64:      # forget the tenants that went quiet
+            self._asked_by = {k: t for k, t in self._asked_by.items() if now - t < self.window_s}
+
+    def _kept_from(self, priority: Priority, tenant: str, now: float) -> float:
+        """0.0 if (`priority`, `tenant`) may take a kept slot now; else when it may (monotonic s)."""
+        until = 0.0
+        horizon = now - self.window_s
+        for rank in range(priority.rank):
+            if self._asked[rank] > horizon:
+                until = max(until, self._asked[rank] + self.window_s)
+        mine = self._load(tenant, 1)
+        for (rank, other), at in list(self._asked_by.items()):
+            if rank == priority.rank and other != tenant and at > horizon and self._load(other, 1) < mine:
+                until = max(until, at + self.window_s)
+        return until
+
+    def _may_take(self, priority: Priority, tenant: str, now: float) -> bool:
+        return self.free > self.reserve or not self._kept_from(priority, tenant, now)
+
     async def acquire(self, priority: Priority = Priority.API, tenant: str = "", *, first: bool = False) -> None:
         """Wait for a slot in `priority`'s and `tenant`'s turn (`first`: ahead of the others of its
         class and tenant, for a session that gave its slot way mid-stream)."""
-        if self.free > 0 and not self.waiting:
+        now = time.monotonic() if self.reserve else 0.0
+        self._note(priority, tenant, now)
+        if self.free > 0 and not self.waiting and (not self.reserve or self._may_take(priority, tenant, now)):
             self.free -= 1
             self.holding[tenant] = self.holding.get(tenant, 0) + 1
             return
@@ -91,13 +134,24 @@ class Slots:
         self._grant()
 
     def _grant(self) -> None:
+        now = time.monotonic() if self.reserve else 0.0
         while self.free > 0 and self.waiting:
-            classes = [p for p in PRIORITY_ORDER if self._count[p.rank]]
-            prio = self._classes.pick(classes)
-            queues = self._waiting[prio]
-            tenants = [t for t, q in queues.items() if q]
-            least = min(self._load(t, 1) for t in tenants)
-            tenant = self._tenants[prio].pick([t for t in tenants if self._load(t, 1) == least])
+            if self.reserve and self.free <= self.reserve:
+                # a kept slot goes to the most deserving waiter (the highest class, its least loaded
+                # tenant), and only if nobody more deserving than it asked in the window
+                prio = next(p for p in PRIORITY_ORDER if self._count[p.rank])
+                queues = self._waiting[prio]
+                tenant = min((t for t, q in queues.items() if q), key=lambda t: self._load(t, 1))
+                until = self._kept_from(prio, tenant, now)
+                if until:
+                    self._wake_at(until - now)
+                    return
+            else:
+                prio = self._classes.pick([p for p in PRIORITY_ORDER if self._count[p.rank]])
+                queues = self._waiting[prio]
+                tenants = [t for t, q in queues.items() if q]
+                least = min(self._load(t, 1) for t in tenants)
+                tenant = self._tenants[prio].pick([t for t in tenants if self._load(t, 1) == least])
             fut = queues[tenant].popleft()
             if not queues[tenant]:
                 del queues[tenant]
@@ -105,6 +159,20 @@ class Slots:
             self.free -= 1
             self.holding[tenant] = self.holding.get(tenant, 0) + 1
             fut.set_result(None)
+
+    def _wake_at(self, delay_s: float) -> None:
+        """Hand the kept slots on when the window closes (if nobody more deserving asks meanwhile)."""
+        if self._timer is not None and not self._timer.cancelled():
+            self._timer.cancel()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:        # released outside a loop (a test): the next acquire or release grants
+            return
+        self._timer = loop.call_later(max(delay_s, 0.001), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._grant()
 
     def _forget(self, priority: Priority, tenant: str, fut: asyncio.Future[None]) -> None:
         queue = self._waiting[priority].get(tenant)

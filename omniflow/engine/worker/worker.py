@@ -51,7 +51,7 @@ class Worker:
         self.tenant_weights: dict[str, float] = parse_weights(settings.tenant_weights)
         pools = build_pools(routes, executor=executor, max_sessions=max_sessions,
                             class_weights=parse_priority_weights(settings.priority_weights),
-                            tenant_weights=self.tenant_weights)
+                            tenant_weights=self.tenant_weights, live_window_s=settings.live_window_s)
         if executor is not None and len(unique_cores(pools)) > 1:
             raise ValueError("an executor instance can serve one stage (one pool) only")
         stages = list(dict.fromkeys(st for _p, st in routes))
