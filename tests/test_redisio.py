@@ -76,8 +76,10 @@ async def test_a_refused_write_waits_in_the_group_commit_and_a_refused_submit_is
         await eng.redis.config_set("maxmemory", 1)
         try:
             held = batcher.send("XADD", key, "*", "f", "v")
+            await eventually(lambda: batcher.refusals >= 1, timeout_s=10, what="the held write sent again")
             with pytest.raises(AdmissionRefused, match="out of memory"):
-                await store.submit(request("no room"))                # refused at once, never held
+                # refused at once, never held, nor queued behind the held write (its own round trip)
+                await asyncio.wait_for(store.submit(request("no room")), batcher.refused_retry_s / 2)
             # the held write was sent again and refused again (twice): it outlived refusals, still waiting
             await eventually(lambda: batcher.refusals >= 3, timeout_s=10, what="two resends of the held write refused")
             assert not held.done()                                    # still waiting, not failed

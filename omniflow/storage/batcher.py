@@ -50,6 +50,8 @@ class Batcher:
         self._queue: list[tuple[Command, asyncio.Future[Any], bool]] = []
         self._flusher: asyncio.Task[None] | None = None
         self.closing = False            # set at shutdown: refused commands fail at once
+        self._holding = False           # the flusher is sending refused commands again
+        self._bypassing: set[asyncio.Task[None]] = set()
         self.round_trips = 0
         self.commands = 0
         self.refusals = 0
@@ -58,10 +60,27 @@ class Batcher:
         """Queue one raw command; the future resolves to its reply (or its translated error)."""
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         cmd = command[0] if len(command) == 1 and callable(command[0]) else command
+        if not retry_refused and self._holding:
+            # refused writes are being held and sent again (the flusher waits on them): a command
+            # that must not wait (a submit: busy is its answer) takes a round trip of its own
+            self._bypass([(cmd, fut, False)])
+            return fut
         self._queue.append((cmd, fut, retry_refused))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush_loop())
         return fut
+
+    def _bypass(self, queued: list[tuple[Command, asyncio.Future[Any], bool]]) -> None:
+        built = []
+        for cmd, fut, retry in queued:
+            try:
+                built.append((cmd() if callable(cmd) else cmd, fut, retry))
+            except Exception as exc:  # noqa: BLE001 - a command that cannot be built fails alone
+                _resolve(fut, exc)
+        if built:
+            task = asyncio.create_task(self._execute(built))
+            self._bypassing.add(task)
+            task.add_done_callback(self._bypassing.discard)
 
     def send_lazy(self, build: Callable[[], tuple[Any, ...]]) -> asyncio.Future[Any]:
         """Queue a command built only when its pipeline is assembled."""
@@ -108,6 +127,18 @@ class Batcher:
                        len(held), held[0][2], self.refused_retry_s)
         deadline = time.monotonic() + self.refused_retry_s
         backoff = Backoff(first_s=REFUSED_BACKOFF_FIRST_S, cap_s=REFUSED_BACKOFF_CAP_S)
+        self._holding = True
+        waiting = [q for q in self._queue if not q[2]]      # queued meanwhile, and must not wait either
+        if waiting:
+            self._queue = [q for q in self._queue if q[2]]
+            self._bypass(waiting)
+        try:
+            await self._resend(held, deadline, backoff)
+        finally:
+            self._holding = False
+
+    async def _resend(self, held: list[tuple[tuple[Any, ...], asyncio.Future[Any], Any]], deadline: float,
+                      backoff: Backoff) -> None:
         while held and not self.closing and time.monotonic() < deadline:
             self.refusals += 1
             await backoff.sleep()
