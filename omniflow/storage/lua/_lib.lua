@@ -43,6 +43,91 @@ local function stage_terminal(status)
   return status == 'done' or status == 'failed' or status == 'aborted'
 end
 
+-- One read and one write per hash and script call: `hread` reads the fields it is given that the call
+-- has not read yet (one HMGET), `hget` answers from what was read or written, `hset`/`hdel` buffer
+-- the call's writes, and `hflush` writes each hash's buffered fields with one HSET (and one HDEL).
+-- A script that buffers writes calls `hflush` before it returns; nothing reads such a hash with
+-- redis.call between (every read in these helpers goes through `hget`).
+local HV, HW, HW_KEYS = {}, {}, {}
+
+local function hread(k, fields)
+  local known = HV[k]
+  if known == nil then
+    known = {}
+    HV[k] = known
+  end
+  local pend = HW[k]
+  local want, seen = {}, {}
+  for _, f in ipairs(fields) do
+    if known[f] == nil and not seen[f] and not (pend and pend.v[f] ~= nil) then
+      seen[f] = true
+      want[#want + 1] = f
+    end
+  end
+  if #want > 0 then
+    local got = redis.call('HMGET', k, unpack(want))
+    for i, f in ipairs(want) do known[f] = got[i] end       -- false: no such field
+  end
+end
+
+local function hget(k, f)
+  local pend = HW[k]
+  if pend then
+    local v = pend.v[f]
+    if v ~= nil then return v or nil end
+  end
+  local known = HV[k]
+  if known == nil or known[f] == nil then
+    hread(k, {f})
+    known = HV[k]
+  end
+  return known[f] or nil
+end
+
+local function hset(k, ...)
+  local pend = HW[k]
+  if pend == nil then
+    pend = {v = {}, order = {}}
+    HW[k] = pend
+    HW_KEYS[#HW_KEYS + 1] = k
+  end
+  local a = {...}
+  for i = 1, #a, 2 do
+    if pend.v[a[i]] == nil then pend.order[#pend.order + 1] = a[i] end
+    pend.v[a[i]] = a[i + 1]
+  end
+end
+
+local function hdel(k, f) hset(k, f, false) end
+
+local function hflush()
+  for _, k in ipairs(HW_KEYS) do
+    local pend, known = HW[k], HV[k] or {}
+    HV[k] = known
+    local sets, dels = {}, {}
+    for _, f in ipairs(pend.order) do
+      local v = pend.v[f]
+      if v == false then dels[#dels + 1] = f else
+        sets[#sets + 1] = f
+        sets[#sets + 1] = v
+      end
+      known[f] = v
+    end
+    if #sets > 0 then redis.call('HSET', k, unpack(sets)) end
+    if #dels > 0 then redis.call('HDEL', k, unpack(dels)) end
+  end
+  HW, HW_KEYS = {}, {}
+end
+
+-- HINCRBY through the buffer (an integer field and increment, as HINCRBY wants them)
+local function hincr(k, f, by)
+  local cur, inc = tonumber(hget(k, f) or '0'), tonumber(by)
+  if cur == nil or inc == nil or cur ~= math.floor(cur) or inc ~= math.floor(inc) then
+    error('ERR hash value is not an integer (' .. f .. ')')
+  end
+  hset(k, f, string.format('%d', cur + inc))
+end
+
 -- Listing indexes: `<cell>:idx:state:<state>`, one zset per workflow state in each cell (member
 -- id, score creation ms), kept exact by the transitions that change a workflow's state: submit, the
 -- first claim (pending -> running) and finalize (they declare the cell's state indexes they touch).
@@ -82,7 +167,10 @@ local function tasks_key(wf, stage, version)
 end
 
 local function submit_stage(wf, id, stage, attempt, now, version)
-  redis.call('HSET', key(wf .. ':stages'), stage, 'pending', stage .. ':attempt', attempt, stage .. ':t_submit', now)
+  local sk = key(wf .. ':stages')
+  redis.call('HSET', sk, stage, 'pending', stage .. ':attempt', attempt, stage .. ':t_submit', now)
+  local known = HV[sk]
+  if known then known[stage], known[stage .. ':attempt'], known[stage .. ':t_submit'] = nil, nil, nil end
   redis.call('XADD', tasks_key(wf, stage, version), '*', 'wf', id, 's', stage, 'a', attempt)
 end
 
@@ -166,15 +254,19 @@ end
 local function inbox_key(wf, replica)
   return cell_base(wf) .. ':inbox:' .. replica
 end
-local bound = {}           -- dst -> HMGET of its status, replica, attempt (read once per call)
+-- the fields consumer_of reads (a caller may read them with its own first read: `hread`)
+local function consumer_fields(dst, out)
+  out[#out + 1] = dst
+  out[#out + 1] = dst .. ':replica'
+  out[#out + 1] = dst .. ':attempt'
+  return out
+end
 
+-- {status, replica, attempt} of stage dst (the stage hash, read once per call)
 local function consumer_of(wf, dst)
-  local cur = bound[dst]
-  if cur == nil then
-    cur = redis.call('HMGET', key(wf .. ':stages'), dst, dst .. ':replica', dst .. ':attempt')
-    bound[dst] = cur
-  end
-  return cur
+  local sk = key(wf .. ':stages')
+  hread(sk, consumer_fields(dst, {}))
+  return {hget(sk, dst) or false, hget(sk, dst .. ':replica') or false, hget(sk, dst .. ':attempt') or false}
 end
 
 -- Before a call writes anything: is one of the downstream stages `dsts` bound to a replica whose
@@ -230,9 +322,9 @@ local function terminal_set_complete(sk, finished, finals, required)
   local stages = csv(required)
   local fields = {}
   for i, s in ipairs(stages) do fields[i] = s .. ':attempt' end
-  local attempts = redis.call('HMGET', sk, unpack(fields))
-  for i, s in ipairs(stages) do
-    if tonumber(attempts[i]) > 0 and not contains(finished, s) then return false end
+  hread(sk, fields)
+  for _, s in ipairs(stages) do
+    if tonumber(hget(sk, s .. ':attempt')) > 0 and not contains(finished, s) then return false end
   end
   return true
 end
@@ -289,14 +381,33 @@ local function meter_session(stage, outcome, tenant, pipeline, m, samples, sr)
   if tonumber(m[2]) > 0 then redis.call('EXPIREAT', ukey, m[2]) end
 end
 
+-- The record fields finish_session reads (a caller that reads the record first reads these with it),
+-- and the stage-hash fields (`finish_fields`, once the record's `stages` is known).
+-- Writes go through `hset` (the caller flushes: `hflush`).
+local FINISH_REC = {'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub', 'tenant', 'pipeline',
+  'pipeline_hash'}
+
+local function finish_fields(wf, stage, out)
+  for _, f in ipairs({stage, stage .. ':attempt', stage .. ':seq', stage .. ':samples', stage .. ':sr'}) do
+    out[#out + 1] = f
+  end
+  for _, s in ipairs(csv(hget(wf, 'stages'))) do out[#out + 1] = s .. ':attempt' end
+  return out
+end
+
 local function finish_session(wf, tasks_key, events_key, group, entry_id, stage, attempt, outcome,
                               detail, retryable, now, seq, downstream, meter)
   local sk = key(wf .. ':stages')
   redis.call('XACK', key(tasks_key), group, entry_id)
   redis.call('XDEL', tasks_key, entry_id)
-  local rec = redis.call('HMGET', key(wf), 'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub',
-    'tenant', 'pipeline', 'pipeline_hash')
-  local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':samples', stage .. ':sr')
+  hread(key(wf), FINISH_REC)
+  hread(sk, finish_fields(wf, stage, {}))
+  local rec = {}
+  for i, f in ipairs(FINISH_REC) do rec[i] = hget(wf, f) or false end
+  local cur = {}
+  for i, f in ipairs({stage, stage .. ':attempt', stage .. ':seq', stage .. ':samples', stage .. ':sr'}) do
+    cur[i] = hget(sk, f) or false
+  end
   if not is_live(rec[1]) or tostring(cur[2]) ~= tostring(attempt) then return 'fenced' end
   if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
   local res = 'ok'
@@ -310,19 +421,15 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
     for _, dst in ipairs(csv(downstream)) do
       edge_append(wf, rec[2], stage, dst, {'eos', '1', 'seq', seq, 'a', attempt})
     end
-    if meter then
-      redis.call('HSET', sk, stage, 'done', stage .. ':t_end', now, stage .. ':usage', detail,
-        stage .. ':compute_ms', meter[3])
-    else
-      redis.call('HSET', sk, stage, 'done', stage .. ':t_end', now, stage .. ':usage', detail)
-    end
+    hset(sk, stage, 'done', stage .. ':t_end', now, stage .. ':usage', detail)
+    if meter then hset(sk, stage .. ':compute_ms', meter[3]) end
     local finished
     report, finished = done_needs_reconciler(sk, stage, {rec[3], rec[4], rec[5], rec[6], rec[7]})
     if not report then
-      redis.call('HSET', wf, 'finished', table.concat(finished, ','), 'updated_ms', now)
+      hset(wf, 'finished', table.concat(finished, ','), 'updated_ms', now)
     end
   else
-    redis.call('HSET', sk, stage, 'failed', stage .. ':t_end', now, stage .. ':error', detail)
+    hset(sk, stage, 'failed', stage .. ':t_end', now, stage .. ':error', detail)
   end
   if meter then meter_session(stage, outcome, rec[8], rec[9], meter, cur[4], cur[5]) end
   redis.call('XADD', key(wf .. ':log'), '*', 't', 'stage', 'stage', stage, 'status', outcome, 'attempt', attempt)

@@ -100,9 +100,39 @@ if not bad and ARGV[7] then
 end
 if bad then return redis.error_reply('emit: ' .. bad .. ' (nothing written)') end
 
+-- One read of the record and one of the stage hash, one write of each (`hread`, `hset`, `hflush`):
+-- everything the steps, the consumers and the finish read is read up front.
+local function read_all()
+  if fin then hread(wf, FINISH_REC) else hread(wf, {'state'}) end
+  local fields = {stage, stage .. ':attempt', stage .. ':seq', stage .. ':inbox_wait'}
+  if fin then finish_fields(wf, stage, fields) end
+  local dsts = {}
+  for _, step in ipairs(steps) do
+    for i = 2, #step, 3 do
+      local op = step[i]
+      if op == 'E' and not dsts[step[i + 1]] then
+        dsts[step[i + 1]] = true
+        consumer_fields(step[i + 1], fields)
+      elseif op == 'H' or op == 'I' then
+        fields[#fields + 1] = step[i + 1]
+      elseif op == 'C' then
+        fields[#fields + 1] = stage .. ':ckpt'
+      end
+    end
+  end
+  if fin and fin[3] == 'done' then
+    for _, dst in ipairs(csv(fin[7])) do
+      if not dsts[dst] then consumer_fields(dst, fields) end
+    end
+  end
+  hread(sk, fields)
+end
+
 local function write_steps()
-  if redis.call('HGET', wf, 'state') ~= 'running' then return 'fenced' end
-  local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':inbox_wait')
+  read_all()
+  if hget(wf, 'state') ~= 'running' then return 'fenced' end
+  local cur = {hget(sk, stage) or false, hget(sk, stage .. ':attempt') or false, hget(sk, stage .. ':seq') or false,
+    hget(sk, stage .. ':inbox_wait') or false}
   if tostring(cur[2]) ~= ARGV[2] then return 'fenced' end
   if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
   local last = tonumber(cur[3] or '0')
@@ -126,7 +156,7 @@ local function write_steps()
   end
   local unbound = unbound_inbox(wf, dsts)
   if unbound then
-    redis.call('HSET', sk, stage .. ':inbox_wait', ARGV[2])
+    hset(sk, stage .. ':inbox_wait', ARGV[2])
     return {'inbox', unbound[1], unbound[2]}
   end
   if cur[4] == ARGV[2] then
@@ -136,11 +166,11 @@ local function write_steps()
     elseif first > last + 1 then
       return {'inbox', '', ''}
     else
-      redis.call('HDEL', sk, stage .. ':inbox_wait')
+      hdel(sk, stage .. ':inbox_wait')
     end
   end
   if ARGV[3] ~= '' and cur[1] ~= ARGV[3] then
-    redis.call('HSET', sk, stage, ARGV[3])
+    hset(sk, stage, ARGV[3])
     redis.call('XADD', log_key, '*', 't', 'stage', 'stage', stage, 'status', ARGV[3], 'attempt', ARGV[2])
   end
   local texts, tfirst, tlast = {}, nil, nil
@@ -167,16 +197,16 @@ local function write_steps()
         elseif op == 'A' then
           redis.call('APPEND', KEYS[step[i + 1]], step[i + 2])
         elseif op == 'H' then
-          redis.call('HSET', sk, step[i + 1], step[i + 2])
+          hset(sk, step[i + 1], step[i + 2])
         elseif op == 'I' then
-          redis.call('HINCRBY', sk, step[i + 1], step[i + 2])
+          hincr(sk, step[i + 1], step[i + 2])
         elseif op == 'C' then
           ckpts[#ckpts + 1] = step[i + 1]
         elseif op == 'B' then
           local blob, ttl = KEYS[step[i + 1]], step[i + 2][2]
           redis.call('SET', blob, step[i + 2][1], 'PX', ttl)
           if redis.call('SADD', blobs_key, blob) == 1 and not blobs_flagged then
-            redis.call('HSET', wf, 'blobs', '1')     -- finalize frees them (read with the record)
+            hset(wf, 'blobs', '1')     -- finalize frees them (read with the record)
             blobs_flagged = true
           end
           redis.call('PEXPIRE', blobs_key, ttl)
@@ -193,11 +223,11 @@ local function write_steps()
     redis.call('XADD', log_key, '*', 't', 'text', 'stage', stage, 'from', tfirst, 'seq', tlast, 'delta', delta)
   end
   if #ckpts > 0 then
-    local prev = redis.call('HGET', sk, stage .. ':ckpt') or ''
-    redis.call('HSET', sk, stage .. ':ckpt', prev .. table.concat(ckpts))
+    local prev = hget(sk, stage .. ':ckpt') or ''
+    hset(sk, stage .. ':ckpt', prev .. table.concat(ckpts))
   end
   if wrote > 0 then
-    redis.call('HSET', sk, stage .. ':seq', last)
+    hset(sk, stage .. ':seq', last)
   end
   if gap then return 'gap' end
   if wrote == 0 and #steps > 0 then
@@ -207,9 +237,13 @@ local function write_steps()
 end
 
 local res = write_steps()
-if type(res) == 'table' then return res end       -- refused for an inbox: nothing written
+if type(res) == 'table' then      -- refused for an inbox: nothing written (but the refusal)
+  hflush()
+  return res
+end
 if not fin then
   flush_edges()
+  hflush()
   return res
 end
 do
@@ -221,6 +255,7 @@ do
   local closed = finish_session(wf, KEYS[2], KEYS[3], f[1], f[2], stage, ARGV[2], outcome, detail,
     retryable, ARGV[4], f[6], f[7], f[8])
   flush_edges()
+  hflush()
   if res == 'fenced' or res == 'gap' then return res end
   return closed
 end
