@@ -152,10 +152,10 @@ local NOTIFY_MAX_LEN = 100000
 -- The class is read once per workflow and call (PRIO; submit sets it from its fields).
 local PRIO = {}
 local function tasks_key(wf, stage, version)
-  if version == nil then version = redis.call('HGET', wf, 'pipeline_hash') end
+  if version == nil then version = hget(wf, 'pipeline_hash') end
   local prio = PRIO[wf]
   if prio == nil then
-    prio = redis.call('HGET', wf, 'prio') or 'api'
+    prio = hget(wf, 'prio') or 'api'
     PRIO[wf] = prio
   end
   local base = cell_base(wf) .. ':stage:' .. stage .. ':tasks'
@@ -178,12 +178,17 @@ end
 -- Partial outputs stay (labelled by stage); edge logs go; the rest expires.
 -- The keys it may touch, to declare: the workflow's wf, stages, log, done, its cell's tomb:<id>,
 -- inflight and notify, and out:<s> of every final stage and edge:<a>:<b> of every edge it has.
+-- The record fields it reads (`hread`: a caller that reads the record first reads them with it); the
+-- record's and stage hash's writes, the caller's buffered ones included, are written here (`hflush`).
+local FINAL_REC = {'stages', 'edges', 'finals', 'webhook', 'state', 'created_ms', 'blobs', 'tenant', 'tf'}
+
 local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now, tomb_ttl, result_ttl)
   local sk = key(wf .. ':stages')
   local cell = cell_base(wf)
-  local rec = redis.call('HMGET', wf, 'stages', 'edges', 'finals', 'webhook', 'state', 'created_ms', 'blobs',
-    'tenant', 'tf')
-  redis.call('HSET', wf, 'state', state, 'finished_ms', now, 'updated_ms', now)
+  hread(wf, FINAL_REC)
+  local rec = {}
+  for i, f in ipairs(FINAL_REC) do rec[i] = hget(wf, f) or false end
+  hset(wf, 'state', state, 'finished_ms', now, 'updated_ms', now)
   if rec[9] then       -- counted in its tenant's live workflows at submit (fair share): no longer
     local tinf = key(cell .. ':tinf')
     -- a tenant at 0 keeps its field (one per tenant), and when it got there: it keeps its share a while
@@ -191,16 +196,17 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
   end
   index_state(wf, id, rec[5], state, rec[6] or now)
   if err and err ~= '' then
-    redis.call('HSET', wf, 'error', err, 'error_stage', err_stage or '')
+    hset(wf, 'error', err, 'error_stage', err_stage or '')
   end
   if state ~= 'completed' then
+    hread(sk, csv(rec[1]))
     for _, stage in ipairs(csv(rec[1])) do
-      local st = redis.call('HGET', sk, stage)
+      local st = hget(sk, stage)
       if not stage_terminal(st) then
         if stage == err_stage and state == 'failed' then
-          redis.call('HSET', sk, stage, 'failed', stage .. ':t_end', now)
+          hset(sk, stage, 'failed', stage .. ':t_end', now)
         else
-          redis.call('HSET', sk, stage, 'aborted', stage .. ':t_end', now)
+          hset(sk, stage, 'aborted', stage .. ':t_end', now)
         end
       end
     end
@@ -211,9 +217,9 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
   -- the edge logs and outputs are named by the record (its pipeline version's edges and finals):
   -- under this workflow's base key, so in this script's slot whether or not the caller declared them
   -- (one that ends a workflow by id alone, an abort or a deadline, need not know its pipeline)
-  for _, edge in ipairs(csv(rec[2])) do
-    redis.call('UNLINK', wf .. ':edge:' .. edge)
-  end
+  local edge_keys = {}
+  for _, edge in ipairs(csv(rec[2])) do edge_keys[#edge_keys + 1] = wf .. ':edge:' .. edge end
+  if #edge_keys > 0 then redis.call('UNLINK', unpack(edge_keys)) end
   -- chunk payloads too large for their edge entries (omniflow.dataplane): nothing reads them any more.
   -- Their names are the set's members (data, written by the emits that stored them): not declared
   -- here, but under this workflow's base key, so in this script's slot.
@@ -223,6 +229,7 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
     end
     redis.call('UNLINK', wf .. ':blobs')
   end
+  hflush()
   redis.call('XADD', key(wf .. ':log'), '*', 't', 'terminal', 'state', state, 'error', err or '',
     'stage', err_stage or '')
   -- one entry, ever: a waiter that wants the outcome and not the progress blocks here (wakes once)
