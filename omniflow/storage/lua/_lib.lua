@@ -392,7 +392,7 @@ end
 -- and the stage-hash fields (`finish_fields`, once the record's `stages` is known).
 -- Writes go through `hset` (the caller flushes: `hflush`).
 local FINISH_REC = {'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub', 'tenant', 'pipeline',
-  'pipeline_hash'}
+  'pipeline_hash', 'prio'}
 
 local function finish_fields(wf, stage, out)
   for _, f in ipairs({stage, stage .. ':attempt', stage .. ':seq', stage .. ':samples', stage .. ':sr'}) do
@@ -441,8 +441,9 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
   if meter then meter_session(stage, outcome, rec[8], rec[9], meter, cur[4], cur[5]) end
   redis.call('XADD', key(wf .. ':log'), '*', 't', 'stage', 'stage', stage, 'status', outcome, 'attempt', attempt)
   if report then
+    -- 'c': the workflow's class (the reconciler declares that class's task streams only)
     redis.call('XADD', key(events_key), '*', 't', outcome, 'wf', rec[2], 's', stage, 'a', attempt, 'd', detail,
-      'r', retryable, 'p', rec[10] or '')
+      'r', retryable, 'p', rec[10] or '', 'c', (rec[11] and rec[11] ~= '') and rec[11] or 'api')
   end
   return res
 end
