@@ -57,14 +57,15 @@ local function hread(k, fields)
     HV[k] = known
   end
   local pend = HW[k]
-  local want, seen = {}, {}
+  local want, seen = nil, nil      -- (no garbage when every field is known: the common case)
   for _, f in ipairs(fields) do
-    if known[f] == nil and not seen[f] and not (pend and pend.v[f] ~= nil) then
+    if known[f] == nil and not (pend and pend.v[f] ~= nil) and not (seen and seen[f]) then
+      if want == nil then want, seen = {}, {} end
       seen[f] = true
       want[#want + 1] = f
     end
   end
-  if #want > 0 then
+  if want then
     local got = redis.call('HMGET', k, unpack(want))
     for i, f in ipairs(want) do known[f] = got[i] end       -- false: no such field
   end
@@ -91,10 +92,11 @@ local function hset(k, ...)
     HW[k] = pend
     HW_KEYS[#HW_KEYS + 1] = k
   end
-  local a = {...}
-  for i = 1, #a, 2 do
-    if pend.v[a[i]] == nil then pend.order[#pend.order + 1] = a[i] end
-    pend.v[a[i]] = a[i + 1]
+  local v, order = pend.v, pend.order
+  for i = 1, select('#', ...), 2 do
+    local f, x = select(i, ...)
+    if v[f] == nil then order[#order + 1] = f end
+    v[f] = x
   end
 end
 
@@ -117,15 +119,6 @@ local function hflush()
     if #dels > 0 then redis.call('HDEL', k, unpack(dels)) end
   end
   HW, HW_KEYS = {}, {}
-end
-
--- HINCRBY through the buffer (an integer field and increment, as HINCRBY wants them)
-local function hincr(k, f, by)
-  local cur, inc = tonumber(hget(k, f) or '0'), tonumber(by)
-  if cur == nil or inc == nil or cur ~= math.floor(cur) or inc ~= math.floor(inc) then
-    error('ERR hash value is not an integer (' .. f .. ')')
-  end
-  hset(k, f, string.format('%d', cur + inc))
 end
 
 -- Listing indexes: `<cell>:idx:state:<state>`, one zset per workflow state in each cell (member
@@ -261,19 +254,16 @@ end
 local function inbox_key(wf, replica)
   return cell_base(wf) .. ':inbox:' .. replica
 end
--- the fields consumer_of reads (a caller may read them with its own first read: `hread`)
-local function consumer_fields(dst, out)
-  out[#out + 1] = dst
-  out[#out + 1] = dst .. ':replica'
-  out[#out + 1] = dst .. ':attempt'
-  return out
-end
-
--- {status, replica, attempt} of stage dst (the stage hash, read once per call)
+-- {status, replica, attempt} of stage dst (the stage hash, read once per call; a caller that reads
+-- the stage hash first may fill it: emit.lua)
+local bound = {}
 local function consumer_of(wf, dst)
-  local sk = key(wf .. ':stages')
-  hread(sk, consumer_fields(dst, {}))
-  return {hget(sk, dst) or false, hget(sk, dst .. ':replica') or false, hget(sk, dst .. ':attempt') or false}
+  local cur = bound[dst]
+  if cur == nil then
+    cur = redis.call('HMGET', key(wf .. ':stages'), dst, dst .. ':replica', dst .. ':attempt')
+    bound[dst] = cur
+  end
+  return cur
 end
 
 -- Before a call writes anything: is one of the downstream stages `dsts` bound to a replica whose
@@ -388,32 +378,33 @@ local function meter_session(stage, outcome, tenant, pipeline, m, samples, sr)
   if tonumber(m[2]) > 0 then redis.call('EXPIREAT', ukey, m[2]) end
 end
 
--- The record fields finish_session reads (a caller that reads the record first reads these with it),
--- and the stage-hash fields (`finish_fields`, once the record's `stages` is known).
--- Writes go through `hset` (the caller flushes: `hflush`).
+-- The record fields finish_session reads (HMGET, in this order: a caller that read them already
+-- passes them).
 local FINISH_REC = {'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub', 'tenant', 'pipeline',
   'pipeline_hash', 'prio'}
 
-local function finish_fields(wf, stage, out)
-  for _, f in ipairs({stage, stage .. ':attempt', stage .. ':seq', stage .. ':samples', stage .. ':sr'}) do
-    out[#out + 1] = f
-  end
-  for _, s in ipairs(csv(hget(wf, 'stages'))) do out[#out + 1] = s .. ':attempt' end
-  return out
-end
-
+-- `pre` (optional): what the caller read and will write already: {rec = HMGET of FINISH_REC, cur = this
+-- stage's {status, attempt, seq, samples, sr}, sw = its pending stage-hash writes (field, value, ...),
+-- which the caller writes with one HSET after this; the session's stage fields are added to them}.
 local function finish_session(wf, tasks_key, events_key, group, entry_id, stage, attempt, outcome,
-                              detail, retryable, now, seq, downstream, meter)
+                              detail, retryable, now, seq, downstream, meter, pre)
   local sk = key(wf .. ':stages')
   redis.call('XACK', key(tasks_key), group, entry_id)
   redis.call('XDEL', tasks_key, entry_id)
-  hread(key(wf), FINISH_REC)
-  hread(sk, finish_fields(wf, stage, {}))
-  local rec = {}
-  for i, f in ipairs(FINISH_REC) do rec[i] = hget(wf, f) or false end
-  local cur = {}
-  for i, f in ipairs({stage, stage .. ':attempt', stage .. ':seq', stage .. ':samples', stage .. ':sr'}) do
-    cur[i] = hget(sk, f) or false
+  local rec, cur
+  if pre then
+    rec, cur = pre.rec, pre.cur
+  else
+    rec = redis.call('HMGET', key(wf), unpack(FINISH_REC))
+    cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':samples', stage .. ':sr')
+  end
+  local function sset(...)
+    if pre then
+      local sw = pre.sw
+      for i = 1, select('#', ...) do sw[#sw + 1] = select(i, ...) end
+    else
+      redis.call('HSET', sk, ...)
+    end
   end
   if not is_live(rec[1]) or tostring(cur[2]) ~= tostring(attempt) then return 'fenced' end
   if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
@@ -428,15 +419,18 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
     for _, dst in ipairs(csv(downstream)) do
       edge_append(wf, rec[2], stage, dst, {'eos', '1', 'seq', seq, 'a', attempt})
     end
-    hset(sk, stage, 'done', stage .. ':t_end', now, stage .. ':usage', detail)
-    if meter then hset(sk, stage .. ':compute_ms', meter[3]) end
+    if meter then
+      sset(stage, 'done', stage .. ':t_end', now, stage .. ':usage', detail, stage .. ':compute_ms', meter[3])
+    else
+      sset(stage, 'done', stage .. ':t_end', now, stage .. ':usage', detail)
+    end
     local finished
     report, finished = done_needs_reconciler(sk, stage, {rec[3], rec[4], rec[5], rec[6], rec[7]})
     if not report then
-      hset(wf, 'finished', table.concat(finished, ','), 'updated_ms', now)
+      redis.call('HSET', wf, 'finished', table.concat(finished, ','), 'updated_ms', now)
     end
   else
-    hset(sk, stage, 'failed', stage .. ':t_end', now, stage .. ':error', detail)
+    sset(stage, 'failed', stage .. ':t_end', now, stage .. ':error', detail)
   end
   if meter then meter_session(stage, outcome, rec[8], rec[9], meter, cur[4], cur[5]) end
   redis.call('XADD', key(wf .. ':log'), '*', 't', 'stage', 'stage', stage, 'status', outcome, 'attempt', attempt)

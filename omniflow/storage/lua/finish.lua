@@ -17,12 +17,6 @@
 if tonumber(ARGV[9]) == nil or (ARGV[5] ~= 'done' and ARGV[5] ~= 'failed') then
   return redis.error_reply('finish: malformed arguments (outcome ' .. tostring(ARGV[5]) .. ', seq ' .. tostring(ARGV[9]) .. ')')
 end
-hread(KEYS[1], FINISH_REC)      -- one read of the record and one of the stage hash
-local fields = finish_fields(KEYS[1], ARGV[3], {})
-if ARGV[5] == 'done' then
-  for _, dst in ipairs(csv(ARGV[10])) do consumer_fields(dst, fields) end
-end
-hread(key(KEYS[1] .. ':stages'), fields)
 if ARGV[5] == 'done' then
   local unbound = unbound_inbox(KEYS[1], csv(ARGV[10]))
   if unbound then return {'inbox', unbound[1], unbound[2]} end
@@ -30,5 +24,4 @@ end
 local res = finish_session(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5],
   ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10])
 flush_edges()
-hflush()
 return res
