@@ -111,7 +111,8 @@ class Event:
     retryable: bool
     task_entry: str               # 'lost' only: the task entry to acknowledge
     version: str = ""             # the workflow's pipeline version ('': not said, the default pipeline)
-    priority: str = "api"         # 'lost' only: the priority class of the stream that entry is in
+    priority: str = "api"         # the workflow's priority class (a 'lost' one's: of the stream that entry is in)
+    classed: bool = False         # the entry said its class (field `c`; a finish's report and a 'lost' one do)
 
 
 def event(fields: Fields | None, *, stages: Collection[str] | None = None) -> Event:
@@ -130,6 +131,7 @@ def event(fields: Fields | None, *, stages: Collection[str] | None = None) -> Ev
         task_entry=text(fields, b"e", max_chars=64, required=False),
         version=text(fields, b"p", max_chars=64, required=False),
         priority=one_of(text(fields, b"c", max_chars=16, required=False) or "api", PRIORITY_NAMES, "priority"),
+        classed=bool(fields.get(b"c")),
     )
 
 

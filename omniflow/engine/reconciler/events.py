@@ -129,13 +129,15 @@ class Events:
             task = (ctx.keys.tasks(pipe.queue(ev.stage), cell, ev.priority), ev.task_entry)
         return self.stage_event_call(ev.wf_id, ev.stage, ev.kind.value, ev.attempt, now, ev.detail,
                                      retryable=ev.retryable, due_ms=due, task=task, event_id=entry_id,
-                                     pipeline=pipe)
+                                     pipeline=pipe, priority=ev.priority if ev.classed else None)
 
     def stage_event_call(self, wf_id: str, stage: str, kind: str, attempt: int, now: int, detail: str, *,
                          retryable: bool, due_ms: int, task: tuple[str, bytes | str] = ("", ""),
-                         event_id: bytes | str = "", pipeline: Pipeline | None = None) -> tuple[Any, ...]:
+                         event_id: bytes | str = "", pipeline: Pipeline | None = None,
+                         priority: str | None = None) -> tuple[Any, ...]:
         """A `stage_event.lua` call (ARGV: see its header): `task` is the (stream, entry) a `lost`
-        session's task is acknowledged in, `event_id` the event entry it applies ('' for a sweep's)."""
+        session's task is acknowledged in, `event_id` the event entry it applies ('' for a sweep's);
+        `priority`: the workflow's class, when the event said it (only its task streams are declared)."""
         settings = self.ctx.settings
         pipe = pipeline or self.ctx.pipeline
         plan = self.ctx.finalize_plan if pipe is self.ctx.pipeline else finalize_plan(pipe)
@@ -143,7 +145,7 @@ class Events:
             self.ctx.keys, plan, [pipe.queue(st) for st in pipe.order], wf_id, stage, kind, attempt, now_ms=now,
             detail=detail, retryable=retryable, max_attempts=pipe.stages[stage].retry.max_attempts,
             due_ms=due_ms, tombstone_ttl_s=settings.tombstone_ttl_s, result_ttl_s=settings.result_ttl_s,
-            dlq_max_len=settings.dlq_max_len, task=task, event_id=event_id)
+            dlq_max_len=settings.dlq_max_len, task=task, event_id=event_id, priority=priority)
 
     def _dead_letter_call(self, entry_id: bytes | str, fields: dict[bytes, bytes] | None, reason: str,
                           cell: int) -> tuple[Any, ...]:

@@ -43,6 +43,84 @@ local function stage_terminal(status)
   return status == 'done' or status == 'failed' or status == 'aborted'
 end
 
+-- One read and one write per hash and script call: `hread` reads the fields it is given that the call
+-- has not read yet (one HMGET), `hget` answers from what was read or written, `hset`/`hdel` buffer
+-- the call's writes, and `hflush` writes each hash's buffered fields with one HSET (and one HDEL).
+-- A script that buffers writes calls `hflush` before it returns; nothing reads such a hash with
+-- redis.call between (every read in these helpers goes through `hget`).
+local HV, HW, HW_KEYS = {}, {}, {}
+
+local function hread(k, fields)
+  local known = HV[k]
+  if known == nil then
+    known = {}
+    HV[k] = known
+  end
+  local pend = HW[k]
+  local want, seen = nil, nil      -- (no garbage when every field is known: the common case)
+  for _, f in ipairs(fields) do
+    if known[f] == nil and not (pend and pend.v[f] ~= nil) and not (seen and seen[f]) then
+      if want == nil then want, seen = {}, {} end
+      seen[f] = true
+      want[#want + 1] = f
+    end
+  end
+  if want then
+    local got = redis.call('HMGET', k, unpack(want))
+    for i, f in ipairs(want) do known[f] = got[i] end       -- false: no such field
+  end
+end
+
+local function hget(k, f)
+  local pend = HW[k]
+  if pend then
+    local v = pend.v[f]
+    if v ~= nil then return v or nil end
+  end
+  local known = HV[k]
+  if known == nil or known[f] == nil then
+    hread(k, {f})
+    known = HV[k]
+  end
+  return known[f] or nil
+end
+
+local function hset(k, ...)
+  local pend = HW[k]
+  if pend == nil then
+    pend = {v = {}, order = {}}
+    HW[k] = pend
+    HW_KEYS[#HW_KEYS + 1] = k
+  end
+  local v, order = pend.v, pend.order
+  for i = 1, select('#', ...), 2 do
+    local f, x = select(i, ...)
+    if v[f] == nil then order[#order + 1] = f end
+    v[f] = x
+  end
+end
+
+local function hdel(k, f) hset(k, f, false) end
+
+local function hflush()
+  for _, k in ipairs(HW_KEYS) do
+    local pend, known = HW[k], HV[k] or {}
+    HV[k] = known
+    local sets, dels = {}, {}
+    for _, f in ipairs(pend.order) do
+      local v = pend.v[f]
+      if v == false then dels[#dels + 1] = f else
+        sets[#sets + 1] = f
+        sets[#sets + 1] = v
+      end
+      known[f] = v
+    end
+    if #sets > 0 then redis.call('HSET', k, unpack(sets)) end
+    if #dels > 0 then redis.call('HDEL', k, unpack(dels)) end
+  end
+  HW, HW_KEYS = {}, {}
+end
+
 -- Listing indexes: `<cell>:idx:state:<state>`, one zset per workflow state in each cell (member
 -- id, score creation ms), kept exact by the transitions that change a workflow's state: submit, the
 -- first claim (pending -> running) and finalize (they declare the cell's state indexes they touch).
@@ -67,10 +145,10 @@ local NOTIFY_MAX_LEN = 100000
 -- The class is read once per workflow and call (PRIO; submit sets it from its fields).
 local PRIO = {}
 local function tasks_key(wf, stage, version)
-  if version == nil then version = redis.call('HGET', wf, 'pipeline_hash') end
+  if version == nil then version = hget(wf, 'pipeline_hash') end
   local prio = PRIO[wf]
   if prio == nil then
-    prio = redis.call('HGET', wf, 'prio') or 'api'
+    prio = hget(wf, 'prio') or 'api'
     PRIO[wf] = prio
   end
   local base = cell_base(wf) .. ':stage:' .. stage .. ':tasks'
@@ -82,7 +160,10 @@ local function tasks_key(wf, stage, version)
 end
 
 local function submit_stage(wf, id, stage, attempt, now, version)
-  redis.call('HSET', key(wf .. ':stages'), stage, 'pending', stage .. ':attempt', attempt, stage .. ':t_submit', now)
+  local sk = key(wf .. ':stages')
+  redis.call('HSET', sk, stage, 'pending', stage .. ':attempt', attempt, stage .. ':t_submit', now)
+  local known = HV[sk]
+  if known then known[stage], known[stage .. ':attempt'], known[stage .. ':t_submit'] = nil, nil, nil end
   redis.call('XADD', tasks_key(wf, stage, version), '*', 'wf', id, 's', stage, 'a', attempt)
 end
 
@@ -90,12 +171,17 @@ end
 -- Partial outputs stay (labelled by stage); edge logs go; the rest expires.
 -- The keys it may touch, to declare: the workflow's wf, stages, log, done, its cell's tomb:<id>,
 -- inflight and notify, and out:<s> of every final stage and edge:<a>:<b> of every edge it has.
+-- The record fields it reads (`hread`: a caller that reads the record first reads them with it); the
+-- record's and stage hash's writes, the caller's buffered ones included, are written here (`hflush`).
+local FINAL_REC = {'stages', 'edges', 'finals', 'webhook', 'state', 'created_ms', 'blobs', 'tenant', 'tf'}
+
 local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now, tomb_ttl, result_ttl)
   local sk = key(wf .. ':stages')
   local cell = cell_base(wf)
-  local rec = redis.call('HMGET', wf, 'stages', 'edges', 'finals', 'webhook', 'state', 'created_ms', 'blobs',
-    'tenant', 'tf')
-  redis.call('HSET', wf, 'state', state, 'finished_ms', now, 'updated_ms', now)
+  hread(wf, FINAL_REC)
+  local rec = {}
+  for i, f in ipairs(FINAL_REC) do rec[i] = hget(wf, f) or false end
+  hset(wf, 'state', state, 'finished_ms', now, 'updated_ms', now)
   if rec[9] then       -- counted in its tenant's live workflows at submit (fair share): no longer
     local tinf = key(cell .. ':tinf')
     -- a tenant at 0 keeps its field (one per tenant), and when it got there: it keeps its share a while
@@ -103,16 +189,17 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
   end
   index_state(wf, id, rec[5], state, rec[6] or now)
   if err and err ~= '' then
-    redis.call('HSET', wf, 'error', err, 'error_stage', err_stage or '')
+    hset(wf, 'error', err, 'error_stage', err_stage or '')
   end
   if state ~= 'completed' then
+    hread(sk, csv(rec[1]))
     for _, stage in ipairs(csv(rec[1])) do
-      local st = redis.call('HGET', sk, stage)
+      local st = hget(sk, stage)
       if not stage_terminal(st) then
         if stage == err_stage and state == 'failed' then
-          redis.call('HSET', sk, stage, 'failed', stage .. ':t_end', now)
+          hset(sk, stage, 'failed', stage .. ':t_end', now)
         else
-          redis.call('HSET', sk, stage, 'aborted', stage .. ':t_end', now)
+          hset(sk, stage, 'aborted', stage .. ':t_end', now)
         end
       end
     end
@@ -123,9 +210,9 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
   -- the edge logs and outputs are named by the record (its pipeline version's edges and finals):
   -- under this workflow's base key, so in this script's slot whether or not the caller declared them
   -- (one that ends a workflow by id alone, an abort or a deadline, need not know its pipeline)
-  for _, edge in ipairs(csv(rec[2])) do
-    redis.call('UNLINK', wf .. ':edge:' .. edge)
-  end
+  local edge_keys = {}
+  for _, edge in ipairs(csv(rec[2])) do edge_keys[#edge_keys + 1] = wf .. ':edge:' .. edge end
+  if #edge_keys > 0 then redis.call('UNLINK', unpack(edge_keys)) end
   -- chunk payloads too large for their edge entries (omniflow.dataplane): nothing reads them any more.
   -- Their names are the set's members (data, written by the emits that stored them): not declared
   -- here, but under this workflow's base key, so in this script's slot.
@@ -135,6 +222,7 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
     end
     redis.call('UNLINK', wf .. ':blobs')
   end
+  hflush()
   redis.call('XADD', key(wf .. ':log'), '*', 't', 'terminal', 'state', state, 'error', err or '',
     'stage', err_stage or '')
   -- one entry, ever: a waiter that wants the outcome and not the progress blocks here (wakes once)
@@ -166,8 +254,9 @@ end
 local function inbox_key(wf, replica)
   return cell_base(wf) .. ':inbox:' .. replica
 end
-local bound = {}           -- dst -> HMGET of its status, replica, attempt (read once per call)
-
+-- {status, replica, attempt} of stage dst (the stage hash, read once per call; a caller that reads
+-- the stage hash first may fill it: emit.lua)
+local bound = {}
 local function consumer_of(wf, dst)
   local cur = bound[dst]
   if cur == nil then
@@ -230,9 +319,9 @@ local function terminal_set_complete(sk, finished, finals, required)
   local stages = csv(required)
   local fields = {}
   for i, s in ipairs(stages) do fields[i] = s .. ':attempt' end
-  local attempts = redis.call('HMGET', sk, unpack(fields))
-  for i, s in ipairs(stages) do
-    if tonumber(attempts[i]) > 0 and not contains(finished, s) then return false end
+  hread(sk, fields)
+  for _, s in ipairs(stages) do
+    if tonumber(hget(sk, s .. ':attempt')) > 0 and not contains(finished, s) then return false end
   end
   return true
 end
@@ -289,14 +378,34 @@ local function meter_session(stage, outcome, tenant, pipeline, m, samples, sr)
   if tonumber(m[2]) > 0 then redis.call('EXPIREAT', ukey, m[2]) end
 end
 
+-- The record fields finish_session reads (HMGET, in this order: a caller that read them already
+-- passes them).
+local FINISH_REC = {'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub', 'tenant', 'pipeline',
+  'pipeline_hash', 'prio'}
+
+-- `pre` (optional): what the caller read and will write already: {rec = HMGET of FINISH_REC, cur = this
+-- stage's {status, attempt, seq, samples, sr}, sw = its pending stage-hash writes (field, value, ...),
+-- which the caller writes with one HSET after this; the session's stage fields are added to them}.
 local function finish_session(wf, tasks_key, events_key, group, entry_id, stage, attempt, outcome,
-                              detail, retryable, now, seq, downstream, meter)
+                              detail, retryable, now, seq, downstream, meter, pre)
   local sk = key(wf .. ':stages')
   redis.call('XACK', key(tasks_key), group, entry_id)
   redis.call('XDEL', tasks_key, entry_id)
-  local rec = redis.call('HMGET', key(wf), 'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub',
-    'tenant', 'pipeline', 'pipeline_hash')
-  local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':samples', stage .. ':sr')
+  local rec, cur
+  if pre then
+    rec, cur = pre.rec, pre.cur
+  else
+    rec = redis.call('HMGET', key(wf), unpack(FINISH_REC))
+    cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':samples', stage .. ':sr')
+  end
+  local function sset(...)
+    if pre then
+      local sw = pre.sw
+      for i = 1, select('#', ...) do sw[#sw + 1] = select(i, ...) end
+    else
+      redis.call('HSET', sk, ...)
+    end
+  end
   if not is_live(rec[1]) or tostring(cur[2]) ~= tostring(attempt) then return 'fenced' end
   if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
   local res = 'ok'
@@ -311,10 +420,9 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
       edge_append(wf, rec[2], stage, dst, {'eos', '1', 'seq', seq, 'a', attempt})
     end
     if meter then
-      redis.call('HSET', sk, stage, 'done', stage .. ':t_end', now, stage .. ':usage', detail,
-        stage .. ':compute_ms', meter[3])
+      sset(stage, 'done', stage .. ':t_end', now, stage .. ':usage', detail, stage .. ':compute_ms', meter[3])
     else
-      redis.call('HSET', sk, stage, 'done', stage .. ':t_end', now, stage .. ':usage', detail)
+      sset(stage, 'done', stage .. ':t_end', now, stage .. ':usage', detail)
     end
     local finished
     report, finished = done_needs_reconciler(sk, stage, {rec[3], rec[4], rec[5], rec[6], rec[7]})
@@ -322,13 +430,14 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
       redis.call('HSET', wf, 'finished', table.concat(finished, ','), 'updated_ms', now)
     end
   else
-    redis.call('HSET', sk, stage, 'failed', stage .. ':t_end', now, stage .. ':error', detail)
+    sset(stage, 'failed', stage .. ':t_end', now, stage .. ':error', detail)
   end
   if meter then meter_session(stage, outcome, rec[8], rec[9], meter, cur[4], cur[5]) end
   redis.call('XADD', key(wf .. ':log'), '*', 't', 'stage', 'stage', stage, 'status', outcome, 'attempt', attempt)
   if report then
+    -- 'c': the workflow's class (the reconciler declares that class's task streams only)
     redis.call('XADD', key(events_key), '*', 't', outcome, 'wf', rec[2], 's', stage, 'a', attempt, 'd', detail,
-      'r', retryable, 'p', rec[10] or '')
+      'r', retryable, 'p', rec[10] or '', 'c', (rec[11] and rec[11] ~= '') and rec[11] or 'api')
   end
   return res
 end

@@ -100,9 +100,68 @@ if not bad and ARGV[7] then
 end
 if bad then return redis.error_reply('emit: ' .. bad .. ' (nothing written)') end
 
+-- One read of the record (the finish's fields too) and one of the stage hash: this stage's fields,
+-- each consumer's (`consumer_of`), the fields the steps' 'I' and 'C' ops change; the stage hash's
+-- writes are gathered in SW and written with one HSET at the end (in order: the last write of a
+-- field wins, as it would one HSET after another).
+local rec = nil               -- HMGET of FINISH_REC (with a finish)
+local SW = {}                 -- field, value, ... to write to the stage hash
+local ival = {}               -- the current values of the fields 'I' ops change
+local fin_cur = nil           -- the finish's view of this stage (finish_session's `cur`)
+
+local function read_all()
+  local state
+  if fin then
+    rec = redis.call('HMGET', wf, unpack(FINISH_REC))
+    state = rec[1]
+  else
+    state = redis.call('HGET', wf, 'state')
+  end
+  -- a field that is not there costs a whole scan of a small hash: only what this call needs
+  local fields = {stage, stage .. ':attempt', stage .. ':seq', stage .. ':inbox_wait'}
+  if fin then
+    fields[5] = stage .. ':samples'
+    fields[6] = stage .. ':sr'
+  end
+  local dsts, at, iat = {}, {}, {}
+  local ckpt_at = nil
+  local function want_dst(dst)
+    if not at[dst] then
+      at[dst] = #fields + 1
+      dsts[#dsts + 1] = dst
+      fields[#fields + 1] = dst
+      fields[#fields + 1] = dst .. ':replica'
+      fields[#fields + 1] = dst .. ':attempt'
+    end
+  end
+  for _, step in ipairs(steps) do
+    for i = 2, #step, 3 do
+      if step[i] == 'E' then
+        want_dst(step[i + 1])
+      elseif step[i] == 'I' and not iat[step[i + 1]] then
+        iat[step[i + 1]] = #fields + 1
+        fields[#fields + 1] = step[i + 1]
+      elseif step[i] == 'C' and not ckpt_at then
+        ckpt_at = #fields + 1
+        fields[#fields + 1] = stage .. ':ckpt'
+      end
+    end
+  end
+  if fin and fin[3] == 'done' then
+    for _, dst in ipairs(csv(fin[7])) do want_dst(dst) end
+  end
+  local v = redis.call('HMGET', sk, unpack(fields))
+  for _, dst in ipairs(dsts) do
+    local j = at[dst]
+    bound[dst] = {v[j], v[j + 1], v[j + 2]}
+  end
+  for f, j in pairs(iat) do ival[f] = v[j] end
+  return state, v, ckpt_at and v[ckpt_at]
+end
+
 local function write_steps()
-  if redis.call('HGET', wf, 'state') ~= 'running' then return 'fenced' end
-  local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':inbox_wait')
+  local state, cur, ckpt_prev = read_all()
+  if state ~= 'running' then return 'fenced' end
   if tostring(cur[2]) ~= ARGV[2] then return 'fenced' end
   if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
   local last = tonumber(cur[3] or '0')
@@ -129,6 +188,7 @@ local function write_steps()
     redis.call('HSET', sk, stage .. ':inbox_wait', ARGV[2])
     return {'inbox', unbound[1], unbound[2]}
   end
+  local status = cur[1]
   if cur[4] == ARGV[2] then
     -- a call refused for its inbox has not been sent again yet: one sent after it waits its turn
     if first == nil then
@@ -140,7 +200,9 @@ local function write_steps()
     end
   end
   if ARGV[3] ~= '' and cur[1] ~= ARGV[3] then
-    redis.call('HSET', sk, stage, ARGV[3])
+    status = ARGV[3]
+    SW[#SW + 1] = stage
+    SW[#SW + 1] = status
     redis.call('XADD', log_key, '*', 't', 'stage', 'stage', stage, 'status', ARGV[3], 'attempt', ARGV[2])
   end
   local texts, tfirst, tlast = {}, nil, nil
@@ -167,9 +229,18 @@ local function write_steps()
         elseif op == 'A' then
           redis.call('APPEND', KEYS[step[i + 1]], step[i + 2])
         elseif op == 'H' then
-          redis.call('HSET', sk, step[i + 1], step[i + 2])
-        elseif op == 'I' then
-          redis.call('HINCRBY', sk, step[i + 1], step[i + 2])
+          SW[#SW + 1] = step[i + 1]
+          SW[#SW + 1] = step[i + 2]
+          if ival[step[i + 1]] ~= nil then ival[step[i + 1]] = step[i + 2] end
+        elseif op == 'I' then       -- HINCRBY's arithmetic, on the value read up front
+          local f = step[i + 1]
+          local n, by = tonumber(ival[f] or '0'), tonumber(step[i + 2])
+          if n == nil or by == nil or n ~= math.floor(n) or by ~= math.floor(by) then
+            error('ERR hash value is not an integer (' .. f .. ')')
+          end
+          ival[f] = string.format('%d', n + by)
+          SW[#SW + 1] = f
+          SW[#SW + 1] = ival[f]
         elseif op == 'C' then
           ckpts[#ckpts + 1] = step[i + 1]
         elseif op == 'B' then
@@ -193,11 +264,17 @@ local function write_steps()
     redis.call('XADD', log_key, '*', 't', 'text', 'stage', stage, 'from', tfirst, 'seq', tlast, 'delta', delta)
   end
   if #ckpts > 0 then
-    local prev = redis.call('HGET', sk, stage .. ':ckpt') or ''
-    redis.call('HSET', sk, stage .. ':ckpt', prev .. table.concat(ckpts))
+    SW[#SW + 1] = stage .. ':ckpt'
+    SW[#SW + 1] = (ckpt_prev or '') .. table.concat(ckpts)
   end
   if wrote > 0 then
-    redis.call('HSET', sk, stage .. ':seq', last)
+    SW[#SW + 1] = stage .. ':seq'
+    SW[#SW + 1] = last
+  end
+  -- what finish_session reads of this stage: status, attempt, seq, samples, sr as written here
+  fin_cur = {status, cur[2], last, ival[stage .. ':samples'] or cur[5], cur[6]}
+  for j = 1, #SW - 1, 2 do
+    if SW[j] == stage .. ':sr' then fin_cur[5] = SW[j + 1] end
   end
   if gap then return 'gap' end
   if wrote == 0 and #steps > 0 then
@@ -206,10 +283,15 @@ local function write_steps()
   return 'ok'
 end
 
+local function flush_stage()
+  if #SW > 0 then redis.call('HSET', sk, unpack(SW)) end
+end
+
 local res = write_steps()
 if type(res) == 'table' then return res end       -- refused for an inbox: nothing written
 if not fin then
   flush_edges()
+  flush_stage()
   return res
 end
 do
@@ -218,9 +300,12 @@ do
   if res == 'gap' then      -- never close as done over a hole: fail the attempt, the retry resumes
     outcome, detail, retryable = 'failed', 'an earlier write of this attempt was lost', '1'
   end
+  local pre = nil
+  if fin_cur then pre = {rec = rec, cur = fin_cur, sw = SW} end
   local closed = finish_session(wf, KEYS[2], KEYS[3], f[1], f[2], stage, ARGV[2], outcome, detail,
-    retryable, ARGV[4], f[6], f[7], f[8])
+    retryable, ARGV[4], f[6], f[7], f[8], pre)
   flush_edges()
+  flush_stage()
   if res == 'fenced' or res == 'gap' then return res end
   return closed
 end

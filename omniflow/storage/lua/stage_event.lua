@@ -22,18 +22,26 @@ local function apply()
     redis.call('XACK', key(ARGV[12]), ARGV[14], ARGV[13])
     redis.call('XDEL', ARGV[12], ARGV[13])
   end
-  local rec = redis.call('HMGET', wf, 'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub',
-    'pipeline_hash', 'trace')
+  -- one read of the record (what finalize reads too) and one of the stage hash (the terminal set's too)
+  local fields = {'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub', 'pipeline_hash', 'trace'}
+  for _, f in ipairs(FINAL_REC) do fields[#fields + 1] = f end
+  fields[#fields + 1] = 'prio'      -- tasks_key's (a retry, a successor)
+  hread(wf, fields)
+  local rec = {}
+  for i = 1, 9 do rec[i] = hget(wf, fields[i]) or false end
   if not is_live(rec[1]) then return {'ignored', rec[1] or 'gone'} end
   local id, trace = rec[2], rec[9] or ''
-  local cur = redis.call('HMGET', sk, stage, stage .. ':attempt')
+  local sfields = {stage, stage .. ':attempt'}
+  for _, s in ipairs(csv(rec[3])) do sfields[#sfields + 1] = s .. ':attempt' end
+  hread(sk, sfields)
+  local cur = {hget(sk, stage) or false, hget(sk, stage .. ':attempt') or false}
   if tostring(cur[2]) ~= ARGV[4] then return {'ignored', 'stale attempt'} end
   local finished = csv(rec[5])
   if contains(finished, stage) then return {'ignored', 'duplicate'} end
 
   if kind == 'done' then
     finished[#finished + 1] = stage
-    redis.call('HSET', wf, 'finished', table.concat(finished, ','), 'updated_ms', now)
+    hset(wf, 'finished', table.concat(finished, ','), 'updated_ms', now)
     -- full-edge successors whose producers are all done
     local groups = cjson.decode(rec[6] or '[]')
     local gsub = csv(rec[7])
@@ -46,7 +54,7 @@ local function apply()
         if ready then
           for _, s in ipairs(g['stages']) do submit_stage(wf, id, s, 1, now, rec[8] or '') end
           gsub[#gsub + 1] = tostring(i)
-          redis.call('HSET', wf, 'gsub', table.concat(gsub, ','))
+          hset(wf, 'gsub', table.concat(gsub, ','))
         end
       end
     end
@@ -61,7 +69,7 @@ local function apply()
   local attempt = tonumber(ARGV[4])
   if ARGV[7] == '1' and attempt < tonumber(ARGV[8]) then
     local nxt = attempt + 1
-    redis.call('HSET', sk, stage, 'pending', stage .. ':attempt', nxt, stage .. ':t_submit', now)
+    hset(sk, stage, 'pending', stage .. ':attempt', nxt, stage .. ':t_submit', now)
     redis.call('XADD', key(wf .. ':log'), '*', 't', 'retry', 'stage', stage, 'attempt', tostring(nxt),
       'reason', kind .. ': ' .. ARGV[6])
     if tonumber(ARGV[9]) <= tonumber(now) then
@@ -80,6 +88,7 @@ local function apply()
 end
 
 local res = apply()
+hflush()
 if ARGV[16] and ARGV[16] ~= '' then
   redis.call('XACK', KEYS[4], ARGV[15], ARGV[16])
   redis.call('XDEL', KEYS[4], ARGV[16])

@@ -28,8 +28,10 @@ if use_idem then
   local prev = redis.call('GET', KEYS[6])
   if prev then return {'existing', prev} end
 end
-if redis.call('EXISTS', KEYS[5]) == 1 then return {'retired', id} end
-if redis.call('EXISTS', wf) == 1 then return {'exists', id} end
+if redis.call('EXISTS', KEYS[5], wf) > 0 then      -- one call for both (the second only when one exists)
+  if redis.call('EXISTS', KEYS[5]) == 1 then return {'retired', id} end
+  return {'exists', id}
+end
 local n = redis.call('ZCARD', KEYS[4])
 if n >= tonumber(ARGV[5]) then return {'busy', tostring(n)} end
 local nf = tonumber(ARGV[9])
@@ -48,7 +50,9 @@ end
 
 redis.call('HSET', wf, 'id', id, 'state', 'pending', 'created_ms', now, 'updated_ms', now,
   'deadline_ms', ARGV[4], 'finished', '', 'gsub', '', 'tf', '1', unpack(ARGV, 10, 9 + 2 * nf))
-redis.call('HINCRBY', tinf, tenant, 1)
+-- the tenant's first live workflow in this cell (its count was 0 or absent): it joins the names set
+-- (never pruned: a tenant with a live workflow is in it already)
+local tenant_new = redis.call('HINCRBY', tinf, tenant, 1) == 1
 for i = 10, 8 + 2 * nf, 2 do      -- the record's priority class, for tasks_key (no read back)
   if ARGV[i] == 'prio' then PRIO[wf] = ARGV[i + 1] end
 end
@@ -78,7 +82,7 @@ redis.call('ZADD', KEYS[4], ARGV[4], id)
 redis.call('ZADD', KEYS[7], now, id)
 index_state(wf, id, nil, 'pending', now)
 redis.call('ZADD', KEYS[8], now, id)
-redis.call('SADD', KEYS[9], ARGV[11])
+if tenant_new then redis.call('SADD', KEYS[9], ARGV[11]) end
 redis.call('XADD', key(wf .. ':log'), '*', 't', 'state', 'state', 'pending')
 if use_idem then redis.call('SET', KEYS[6], id, 'EX', ARGV[6]) end
 return {'ok', id, tostring(n + 1)}

@@ -34,21 +34,26 @@ class DeadLetterResult(IntEnum):
     MOVED = 1
 
 
-def stage_event_keys(keys: Keys, plan: FinalizePlan, stages: Sequence[str], wf_id: str, stage: str) -> list[str]:
-    """KEYS of a `stage_event.lua` call (see its header): all of `wf_id`'s cell."""
+def stage_event_keys(keys: Keys, plan: FinalizePlan, stages: Sequence[str], wf_id: str, stage: str,
+                     priority: str | None = None) -> list[str]:
+    """KEYS of a `stage_event.lua` call (see its header): all of `wf_id`'s cell. `priority`: the
+    workflow's class when the event said it (then only that class's task streams are declared:
+    the record's class is the one a retry or a successor is queued in), else every class's."""
     wf, cell = keys.wf(wf_id), keys.cell_of(wf_id)
+    streams = [keys.tasks(st, cell, priority) for st in stages] if priority else \
+        [k for st in stages for k in keys.task_streams(st, cell)]
     return [wf, keys.inflight(cell), keys.retries(cell), keys.events(cell), keys.dlq(stage, cell),
-            *(k for st in stages for k in keys.task_streams(st, cell)), *keys.finalize_keys(wf_id, plan)]
+            *streams, *keys.finalize_keys(wf_id, plan)]
 
 
 def stage_event(keys: Keys, plan: FinalizePlan, stages: Sequence[str], wf_id: str, stage: str, kind: str,
                 attempt: int, *, now_ms: int, detail: str, retryable: bool, max_attempts: int, due_ms: int,
                 tombstone_ttl_s: int, result_ttl_s: int, dlq_max_len: int, task: tuple[str, bytes | str] = ("", ""),
-                event_id: bytes | str = "") -> Call:
+                event_id: bytes | str = "", priority: str | None = None) -> Call:
     """A `stage_event.lua` call: `task` is the (stream, entry) a `lost` session's task is
     acknowledged in, `event_id` the event entry it applies ('' for a sweep's)."""
     stream, entry = task
-    return script_call("stage_event", stage_event_keys(keys, plan, stages, wf_id, stage), [
+    return script_call("stage_event", stage_event_keys(keys, plan, stages, wf_id, stage, priority), [
         keys.prefix, kind, stage, attempt, now_ms, detail, "1" if retryable else "0", max_attempts, due_ms,
         tombstone_ttl_s, result_ttl_s, stream, entry, TASK_GROUP if stream else "", EVENT_GROUP, event_id,
         dlq_max_len])
