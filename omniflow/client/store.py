@@ -11,23 +11,21 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 import builtins
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from omniflow.storage.client import RedisClient
 
 from omniflow import tracing
 from omniflow.catalog import Catalog
-from omniflow.dataplane import codec
 from omniflow.storage import cells, redisio, registry
 from omniflow.storage.batcher import Batcher
 from omniflow.config import Settings
 from omniflow.errors import (AdmissionRefused, ConfigError, DeadlineUnmeetable, FairShareRefused, IdempotencyConflict,
-                             InputClosed, InvalidRequest, NotReady, PriorityNotAllowed, RedisRefused, RedisUnavailable,
-                             UnknownPipeline, ScriptError, WorkflowNotFound, WorkflowRetired)
+                             InvalidRequest, PriorityNotAllowed, RedisRefused, UnknownPipeline, ScriptError,
+                             WorkflowNotFound, WorkflowRetired)
 from omniflow.storage.keys import FinalizePlan, Keys, finalize_plan
 from omniflow.fairness import allowed, cap, parse_allowances
 from omniflow.models import TERMINAL_STATES, Priority, SubmitRequest, Submitted, WorkflowState
@@ -36,10 +34,10 @@ from omniflow.client.shedding import Predictor
 from omniflow.pipeline import INPUT_SRC, Pipeline, Plan, ShedMode
 from omniflow.storage.redisio import connect, translated
 from omniflow.client.documents import text_stages, workflow_document
+from omniflow.client.media import StreamedMedia
 from omniflow.client.realtime import RealtimeSessions
 from omniflow.storage.schema import decode_fields, now_ms, s
-from omniflow.storage.transitions import Call, admission, inputs
-from omniflow.storage.transitions.inputs import AppendResult
+from omniflow.storage.transitions import Call, admission
 from omniflow.storage.transitions.admission import AbortResult, SubmitResult
 
 if TYPE_CHECKING:
@@ -107,7 +105,7 @@ class _PlanParts:
     queues: tuple[str, ...]        # the task queues of the admitted stages (`Pipeline.queue`)
 
 
-class Store:
+class Store(StreamedMedia):
     """Client-side operations on workflows (used by the client, API, CLI and batch runner)."""
 
     def __init__(self, redis: RedisClient, settings: Settings, pipeline: Pipeline | Catalog, *,
@@ -415,55 +413,6 @@ class Store:
         except ScriptError as exc:      # servers before 7.2 lack it
             raise ConfigError(f"wait_aof is on but the server refused WAITAOF: {exc}") from exc
 
-    # ---------------------------------------------------------------- streamed input
-    @translated
-    async def append_input(self, wf_id: str, pcm: Sequence[np.ndarray] | np.ndarray = (), *, final: bool = False,
-                           sample_rate: int | None = None, stage: str | None = None,
-                           tenant: str | None = None) -> int:
-        """Append audio (int16 mono chunks) to a running workflow's input, and end it with `final`.
-
-        The chunks reach the pipeline's audio stage as they are appended (`@input`), so it works
-        on them while more come. `sample_rate` defaults to the one the submit declared; one
-        append is one Redis call (the chunks form one edge entry). Returns the input's last
-        sequence number. `InputClosed` once the input was ended or the workflow is over;
-        `InvalidRequest` for a workflow that takes no streamed input or for samples that are
-        not int16 mono."""
-        stage = stage or self.pipeline.audio_stage
-        if stage is None:
-            raise InvalidRequest(f"pipeline {self.pipeline.name!r} takes no audio input")
-        if tenant is not None:
-            await self._check_tenant(wf_id, tenant)
-        chunks = [pcm] if isinstance(pcm, np.ndarray) else list(pcm)
-        for n, chunk in enumerate(chunks):
-            if not isinstance(chunk, np.ndarray) or chunk.dtype != np.int16 or chunk.ndim != 1:
-                raise InvalidRequest(f"audio chunk {n}: int16 mono samples (a 1-D numpy array) are needed")
-        if chunks and sample_rate is None:
-            raw = await self._redis.hget(self.keys.wf(wf_id), "input")
-            if raw is None:
-                raise WorkflowNotFound(f"no workflow {wf_id}")
-            sample_rate = int((json.loads(raw).get("audio") or {}).get("sample_rate") or 16000)
-        payloads = [codec.dumps({"pcm": chunk, "sample_rate": sample_rate}) for chunk in chunks if chunk.size]
-        cell = self.keys.cell_of(wf_id)
-        for _ in range(3):      # the stage's session moved to another replica meanwhile: declare it, send again
-            known = self._input_consumers.get((stage, cell))
-            reply = await redisio.call(self._redis, *inputs.append_input(
-                self.keys, wf_id, stage, final=final, payloads=payloads, inboxes=(known,) if known else ()))
-            code, value = inputs.append_result(reply)
-            if code is not AppendResult.INBOX:
-                break
-            self._input_consumers[(stage, cell)] = value
-        if code is AppendResult.OK:
-            return int(value)
-        if code is AppendResult.CLOSED:
-            raise InputClosed(f"workflow {wf_id}: its input has ended (final=True was sent)")
-        if code is AppendResult.ENDED:
-            if value == "gone":
-                raise WorkflowNotFound(f"no workflow {wf_id}")
-            raise InputClosed(f"workflow {wf_id} is {value}: it takes no more input")
-        if code is AppendResult.INBOX:
-            raise RedisUnavailable(f"workflow {wf_id}: the replica reading its input kept moving; try again")
-        raise InvalidRequest(f"workflow {wf_id} takes no streamed input at stage {stage!r} (submit it with input.audio)")
-
     # ---------------------------------------------------------------- abort
     @translated
     async def abort(self, wf_id: str, *, tenant: str | None = None, reason: str = "aborted by client",
@@ -589,23 +538,6 @@ class Store:
         return s(await self._redis.get(self.keys.out(wf_id, stage)))
 
     @translated
-    async def audio(self, wf_id: str, stage: str | None = None) -> tuple[int, np.ndarray]:
-        """(sample_rate, int16 PCM) of a final audio stage; `NotReady` while it is still running."""
-        doc = await self.document(wf_id)
-        audio = {k: v for k, v in doc["outputs"].items() if v["type"] == "audio"}
-        if not audio:
-            raise WorkflowNotFound(f"workflow {wf_id} has no audio output")
-        stage = stage or next(iter(audio))
-        if stage not in audio:
-            raise WorkflowNotFound(f"workflow {wf_id} has no audio output from stage {stage!r}")
-        if audio[stage]["partial"] and doc["state"] in ("pending", "running"):
-            raise NotReady(f"audio of workflow {wf_id} is not ready (stage {stage} is {doc['stages'][stage]['status']})")
-        entries = await self._redis.xrange(self.keys.out(wf_id, stage))
-        pcm = [np.frombuffer(f[b"pcm"], dtype="<i2") for _, f in entries]
-        samples = np.concatenate(pcm) if pcm else np.zeros(0, dtype="<i2")
-        return int(audio[stage]["sample_rate"] or 0), samples
-
-    @translated
     async def list_workflows(self, flt: ListFilter, *, offset: int = 0, limit: int = 50) -> ListPage:
         """One page of the workflows matching `flt` (the listing indexes: `omniflow.storage.listing`)."""
         from omniflow.storage import listing  # imported here: listing builds on this module's helpers
@@ -631,13 +563,6 @@ class Store:
     async def ping(self) -> None:
         """Raise `RedisUnavailable` unless Redis answers."""
         await self._redis.ping()
-
-    @translated
-    async def audio_chunks(self, wf_id: str, stage: str, *, after: str = "-") -> builtins.list[tuple[str, bytes, int]]:
-        """Audio chunks of a final stage after entry `after` (exclusive unless '-'): (entry id, PCM, rate)."""
-        start = after if after == "-" else f"({after}"
-        return [(s(eid), bytes(f[b"pcm"]), int(s(f.get(b"sr")) or 0))
-                for eid, f in await self._redis.xrange(self.keys.out(wf_id, stage), min=start)]
 
     @translated
     async def live_workers(self, *, claiming: bool = False) -> dict[str, int]:
