@@ -8,7 +8,7 @@ import pytest
 from omniflow.client import AsyncClient, Client
 from omniflow.errors import AdmissionRefused, InvalidRequest, WorkflowRetired
 
-from helpers import expected_text
+from helpers import eventually, expected_text
 
 
 async def test_async_client_submit_wait_events_and_audio(engine_factory, tmp_path) -> None:
@@ -25,7 +25,7 @@ async def test_async_client_submit_wait_events_and_audio(engine_factory, tmp_pat
 
 async def test_sync_client_submits_directly_and_maps_errors(engine_factory) -> None:
     async with engine_factory(max_in_flight=3) as eng:
-        def work() -> None:
+        def work() -> str:
             with Client(eng.url, settings=eng.settings, pipeline=eng.pipeline) as client:
                 wf = client.submit("sync hello", request_id="sync-1")
                 assert client.submit("sync hello", request_id="sync-1") == wf       # idempotent
@@ -36,7 +36,15 @@ async def test_sync_client_submits_directly_and_maps_errors(engine_factory) -> N
                     client.submit("sync hello", request_id="sync-1")
                 ids = [client.submit(f"fill {i}") for i in range(3)]
                 assert [client.wait(i, timeout_s=10)["state"] for i in ids] == ["completed"] * 3
-        await asyncio.to_thread(work)
+                return wf
+        aborted = await asyncio.to_thread(work)
+        # and the aborted workflow's sessions ended on every worker: aborted within milliseconds of
+        # the workers' start, while its talker and code2wav sessions were being claimed (the abort
+        # published before a worker subscribed, or read before the claim's reply, once left a session
+        # waiting for input that never comes, until the engine's shutdown grace ran out)
+        held = lambda: [k for ws in eng.workers.values() for w in ws for k in w.ctx.sessions  # noqa: E731
+                        if k.startswith(f"{aborted}|")]
+        await eventually(lambda: not held(), what=f"no session of the aborted {aborted} held ({held()})")
 
 
 async def test_sync_client_admission_refusal(engine_factory) -> None:

@@ -3,51 +3,45 @@ batch runner) do with workflows.
 
 Submit and abort (the two transitions a client triggers directly) run their
 Lua scripts here; the workflow document, event log, outputs, listings and the
-fleet reads the API needs are read here. Every method talks to Redis through
-`omniflow.storage.redisio`, so its errors come out translated (`omniflow.errors`).
+fleet reads the API needs are read by `Store` too, in two parts mixed into it:
+`omniflow.client.reads` (the document, the log, waits, listings) and
+`omniflow.client.media` (streamed audio input, audio outputs). Every method talks
+to Redis through `omniflow.storage.redisio`, so its errors come out translated
+(`omniflow.errors`).
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import time
-from collections.abc import AsyncIterator, Sequence
-import builtins
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
 from omniflow.storage.client import RedisClient
 
 from omniflow import tracing
 from omniflow.catalog import Catalog
-from omniflow.dataplane import codec
 from omniflow.storage import cells, redisio, registry
 from omniflow.storage.batcher import Batcher
 from omniflow.config import Settings
 from omniflow.errors import (AdmissionRefused, ConfigError, DeadlineUnmeetable, FairShareRefused, IdempotencyConflict,
-                             InputClosed, InvalidRequest, NotReady, PriorityNotAllowed, RedisRefused, RedisUnavailable,
-                             UnknownPipeline, ScriptError, WorkflowNotFound, WorkflowRetired)
+                             InvalidRequest, PriorityNotAllowed, RedisRefused, UnknownPipeline, ScriptError,
+                             WorkflowNotFound, WorkflowRetired)
 from omniflow.storage.keys import FinalizePlan, Keys, finalize_plan
 from omniflow.fairness import allowed, cap, parse_allowances
-from omniflow.models import TERMINAL_STATES, Priority, SubmitRequest, Submitted, WorkflowState
+from omniflow.models import Priority, SubmitRequest, Submitted, WorkflowState
 from omniflow.storage.fairshare import FairShare
 from omniflow.client.shedding import Predictor
 from omniflow.pipeline import INPUT_SRC, Pipeline, Plan, ShedMode
 from omniflow.storage.redisio import connect, translated
-from omniflow.client.documents import text_stages, workflow_document
+from omniflow.client.media import StreamedMedia
+from omniflow.client.reads import LOG_ENTRY_LIMIT, WorkflowReads
 from omniflow.client.realtime import RealtimeSessions
-from omniflow.storage.schema import decode_fields, now_ms, s
-from omniflow.storage.transitions import Call, admission, inputs
-from omniflow.storage.transitions.inputs import AppendResult
+from omniflow.storage.schema import now_ms, s
+from omniflow.storage.transitions import Call, admission
 from omniflow.storage.transitions.admission import AbortResult, SubmitResult
-
-if TYPE_CHECKING:
-    from omniflow.storage.listing import ListFilter, ListPage
 
 __all__ = ["LOG_ENTRY_LIMIT", "Store", "abort_call", "connect", "new_id"]
 
-LOG_ENTRY_LIMIT = 10_000
 #: a submit refused for memory is over capacity, like one over `max_in_flight`
 SUBMIT_OOM_RETRY_AFTER_S = 1.0
 FAIR_RETRY_AFTER_S = 1.0           # what a tenant over its fair share is told to wait (Retry-After)
@@ -108,7 +102,7 @@ class _PlanParts:
     queues: tuple[str, ...]        # the task queues of the admitted stages (`Pipeline.queue`)
 
 
-class Store:
+class Store(WorkflowReads, StreamedMedia):
     """Client-side operations on workflows (used by the client, API, CLI and batch runner)."""
 
     def __init__(self, redis: RedisClient, settings: Settings, pipeline: Pipeline | Catalog, *,
@@ -425,55 +419,6 @@ class Store:
         except ScriptError as exc:      # servers before 7.2 lack it
             raise ConfigError(f"wait_aof is on but the server refused WAITAOF: {exc}") from exc
 
-    # ---------------------------------------------------------------- streamed input
-    @translated
-    async def append_input(self, wf_id: str, pcm: Sequence[np.ndarray] | np.ndarray = (), *, final: bool = False,
-                           sample_rate: int | None = None, stage: str | None = None,
-                           tenant: str | None = None) -> int:
-        """Append audio (int16 mono chunks) to a running workflow's input, and end it with `final`.
-
-        The chunks reach the pipeline's audio stage as they are appended (`@input`), so it works
-        on them while more come. `sample_rate` defaults to the one the submit declared; one
-        append is one Redis call (the chunks form one edge entry). Returns the input's last
-        sequence number. `InputClosed` once the input was ended or the workflow is over;
-        `InvalidRequest` for a workflow that takes no streamed input or for samples that are
-        not int16 mono."""
-        stage = stage or self.pipeline.audio_stage
-        if stage is None:
-            raise InvalidRequest(f"pipeline {self.pipeline.name!r} takes no audio input")
-        if tenant is not None:
-            await self._check_tenant(wf_id, tenant)
-        chunks = [pcm] if isinstance(pcm, np.ndarray) else list(pcm)
-        for n, chunk in enumerate(chunks):
-            if not isinstance(chunk, np.ndarray) or chunk.dtype != np.int16 or chunk.ndim != 1:
-                raise InvalidRequest(f"audio chunk {n}: int16 mono samples (a 1-D numpy array) are needed")
-        if chunks and sample_rate is None:
-            raw = await self._redis.hget(self.keys.wf(wf_id), "input")
-            if raw is None:
-                raise WorkflowNotFound(f"no workflow {wf_id}")
-            sample_rate = int((json.loads(raw).get("audio") or {}).get("sample_rate") or 16000)
-        payloads = [codec.dumps({"pcm": chunk, "sample_rate": sample_rate}) for chunk in chunks if chunk.size]
-        cell = self.keys.cell_of(wf_id)
-        for _ in range(3):      # the stage's session moved to another replica meanwhile: declare it, send again
-            known = self._input_consumers.get((stage, cell))
-            reply = await redisio.call(self._redis, *inputs.append_input(
-                self.keys, wf_id, stage, final=final, payloads=payloads, inboxes=(known,) if known else ()))
-            code, value = inputs.append_result(reply)
-            if code is not AppendResult.INBOX:
-                break
-            self._input_consumers[(stage, cell)] = value
-        if code is AppendResult.OK:
-            return int(value)
-        if code is AppendResult.CLOSED:
-            raise InputClosed(f"workflow {wf_id}: its input has ended (final=True was sent)")
-        if code is AppendResult.ENDED:
-            if value == "gone":
-                raise WorkflowNotFound(f"no workflow {wf_id}")
-            raise InputClosed(f"workflow {wf_id} is {value}: it takes no more input")
-        if code is AppendResult.INBOX:
-            raise RedisUnavailable(f"workflow {wf_id}: the replica reading its input kept moving; try again")
-        raise InvalidRequest(f"workflow {wf_id} takes no streamed input at stage {stage!r} (submit it with input.audio)")
-
     # ---------------------------------------------------------------- abort
     @translated
     async def abort(self, wf_id: str, *, tenant: str | None = None, reason: str = "aborted by client",
@@ -491,175 +436,3 @@ class Store:
         owner = await self._redis.hget(self.keys.wf(wf_id), "tenant")
         if owner is None or s(owner) != tenant:
             raise WorkflowNotFound(f"no workflow {wf_id}")
-
-    # ---------------------------------------------------------------- read
-    @translated
-    async def document(self, wf_id: str, *, tenant: str | None = None) -> dict[str, Any]:
-        """The workflow document (DESIGN §5): state, stages, outputs keyed by stage."""
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.hgetall(self.keys.wf(wf_id))
-        pipe.hgetall(self.keys.stages(wf_id))
-        rec_raw, stages_raw = await pipe.execute()
-        if not rec_raw:
-            raise WorkflowNotFound(f"no workflow {wf_id}")
-        rec = {s(k): s(v) for k, v in rec_raw.items()}
-        if tenant is not None and rec.get("tenant") != tenant:
-            raise WorkflowNotFound(f"no workflow {wf_id}")
-        st = {s(k): s(v) for k, v in stages_raw.items()}
-        wanted = text_stages(rec)
-        texts = {}
-        if wanted:
-            vals = await self._redis.mget([self.keys.out(wf_id, name) for name in wanted])
-            texts = {name: s(v) for name, v in zip(wanted, vals)}
-        webhook = await self._webhook_view(wf_id, rec.get("webhook") or "")
-        return workflow_document(wf_id, rec, st, texts, webhook)
-
-    async def _webhook_view(self, wf_id: str, url: str) -> dict[str, Any] | None:
-        """The webhook part of the document: its URL, the delivery outcome so far and every attempt."""
-        if not url:
-            return None
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.hgetall(self.keys.webhook(wf_id))
-        pipe.lrange(self.keys.webhook_attempts(wf_id), 0, -1)
-        raw, attempts = await pipe.execute()
-        rec = {s(k): s(v) for k, v in (raw or {}).items()}
-        nxt = rec.get("next_attempt_ms") if rec.get("outcome") == "retried" else None
-        return {"url": url, "outcome": rec.get("outcome") or "pending",
-                "attempts": [json.loads(a) for a in attempts],
-                "next_attempt_at": int(nxt) / 1000 if nxt else None}
-
-    @translated
-    async def state(self, wf_id: str) -> WorkflowState | None:
-        raw = await self._redis.hget(self.keys.wf(wf_id), "state")
-        return WorkflowState(s(raw)) if raw else None
-
-    @translated
-    async def last_event(self, wf_id: str) -> tuple[str, dict[str, str]] | None:
-        """The newest entry of the workflow's event log (None when it has none)."""
-        last = await self._redis.xrevrange(self.keys.log(wf_id), count=1)
-        return (s(last[0][0]), decode_fields(last[0][1])) if last else None
-
-    @translated
-    async def read_log(self, wf_id: str, *, after: str = "0-0", count: int = LOG_ENTRY_LIMIT,
-                       block_ms: int | None = None) -> list[tuple[str, dict[str, str]]]:
-        """Event-log entries after `after`; with `block_ms`, wait for the next ones."""
-        key = self.keys.log(wf_id)
-        if block_ms is None:
-            entries = await self._redis.xrange(key, min=f"({after}" if after != "0-0" else "-", count=count)
-        else:
-            reply = await self._redis.xread({key: after}, count=count, block=block_ms)
-            entries = reply[0][1] if reply else []
-        return [(s(eid), decode_fields(fields)) for eid, fields in entries]
-
-    async def follow(self, wf_id: str, *, after: str = "0-0", block_ms: int = 5_000,
-                     timeout_s: float | None = None) -> AsyncIterator[tuple[str, dict[str, str]]]:
-        """Every log entry from `after` until (and including) the terminal one."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            wait = block_ms
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                wait = max(1, min(block_ms, int(left * 1000)))
-            entries = await self.read_log(wf_id, after=after, block_ms=wait)
-            if not entries and after == "0-0" and await self.state(wf_id) is None:
-                raise WorkflowNotFound(f"no workflow {wf_id}")
-            for eid, fields in entries:
-                after = eid
-                yield eid, fields
-                if fields.get("t") == "terminal":
-                    return
-
-    @translated
-    async def wait(self, wf_id: str, *, timeout_s: float | None = None, tenant: str | None = None) -> dict[str, Any]:
-        """Block (no polling) until the workflow is terminal or the timeout passes; its document.
-
-        Blocks on `<wf>:done`, which gets its one entry together with the terminal log entry:
-        one wake-up per wait, however much the workflow logs meanwhile."""
-        doc = await self.document(wf_id, tenant=tenant)
-        if WorkflowState(doc["state"]) in TERMINAL_STATES:
-            return doc
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            wait_ms = 5_000
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                wait_ms = max(1, min(wait_ms, int(left * 1000)))
-            if await self._redis.xread({self.keys.done(wf_id): "0-0"}, count=1, block=wait_ms):
-                break
-            if await self.state(wf_id) is None:       # expired or purged while we waited
-                raise WorkflowNotFound(f"no workflow {wf_id}")
-        return await self.document(wf_id, tenant=tenant)
-
-    @translated
-    async def text(self, wf_id: str, stage: str) -> str:
-        return s(await self._redis.get(self.keys.out(wf_id, stage)))
-
-    @translated
-    async def audio(self, wf_id: str, stage: str | None = None) -> tuple[int, np.ndarray]:
-        """(sample_rate, int16 PCM) of a final audio stage; `NotReady` while it is still running."""
-        doc = await self.document(wf_id)
-        audio = {k: v for k, v in doc["outputs"].items() if v["type"] == "audio"}
-        if not audio:
-            raise WorkflowNotFound(f"workflow {wf_id} has no audio output")
-        stage = stage or next(iter(audio))
-        if stage not in audio:
-            raise WorkflowNotFound(f"workflow {wf_id} has no audio output from stage {stage!r}")
-        if audio[stage]["partial"] and doc["state"] in ("pending", "running"):
-            raise NotReady(f"audio of workflow {wf_id} is not ready (stage {stage} is {doc['stages'][stage]['status']})")
-        entries = await self._redis.xrange(self.keys.out(wf_id, stage))
-        pcm = [np.frombuffer(f[b"pcm"], dtype="<i2") for _, f in entries]
-        samples = np.concatenate(pcm) if pcm else np.zeros(0, dtype="<i2")
-        return int(audio[stage]["sample_rate"] or 0), samples
-
-    @translated
-    async def list_workflows(self, flt: ListFilter, *, offset: int = 0, limit: int = 50) -> ListPage:
-        """One page of the workflows matching `flt` (the listing indexes: `omniflow.storage.listing`)."""
-        from omniflow.storage import listing  # imported here: listing builds on this module's helpers
-
-        return await listing.query(self._redis, self.keys, flt, offset=offset, limit=limit)
-
-    @translated
-    async def state_counts(self) -> dict[str, int]:
-        """Workflows per state, from the listing indexes."""
-        from omniflow.storage import listing
-
-        return await listing.state_counts(self._redis, self.keys)
-
-    async def list(self, *, state: str | None = None, tenant: str | None = None, offset: int = 0,
-                   limit: int = 50) -> builtins.list[dict[str, Any]]:
-        """One page of workflows, newest first (the rows of `list_workflows`)."""
-        from omniflow.storage.listing import ListFilter
-
-        return (await self.list_workflows(ListFilter(state=state, tenant=tenant), offset=offset, limit=limit)).rows
-
-    # ---------------------------------------------------------------- reads for the API and the CLI
-    @translated
-    async def ping(self) -> None:
-        """Raise `RedisUnavailable` unless Redis answers."""
-        await self._redis.ping()
-
-    @translated
-    async def audio_chunks(self, wf_id: str, stage: str, *, after: str = "-") -> builtins.list[tuple[str, bytes, int]]:
-        """Audio chunks of a final stage after entry `after` (exclusive unless '-'): (entry id, PCM, rate)."""
-        start = after if after == "-" else f"({after}"
-        return [(s(eid), bytes(f[b"pcm"]), int(s(f.get(b"sr")) or 0))
-                for eid, f in await self._redis.xrange(self.keys.out(wf_id, stage), min=start)]
-
-    @translated
-    async def live_workers(self, *, claiming: bool = False) -> dict[str, int]:
-        """Live workers per stage of the pipelines this store serves: members of `<p>:workers` whose
-        lease (score, ms) is in the future and that claim from that stage's queue. A worker serving
-        several stages (`--stage a,b`, `up --colocate`) counts for each. With several pipelines, a
-        stage they share counts the workers of the pipeline that has fewest (each needs one).
-        `claiming`: only those that take new work (not drained: readiness)."""
-        served = await registry.served(self._redis, self.keys, claiming=claiming)
-        counts: dict[str, int] = {}
-        for pipe in self.catalog:
-            for name in pipe.order:
-                n = len(served.get(pipe.queue(name), ()))
-                counts[name] = min(counts.get(name, n), n)
-        return counts

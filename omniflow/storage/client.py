@@ -23,6 +23,7 @@ that need one reply use `call` / `script`, which raise instead.
 """
 from __future__ import annotations
 
+import asyncio
 import builtins
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
@@ -592,16 +593,21 @@ class RedisClient:
         return bool(await self._do("xgroup_create", key, group, **kwargs))
 
     # pub/sub
-    async def listen(self, channel: str) -> AsyncIterator[bytes]:
+    async def listen(self, channel: str, *, subscribed: asyncio.Event | None = None) -> AsyncIterator[bytes]:
         """The messages published on `channel` (on a cluster, through a connection to one of its
-        nodes: a PUBLISH reaches every node), until cancelled; a lost connection raises (translated)."""
+        nodes: a PUBLISH reaches every node), until cancelled; a lost connection raises (translated).
+        `subscribed` is set once the server confirmed the subscription: from then on every PUBLISH to
+        `channel` reaches this listener (one processed before it is not delivered to it)."""
         client = pubsub_client(self._raw)
-        pubsub = client.pubsub(ignore_subscribe_messages=True)
+        pubsub = client.pubsub()
         try:
             await pubsub.subscribe(channel)
             async for message in pubsub.listen():
-                if message.get("type") == "message":
+                kind = message.get("type")
+                if kind == "message":
                     yield message["data"]
+                elif kind == "subscribe" and subscribed is not None:
+                    subscribed.set()
         except CLIENT_ERRORS as exc:
             raise translate(exc) from exc
         finally:

@@ -5,7 +5,10 @@ Redis, and a whole host killed at once has its sessions resumed on the other."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +20,7 @@ from redis import Redis
 from omniflow.ops.embedded import EmbeddedServer
 from omniflow.client.store import connect
 from omniflow.storage.schema import s
-from tests.chaos.driver import TERMINAL, ChaosConfig, ChaosRun, Cluster
+from tests.chaos.driver import STAGES, TERMINAL, ChaosConfig, ChaosRun, Cluster
 from tests.chaos.hosts import IP, Host, NetLab
 from tests.chaos.test_chaos import _assert_clean, _report
 
@@ -75,6 +78,10 @@ async def test_two_hosts_share_pools_and_survive_a_host_death(lab: NetLab | None
                 with Redis(port=server.port) as admin:
                     addrs = {c["addr"].rsplit(":", 1)[0] for c in admin.client_list()}
                 assert {ns.ns_ip for ns in lab.namespaces} <= addrs
+            # the host must die holding a session (else nothing is resumed on host b: under load
+            # host b may hold them all at that moment): frozen, then killed once it is seen to hold one
+            held = await _freeze_holding_a_session(cluster, run, server.url, hosts[0])
+            print(f"\nkilling host {hosts[0].host_id} holding {len(held)} session(s): {held[:5]}")
             for proc in cluster.procs:
                 if proc.host is hosts[0]:
                     run._fault("kill-reconciler" if proc.role == "reconciler" else "kill-worker", proc)
@@ -102,6 +109,75 @@ async def test_two_hosts_share_pools_and_survive_a_host_death(lab: NetLab | None
     moved = [wf for wf, st in by_wf.items() if any(hs[:-1] and hs[-1] == hosts[1].host_id
                                                      and hosts[0].host_id in hs[:-1] for hs in st.values())]
     assert moved and rep.retries_by_reason["lost"] >= len(moved)
+
+
+async def _freeze_holding_a_session(cluster: Cluster, run: ChaosRun, url: str, host: Host,
+                                    timeout_s: float = 60.0) -> list[str]:
+    """SIGSTOP every process of `host`, and return the sessions it holds once it holds one (it is left
+    frozen then; until then it is let go on again and looked at anew, until `timeout_s`). Frozen, none
+    of its sessions can end before the kill; a write it sent just before it stopped is read first (see
+    `_sessions_on`)."""
+    deadline = time.monotonic() + timeout_s
+    redis = connect(url)
+    try:
+        while True:
+            pids = [p.popen.pid for p in cluster.procs if p.host is host]
+            _signal_groups(pids, signal.SIGSTOP)
+            await _until_stopped(pids)
+            held = await _sessions_on(redis, run, host)
+            if held:
+                return held
+            _signal_groups(pids, signal.SIGCONT)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"host {host.host_id} held no session within {timeout_s}s")
+            await asyncio.sleep(0.05)       # the polling period
+    finally:
+        await redis.aclose()
+
+
+def _signal_groups(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+async def _until_stopped(pids: list[int], timeout_s: float = 10.0) -> None:
+    """Until the kernel shows every one of `pids` stopped (a signal is delivered asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = {}
+        for pid in pids:
+            try:
+                # the state is the field after the command's closing parenthesis
+                states[pid] = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (FileNotFoundError, ProcessLookupError):
+                states[pid] = "gone"
+        if all(st in ("T", "t", "Z", "X", "gone") for st in states.values()):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"processes not stopped within {timeout_s}s: {states}")
+        await asyncio.sleep(0.005)
+
+
+async def _sessions_on(redis: Any, run: ChaosRun, host: Host) -> list[str]:
+    """The sessions (`<wf>/<stage>`) that replicas of `host` hold now: claimed by one of them (the
+    stage hash names it) and not finished -- so its task entry is pending on that replica, and the
+    sweep re-queues it once the replica's lease lapses. A round trip first: a command the host's
+    processes sent before they stopped was ready for the server with that one, so the server has
+    run it before the read that follows."""
+    await redis.ping()
+    ids = list(run.accepted)
+    pipe = redis.pipeline(transaction=False)
+    for wf_id in ids:
+        pipe.hgetall(run.keys.stages(wf_id))
+    held = []
+    for wf_id, raw in zip(ids, await pipe.execute()):
+        st = {s(k): s(v) for k, v in raw.items()}
+        held += [f"{wf_id}/{stage}" for stage in STAGES if st.get(stage) in ("running", "waiting_input")
+                 and f"-{host.host_id}-" in st.get(f"{stage}:replica", "")]
+    return held
 
 
 async def _replicas(url: str, run: ChaosRun) -> dict[str, dict[str, list[str]]]:

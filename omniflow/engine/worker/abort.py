@@ -21,20 +21,25 @@ class AbortFanout:
 
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
+        # set while the server has confirmed this worker's subscription: an abort published before
+        # that never reaches it (the worker counts as started only once it is set)
+        self.subscribed = asyncio.Event()
 
     async def listen(self) -> None:
         ctx = self.ctx
         while True:
             try:
-                async for data in ctx.redis.listen(ctx.keys.abort_channel):
+                async for data in ctx.redis.listen(ctx.keys.abort_channel, subscribed=self.subscribed):
                     self.cancel_workflow(s(data))
             except REDIS_ERRORS as exc:
+                self.subscribed.clear()
                 logger.warning("worker %s: abort channel lost: %s", ctx.id, redisio.translate(exc))
                 await asyncio.sleep(ABORT_RESUBSCRIBE_S)
 
     def cancel_workflow(self, wf_id: str) -> int:
         """Cancel every local session of `wf_id` (abort fan-out); its segments on this host go too."""
         ctx = self.ctx
+        ctx.heard_abort(wf_id)
         if ctx.plane.shm is not None:
             ctx.track(asyncio.get_running_loop().create_task(ctx.plane.shm.release_workflow(wf_id)))
         n = 0

@@ -28,6 +28,9 @@ from omniflow.storage.transitions.reconcile import dead_letter
 logger = logging.getLogger(__name__)
 
 #: the counters a worker publishes with its heartbeat (`omniflow workers`, `/metrics`)
+#: the latest aborted workflows a worker remembers (see `WorkerContext.heard_abort`)
+ABORTS_KEPT = 4096
+
 STAT_NAMES = ("claimed", "dropped", "done", "failed", "fenced", "dead_letters", "backpressure_waits",
               "payloads_released", "segments_swept", "regenerated")
 
@@ -57,6 +60,7 @@ class WorkerContext:
         # the sessions held: "<wf>|<stage>|<attempt>" -> (its session, or None for a helper task; its task)
         self.sessions: dict[str, tuple[Session | None, asyncio.Task[None]]] = {}
         self.held: set[str] = set()     # task entry ids this worker is working on (claim, session, dead letter)
+        self.aborted: dict[str, None] = {}  # the workflows whose abort this worker heard, oldest first
         # (wf, stage, attempt) -> the input queue of that session
         self.inputs: dict[tuple[str, str, int], asyncio.Queue[Any]] = {}
         self.consumers = Consumers()        # which replicas consume which stage: the inboxes emits declare
@@ -98,6 +102,18 @@ class WorkerContext:
         if entry_id is not None:
             self.held.add(entry_id)
         task.add_done_callback(lambda _t: self._release(key, pool, entry_id))
+        if session is not None and session.wf_id in self.aborted:
+            # claimed before the abort, but the claim's reply was read after the abort's message (two
+            # connections): the fan-out found nothing to cancel then, so it happens here -- once the
+            # task has begun (callbacks run in order), so that it ends as an aborted session does
+            session.abort()
+            asyncio.get_running_loop().call_soon(task.cancel)
+
+    def heard_abort(self, wf_id: str) -> None:
+        """`wf_id` was aborted (the fan-out): a session of it spawned from now on is cancelled at once."""
+        self.aborted[wf_id] = None
+        if len(self.aborted) > ABORTS_KEPT:
+            del self.aborted[next(iter(self.aborted))]
 
     def _release(self, key: str, pool: StagePool | None, entry_id: str | None = None) -> None:
         self.sessions.pop(key, None)

@@ -159,16 +159,28 @@ class Worker:
             except RedisError as exc:       # the heartbeat loop tries again within an interval
                 logger.warning("worker %s: first heartbeat failed: %s", self.id, exc)
             await self.liveness.leave_loading()
+            # The abort fan-out first: no task is taken (and the worker does not count as started)
+            # before the server confirmed its subscription, so no abort of a session it holds is
+            # published where it cannot hear it (the fenced scripts alone would end such a session
+            # only at its next write: never, for one waiting for input).
+            listener = asyncio.create_task(forever(f"worker {self.id}: abort-listener", self.abort.listen),
+                                           name="abort-listener")
+            try:
+                await _first_of(self.abort.subscribed.wait(), stop.wait())
+            except BaseException:
+                listener.cancel()
+                raise
             groups = read_groups(ctx.redis, ctx.keys.cells)
             intake = Intake(ctx, self.claims, loops=len(groups))
             loops: list[tuple[str, Callable[[], Coroutine[Any, Any, None]]]] = [
                 *((f"intake:{g[0]}", functools.partial(intake.run, g)) for g in groups),
-                ("heartbeat", self.liveness.heartbeat), ("abort-listener", self.abort.listen),
+                ("heartbeat", self.liveness.heartbeat),
                 ("watchdog", self.liveness.watchdog), ("dataplane-sweep", self.abort.sweep),
                 ("orphans", intake.orphans), ("tenant-weights", self._weights),
                 *((f"inbox:{g[0]}", functools.partial(self.inbox.run, g)) for g in groups)]
             background = [asyncio.create_task(forever(f"worker {self.id}: {name}", loop), name=name)
                           for name, loop in loops]
+            background.insert(len(groups) + 1, listener)
             self.started.set()
             logger.info("worker %s serving %s", self.id,
                         ", ".join(f"{p.stage} of {p.pipeline.name}@{p.pipeline.digest} (pool {p.core.key}, "
@@ -268,3 +280,14 @@ def run_worker(settings: Settings, pipeline: Pipeline | Catalog, stage: str | Se
     tracing.setup("worker")
     worker = Worker(settings=settings, pipeline=pipeline, stage=stage, redis_url=redis_url)
     run_until_signal(with_health(worker.run, port=settings.health_port, ready=worker.ready))
+
+
+async def _first_of(*aws: Coroutine[Any, Any, Any]) -> None:
+    """Until the first of `aws` is done (the others are cancelled)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

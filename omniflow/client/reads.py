@@ -1,0 +1,184 @@
+"""The workflow store's reads: the workflow document, its state, its event log (read, followed,
+waited on to its end), its text outputs, the listings, and the fleet reads the API and the CLI
+need. A part of `Store` (`omniflow.client.store`), which it is mixed into: its methods use the
+store's connection, keys and catalog."""
+from __future__ import annotations
+
+import builtins
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from omniflow.catalog import Catalog
+from omniflow.client.documents import text_stages, workflow_document
+from omniflow.errors import WorkflowNotFound
+from omniflow.models import TERMINAL_STATES, WorkflowState
+from omniflow.storage import registry
+from omniflow.storage.client import RedisClient
+from omniflow.storage.keys import Keys
+from omniflow.storage.redisio import translated
+from omniflow.storage.schema import decode_fields, s
+
+if TYPE_CHECKING:
+    from omniflow.storage.listing import ListFilter, ListPage
+
+__all__ = ["LOG_ENTRY_LIMIT", "WorkflowReads"]
+
+LOG_ENTRY_LIMIT = 10_000
+
+
+class WorkflowReads:
+    """`Store`'s reads (see the module docstring)."""
+
+    # set by `Store.__init__`
+    _redis: RedisClient
+    keys: Keys
+    catalog: Catalog
+
+    @translated
+    async def document(self, wf_id: str, *, tenant: str | None = None) -> dict[str, Any]:
+        """The workflow document (DESIGN §5): state, stages, outputs keyed by stage."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hgetall(self.keys.wf(wf_id))
+        pipe.hgetall(self.keys.stages(wf_id))
+        rec_raw, stages_raw = await pipe.execute()
+        if not rec_raw:
+            raise WorkflowNotFound(f"no workflow {wf_id}")
+        rec = {s(k): s(v) for k, v in rec_raw.items()}
+        if tenant is not None and rec.get("tenant") != tenant:
+            raise WorkflowNotFound(f"no workflow {wf_id}")
+        st = {s(k): s(v) for k, v in stages_raw.items()}
+        wanted = text_stages(rec)
+        texts = {}
+        if wanted:
+            vals = await self._redis.mget([self.keys.out(wf_id, name) for name in wanted])
+            texts = {name: s(v) for name, v in zip(wanted, vals)}
+        webhook = await self._webhook_view(wf_id, rec.get("webhook") or "")
+        return workflow_document(wf_id, rec, st, texts, webhook)
+
+    async def _webhook_view(self, wf_id: str, url: str) -> dict[str, Any] | None:
+        """The webhook part of the document: its URL, the delivery outcome so far and every attempt."""
+        if not url:
+            return None
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hgetall(self.keys.webhook(wf_id))
+        pipe.lrange(self.keys.webhook_attempts(wf_id), 0, -1)
+        raw, attempts = await pipe.execute()
+        rec = {s(k): s(v) for k, v in (raw or {}).items()}
+        nxt = rec.get("next_attempt_ms") if rec.get("outcome") == "retried" else None
+        return {"url": url, "outcome": rec.get("outcome") or "pending",
+                "attempts": [json.loads(a) for a in attempts],
+                "next_attempt_at": int(nxt) / 1000 if nxt else None}
+
+    @translated
+    async def state(self, wf_id: str) -> WorkflowState | None:
+        raw = await self._redis.hget(self.keys.wf(wf_id), "state")
+        return WorkflowState(s(raw)) if raw else None
+
+    @translated
+    async def last_event(self, wf_id: str) -> tuple[str, dict[str, str]] | None:
+        """The newest entry of the workflow's event log (None when it has none)."""
+        last = await self._redis.xrevrange(self.keys.log(wf_id), count=1)
+        return (s(last[0][0]), decode_fields(last[0][1])) if last else None
+
+    @translated
+    async def read_log(self, wf_id: str, *, after: str = "0-0", count: int = LOG_ENTRY_LIMIT,
+                       block_ms: int | None = None) -> list[tuple[str, dict[str, str]]]:
+        """Event-log entries after `after`; with `block_ms`, wait for the next ones."""
+        key = self.keys.log(wf_id)
+        if block_ms is None:
+            entries = await self._redis.xrange(key, min=f"({after}" if after != "0-0" else "-", count=count)
+        else:
+            reply = await self._redis.xread({key: after}, count=count, block=block_ms)
+            entries = reply[0][1] if reply else []
+        return [(s(eid), decode_fields(fields)) for eid, fields in entries]
+
+    async def follow(self, wf_id: str, *, after: str = "0-0", block_ms: int = 5_000,
+                     timeout_s: float | None = None) -> AsyncIterator[tuple[str, dict[str, str]]]:
+        """Every log entry from `after` until (and including) the terminal one."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait = block_ms
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                wait = max(1, min(block_ms, int(left * 1000)))
+            entries = await self.read_log(wf_id, after=after, block_ms=wait)
+            if not entries and after == "0-0" and await self.state(wf_id) is None:
+                raise WorkflowNotFound(f"no workflow {wf_id}")
+            for eid, fields in entries:
+                after = eid
+                yield eid, fields
+                if fields.get("t") == "terminal":
+                    return
+
+    @translated
+    async def wait(self, wf_id: str, *, timeout_s: float | None = None, tenant: str | None = None) -> dict[str, Any]:
+        """Block (no polling) until the workflow is terminal or the timeout passes; its document.
+
+        Blocks on `<wf>:done`, which gets its one entry together with the terminal log entry:
+        one wake-up per wait, however much the workflow logs meanwhile."""
+        doc = await self.document(wf_id, tenant=tenant)
+        if WorkflowState(doc["state"]) in TERMINAL_STATES:
+            return doc
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait_ms = 5_000
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                wait_ms = max(1, min(wait_ms, int(left * 1000)))
+            if await self._redis.xread({self.keys.done(wf_id): "0-0"}, count=1, block=wait_ms):
+                break
+            if await self.state(wf_id) is None:       # expired or purged while we waited
+                raise WorkflowNotFound(f"no workflow {wf_id}")
+        return await self.document(wf_id, tenant=tenant)
+
+    @translated
+    async def text(self, wf_id: str, stage: str) -> str:
+        return s(await self._redis.get(self.keys.out(wf_id, stage)))
+
+    @translated
+    async def list_workflows(self, flt: ListFilter, *, offset: int = 0, limit: int = 50) -> ListPage:
+        """One page of the workflows matching `flt` (the listing indexes: `omniflow.storage.listing`)."""
+        from omniflow.storage import listing  # imported here: listing builds on this module's helpers
+
+        return await listing.query(self._redis, self.keys, flt, offset=offset, limit=limit)
+
+    @translated
+    async def state_counts(self) -> dict[str, int]:
+        """Workflows per state, from the listing indexes."""
+        from omniflow.storage import listing
+
+        return await listing.state_counts(self._redis, self.keys)
+
+    async def list(self, *, state: str | None = None, tenant: str | None = None, offset: int = 0,
+                   limit: int = 50) -> builtins.list[dict[str, Any]]:
+        """One page of workflows, newest first (the rows of `list_workflows`)."""
+        from omniflow.storage.listing import ListFilter
+
+        return (await self.list_workflows(ListFilter(state=state, tenant=tenant), offset=offset, limit=limit)).rows
+
+    # ---------------------------------------------------------------- for the API and the CLI
+    @translated
+    async def ping(self) -> None:
+        """Raise `RedisUnavailable` unless Redis answers."""
+        await self._redis.ping()
+
+    @translated
+    async def live_workers(self, *, claiming: bool = False) -> dict[str, int]:
+        """Live workers per stage of the pipelines this store serves: members of `<p>:workers` whose
+        lease (score, ms) is in the future and that claim from that stage's queue. A worker serving
+        several stages (`--stage a,b`, `up --colocate`) counts for each. With several pipelines, a
+        stage they share counts the workers of the pipeline that has fewest (each needs one).
+        `claiming`: only those that take new work (not drained: readiness)."""
+        served = await registry.served(self._redis, self.keys, claiming=claiming)
+        counts: dict[str, int] = {}
+        for pipe in self.catalog:
+            for name in pipe.order:
+                n = len(served.get(pipe.queue(name), ()))
+                counts[name] = min(counts.get(name, n), n)
+        return counts
