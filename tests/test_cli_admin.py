@@ -101,6 +101,8 @@ async def test_ls_filters(engine_factory, cli_env) -> None:
     async with engine_factory(workers=False) as eng:
         env = cli_env(eng)
         text = await eng.store.submit(request("t", ["text"], request_id="invoice-0042"), tenant="acme")
+        first_ms = now_ms()         # newest first is by submit time in ms: the second must not share its ms
+        await eventually(lambda: now_ms() > first_ms, timeout_s=10, interval_s=0.001, what="the clock to tick")
         audio = await eng.store.submit(request("a", request_id="invoice-0043"), tenant="globex")
         adapter = TypeAdapter(list[WorkflowSummary])
 

@@ -9,6 +9,9 @@ import soundfile as sf
 
 from apiserver import api_factory  # noqa: F401 - fixture
 from conftest import toy_spec
+from helpers import eventually
+
+from omniflow.storage.schema import now_ms
 
 SLOW = toy_spec(thinker={"token_delay_s": 0.05})
 
@@ -106,7 +109,11 @@ async def test_long_poll_wakes_up_on_completion(api_factory):
 
 async def test_list_filters_by_state_and_paginates(api_factory):
     async with api_factory() as (_engine, server), server.client() as http:
-        ids = [(await http.post("/v1/workflows", json={"input": {"text": f"n {i}"}})).json()["id"] for i in range(5)]
+        ids = []
+        for i in range(5):      # distinct submit ms: newest first is a stable order only then
+            ids.append((await http.post("/v1/workflows", json={"input": {"text": f"n {i}"}})).json()["id"])
+            submitted_ms = now_ms()
+            await eventually(lambda: now_ms() > submitted_ms, timeout_s=10, interval_s=0.001, what="the clock to tick")
         for wf_id in ids:
             await http.get(f"/v1/workflows/{wf_id}", params={"wait": 10})
         page1 = (await http.get("/v1/workflows", params={"limit": 3, "state": "completed"})).json()
