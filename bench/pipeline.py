@@ -160,14 +160,18 @@ class Chain:
     """Thinker -> Talker -> Code2Wav in one process, the executors of the pipeline YAML."""
 
     def __init__(self) -> None:
-        import yaml
+        from omniflow.pipeline import import_executor, load_pipeline
 
-        from omniflow.pipeline import import_executor
-
-        spec = yaml.safe_load(PIPELINE.read_text())
-        self.stages = [StageThread(name, import_executor(s["executor"])(stage=name, params=s.get("params", {})))
-                       for name, s in spec["stages"].items()]
-        self.params = {name: s.get("params", {}) for name, s in spec["stages"].items()}
+        pipe = load_pipeline(PIPELINE)
+        # the stages a text request runs: from the text entry down the chain (omni-cpu.yaml's `asr`
+        # takes audio input only; a text request never reaches it)
+        names = [pipe.entries.get("text", pipe.entry)]
+        while pipe.outputs[names[-1]]:
+            names.append(pipe.outputs[names[-1]][0].dst)
+        specs = {name: pipe.spec.stages[name] for name in names}
+        self.stages = [StageThread(name, import_executor(st.executor)(stage=name, params=st.params))
+                       for name, st in specs.items()]
+        self.params = {name: st.params for name, st in specs.items()}
 
     async def _run(self, stage: StageThread, session: ChainSession) -> None:
         try:
@@ -255,9 +259,12 @@ class Omniflow:
 
     def run_level(self, questions: list[str], stage_params: Mapping[str, Any] | None = STAGE_PARAMS) -> list[Timing]:
         from omniflow.client import AsyncClient
+        from omniflow.pipeline import load_pipeline
 
         async def go() -> list[Timing]:
-            async with AsyncClient(self.url) as client:
+            # the client submits to the pipeline it is given (else its own OMNIFLOW_PIPELINE, the toy
+            # one here, which no worker of this deployment serves: its workflows would wait forever)
+            async with AsyncClient(self.url, pipeline=load_pipeline(PIPELINE)) as client:
                 return list(await asyncio.gather(*(self._one(client, q, stage_params) for q in questions)))
         return asyncio.run(go())
 
