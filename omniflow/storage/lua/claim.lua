@@ -28,13 +28,8 @@ for i = 7, #ARGV, 3 do
   local sk = key(wf .. ':stages')
   local rec = redis.call('HMGET', wf, 'state', 'input', 'params', 'stages', 'finals', 'created_ms', 'trace',
     'tracestate', 'tenant')
-  -- with each upstream stage's status and written seq (see the catch-up below)
-  local fields = {stage, stage .. ':attempt', stage .. ':seq', stage .. ':replica', stage .. ':ckpt'}
-  for _, src in ipairs(upstream) do
-    fields[#fields + 1] = src
-    fields[#fields + 1] = src .. ':seq'
-  end
-  local cur = redis.call('HMGET', sk, unpack(fields))
+  local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':replica',
+    stage .. ':ckpt')
   local why = nil
   if not rec[1] then
     why = 'gone'
@@ -60,18 +55,9 @@ for i = 7, #ARGV, 3 do
       redis.call('XADD', key(wf .. ':log'), '*', 't', 'stage', 'stage', stage, 'status', status,
         'attempt', attempt, 'replica', replica)
     end
-    -- An upstream stage that has written no step (seq 0) and is not done (a done one wrote its
-    -- end-of-stream) has nothing in its edge log: not read. A restart that resets a stage's seq
-    -- clears its edges too (restart.lua); '@input' (no stage status) is always read.
     local catchup = {}
-    for j, src in ipairs(upstream) do
-      local st, sseq = cur[4 + 2 * j], cur[5 + 2 * j]
-      local edge = key(wf .. ':edge:' .. src .. ':' .. stage)
-      if st and st ~= 'done' and (tonumber(sseq or '0') or 0) == 0 then
-        catchup[#catchup + 1] = {src, {}}
-      else
-        catchup[#catchup + 1] = {src, redis.call('XRANGE', edge, '-', '+')}
-      end
+    for _, src in ipairs(upstream) do
+      catchup[#catchup + 1] = {src, redis.call('XRANGE', key(wf .. ':edge:' .. src .. ':' .. stage), '-', '+')}
     end
     out[#out + 1] = {'ok', rec[2], rec[3], rec[4], rec[5], cur[3] or '0', catchup, cur[5] or '',
       rec[7] or '', rec[8] or '', rec[9] or ''}
