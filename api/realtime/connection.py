@@ -21,9 +21,7 @@ import contextlib
 import json
 import logging
 import time
-from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,7 +32,7 @@ from omniflow.api import knobs
 from omniflow.api.deps import ApiState
 from omniflow.api.realtime.config import PCM_RATE, Capabilities
 from omniflow.api.realtime.events import ProtocolError, error_event, parse_client_event, server_event
-from omniflow.api.realtime.state import (
+from omniflow.api.realtime.records import (
     AppendInput,
     CancelTurn,
     DetectSpeech,
@@ -43,21 +41,20 @@ from omniflow.api.realtime.state import (
     EndInput,
     InputTurn,
     OpenInput,
-    RealtimeSession,
     Response,
     ResponseStatus,
     Save,
     Send,
     StartTurn,
 )
+from omniflow.api.realtime.state import RealtimeSession
 from omniflow.api.realtime.vad import SpeechDetector
 from omniflow.api.transcribe import heard
-from omniflow.api.realtime.turn import TurnEvents, parse_event_id
+from omniflow.api.realtime.turn import AudioFeed, Resume, TurnEvents, parse_event_id
 from omniflow.client.realtime import SaveResult
 from omniflow.client.store import Store
 from omniflow.errors import AdmissionRefused, InputClosed, OmniflowError
 from omniflow.models import AudioInput, Priority, StageStatus, SubmitRequest, WorkflowInput, WorkflowState
-from omniflow.resample import StreamResampler
 
 logger = logging.getLogger(__name__)
 
@@ -67,50 +64,6 @@ CANCEL_REASON = "response.cancel (realtime)"
 
 class _Gone(Exception):
     """The socket is closed: nothing more can be sent on it."""
-
-
-@dataclass(frozen=True)
-class Resume:
-    """Where a reconnecting client was: the last turn event it received."""
-
-    response_id: str
-    after: int
-
-    @classmethod
-    def parse(cls, last_event_id: str | None) -> Resume | None:
-        parsed = parse_event_id(last_event_id) if last_event_id else None
-        return cls(*parsed) if parsed else None
-
-
-class AudioFeed:
-    """A turn's audio: the audio stage's chunks in the order of its log entries, as pcm16 at 24 kHz."""
-
-    def __init__(self, store: Store, wf_id: str, stage: str) -> None:
-        self.store, self.wf_id, self.stage = store, wf_id, stage
-        self._cursor = "-"
-        self._queue: deque[tuple[bytes, int]] = deque()
-        self._resampler: StreamResampler | None = None
-
-    async def next(self) -> bytes:
-        """The next chunk (the one the next audio log entry announces), converted."""
-        if not self._queue:
-            for entry_id, pcm, rate in await self.store.audio_chunks(self.wf_id, self.stage, after=self._cursor):
-                self._cursor = entry_id
-                self._queue.append((pcm, rate))
-        if not self._queue:
-            return b""
-        pcm, rate = self._queue.popleft()
-        if self._resampler is None:
-            if rate == PCM_RATE:
-                return pcm
-            self._resampler = StreamResampler(rate, PCM_RATE)
-        return np.asarray(self._resampler.push(np.frombuffer(pcm, dtype="<i2")), dtype="<i2").tobytes()
-
-    def flush(self) -> bytes:
-        """The resampler's last samples (it lags its input by about a millisecond)."""
-        if self._resampler is None:
-            return b""
-        return np.asarray(self._resampler.flush(), dtype="<i2").tobytes()
 
 
 def _usage(doc: dict[str, Any]) -> dict[str, Any]:

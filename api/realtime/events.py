@@ -130,3 +130,38 @@ def error_event(err: ProtocolError) -> dict[str, Any]:
     """The `error` event for a refused client event (its `event_id` names the offending event)."""
     return server_event("error", error={"type": err.kind, "code": err.code, "message": err.message,
                                         "param": err.param, "event_id": err.event_id})
+
+
+MAX_ITEMS = 64                     # conversation items kept (the oldest go first)
+
+
+class ResponseBody(BaseModel):
+    """`response.create`'s `response` (per-response overrides)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    output_modalities: list[Literal["text", "audio"]] | None = Field(None, min_length=1, max_length=2)
+    instructions: str | None = Field(None, max_length=64_000)
+    max_output_tokens: int | Literal["inf"] | None = None
+    conversation: str | None = None
+    input: list[dict[str, Any]] | None = Field(None, max_length=MAX_ITEMS)
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    audio: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["input_text", "input_audio", "text"]
+    text: str | None = None
+    audio: str | None = None
+
+
+class ItemBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["message"]
+    role: Literal["user"]
+    id: str | None = Field(None, min_length=1, max_length=64)
+    content: list[ContentPart] = Field(..., min_length=1, max_length=16)

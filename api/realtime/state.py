@@ -30,9 +30,9 @@ from __future__ import annotations
 import base64
 import binascii
 import time
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from omniflow.api.realtime.config import Capabilities, SessionConfig, apply_update, check_knob, check_modalities, resolve_voice
 from omniflow.api.realtime.records import (
@@ -57,8 +57,11 @@ from omniflow.api.realtime.events import (
     AudioClear,
     AudioCommit,
     ClientEvent,
+    MAX_ITEMS,
+    ItemBody,
     ItemCreate,
     ProtocolError,
+    ResponseBody,
     ResponseCancel,
     ResponseCreate,
     SessionUpdate,
@@ -68,45 +71,9 @@ from omniflow.api.realtime.events import (
     validation_error,
 )
 
-# the records and effects are re-exported: connection.py, turn.py, routes and tests import them from here
-__all__ = ["MAX_ITEMS", "MIN_COMMIT_BYTES", "AppendInput", "CancelTurn", "DetectSpeech", "DropInput", "Effect", "EndInput",
-           "InputTurn", "Item", "OpenInput", "RealtimeSession", "Response", "ResponseStatus", "Save", "Send", "SessionState",
-           "StartTurn", "session_id"]
+__all__ = ["MAX_ITEMS", "MIN_COMMIT_BYTES", "RealtimeSession", "session_id"]
 
-MAX_ITEMS = 64                     # conversation items kept (the oldest go first)
 MIN_COMMIT_BYTES = 2 * 2400        # 100 ms of pcm16 at 24 kHz: less is refused, as OpenAI does
-
-
-class _ResponseBody(BaseModel):
-    """`response.create`'s `response` (per-response overrides)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    output_modalities: list[Literal["text", "audio"]] | None = Field(None, min_length=1, max_length=2)
-    instructions: str | None = Field(None, max_length=64_000)
-    max_output_tokens: int | Literal["inf"] | None = None
-    conversation: str | None = None
-    input: list[dict[str, Any]] | None = Field(None, max_length=MAX_ITEMS)
-    metadata: dict[str, str] | None = Field(None, max_length=16)
-    audio: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-
-
-class _Part(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    type: Literal["input_text", "input_audio", "text"]
-    text: str | None = None
-    audio: str | None = None
-
-
-class _ItemBody(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    type: Literal["message"]
-    role: Literal["user"]
-    id: str | None = Field(None, min_length=1, max_length=64)
-    content: list[_Part] = Field(..., min_length=1, max_length=16)
 
 
 def session_id() -> str:
@@ -301,7 +268,7 @@ class RealtimeSession:
 
     def _parse_item(self, raw: dict[str, Any], param: str) -> Item:
         try:
-            body = _ItemBody.model_validate(raw)
+            body = ItemBody.model_validate(raw)
         except ValidationError as exc:
             raise validation_error(exc, prefix=param) from None
         texts = []
@@ -340,7 +307,7 @@ class RealtimeSession:
                                 f"response {self.state.response.id} is in progress; cancel it or wait for its "
                                 "response.done")
         try:
-            body = _ResponseBody.model_validate(event.response or {})
+            body = ResponseBody.model_validate(event.response or {})
         except ValidationError as exc:
             raise validation_error(exc, prefix="response") from None
         if body.tools:
@@ -388,7 +355,7 @@ class RealtimeSession:
         self.state.response = response
         return [Save(), StartTurn(response)]
 
-    def _spoken_turn(self, body: _ResponseBody) -> Item | None:
+    def _spoken_turn(self, body: ResponseBody) -> Item | None:
         """The audio item whose running workflow answers this response: the one item to answer,
         committed audio whose workflow no response follows yet."""
         if body.input or not self.caps.audio_input:
@@ -399,7 +366,7 @@ class RealtimeSession:
             return chosen[0]
         return None
 
-    def _prompt(self, body: _ResponseBody) -> str:
+    def _prompt(self, body: ResponseBody) -> str:
         """The text a turn answers: the response's own `input`, else the user items not answered yet,
         else the last user item again."""
         if body.input:

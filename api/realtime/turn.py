@@ -11,11 +11,19 @@ only those past `n` (`resume_after`).
 from __future__ import annotations
 
 import base64
-from typing import Any
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from omniflow.api.realtime.config import PCM_FORMAT
+import numpy as np
+
+from omniflow.api.realtime.config import PCM_FORMAT, PCM_RATE
 from omniflow.api.realtime.events import server_event
-from omniflow.api.realtime.state import Response, ResponseStatus
+from omniflow.api.realtime.records import Response, ResponseStatus
+from omniflow.resample import StreamResampler
+
+if TYPE_CHECKING:
+    from omniflow.client.store import Store
 
 EVENT_PREFIX = "evt_"
 
@@ -119,3 +127,47 @@ class TurnEvents:
         events.append(self._event("response.done", response=response_view(
             self.response, status, output=[item], details=details, usage=usage)))
         return events
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a reconnecting client was: the last turn event it received."""
+
+    response_id: str
+    after: int
+
+    @classmethod
+    def parse(cls, last_event_id: str | None) -> Resume | None:
+        parsed = parse_event_id(last_event_id) if last_event_id else None
+        return cls(*parsed) if parsed else None
+
+
+class AudioFeed:
+    """A turn's audio: the audio stage's chunks in the order of its log entries, as pcm16 at 24 kHz."""
+
+    def __init__(self, store: Store, wf_id: str, stage: str) -> None:
+        self.store, self.wf_id, self.stage = store, wf_id, stage
+        self._cursor = "-"
+        self._queue: deque[tuple[bytes, int]] = deque()
+        self._resampler: StreamResampler | None = None
+
+    async def next(self) -> bytes:
+        """The next chunk (the one the next audio log entry announces), converted."""
+        if not self._queue:
+            for entry_id, pcm, rate in await self.store.audio_chunks(self.wf_id, self.stage, after=self._cursor):
+                self._cursor = entry_id
+                self._queue.append((pcm, rate))
+        if not self._queue:
+            return b""
+        pcm, rate = self._queue.popleft()
+        if self._resampler is None:
+            if rate == PCM_RATE:
+                return pcm
+            self._resampler = StreamResampler(rate, PCM_RATE)
+        return np.asarray(self._resampler.push(np.frombuffer(pcm, dtype="<i2")), dtype="<i2").tobytes()
+
+    def flush(self) -> bytes:
+        """The resampler's last samples (it lags its input by about a millisecond)."""
+        if self._resampler is None:
+            return b""
+        return np.asarray(self._resampler.flush(), dtype="<i2").tobytes()

@@ -23,8 +23,10 @@ from omniflow.api import knobs
 from omniflow.api.deps import ApiState, Principal, pipeline_for, principal_for
 from omniflow.api.errors import ApiError, error_response
 from omniflow.api.realtime.config import PCM_RATE, Capabilities
-from omniflow.api.realtime.connection import Connection, Resume
-from omniflow.api.realtime.state import RealtimeSession, SessionState
+from omniflow.api.realtime.connection import Connection
+from omniflow.api.realtime.turn import Resume
+from omniflow.api.realtime.records import SessionState
+from omniflow.api.realtime.state import RealtimeSession
 from omniflow.errors import OmniflowError, UnknownPipeline
 from omniflow.pipeline import Pipeline
 from omniflow.workers import voices

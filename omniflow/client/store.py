@@ -170,11 +170,9 @@ class Store(WorkflowReads, StreamedMedia):
             raise self.refused(exc) from exc
         try:
             result = self.submitted(reply, tenant=tenant, priority=self.priority_of(req, tenant, priority))
-        except FairShareRefused as exc:
-            self.fair.hold(tenant, str(exc))
-            await self.fair.refused(tenant)
-            raise
-        except AdmissionRefused:
+        except AdmissionRefused as exc:
+            if isinstance(exc, FairShareRefused):
+                self.fair.hold(tenant, str(exc))
             await self.fair.refused(tenant)
             raise
         if result.existing:

@@ -1,6 +1,7 @@
 """Everything omniflow keeps in Redis, and the one way to reach it.
 
-    client.py       RedisClient / SyncRedisClient: the connection, every command, errors translated
+    client.py       RedisClient: the connection, every command, errors translated
+    sync_client.py  SyncRedisClient: its synchronous twin (the synchronous client's submits)
     topology.py     which kind of server a URL names (single, cluster, sentinel), the redis-py client for it
     keys.py         every key name (cells)           schema.py   record / stage-hash fields, typed decoding
     transitions/    one typed function per Lua script (KEYS from Keys, ARGV, return codes as enums)

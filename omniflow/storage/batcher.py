@@ -70,13 +70,19 @@ class Batcher:
             self._flusher = asyncio.create_task(self._flush_loop())
         return fut
 
-    def _bypass(self, queued: list[tuple[Command, asyncio.Future[Any], bool]]) -> None:
-        built = []
+    @staticmethod
+    def _build(queued: list[tuple[Command, asyncio.Future[Any], bool]]) -> list[tuple[tuple[Any, ...], asyncio.Future[Any], bool]]:
+        """The commands of `queued`, lazy ones built now; one that cannot be built fails alone."""
+        built: list[tuple[tuple[Any, ...], asyncio.Future[Any], bool]] = []
         for cmd, fut, retry in queued:
             try:
                 built.append((cmd() if callable(cmd) else cmd, fut, retry))
             except Exception as exc:  # noqa: BLE001 - a command that cannot be built fails alone
                 _resolve(fut, exc)
+        return built
+
+    def _bypass(self, queued: list[tuple[Command, asyncio.Future[Any], bool]]) -> None:
+        built = self._build(queued)
         if built:
             task = asyncio.create_task(self._execute(built))
             self._bypassing.add(task)
@@ -99,12 +105,7 @@ class Batcher:
     async def _flush_loop(self) -> None:
         while self._queue:
             batch, self._queue = self._queue[: self._max_batch], self._queue[self._max_batch :]
-            built: list[tuple[tuple[Any, ...], asyncio.Future[Any], bool]] = []
-            for cmd, fut, retry in batch:
-                try:
-                    built.append((cmd() if callable(cmd) else cmd, fut, retry))
-                except Exception as exc:  # noqa: BLE001 - a command that cannot be built fails alone
-                    _resolve(fut, exc)
+            built = self._build(batch)
             if built:
                 await self._execute(built)
 

@@ -1,7 +1,7 @@
 """The Redis boundary: the one client, the one error mapping, the script runner.
 
 Every connection omniflow opens is made by `connect` (the one place a cluster or sentinel client
-plugs in) and is a `RedisClient` (`SyncRedisClient` for the synchronous client's submits): it owns
+plugs in) and is a `RedisClient` (`connect_sync` and `SyncRedisClient`, in `sync_client`, for the synchronous client's submits): it owns
 the redis-py connection and offers the reads and writes omniflow uses, each with its errors
 translated inside. Besides this module only `omniflow.storage.topology` (which kind of server a URL
 names) and `omniflow.ops.embedded*` (the servers omniflow starts) import redis-py.
@@ -30,7 +30,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Itera
 from contextlib import contextmanager
 from typing import Any, ParamSpec, TypeVar, cast
 
-from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline as RawPipeline
 from redis.exceptions import (
@@ -56,7 +55,7 @@ from omniflow.errors import (
     RedisUnavailable,
     ScriptError,
 )
-from omniflow.storage.topology import is_cluster, open_client, open_sync_client, pubsub_client
+from omniflow.storage.topology import is_cluster, open_client, pubsub_client
 
 # the two redis-py errors `omniflow.storage.runner` catches (redis-py is imported here, not there)
 NoScript = NoScriptError
@@ -90,14 +89,6 @@ def connect(url: str, **kwargs: Any) -> RedisClient:
     Every asyncio connection of omniflow is made here."""
     try:
         return RedisClient(open_client(url, **kwargs))
-    except ValueError as exc:
-        raise ConfigError(f"OMNIFLOW_REDIS_URL: {url!r} is not a Redis URL ({exc})") from exc
-
-
-def connect_sync(url: str, **kwargs: Any) -> SyncRedisClient:
-    """The synchronous twin of `connect` (the synchronous client's submits)."""
-    try:
-        return SyncRedisClient(open_sync_client(url, **kwargs))
     except ValueError as exc:
         raise ConfigError(f"OMNIFLOW_REDIS_URL: {url!r} is not a Redis URL ({exc})") from exc
 
@@ -174,6 +165,16 @@ KeyT = str | bytes
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
 
 
+def _queues(name: str) -> Callable[..., Pipeline]:
+    """A `Pipeline` method that queues redis-py's `name` command and returns the pipeline."""
+    def queue(self: Pipeline, *args: Any, **kwargs: Any) -> Pipeline:
+        getattr(self._pipe, name)(*args, **kwargs)
+        return self
+
+    queue.__name__ = queue.__qualname__ = name
+    return queue
+
+
 class Pipeline:
     """Commands queued for one round trip (`RedisClient.pipeline`): each method queues one command
     (redis-py's signature) and returns the pipeline; `execute` sends them, errors translated."""
@@ -189,185 +190,52 @@ class Pipeline:
         except CLIENT_ERRORS as exc:
             raise translate(exc) from exc
 
-    def execute_command(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.execute_command(*args, **kwargs)
-        return self
-
-    def hmget(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.hmget(*args, **kwargs)
-        return self
-
-    def echo(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.echo(*args, **kwargs)
-        return self
-
-    def hset(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.hset(*args, **kwargs)
-        return self
-
-    def hget(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.hget(*args, **kwargs)
-        return self
-
-    def hgetall(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.hgetall(*args, **kwargs)
-        return self
-
-    def hincrby(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.hincrby(*args, **kwargs)
-        return self
-
-    def hsetnx(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.hsetnx(*args, **kwargs)
-        return self
-
-    def hkeys(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.hkeys(*args, **kwargs)
-        return self
-
-    def hdel(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.hdel(*args, **kwargs)
-        return self
-
-    def xlen(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.xlen(*args, **kwargs)
-        return self
-
-    def xrange(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.xrange(*args, **kwargs)
-        return self
-
-    def xrevrange(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.xrevrange(*args, **kwargs)
-        return self
-
-    def xadd(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.xadd(*args, **kwargs)
-        return self
-
-    def xdel(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.xdel(*args, **kwargs)
-        return self
-
-    def xack(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.xack(*args, **kwargs)
-        return self
-
-    def xpending(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.xpending(*args, **kwargs)
-        return self
-
-    def xinfo_groups(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.xinfo_groups(*args, **kwargs)
-        return self
-
-    def xautoclaim(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.xautoclaim(*args, **kwargs)
-        return self
-
-    def xtrim(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.xtrim(*args, **kwargs)
-        return self
-
-    def expire(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.expire(*args, **kwargs)
-        return self
-
-    def pexpire(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.pexpire(*args, **kwargs)
-        return self
-
-    def zrem(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.zrem(*args, **kwargs)
-        return self
-
-    def zrangebyscore(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.zrangebyscore(*args, **kwargs)
-        return self
-
-    def zrevrangebyscore(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.zrevrangebyscore(*args, **kwargs)
-        return self
-
-    def zremrangebyscore(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.zremrangebyscore(*args, **kwargs)
-        return self
-
-    def zrange(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.zrange(*args, **kwargs)
-        return self
-
-    def zrevrange(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.zrevrange(*args, **kwargs)
-        return self
-
-    def zcount(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.zcount(*args, **kwargs)
-        return self
-
-    def zcard(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.zcard(*args, **kwargs)
-        return self
-
-    def zscore(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.zscore(*args, **kwargs)
-        return self
-
-    def zadd(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.zadd(*args, **kwargs)
-        return self
-
-    def unlink(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.unlink(*args, **kwargs)
-        return self
-
-    def delete(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.delete(*args, **kwargs)
-        return self
-
-    def smembers(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.smembers(*args, **kwargs)
-        return self
-
-    def srem(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.srem(*args, **kwargs)
-        return self
-
-    def sadd(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.sadd(*args, **kwargs)
-        return self
-
-    def rpush(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.rpush(*args, **kwargs)
-        return self
-
-    def ltrim(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.ltrim(*args, **kwargs)
-        return self
-
-    def lrange(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.lrange(*args, **kwargs)
-        return self
-
-    def exists(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.exists(*args, **kwargs)
-        return self
-
-    def get(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.get(*args, **kwargs)
-        return self
-
-    def set(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.set(*args, **kwargs)
-        return self
-
-    def mget(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.mget(*args, **kwargs)
-        return self
-
-    def incr(self, *args: Any, **kwargs: Any) -> Pipeline:
-        self._pipe.incr(*args, **kwargs)
-        return self
+    # each queues redis-py's command of the same name (its signature) and returns the pipeline
+    execute_command = _queues("execute_command")
+    hmget = _queues("hmget")
+    echo = _queues("echo")
+    hset = _queues("hset")
+    hget = _queues("hget")
+    hgetall = _queues("hgetall")
+    hincrby = _queues("hincrby")
+    hsetnx = _queues("hsetnx")
+    hkeys = _queues("hkeys")
+    hdel = _queues("hdel")
+    xlen = _queues("xlen")
+    xrange = _queues("xrange")
+    xrevrange = _queues("xrevrange")
+    xadd = _queues("xadd")
+    xdel = _queues("xdel")
+    xack = _queues("xack")
+    xpending = _queues("xpending")
+    xinfo_groups = _queues("xinfo_groups")
+    xautoclaim = _queues("xautoclaim")
+    xtrim = _queues("xtrim")
+    expire = _queues("expire")
+    pexpire = _queues("pexpire")
+    zrem = _queues("zrem")
+    zrangebyscore = _queues("zrangebyscore")
+    zrevrangebyscore = _queues("zrevrangebyscore")
+    zremrangebyscore = _queues("zremrangebyscore")
+    zrange = _queues("zrange")
+    zrevrange = _queues("zrevrange")
+    zcount = _queues("zcount")
+    zcard = _queues("zcard")
+    zscore = _queues("zscore")
+    zadd = _queues("zadd")
+    unlink = _queues("unlink")
+    delete = _queues("delete")
+    smembers = _queues("smembers")
+    srem = _queues("srem")
+    sadd = _queues("sadd")
+    rpush = _queues("rpush")
+    ltrim = _queues("ltrim")
+    lrange = _queues("lrange")
+    exists = _queues("exists")
+    get = _queues("get")
+    set = _queues("set")
+    mget = _queues("mget")
+    incr = _queues("incr")
 
 
 class RedisClient:
@@ -614,33 +482,3 @@ class RedisClient:
             await cast(Any, pubsub).aclose()
             if client is not self._raw:
                 await client.aclose()
-
-
-class SyncRedisClient:
-    """The synchronous twin of `RedisClient`, for the synchronous client's submits."""
-
-    def __init__(self, raw: SyncRedis) -> None:
-        self._raw = raw
-
-    @property
-    def raw(self) -> SyncRedis:
-        return self._raw
-
-    def _do(self, name: str, *args: Any) -> Any:
-        try:
-            return getattr(self._raw, name)(*args)
-        except CLIENT_ERRORS as exc:
-            raise translate(exc) from exc
-
-    def execute_command(self, *args: Any) -> Any:
-        return self._do("execute_command", *args)
-
-    def exists(self, *keys: KeyT) -> int:
-        return int(self._do("exists", *keys))
-
-    def hget(self, key: KeyT, field: KeyT) -> bytes | None:
-        return cast("bytes | None", self._do("hget", key, field))
-
-    def close(self) -> None:
-        self._raw.close()
-

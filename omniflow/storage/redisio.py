@@ -1,4 +1,4 @@
-"""The Redis boundary under its former name: everything here is `omniflow.storage.client`'s and `.runner`'s
+"""The Redis boundary under its former name: everything here is `omniflow.storage.client`'s, `.sync_client`'s and `.runner`'s
 (kept so that code written against `redisio` keeps working; new code imports the client)."""
 from __future__ import annotations
 
@@ -8,16 +8,15 @@ from omniflow.storage.client import (
     REFUSALS,
     Pipeline,
     RedisClient,
-    SyncRedisClient,
     boundary,
     connect,
-    connect_sync,
     ensure_group,
     is_nogroup,
     is_refused,
     translate,
     translated,
 )
+from omniflow.storage.sync_client import SyncRedisClient, connect_sync
 from omniflow.storage.runner import READ_ONLY, call, call_sync, execute, load_scripts, require_replicas, script
 
 __all__ = ["CLIENT_ERRORS", "READ_ONLY", "REDIS_ERRORS", "REFUSALS", "Pipeline", "RedisClient", "SyncRedisClient",

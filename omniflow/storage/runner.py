@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from omniflow.errors import RedisUnavailable
-from omniflow.storage.client import (CLIENT_ERRORS, NoScript, RedisClient, ReplyError, SyncRedisClient, boundary, is_refused,
-                                     translate)
+from omniflow.storage.client import (CLIENT_ERRORS, NoScript, RedisClient, ReplyError, boundary, is_refused, translate)
+from omniflow.storage.sync_client import SyncRedisClient
 from omniflow.storage.scripts import SCRIPTS
 from omniflow.storage.topology import is_cluster
 

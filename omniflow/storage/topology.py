@@ -214,6 +214,9 @@ def open_client(url: str, **kwargs: Any) -> Redis:
     return standalone
 
 
+SyncConnection = SyncRedis       # what `open_sync_client` returns (named for the modules without redis-py)
+
+
 def open_sync_client(url: str, **kwargs: Any) -> SyncRedis:
     """The synchronous twin of `open_client` (the synchronous client's submits)."""
     kind = server_kind(url)

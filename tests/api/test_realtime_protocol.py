@@ -9,16 +9,8 @@ import pytest
 
 from omniflow.api.realtime.config import Capabilities, SessionConfig, apply_update
 from omniflow.api.realtime.events import ProtocolError, error_event, parse_client_event
-from omniflow.api.realtime.state import (
-    MIN_COMMIT_BYTES,
-    CancelTurn,
-    RealtimeSession,
-    ResponseStatus,
-    Save,
-    Send,
-    SessionState,
-    StartTurn,
-)
+from omniflow.api.realtime.records import CancelTurn, ResponseStatus, Save, Send, SessionState, StartTurn
+from omniflow.api.realtime.state import MIN_COMMIT_BYTES, RealtimeSession
 from omniflow.api.realtime.turn import TurnEvents, event_id, parse_event_id
 
 TTL_S = 600
@@ -222,7 +214,7 @@ def audio(n_bytes: int = MIN_COMMIT_BYTES) -> dict:
 
 
 def test_an_audio_turn_streams_into_its_workflow_and_the_response_follows_it() -> None:
-    from omniflow.api.realtime.state import AppendInput, EndInput, OpenInput
+    from omniflow.api.realtime.records import AppendInput, EndInput, OpenInput
 
     session = RealtimeSession.new(caps(audio_input=True), tenant="t")
     effects = handle(session, audio())
@@ -245,7 +237,7 @@ def test_an_audio_turn_streams_into_its_workflow_and_the_response_follows_it() -
 
 
 def test_clear_drops_the_open_turn_and_a_commit_over_a_response_interrupts_it() -> None:
-    from omniflow.api.realtime.state import DropInput, OpenInput
+    from omniflow.api.realtime.records import DropInput, OpenInput
 
     session = RealtimeSession.new(caps(audio_input=True), tenant="t")
     turn = [e for e in handle(session, audio()) if isinstance(e, OpenInput)][0].turn
@@ -265,7 +257,7 @@ def test_clear_drops_the_open_turn_and_a_commit_over_a_response_interrupts_it() 
 
 
 def test_an_audio_turn_refuses_instructions_it_was_not_started_with() -> None:
-    from omniflow.api.realtime.state import OpenInput
+    from omniflow.api.realtime.records import OpenInput
 
     session = RealtimeSession.new(caps(audio_input=True, knobs=frozenset({"instructions"})), tenant="t")
     [e for e in handle(session, audio()) if isinstance(e, OpenInput)][0].turn.wf_id = "wf1"
