@@ -1,8 +1,8 @@
 """The Redis boundary: the one client, the one error mapping, the script runner.
 
 Every connection omniflow opens is made by `connect` (the one place a cluster or sentinel client
-plugs in) and is a `RedisClient` (`connect_sync` and `SyncRedisClient`, in `sync_client`, for the synchronous client's submits): it owns
-the redis-py connection and offers the reads and writes omniflow uses, each with its errors
+plugs in) and is a `RedisClient` (`connect_sync` and `SyncRedisClient`, in `sync_client`, for the
+synchronous client's submits): it owns the redis-py connection and offers the reads and writes omniflow uses, each with its errors
 translated inside. Besides this module only `omniflow.storage.topology` (which kind of server a URL
 names) and `omniflow.ops.embedded*` (the servers omniflow starts) import redis-py.
 Every redis-py error is translated here, and only here, into the `omniflow.errors` tree, and
