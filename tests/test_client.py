@@ -6,8 +6,11 @@ import asyncio
 import pytest
 
 from omniflow.client import AsyncClient, Client
-from omniflow.errors import AdmissionRefused, InvalidRequest, WorkflowRetired
+from omniflow.errors import AdmissionRefused, InvalidRequest, UnknownPipeline, WorkflowRetired
+from omniflow.pipeline import build_pipeline, load_pipeline
+from omniflow.storage import registry
 
+from conftest import toy_spec
 from helpers import eventually, expected_text
 
 
@@ -115,3 +118,36 @@ async def test_wait_many_says_which_workflow_does_not_exist(engine_factory) -> N
                 await client.wait_many([wf, "nope"], timeout_s=0.5)
             docs = await client.wait_many([wf], timeout_s=0.2)     # not terminal: its current document
             assert docs[wf]["state"] == "pending"
+
+
+async def test_a_client_given_no_pipeline_submits_to_the_deployments(engine_factory) -> None:
+    """A client whose default comes from local settings (OMNIFLOW_PIPELINE: the toy pipeline) sends a
+    request that names no pipeline to the one the deployment serves, not to a pipeline no worker serves
+    (where it would wait until its deadline); with several and not its own, it says so."""
+    spec = toy_spec()
+    spec["name"] = "deployed-toy"
+    async with engine_factory(spec=spec) as eng:
+        assert eng.pipeline.name != load_pipeline(eng.settings.pipeline_path()).name
+        await eventually(lambda: registry.names(eng.store.client, eng.store.keys), what="the pipeline registered")
+        async with AsyncClient(eng.url, settings=eng.settings) as client:
+            wf = await client.submit("where to")
+            (more,) = await client.submit_many(["and this"])
+            doc = await client.wait(wf, timeout_s=10)
+            assert doc["state"] == "completed" and doc["pipeline"] == "deployed-toy", doc
+            assert (await client.wait(more, timeout_s=10))["pipeline"] == "deployed-toy"
+
+        def sync_submit() -> str:
+            with Client(eng.url, settings=eng.settings) as client:
+                return client.wait(client.submit("sync where to"), timeout_s=10)["pipeline"]
+        assert await asyncio.to_thread(sync_submit) == "deployed-toy"
+
+        other = build_pipeline({**toy_spec(), "name": "second-toy"})
+        await registry.register(eng.store.client, eng.store.keys, other)
+        async with AsyncClient(eng.url, settings=eng.settings) as client:
+            with pytest.raises(UnknownPipeline, match=r"'omni-toy'.*not one this deployment serves.*deployed-toy"):
+                await client.submit("which one")
+            wf = await client.submit("this one", pipeline="second-toy")     # named: no guess
+            assert (await client.get(wf))["pipeline"] == "second-toy"
+        async with AsyncClient(eng.url, settings=eng.settings, pipeline=eng.pipeline) as client:
+            # a pipeline given to the client is its default, whatever the registry holds
+            assert (await client.wait(await client.submit("given"), timeout_s=10))["pipeline"] == "deployed-toy"

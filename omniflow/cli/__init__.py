@@ -218,7 +218,7 @@ def submit(text: str = typer.Argument(..., help="the prompt"),
            timeout: float = typer.Option(None, "--timeout", help="seconds to wait at most (then exit 4)"),
            pipeline: str = typer.Option(None, "--pipeline",
                                         help="the pipeline to run, by name (`omniflow pipelines`), or NAME@VERSION; "
-                                             "default: the deployment's first"),
+                                             "default: the first of OMNIFLOW_PIPELINE"),
            priority: str = typer.Option(None, "--priority", help="interactive, api (default) or batch"),
            as_json: bool = JsonOpt) -> None:
     """Submit one request; with --wait print its outputs and exit 0 (completed), 1 (failed or

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 
 from omniflow.client import bulk
-from omniflow.storage import redisio
+from omniflow.storage import redisio, registry
 from omniflow.config import Settings, get_settings
-from omniflow.errors import RedisRefused
+from omniflow.errors import RedisRefused, UnknownPipeline
 from omniflow.models import AudioInput, SubmitRequest, WorkflowInput
 from omniflow.catalog import Catalog
 from omniflow.pipeline import Pipeline, load_pipeline
@@ -46,6 +46,33 @@ class AsyncClient:
         self.redis = connect(self.redis_url)
         self.store = Store(self.redis, self.settings, catalog)
         self._rates: dict[str, int] = {}        # audio workflows submitted here -> their input's sample rate
+        # no pipeline given: the default comes from local settings (OMNIFLOW_PIPELINE), which need not be
+        # what the deployment serves; checked against its registry at the first submit (`_default_ref`)
+        self._picked: str | None = None if pipeline is None else ""     # "": keep the local default
+
+    async def _default_ref(self, req: SubmitRequest) -> SubmitRequest:
+        """The request, sent to the deployment's pipeline when it names none and this client's default
+        came from local settings: that default when the deployment has registered its name (or has
+        registered nothing yet: a client may submit before any worker starts), else the deployment's
+        only pipeline; with several and not this one, `UnknownPipeline` (a workflow of a pipeline no
+        worker serves would wait until its deadline)."""
+        if req.pipeline or self._picked == "":
+            return req
+        if self._picked is None:
+            registered = await registry.names(self.redis, self.store.keys)
+            local = self.pipeline.name
+            if not registered or local in registered:
+                self._picked = ""
+            elif len(registered) == 1:
+                name = next(iter(registered))
+                await self.store.pipeline_named(name, param="pipeline")     # learnt from the registry
+                self._picked = name
+            else:
+                raise UnknownPipeline(
+                    f"this client's default pipeline {local!r} (OMNIFLOW_PIPELINE={self.settings.pipeline_path()}) "
+                    f"is not one this deployment serves ({sorted(registered)}): pass pipeline= to submit, "
+                    "or AsyncClient(pipeline=...)", known=sorted(registered), param="pipeline")
+        return req.model_copy(update={"pipeline": self._picked}) if self._picked else req
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -59,12 +86,14 @@ class AsyncClient:
     async def submit(self, text: str | None = None, *, modalities: Sequence[str] | None = None,
                      stage_params: dict[str, dict[str, Any]] | None = None, request_id: str | None = None,
                      deadline_s: float | None = None, webhook_url: str | None = None,
-                     audio_sample_rate: int | None = None) -> str:
+                     audio_sample_rate: int | None = None, pipeline: str | None = None) -> str:
         """Submit one request; returns the workflow id (the existing one for a repeated request_id).
 
         With `audio_sample_rate` the workflow takes audio (int16 mono at that rate), which
-        `append_input` streams in after the submit."""
-        req = _request(text, modalities, stage_params, request_id, deadline_s, webhook_url, audio_sample_rate)
+        `append_input` streams in after the submit. `pipeline`: a pipeline this deployment serves,
+        by name or NAME@VERSION (default: the client's, see `_default_ref`)."""
+        req = await self._default_ref(_request(text, modalities, stage_params, request_id, deadline_s, webhook_url,
+                                               audio_sample_rate, pipeline))
         wf_id = (await self.store.submit(req, tenant=self.tenant)).id
         if audio_sample_rate is not None and len(self._rates) < RATES_KEPT:
             self._rates[wf_id] = audio_sample_rate      # its appends need not read it back
@@ -79,12 +108,15 @@ class AsyncClient:
 
     async def submit_many(self, texts: Sequence[str], *, modalities: Sequence[str] | None = None,
                           stage_params: dict[str, dict[str, Any]] | None = None, deadline_s: float | None = None,
-                          return_exceptions: bool = False) -> list[Any]:
+                          return_exceptions: bool = False, pipeline: str | None = None) -> list[Any]:
         """Submit one request per text, pipelined (one round trip per 256); the workflow ids in order.
         With `return_exceptions`, a request that was refused is its exception in the list; without, the
         first refusal is raised once its batch has been sent (omniflow.client.bulk)."""
-        reqs = [SubmitRequest(input=WorkflowInput(text=text), output_modalities=list(modalities) if modalities else None,
-                              stage_params=stage_params or {}, deadline_s=deadline_s) for text in texts]
+        if pipeline:
+            await self.store.pipeline_named(pipeline, param="pipeline")
+        reqs = [await self._default_ref(SubmitRequest(
+                    input=WorkflowInput(text=text), output_modalities=list(modalities) if modalities else None,
+                    stage_params=stage_params or {}, deadline_s=deadline_s, pipeline=pipeline)) for text in texts]
         results = await bulk.submit_many(self.store, reqs, tenant=self.tenant, return_exceptions=return_exceptions)
         return [r if isinstance(r, BaseException) else r.id for r in results]
 
@@ -160,10 +192,14 @@ class Client:
     def submit(self, text: str | None = None, *, modalities: Sequence[str] | None = None,
                stage_params: dict[str, dict[str, Any]] | None = None, request_id: str | None = None,
                deadline_s: float | None = None, webhook_url: str | None = None,
-               audio_sample_rate: int | None = None) -> str:
+               audio_sample_rate: int | None = None, pipeline: str | None = None) -> str:
         """Submit one request; returns the workflow id (the existing one for a repeated request_id)."""
-        req = _request(text, modalities, stage_params, request_id, deadline_s, webhook_url, audio_sample_rate)
+        req = _request(text, modalities, stage_params, request_id, deadline_s, webhook_url, audio_sample_rate, pipeline)
         store = self._client.store
+        if req.pipeline is None and self._client._picked != "":
+            req = self._run(self._client._default_ref(req))     # see AsyncClient._default_ref
+        if req.pipeline and store.catalog.find(req.pipeline) is None:
+            self._run(store.pipeline_named(req.pipeline, param="pipeline"))
         call, tried = store.submit_call(req, tenant=self._client.tenant)
         try:
             reply = redisio.call_sync(self._sync, call)
@@ -213,12 +249,12 @@ class Client:
 
 def _request(text: str | None, modalities: Sequence[str] | None, stage_params: dict[str, dict[str, Any]] | None,
              request_id: str | None, deadline_s: float | None, webhook_url: str | None,
-             audio_sample_rate: int | None) -> SubmitRequest:
+             audio_sample_rate: int | None, pipeline: str | None = None) -> SubmitRequest:
     audio = AudioInput(sample_rate=audio_sample_rate) if audio_sample_rate is not None else None
     return SubmitRequest(input=WorkflowInput(text=text, audio=audio),
                          output_modalities=list(modalities) if modalities else None,
                          stage_params=stage_params or {}, request_id=request_id, deadline_s=deadline_s,
-                         webhook_url=webhook_url)
+                         webhook_url=webhook_url, pipeline=pipeline)
 
 
 async def _make(redis_url: str | None, kwargs: dict[str, Any]) -> AsyncClient:
