@@ -145,6 +145,11 @@ class Settings(BaseSettings):
         default=3600.0, gt=0, description="the longest deadline a request may ask for")
     result_ttl_s: int = Field(
         default=24 * 3600, ge=1, description="how long a finished workflow's record, log and outputs are kept")
+    finish_completes: bool = Field(
+        default=True,
+        description="the finish of a workflow's last final stage completes the workflow in the same script call "
+                    "(the transition the reconciler would apply to its report, one hop sooner); off: every "
+                    "completion goes through the reconciler")
     tombstone_ttl_s: int = Field(
         default=24 * 3600, ge=1, description="how long a retired (aborted or failed) id is refused")
     idempotency_ttl_s: int = Field(

@@ -47,8 +47,10 @@ async def _status_is(eng, wf_id: str, stage: str, status: str) -> bool:
                          ids=["audio-before-talker-terminal", "talker-terminal-before-audio"])
 async def test_completion_exactly_once_in_either_arrival_order(engine_factory, order) -> None:
     """Workers finish normally; the reconciler then gets every stage's `done` report, in the given
-    order (and twice), as it would from a pipeline where each report needs a decision."""
-    async with engine_factory(reconciler=False) as eng:
+    order (and twice), as it would from a pipeline where each report needs a decision. (With
+    `finish_completes` off: the completing report goes to the reconciler, as it does for a
+    workflow whose last final stage is on a parallel branch.)"""
+    async with engine_factory(reconciler=False, finish_completes=False) as eng:
         sub = await eng.store.submit(request("order matters"))
         wf_key, cell = eng.store.keys.wf(sub.id), eng.store.keys.cell_of(sub.id)
         async def reported() -> list[tuple[bytes, dict[bytes, bytes]]]:
@@ -73,6 +75,38 @@ async def test_completion_exactly_once_in_either_arrival_order(engine_factory, o
         assert doc["state"] == "completed"
         assert await terminal_count(eng.store, sub.id) == 1
         assert {name: "usage" in st for name, st in doc["stages"].items()} == dict.fromkeys(order, True)
+
+
+@pytest.mark.parametrize("modalities,last", [(["text", "audio"], "code2wav"), (["text"], "thinker")])
+async def test_the_last_final_stage_completes_its_workflow_in_its_finish(engine_factory, modalities, last) -> None:
+    """The finish of a workflow's last final stage applies the completion itself (finalize, in the
+    same script call) instead of reporting it: no event reaches the reconciler, and the workflow
+    ends exactly as the reconciler would end it (log, indexes, in-flight set, tenant count, expiry)."""
+    async with engine_factory() as eng:
+        ids = [(await eng.store.submit(request(f"finish {i}", modalities=modalities))).id for i in range(5)]
+        docs = [await eng.store.wait(i, timeout_s=20) for i in ids]
+        assert {d["state"] for d in docs} == {"completed"}
+        assert sum(w.ctx.stats.get("completed", 0) for ws in eng.workers.values() for w in ws) == 5
+        assert sum(r.counts["events"] for r in eng.reconcilers) == 0       # nothing was reported
+        keys = eng.store.keys
+        for wf_id, doc in zip(ids, docs):
+            cell = keys.cell_of(wf_id)
+            log = await log_entries(eng.store, wf_id)
+            assert log[-2:] == [{"t": "stage", "stage": last, "status": "done", "attempt": "1"},
+                                {"t": "terminal", "state": "completed", "error": "", "stage": ""}], log
+            assert await terminal_count(eng.store, wf_id) == 1
+            assert doc["finished_at"] and set(doc["final_stages"]) <= {s for s, st in doc["stages"].items()
+                                                                         if st["status"] == "done"}
+            assert await eng.redis.zscore(keys.inflight(cell), wf_id) is None
+            assert await eng.redis.zscore(keys.state_index("running", cell), wf_id) is None
+            assert await eng.redis.zscore(keys.state_index("completed", cell), wf_id) is not None
+            # what stays expires; the edge logs are gone
+            for k in (keys.wf(wf_id), keys.stages(wf_id), keys.log(wf_id), keys.done(wf_id),
+                      *(keys.out(wf_id, st) for st in doc["final_stages"])):
+                assert 0 < await eng.redis.ttl(k) <= eng.settings.result_ttl_s, k
+            edges = [keys.edge(wf_id, e.src, e.dst) for st in eng.pipeline.order for e in eng.pipeline.outputs[st]]
+            assert await eng.redis.exists(*edges) == 0
+            assert int(await eng.redis.hget(keys.tenant_inflight(cell), "default") or 0) == 0
 
 
 async def test_presubmitted_downstream_waits_for_input_and_never_runs_on_placeholder(engine_factory) -> None:
@@ -194,7 +228,8 @@ async def test_retryable_failure_resumes_without_duplicates(engine_factory) -> N
 
 
 async def test_two_reconcilers_process_one_event_stream_without_double_transitions(engine_factory) -> None:
-    async with engine_factory() as eng:
+    # every completion through the reconciler (the finishes report it, not apply it)
+    async with engine_factory(finish_completes=False) as eng:
         second = await eng.add_reconciler()
         ids = [(await eng.store.submit(request(f"prompt {i}"))).id for i in range(40)]
         docs = await asyncio.gather(*(eng.store.wait(i, timeout_s=30) for i in ids))

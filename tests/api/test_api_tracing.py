@@ -241,15 +241,19 @@ def test_with_tracing_off_the_sdk_is_never_imported():
 
 
 @pytest.mark.slow
-async def test_worker_and_reconciler_processes_continue_the_trace(engine_factory, receiver, tmp_path):
+@pytest.mark.parametrize("finish_completes,decides", [("0", "omniflow-reconciler"), ("1", "omniflow-worker")])
+async def test_worker_and_reconciler_processes_continue_the_trace(engine_factory, receiver, tmp_path, finish_completes,
+                                                                  decides):
     """Real `omniflow worker` and `omniflow reconciler` processes, configured only by the standard
-    OTEL_* variables, export their spans into the trace the submitting process started."""
+    OTEL_* variables, export their spans into the trace the submitting process started. The
+    completion is a decision span of the process that applied it: the reconciler's, or with
+    `finish_completes` (the default) the worker's whose finish completed the workflow."""
     import asyncio
     import signal
 
     async with engine_factory(workers=False, reconciler=False) as eng:
         env = {**cli_env(eng, tmp_path), "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
-               "OTEL_BSP_SCHEDULE_DELAY": "100"}
+               "OTEL_BSP_SCHEDULE_DELAY": "100", "OMNIFLOW_FINISH_COMPLETES": finish_completes}
         procs = [await asyncio.create_subprocess_exec(sys.executable, "-m", "omniflow.cli", *argv, env=env,
                                                       stderr=asyncio.subprocess.PIPE)
                  for argv in (("worker", "--stage", "all"), ("reconciler",))]
@@ -258,8 +262,8 @@ async def test_worker_and_reconciler_processes_continue_the_trace(engine_factory
             doc = await eng.store.wait(sub.id, timeout_s=30)
             assert doc["state"] == "completed"
             spans = await spans_of(receiver, doc["trace_id"], until=lambda got: {sp["service"] for sp in got} >= {
-                "omniflow-test", "omniflow-worker", "omniflow-reconciler"} and any(sp["name"] == "reconcile completed"
-                                                                                 for sp in got))
+                "omniflow-test", "omniflow-worker", decides} and any(sp["name"] == "reconcile completed"
+                                                                     for sp in got))
         finally:
             for proc in procs:
                 proc.send_signal(signal.SIGTERM)
@@ -268,7 +272,7 @@ async def test_worker_and_reconciler_processes_continue_the_trace(engine_factory
     root = next(sp for sp in spans if sp["name"] == "submit")
     thinker = next(sp for sp in spans if sp["name"] == "session thinker")
     completed = next(sp for sp in spans if sp["name"] == "reconcile completed")
-    assert thinker["service"] == "omniflow-worker" and completed["service"] == "omniflow-reconciler"
+    assert thinker["service"] == "omniflow-worker" and completed["service"] == decides
     assert thinker["parent"] == completed["parent"] == root["span_id"]
 
 

@@ -83,6 +83,8 @@ class SessionCore:
     tenant: str
     tasks_key: str  # the task stream it was read from ('': its class's)
     _slots: Slots | None  # the stage's slots, to give way at a chunk (higher class, fairer turn; None: never)
+    _completion: tuple[tuple[str, ...], str, int] | None  # finalize's keys, inflight set, result ttl (see close)
+    completed: bool  # its finish completed the workflow
 
 
     @property

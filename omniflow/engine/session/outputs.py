@@ -298,6 +298,14 @@ class SessionOutputs(SessionCore):
         if meter is not None:
             fin.append(meter.fields())
             finish_keys.append(meter.key)
+        if self._completion is not None and outcome == "done":
+            # it may complete the workflow: finalize's keys (those its emits do not declare already)
+            extra, inflight, ttl = self._completion
+            if meter is None:
+                fin.append(False)
+            fin.append([inflight, ttl])
+            have = set(self._current_emit_keys()) | set(finish_keys)
+            finish_keys.extend(k for k in extra if k not in have)
         self._finish = (finish_keys, msgpack.packb(fin, use_bin_type=False))
         if self._open is not None:
             last = self._open          # the pending write is still in the batcher's queue: the finish rides on it
@@ -307,6 +315,7 @@ class SessionOutputs(SessionCore):
         if earlier:
             await asyncio.gather(*earlier, return_exceptions=True)
         code = emit_code(await last)
+        self.completed = code is EmitResult.COMPLETED
         return code.value if code in (EmitResult.FENCED, EmitResult.GAP) else EmitResult.OK.value
 
     def _track(self, fut: asyncio.Future[Any]) -> None:

@@ -84,6 +84,10 @@ class Session(SessionInputs):
     tenant: str = ""
     tasks_key: str = ""
     _slots: Slots | None = None
+    # the keys its finish declares to complete the workflow itself, its inflight set and result ttl
+    # (None: a stage whose finish never completes it; see `SessionOutputs.close`)
+    _completion: tuple[tuple[str, ...], str, int] | None = None
+    completed: bool = False             # its finish completed the workflow (set by `close`)
 
 
 # mypy checks here that this class is what the executor contract promises (and

@@ -17,7 +17,7 @@ from omniflow.errors import RedisUnavailable, ScriptError
 from omniflow.models import Priority, SessionState, StageStatus
 from omniflow.pipeline import INPUT_SRC
 from omniflow.runtime import Backoff
-from omniflow.storage.keys import TASK_GROUP
+from omniflow.storage.keys import TASK_GROUP, FinalizePlan, finalize_plan
 from omniflow.storage.schema import csv, now_ms, s
 from omniflow.storage.transitions import sessions as transitions
 from omniflow.storage.transitions.emit import finish
@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 PLAN_CACHE_MAX = 1024
 
+#: (required stages, finals, the stage's downstream, whether its finish may complete the workflow)
+_Plan = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], bool]
+
 
 class Claims:
     """Turns delivered tasks into running sessions."""
@@ -34,7 +37,8 @@ class Claims:
     def __init__(self, ctx: WorkerContext, runner: SessionRunner) -> None:
         self.ctx = ctx
         self.runner = runner
-        self._plans: dict[tuple[str, bytes, bytes], tuple[tuple[str, ...], ...]] = {}
+        self._plans: dict[tuple[str, bytes, bytes], _Plan] = {}
+        self._finalize: dict[str, FinalizePlan] = {}      # pipeline version -> what finalize touches
         self._params: dict[bytes, dict[str, Any]] = {}
 
     async def claim(self, pool: StagePool, cell: int, claims: list[Claim], prio: Priority = Priority.API) -> None:
@@ -78,7 +82,7 @@ class Claims:
                 tenant = s(reply[10]) if len(reply) > 10 else ""
                 catchup = [(s(src), chunk) for src, entries in reply[6] for entry in entries
                            for chunk in chunk_fields(fields_dict(entry[1]))] if upstream else []
-                required, finals, downstream = self._plan_of(pool, raw_stages, raw_finals)
+                required, finals, downstream, completes = self._plan_of(pool, raw_stages, raw_finals)
                 record_input = json.loads(raw_input)
                 # this workflow's sources: the upstream stages it runs, and `@input` if it streams audio in
                 sources = tuple(u for u in upstream if u in required or (u == INPUT_SRC and "audio" in record_input))
@@ -97,6 +101,7 @@ class Claims:
                     _plane=ctx.plane, _domain_of=self.runner.domain_of, _chunk_dsts=pool.chunk_dsts,
                     _bp=ctx.backpressure, _consumers=ctx.consumers, queue=pool.queue, trace=trace,
                     priority=prio, tenant=tenant, tasks_key=stream,
+                    _completion=self._completion(pool, cell, wf_id) if completes else None,
                 )
             except Exception as exc:  # noqa: BLE001 - a record that does not decode fails its workflow, not us
                 ctx.inputs.pop((wf_id, stage, attempt), None)
@@ -153,17 +158,35 @@ class Claims:
                       retryable=False, now_ms=now_ms(), seq=0, downstream=(), queue=pool.queue, priority=prio.value)
         await ctx.write_until_done(call, f"failing session {wf_id}/{pool.stage}")
 
-    def _plan_of(self, pool: StagePool, raw_stages: bytes, raw_finals: bytes) -> tuple[tuple[str, ...], ...]:
-        """(required stages, finals, this stage's downstream) of a workflow, from its record's csv
-        fields; the same few combinations recur for every workflow, so they are decoded once."""
+    def _plan_of(self, pool: StagePool, raw_stages: bytes, raw_finals: bytes) -> _Plan:
+        """(required stages, finals, this stage's downstream, whether its finish may complete the
+        workflow) of a workflow, from its record's csv fields; the same few combinations recur for
+        every workflow, so they are decoded once. A finish may complete it when the stage is final
+        and no other final stage runs after it (`finish_completes` on): the last to finish, but for
+        parallel branches, where the finish that completes it reports to the reconciler instead."""
         key = (pool.queue, raw_stages, raw_finals)
         plan = self._plans.get(key)
         if plan is None:
             required = tuple(csv(raw_stages))
-            plan = (required, tuple(csv(raw_finals)), tuple(pool.pipeline.downstream(pool.stage, required)))
+            finals = tuple(csv(raw_finals))
+            after = set(pool.pipeline.descendants(pool.stage, required))
+            completes = (self.ctx.settings.finish_completes and pool.stage in finals
+                         and not any(f in after for f in finals))
+            plan = (required, finals, tuple(pool.pipeline.downstream(pool.stage, required)), completes)
             if len(self._plans) < PLAN_CACHE_MAX:
                 self._plans[key] = plan
         return plan
+
+    def _completion(self, pool: StagePool, cell: int, wf_id: str) -> tuple[tuple[str, ...], str, int]:
+        """What a session's finish needs to complete workflow `wf_id` itself (`Session._completion`):
+        every key finalize may touch (`Keys.finalize_keys`), its cell's inflight set, the result ttl."""
+        pipe = pool.pipeline
+        fplan = self._finalize.get(pipe.digest)
+        if fplan is None:
+            fplan = self._finalize[pipe.digest] = finalize_plan(pipe)
+        keys = self.ctx.keys
+        inflight = keys.inflight(cell)
+        return (inflight, *keys.finalize_keys(wf_id, fplan)), inflight, self.ctx.settings.result_ttl_s
 
     def _params_of(self, raw_params: bytes, stage: str) -> dict[str, Any]:
         """A stage's params from the record's JSON, parsed once per distinct JSON. Each session gets

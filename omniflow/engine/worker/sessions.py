@@ -8,6 +8,7 @@ import asyncio
 import functools
 import logging
 import time
+from typing import Any
 
 from omniflow import tracing
 from omniflow.dataplane import InputLost
@@ -64,6 +65,7 @@ class SessionRunner:
             outcome, detail, retryable = "failed", f"worker {ctx.id}: a write failed: {exc}"[:MAX_DETAIL_CHARS], True
         finally:
             ctx.inputs.pop((wf_id, stage, attempt), None)
+        closing_ns = tracing.now_ns() if tracing.tracer is not None else 0
         code = await self._close(pool, cell, entry_id, session, outcome, detail, retryable)
         if session._span is not None:
             tracing.end_session(session._span, outcome=outcome, detail=detail, code=code, steps=session.seq,
@@ -71,6 +73,12 @@ class SessionRunner:
         if session.held and code == "ok" and outcome == "done":
             # done for good: no retry of this session will replay these payloads
             await self._release_inputs(session)
+        if session.completed:         # its finish completed the workflow (the reconciler's decision, taken here)
+            ctx.stats["completed"] = ctx.stats.get("completed", 0) + 1
+            if session.trace[0]:
+                attrs: dict[str, Any] = {"workflow.id": wf_id, "stage": stage, "attempt": attempt, "event": "done",
+                                         "worker": ctx.id}
+                tracing.decision("completed", traceparent=session.trace[0], start_ns=closing_ns, **attrs)
         if code == "fenced":
             ctx.stats["fenced"] += 1
         elif code is not None:

@@ -102,6 +102,19 @@ end
 
 local function hdel(k, f) hset(k, f, false) end
 
+-- Fields of hash `k` the caller read already with a HMGET of its own (`names[i]` -> `values[i]`,
+-- false: no such field): later `hread`s of them issue no command.
+local function hseed(k, names, values)
+  local known = HV[k]
+  if known == nil then
+    known = {}
+    HV[k] = known
+  end
+  for i, f in ipairs(names) do
+    if known[f] == nil then known[f] = values[i] end
+  end
+end
+
 local function hflush()
   for _, k in ipairs(HW_KEYS) do
     local pend, known = HW[k], HV[k] or {}
@@ -326,21 +339,46 @@ local function terminal_set_complete(sk, finished, finals, required)
   return true
 end
 
+-- Has this call declared every key `finalize` may touch to complete workflow `wf` (its record's
+-- FINAL_REC fields read: `hread`)? A finish that completes the terminal set ends the workflow itself
+-- only then (see finish_session); else it reports to the reconciler, as it would without.
+local function finalize_declared(wf, inflight_key)
+  local cell = cell_base(wf)
+  local need = {inflight_key, wf .. ':stages', wf .. ':log', wf .. ':done', cell .. ':idx:state:completed'}
+  local state = hget(wf, 'state')
+  if state then need[#need + 1] = cell .. ':idx:state:' .. state end
+  if hget(wf, 'tf') then
+    need[#need + 1] = cell .. ':tinf'
+    need[#need + 1] = cell .. ':tseen'
+  end
+  local hook = hget(wf, 'webhook')
+  if hook and hook ~= '' then need[#need + 1] = cell .. ':notify' end
+  if hget(wf, 'blobs') then need[#need + 1] = wf .. ':blobs' end
+  for _, s in ipairs(csv(hget(wf, 'finals'))) do need[#need + 1] = wf .. ':out:' .. s end
+  for _, edge in ipairs(csv(hget(wf, 'edges'))) do need[#need + 1] = wf .. ':edge:' .. edge end
+  for _, k in ipairs(need) do
+    if not DECLARED[k] then return false end
+  end
+  return true
+end
+
 -- Would the reconciler, given a `done` report of <stage>, do more than add it to `finished`?
 -- Yes when a `full`-edge group still waits on the stage (its successors may be due), or when the
 -- stage completes the terminal set (every final finished AND every submitted stage finished).
 -- rec = HMGET of the record's 'stages', 'finals', 'finished', 'groups', 'gsub'.
+-- The third answer: true when what it would do is complete the workflow (and nothing else).
 local function done_needs_reconciler(sk, stage, rec)
   local finished = csv(rec[3])
-  if contains(finished, stage) then return true, finished end       -- let the reconciler say 'duplicate'
+  if contains(finished, stage) then return true, finished, false end       -- let the reconciler say 'duplicate'
   if rec[4] and rec[4] ~= '[]' and rec[4] ~= '' then
     local gsub = csv(rec[5])
     for i, g in ipairs(cjson.decode(rec[4])) do
-      if not contains(gsub, tostring(i)) and contains(g['after'], stage) then return true, finished end
+      if not contains(gsub, tostring(i)) and contains(g['after'], stage) then return true, finished, false end
     end
   end
   finished[#finished + 1] = stage
-  return terminal_set_complete(sk, finished, rec[2], rec[1]), finished
+  local complete = terminal_set_complete(sk, finished, rec[2], rec[1])
+  return complete, finished, complete
 end
 
 -- Close one session (outcome 'done' or 'failed') and report it to the reconciler.
@@ -382,10 +420,18 @@ end
 -- passes them).
 local FINISH_REC = {'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub', 'tenant', 'pipeline',
   'pipeline_hash', 'prio'}
+-- FINISH_REC and then the rest of what finalize reads (FINAL_REC): a finish that may end its workflow
+local FINISH_FINAL_REC = {'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub', 'tenant', 'pipeline',
+  'pipeline_hash', 'prio', 'edges', 'webhook', 'created_ms', 'blobs', 'tf'}
 
 -- `pre` (optional): what the caller read and will write already: {rec = HMGET of FINISH_REC, cur = this
 -- stage's {status, attempt, seq, samples, sr}, sw = its pending stage-hash writes (field, value, ...),
--- which the caller writes with one HSET after this; the session's stage fields are added to them}.
+-- which the caller writes with one HSET after this; the session's stage fields are added to them;
+-- z = {inflight set, result ttl s} when the caller may end the workflow itself}. With `z`, a `done`
+-- that completes the terminal set is not reported: `pre.completing` is set to the new `finished`
+-- csv, and the caller calls `finalize` once its own writes are done (its edges flushed, its stage
+-- hash written), when it declared every key finalize touches (`finalize_declared`): the same
+-- transition the reconciler would apply to the report, one hop and one script call sooner.
 local function finish_session(wf, tasks_key, events_key, group, entry_id, stage, attempt, outcome,
                               detail, retryable, now, seq, downstream, meter, pre)
   local sk = key(wf .. ':stages')
@@ -424,10 +470,12 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
     else
       sset(stage, 'done', stage .. ':t_end', now, stage .. ':usage', detail)
     end
-    local finished
-    report, finished = done_needs_reconciler(sk, stage, {rec[3], rec[4], rec[5], rec[6], rec[7]})
+    local finished, complete
+    report, finished, complete = done_needs_reconciler(sk, stage, {rec[3], rec[4], rec[5], rec[6], rec[7]})
     if not report then
       redis.call('HSET', wf, 'finished', table.concat(finished, ','), 'updated_ms', now)
+    elseif complete and pre and pre.z and finalize_declared(wf, pre.z[1]) then
+      report, pre.completing = false, table.concat(finished, ',')
     end
   else
     sset(stage, 'failed', stage .. ':t_end', now, stage .. ':error', detail)
@@ -448,11 +496,16 @@ local function valid_meter(m)
     and tonumber(m[4]) ~= nil and tonumber(m[5]) ~= nil
 end
 
+-- Is `z` a well-formed completion (a finish's 9th item: {inflight set key, result ttl s})?
+local function valid_completion(z)
+  return type(z) == 'table' and type(z[1]) == 'string' and tonumber(z[2]) ~= nil
+end
+
 -- Is `f` a well-formed finish (the msgpack array emit.lua's ARGV[8] carries)?
--- {group, entry id, outcome, detail, retryable, last seq, downstream csv[, meter]}
+-- {group, entry id, outcome, detail, retryable, last seq, downstream csv[, meter or false[, completion]]}
 local function valid_finish(f)
   return type(f) == 'table' and type(f[1]) == 'string' and type(f[2]) == 'string'
     and (f[3] == 'done' or f[3] == 'failed') and type(f[4]) == 'string'
     and (type(f[5]) == 'string' or type(f[5]) == 'number') and tonumber(f[6]) ~= nil
-    and type(f[7]) == 'string' and (f[8] == nil or valid_meter(f[8]))
+    and type(f[7]) == 'string' and (not f[8] or valid_meter(f[8])) and (f[9] == nil or valid_completion(f[9]))
 end

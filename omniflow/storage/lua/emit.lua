@@ -25,10 +25,14 @@
 --   Steps whose seq is not above the stage's last written seq are skipped (replays).
 --   Steps must be contiguous: one past a hole (a write lost with a Redis connection) is refused.
 -- ARGV[7] optional msgpack finish: {group, entry id, outcome, detail, retryable, last seq, downstream csv
---   [, meter: {usage key, its expiry epoch s, compute ms, prompt tokens, completion tokens}]}
+--   [, meter: {usage key, its expiry epoch s, compute ms, prompt tokens, completion tokens} or false
+--   [, completion: {inflight set, result ttl s}]]}
 --   (see finish.lua and finish_session in _lib.lua), applied after the steps; the meter's usage key is
---   one of KEYS (after the edges).
--- Returns 'ok' | 'dup' (every step was already written) | 'fenced' (session no longer owns the stage)
+--   one of KEYS (after the edges). With a completion (the session of a final stage no other final
+--   stage follows, `Keys.finalize_keys` and the inflight set declared after the meter's key), a done
+--   that completes the workflow's terminal set ends the workflow here ('completed'), instead of in
+--   the reconciler's `stage_event.lua` one hop later.
+-- Returns 'ok' | 'completed' (with a finish: the workflow completed in this call) | 'dup' (every step was already written) | 'fenced' (session no longer owns the stage)
 --       | 'gap' (steps after a hole were not written: the attempt must end; a retry resumes)
 --       | {'inbox', dst, replica} (nothing written: stage dst is bound to replica, whose inbox is not in
 --         KEYS; send the call again declaring it. dst and replica are '' for a call sent after such a
@@ -112,7 +116,12 @@ local fin_cur = nil           -- the finish's view of this stage (finish_session
 local function read_all()
   local state
   if fin then
-    rec = redis.call('HMGET', wf, unpack(FINISH_REC))
+    if fin[9] then        -- the fields finalize reads too (see finalize_declared)
+      rec = redis.call('HMGET', wf, unpack(FINISH_FINAL_REC))
+      hseed(wf, FINISH_FINAL_REC, rec)
+    else
+      rec = redis.call('HMGET', wf, unpack(FINISH_REC))
+    end
     state = rec[1]
   else
     state = redis.call('HGET', wf, 'state')
@@ -301,11 +310,16 @@ do
     outcome, detail, retryable = 'failed', 'an earlier write of this attempt was lost', '1'
   end
   local pre = nil
-  if fin_cur then pre = {rec = rec, cur = fin_cur, sw = SW} end
+  if fin_cur then pre = {rec = rec, cur = fin_cur, sw = SW, z = f[9]} end
   local closed = finish_session(wf, KEYS[2], KEYS[3], f[1], f[2], stage, ARGV[2], outcome, detail,
-    retryable, ARGV[4], f[6], f[7], f[8], pre)
+    retryable, ARGV[4], f[6], f[7], f[8] or nil, pre)
   flush_edges()
   flush_stage()
   if res == 'fenced' or res == 'gap' then return res end
+  if pre and pre.completing then      -- the terminal set is complete: the workflow ends here
+    hset(wf, 'finished', pre.completing, 'updated_ms', ARGV[4])
+    finalize(wf, pre.z[1], '', rec[2], 'completed', nil, nil, ARGV[4], 0, pre.z[2])
+    return 'completed'
+  end
   return closed
 end

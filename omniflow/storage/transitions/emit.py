@@ -24,6 +24,7 @@ EMIT_OUT = 6
 @returns("emit")
 class EmitResult(str, Enum):
     OK = "ok"
+    COMPLETED = "completed"  # with a finish that may complete the workflow: it did (the workflow ended)
     DUP = "dup"             # every step was already written
     FENCED = "fenced"       # the session no longer owns the stage
     GAP = "gap"             # steps after a lost write were refused; with a finish: the attempt closed as failed
