@@ -2,6 +2,8 @@
 (Valkey always; redis-server too when it is on PATH)."""
 from __future__ import annotations
 
+from typing import Any
+
 import msgpack
 import pytest
 
@@ -143,6 +145,39 @@ async def test_one_emit_call_writes_one_text_entry_and_one_entry_per_edge(store)
     assert inbox[0][1][b"m"] == edge[0][1][b"m"] and inbox[0][1][b"ds"] == b"talker"
     assert s(await redisio.script(store.client, "emit", keys, args)) == "dup"
     assert await store.client.xlen(store.keys.edge(sub.id, "thinker", "talker")) == 1
+
+
+async def test_calls_refused_for_an_inbox_may_land_in_any_order_without_a_false_gap(store) -> None:
+    """Call A (step 1) is refused for the talker's inbox, call B (step 2) waits its turn; A is sent
+    again and lands, and call C (step 3) arrives before B's second sending: C waits its turn too (the
+    step before it is on its way: not a hole), then B and C land. Found by bench/dataplane.py, whose
+    1 MiB chunks through Redis failed their producer with 'an earlier write was lost'."""
+    sub = await store.submit(request())
+    await claim_next(store, "thinker")
+    delivered = await store.client.xreadgroup(TASK_GROUP, "w1", {store.tasks_key("talker", 0): ">"}, count=1)
+    await redisio.script(store.client, "claim", claim_keys(store, "talker", sub.id, ("thinker",)),
+                         [store.settings.prefix, TASK_GROUP, "w1", now_ms(), "thinker", "talker",
+                          s(delivered[0][1][0][0]), sub.id, "1"])
+    keys = emit_keys(store, sub.id, "thinker", ("talker",))
+
+    def call(n: int, kk: list[str]) -> Any:      # step 1 has a chunk for the talker, the others text only
+        chunk = ["E", "talker", ["seq", n, "a", 1, "d", f"c{n}"]] if n == 1 else []
+        steps = msgpack.packb([[n, "T", f"w{n} ", "", *chunk]], use_bin_type=False)
+        return redisio.script(store.client, "emit", kk, ["thinker", 1, "", now_ms(), sub.id, steps])
+
+    wait_field = "thinker:inbox_wait"
+    assert [s(x) for x in await call(1, keys)] == ["inbox", "talker", "w1"]         # A refused
+    assert [s(x) for x in await call(2, keys)] == ["inbox", "", ""]                 # B waits its turn
+    keys = [*keys, store.keys.inbox("w1", 0)]
+    assert s(await call(1, keys)) == "ok"                                           # A again
+    assert [s(x) for x in await call(3, keys)] == ["inbox", "", ""]                 # C before B: waits
+    assert await store.client.hget(store.keys.stages(sub.id), wait_field) == b"1:3"
+    assert s(await call(2, keys)) == "ok"                                           # B again
+    assert s(await call(3, keys)) == "ok"                                           # C again
+    assert await store.text(sub.id, "thinker") == "w1 w2 w3 "
+    assert await store.client.hget(store.keys.stages(sub.id), wait_field) is None   # nothing waits any more
+    # and a step past a real hole is still one
+    assert s(await call(5, keys)) == "gap"
 
 
 async def test_claim_is_idempotent_for_the_same_replica_only(store) -> None:

@@ -192,21 +192,35 @@ local function write_steps()
       if not seen[dst] then dsts[#dsts + 1] = dst end
     end
   end
-  local unbound = unbound_inbox(wf, dsts)
-  if unbound then
-    redis.call('HSET', sk, stage .. ':inbox_wait', ARGV[2])
-    return {'inbox', unbound[1], unbound[2]}
-  end
-  local status = cur[1]
-  if cur[4] == ARGV[2] then
-    -- a call refused for its inbox has not been sent again yet: one sent after it waits its turn
-    if first == nil then
-      if fin then return {'inbox', '', ''} end
-    elseif first > last + 1 then
-      return {'inbox', '', ''}
-    else
-      redis.call('HDEL', sk, stage .. ':inbox_wait')
+  -- `<stage>:inbox_wait` = '<attempt>:<seq>': calls of this attempt were refused (for an inbox, or to
+  -- wait their turn) with steps up to <seq>; they are being sent again, in any order. Until every one
+  -- of them is written, a call whose steps do not follow what is stored waits its turn too (it is
+  -- not a hole: the steps before it are on their way), and so does a finish.
+  local upto = 0
+  for _, step in ipairs(steps) do upto = math.max(upto, tonumber(step[1])) end
+  local wa, wseq = string.match(cur[4] or '', '^(%d+):(%d+)$')
+  local waiting = wa == ARGV[2]
+  wseq = waiting and tonumber(wseq) or 0
+  local function refuse(dst, replica)
+    if not waiting or upto > wseq then
+      redis.call('HSET', sk, stage .. ':inbox_wait', ARGV[2] .. ':' .. math.max(upto, wseq))
     end
+    return {'inbox', dst, replica}
+  end
+  local unbound = unbound_inbox(wf, dsts)
+  if unbound then return refuse(unbound[1], unbound[2]) end
+  local status = cur[1]
+  if waiting then
+    -- a call refused earlier has not been written yet: one sent after it waits its turn
+    if first == nil then
+      if fin and last < wseq then return refuse('', '') end
+    elseif first > last + 1 then
+      return refuse('', '')
+    end
+    local stored = math.max(last, upto)
+    if stored >= wseq then redis.call('HDEL', sk, stage .. ':inbox_wait') end
+  elseif cur[4] then
+    redis.call('HDEL', sk, stage .. ':inbox_wait')      -- an earlier attempt's
   end
   if ARGV[3] ~= '' and cur[1] ~= ARGV[3] then
     status = ARGV[3]
