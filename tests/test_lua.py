@@ -246,3 +246,17 @@ async def test_a_session_learns_its_consumers_inbox_and_declares_it_from_then_on
     assert await run_thinker(1) == 2            # refused once, then sent declaring w1's inbox
     assert consumers.of(("talker",), 0) == {"talker": ("w1",)}
     assert await run_thinker(2) == 1            # declared from the start
+
+
+def test_each_script_carries_only_the_helpers_it_uses() -> None:
+    """`_lib.lua` is cut into its top-level statements and a script gets those it uses, directly or
+    through another (omniflow/storage/scripts.py): nothing of the file is lost by the cut, a helper
+    a script calls is there, and one it never calls is not."""
+    from omniflow.storage.scripts import SCRIPTS, _chunks, _read
+
+    lib = _read("_lib.lua")
+    assert "\n".join(text for _, text in _chunks(lib)) == lib.rstrip("\n")
+    assert "local function finalize(" in SCRIPTS["emit"].source        # the completing finish calls it
+    assert "local function finalize(" not in SCRIPTS["claim"].source
+    assert "local function key(" in SCRIPTS["claim"].source and "local DECLARED" in SCRIPTS["claim"].source
+    assert len(SCRIPTS["claim"].source) < len(SCRIPTS["emit"].source) / 3
