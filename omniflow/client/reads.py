@@ -35,14 +35,22 @@ class WorkflowReads:
     _redis: RedisClient
     keys: Keys
     catalog: Catalog
+    _text_guess: tuple[str, ...] = ()      # the text stages of the last document read (see `document`)
 
     @translated
     async def document(self, wf_id: str, *, tenant: str | None = None) -> dict[str, Any]:
-        """The workflow document (DESIGN §5): state, stages, outputs keyed by stage."""
+        """The workflow document (DESIGN §5): state, stages, outputs keyed by stage.
+
+        One round trip: the text outputs are read with the record, for the stages whose output was
+        text in the last document read here (the same few recur); a record that wants others gets
+        them with a second one."""
+        guess = self._text_guess
         pipe = self._redis.pipeline(transaction=False)
         pipe.hgetall(self.keys.wf(wf_id))
         pipe.hgetall(self.keys.stages(wf_id))
-        rec_raw, stages_raw = await pipe.execute()
+        for name in guess:          # after the record: as new as it, or newer (as a read after it)
+            pipe.get(self.keys.out(wf_id, name))
+        rec_raw, stages_raw, *guessed = await pipe.execute()
         if not rec_raw:
             raise WorkflowNotFound(f"no workflow {wf_id}")
         rec = {s(k): s(v) for k, v in rec_raw.items()}
@@ -50,10 +58,13 @@ class WorkflowReads:
             raise WorkflowNotFound(f"no workflow {wf_id}")
         st = {s(k): s(v) for k, v in stages_raw.items()}
         wanted = text_stages(rec)
-        texts = {}
-        if wanted:
-            vals = await self._redis.mget([self.keys.out(wf_id, name) for name in wanted])
-            texts = {name: s(v) for name, v in zip(wanted, vals)}
+        texts = {name: s(v) for name, v in zip(guess, guessed) if name in wanted}
+        missing = [name for name in wanted if name not in texts]
+        if missing:
+            vals = await self._redis.mget([self.keys.out(wf_id, name) for name in missing])
+            texts.update({name: s(v) for name, v in zip(missing, vals)})
+        if tuple(wanted) != guess:
+            self._text_guess = tuple(wanted)
         webhook = await self._webhook_view(wf_id, rec.get("webhook") or "")
         return workflow_document(wf_id, rec, st, texts, webhook)
 
@@ -120,9 +131,12 @@ class WorkflowReads:
 
         Blocks on `<wf>:done`, which gets its one entry together with the terminal log entry:
         one wake-up per wait, however much the workflow logs meanwhile."""
-        doc = await self.document(wf_id, tenant=tenant)
-        if WorkflowState(doc["state"]) in TERMINAL_STATES:
-            return doc
+        # is it there, visible, and still running? (the whole document only once it has ended)
+        state, owner = await self._redis.hmget(self.keys.wf(wf_id), ["state", "tenant"])
+        if state is None or (tenant is not None and s(owner) != tenant):
+            raise WorkflowNotFound(f"no workflow {wf_id}")
+        if WorkflowState(s(state)) in TERMINAL_STATES:
+            return await self.document(wf_id, tenant=tenant)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             wait_ms = 5_000
