@@ -196,8 +196,11 @@ class Client:
         """Submit one request; returns the workflow id (the existing one for a repeated request_id)."""
         req = _request(text, modalities, stage_params, request_id, deadline_s, webhook_url, audio_sample_rate, pipeline)
         store = self._client.store
-        if req.pipeline is None and self._client._picked != "":
-            req = self._run(self._client._default_ref(req))     # see AsyncClient._default_ref
+        picked = self._client._picked           # see AsyncClient._default_ref
+        if req.pipeline is None and picked is None:
+            req = self._run(self._client._default_ref(req))     # the first submit asks the registry
+        elif req.pipeline is None and picked:
+            req = req.model_copy(update={"pipeline": picked})
         if req.pipeline and store.catalog.find(req.pipeline) is None:
             self._run(store.pipeline_named(req.pipeline, param="pipeline"))
         call, tried = store.submit_call(req, tenant=self._client.tenant)
