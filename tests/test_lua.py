@@ -171,13 +171,22 @@ async def test_calls_refused_for_an_inbox_may_land_in_any_order_without_a_false_
     keys = [*keys, store.keys.inbox("w1", 0)]
     assert s(await call(1, keys)) == "ok"                                           # A again
     assert [s(x) for x in await call(3, keys)] == ["inbox", "", ""]                 # C before B: waits
-    assert await store.client.hget(store.keys.stages(sub.id), wait_field) == b"1:3"
+    assert (await store.client.hget(store.keys.stages(sub.id), wait_field)).startswith(b"1:3:")
     assert s(await call(2, keys)) == "ok"                                           # B again
     assert s(await call(3, keys)) == "ok"                                           # C again
     assert await store.text(sub.id, "thinker") == "w1 w2 w3 "
     assert await store.client.hget(store.keys.stages(sub.id), wait_field) is None   # nothing waits any more
     # and a step past a real hole is still one
     assert s(await call(5, keys)) == "gap"
+    # a refused call that is never sent again (its sending failed: the attempt is ending) holds the
+    # others only for a while: then a step after it is a hole, and the marker goes
+    sk = store.keys.stages(sub.id)
+    await store.client.hset(sk, wait_field, f"1:9:{now_ms()}")
+    assert [s(x) for x in await call(5, keys)] == ["inbox", "", ""]                 # waits its turn
+    await store.client.hset(sk, wait_field, f"1:9:{now_ms() - 6_000}")
+    assert s(await call(5, keys)) == "gap"                                          # waited long enough
+    assert s(await call(4, keys)) == "ok"
+    assert await store.client.hget(sk, wait_field) is None
 
 
 async def test_claim_is_idempotent_for_the_same_replica_only(store) -> None:

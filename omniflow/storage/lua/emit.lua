@@ -41,6 +41,7 @@
 --         (Redis never rolls back a script that fails part-way: everything is checked first)
 --@include _lib.lua
 local wf, stage = KEYS[1], ARGV[1]
+local INBOX_WAIT_MS = 5000      -- how long calls wait for an earlier refused one (`<stage>:inbox_wait`)
 local sk = key(wf .. ':stages')
 local log_key, out_key, blobs_key = KEYS[5], KEYS[6], KEYS[7]
 local blobs_flagged = false
@@ -192,19 +193,21 @@ local function write_steps()
       if not seen[dst] then dsts[#dsts + 1] = dst end
     end
   end
-  -- `<stage>:inbox_wait` = '<attempt>:<seq>': calls of this attempt were refused (for an inbox, or to
-  -- wait their turn) with steps up to <seq>; they are being sent again, in any order. Until every one
-  -- of them is written, a call whose steps do not follow what is stored waits its turn too (it is
-  -- not a hole: the steps before it are on their way), and so does a finish.
+  -- `<stage>:inbox_wait` = '<attempt>:<seq>:<ms>': calls of this attempt were refused (for an inbox,
+  -- or to wait their turn) with steps up to <seq>, the last at <ms>; they are being sent again, in any
+  -- order. Until every one of them is written, a call whose steps do not follow what is stored waits
+  -- its turn too (it is not a hole: the steps before it are on their way), and so does a finish. A
+  -- refused call is sent again within milliseconds; one that never is (its sending failed: the
+  -- attempt is ending) must not hold the attempt's other calls, its closing finish among them, for
+  -- ever: past INBOX_WAIT_MS nothing waits for it any more (a step after it is a hole, a finish over
+  -- it closes the attempt as failed, and the retry resumes).
   local upto = 0
   for _, step in ipairs(steps) do upto = math.max(upto, tonumber(step[1])) end
-  local wa, wseq = string.match(cur[4] or '', '^(%d+):(%d+)$')
-  local waiting = wa == ARGV[2]
+  local wa, wseq, wms = string.match(cur[4] or '', '^(%d+):(%d+):(%d+)$')
+  local waiting = wa == ARGV[2] and tonumber(ARGV[4]) - tonumber(wms) <= INBOX_WAIT_MS
   wseq = waiting and tonumber(wseq) or 0
   local function refuse(dst, replica)
-    if not waiting or upto > wseq then
-      redis.call('HSET', sk, stage .. ':inbox_wait', ARGV[2] .. ':' .. math.max(upto, wseq))
-    end
+    redis.call('HSET', sk, stage .. ':inbox_wait', ARGV[2] .. ':' .. math.max(upto, wseq) .. ':' .. ARGV[4])
     return {'inbox', dst, replica}
   end
   local unbound = unbound_inbox(wf, dsts)
