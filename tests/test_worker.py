@@ -57,6 +57,28 @@ async def test_input_that_never_comes_fails_with_a_clear_reason(engine_factory) 
         assert "no input from ['thinker'] within 0.3s" in doc["error"]
 
 
+async def test_a_session_whose_inbox_copies_are_lost_reads_its_edge_logs_again(engine_factory) -> None:
+    """The talker's worker loses every inbox copy of its input (as a failover can lose them, or the
+    claim that bound the session): the session, waiting, reads its upstream edge log again (a quarter
+    of its input timeout in) and the workflow completes with the fault-free outputs, in order."""
+    spec = toy_spec()
+    spec["stages"]["talker"]["retry"]["input_timeout_s"] = 8
+    async with engine_factory(spec) as eng:
+        talker = eng.workers["talker"][0].ctx
+
+        class Dropping(dict):       # every inbox entry for a talker session finds no session
+            def get(self, key, default=None):
+                return None if key[1] == "talker" else super().get(key, default)
+
+        talker.inputs = Dropping(talker.inputs)
+        doc = await run_to_end(eng.store, request("lost copies"), timeout_s=30)
+        assert doc["state"] == "completed", doc
+        assert doc["stages"]["talker"]["attempt"] == 1          # no retry: the same session read them
+        assert doc["outputs"]["thinker"]["text"] == expected_text("lost copies")
+        assert doc["outputs"]["code2wav"]["chunks"] == len(expected_text("lost copies").split())
+        assert talker.stats.get("resynced", 0) >= 1
+
+
 async def test_stopping_a_worker_hands_unfinished_sessions_back(engine_factory) -> None:
     spec = toy_spec(thinker={"token_delay_s": 0.1, "max_words": 12})
     async with engine_factory(spec, workers=False) as eng:

@@ -85,6 +85,7 @@ class SessionCore:
     _slots: Slots | None  # the stage's slots, to give way at a chunk (higher class, fairer turn; None: never)
     _completion: tuple[tuple[str, ...], str, int] | None  # finalize's keys, inflight set, result ttl (see close)
     completed: bool  # its finish completed the workflow
+    resynced_at: float  # when the watchdog last read its edge logs again
 
 
     @property

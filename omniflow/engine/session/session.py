@@ -88,6 +88,7 @@ class Session(SessionInputs):
     # (None: a stage whose finish never completes it; see `SessionOutputs.close`)
     _completion: tuple[tuple[str, ...], str, int] | None = None
     completed: bool = False             # its finish completed the workflow (set by `close`)
+    resynced_at: float = 0.0            # monotonic time its edge logs were last read again (worker's watchdog)
 
 
 # mypy checks here that this class is what the executor contract promises (and

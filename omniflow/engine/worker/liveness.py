@@ -15,6 +15,8 @@ import logging
 import os
 import time
 
+from omniflow.engine.session import Session
+from omniflow.engine.worker.chunks import chunk_fields
 from omniflow.engine.worker.context import WorkerContext
 from omniflow.engine.worker.serving import serving_snapshot
 from omniflow.errors import RedisError
@@ -26,6 +28,7 @@ from omniflow.storage.schema import now_ms
 logger = logging.getLogger(__name__)
 
 WORKER_INFO_TTL_S = 86_400
+RESYNC_AFTER_S = 5.0        # a session waiting this long for input reads its edge logs again (see `watchdog`)
 
 
 class Liveness:
@@ -129,15 +132,62 @@ class Liveness:
                 failing = True
 
     async def watchdog(self) -> None:
-        """Input-wait timeouts, checked once a second for all sessions (cheaper than a timer per read)."""
+        """Input-wait timeouts, checked once a second for all sessions (cheaper than a timer per read).
+
+        A session that has waited a while (`RESYNC_AFTER_S`, or a quarter of its input timeout) reads
+        its upstream edge logs again before it gives up: its inbox is a copy of them, and a copy can
+        be lost where the edge log is not (a failover that loses the claim that bound the session, so
+        its producer never forwarded to it, or the inbox entries the old primary had not passed on)."""
         pools = self.ctx.pools
         period = min(1.0, *(p.spec.retry.input_timeout_s / 2 for p in pools.values()))
+        resyncing: set[asyncio.Task[int]] = set()
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
             for session, _task in list(self.ctx.sessions.values()):
-                if session is not None and session.waiting_since and \
-                        now - session.waiting_since > session._input_timeout_s:
+                if session is None or not session.waiting_since:
+                    continue
+                waited = now - session.waiting_since
+                if waited > session._input_timeout_s:
                     session.input_timed_out = True
                     if session._waiter is not None:      # the wait itself (on this loop, whoever awaits it)
                         session._waiter.cancel()
+                elif waited > min(RESYNC_AFTER_S, session._input_timeout_s / 4) \
+                        and now - session.resynced_at > min(RESYNC_AFTER_S, session._input_timeout_s / 4):
+                    session.resynced_at = now
+                    task = asyncio.create_task(self.resync(session))
+                    resyncing.add(task)
+                    task.add_done_callback(resyncing.discard)
+
+    async def resync(self, session: Session) -> int:
+        """Queue what `session`'s upstream edge logs hold past what it has read (in order; the reader
+        skips what it has); the number of chunks queued. A failed read is tried again later."""
+        ctx = self.ctx
+        srcs = list(session.upstream)
+        try:
+            with redisio.boundary():
+                pipe = ctx.redis.pipeline(transaction=False)
+                for src in srcs:
+                    pipe.xrange(ctx.keys.edge(session.wf_id, src, session.stage))
+                logs = await pipe.execute()
+        except RedisError as exc:
+            logger.warning("worker %s: reading the edge logs of %s/%s again failed: %s", ctx.id, session.wf_id,
+                           session.stage, exc)
+            return 0
+        queued = 0
+        for src, entries in zip(srcs, logs):
+            for _eid, fields in entries:
+                for chunk in chunk_fields(fields):
+                    try:
+                        new = bool(chunk.get(b"eos")) or int(chunk[b"seq"]) > session._last_in.get(src, 0)
+                    except (KeyError, ValueError):
+                        new = True          # malformed: the reader fails the session with what is wrong
+                    if new:
+                        session._queue.put_nowait((src, chunk))
+                        queued += 1
+        if queued:
+            ctx.stats["resynced"] = ctx.stats.get("resynced", 0) + 1
+            logger.warning("worker %s: session %s/%s waited %.0fs for input its edge logs held: %d chunk(s) read "
+                           "from them (its inbox copy was lost)", ctx.id, session.wf_id, session.stage,
+                           time.monotonic() - session.waiting_since if session.waiting_since else 0.0, queued)
+        return queued
