@@ -264,6 +264,9 @@ async def test_worker_and_reconciler_processes_continue_the_trace(engine_factory
             spans = await spans_of(receiver, doc["trace_id"], until=lambda got: {sp["service"] for sp in got} >= {
                 "omniflow-test", "omniflow-worker", decides} and any(sp["name"] == "reconcile completed"
                                                                      for sp in got))
+            # the reconciler is up (it holds the sweep lease) before it is asked to stop: with nothing to
+            # decide it exports no span, and a SIGTERM during its start-up would end it unclean
+            await eventually(lambda: eng.redis.exists(eng.store.keys.leader), what="the reconciler's lease")
         finally:
             for proc in procs:
                 proc.send_signal(signal.SIGTERM)
