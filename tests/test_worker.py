@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from omniflow.engine.worker import intake as intake_module
+from omniflow.engine.worker import liveness
 from omniflow.storage.keys import TASK_GROUP
 
 from conftest import toy_spec
@@ -57,10 +60,14 @@ async def test_input_that_never_comes_fails_with_a_clear_reason(engine_factory) 
         assert "no input from ['thinker'] within 0.3s" in doc["error"]
 
 
-async def test_a_session_whose_inbox_copies_are_lost_reads_its_edge_logs_again(engine_factory) -> None:
+@pytest.mark.parametrize("tail", [64, 1], ids=["tail-enough", "whole-log"])
+async def test_a_session_whose_inbox_copies_are_lost_reads_its_edge_logs_again(engine_factory, monkeypatch,
+                                                                                 tail) -> None:
     """The talker's worker loses every inbox copy of its input (as a failover can lose them, or the
     claim that bound the session): the session, waiting, reads its upstream edge log again (a quarter
-    of its input timeout in) and the workflow completes with the fault-free outputs, in order."""
+    of its input timeout in) and the workflow completes with the fault-free outputs, in order. (With
+    a one-entry tail read the log's end does not reach back to what was read: it is read whole.)"""
+    monkeypatch.setattr(liveness, "RESYNC_TAIL", tail)
     spec = toy_spec()
     spec["stages"]["talker"]["retry"]["input_timeout_s"] = 8
     async with engine_factory(spec) as eng:

@@ -29,6 +29,16 @@ logger = logging.getLogger(__name__)
 
 WORKER_INFO_TTL_S = 86_400
 RESYNC_AFTER_S = 5.0        # a session waiting this long for input reads its edge logs again (see `watchdog`)
+RESYNC_TAIL = 64            # entries read from the end of an edge log first (see `Liveness.resync`)
+
+
+def _read_past(chunk: dict[bytes, bytes], last: int) -> bool:
+    """Is `chunk` at or below `last`, the last seq a session read from its source (the tail read
+    back far enough)?"""
+    try:
+        return int(chunk[b"seq"]) <= last
+    except (KeyError, ValueError):
+        return False
 
 
 class Liveness:
@@ -166,10 +176,18 @@ class Liveness:
         srcs = list(session.upstream)
         try:
             with redisio.boundary():
+                # the tail first (a long log, streamed audio, is not read whole every few seconds)
                 pipe = ctx.redis.pipeline(transaction=False)
                 for src in srcs:
-                    pipe.xrange(ctx.keys.edge(session.wf_id, src, session.stage))
-                logs = await pipe.execute()
+                    pipe.xrevrange(ctx.keys.edge(session.wf_id, src, session.stage), count=RESYNC_TAIL)
+                tails = await pipe.execute()
+                logs = []
+                for src, tail in zip(srcs, tails):
+                    entries = tail[::-1]
+                    if len(tail) == RESYNC_TAIL and not any(_read_past(chunk, session._last_in.get(src, 0))
+                                                            for _eid, f in tail for chunk in chunk_fields(f)):
+                        entries = await ctx.redis.xrange(ctx.keys.edge(session.wf_id, src, session.stage))
+                    logs.append(entries)
         except RedisError as exc:
             logger.warning("worker %s: reading the edge logs of %s/%s again failed: %s", ctx.id, session.wf_id,
                            session.stage, exc)
