@@ -214,6 +214,28 @@ async def test_finish_of_a_fenced_session_acks_but_reports_nothing(store) -> Non
     assert await store.client.xlen(store.keys.events(0)) == 0
 
 
+async def test_finish_of_a_session_whose_claim_was_lost_leaves_its_task_to_be_claimed_again(store) -> None:
+    """A primary that fails over after answering a claim can lose the claim's write: the session ran,
+    every write of it was fenced (its stage is `pending`, not bound). Its finish must not ack the task
+    (the stage would stay pending with no task, and its consumers starve): the task stays pending for
+    the worker, whose orphan audit claims it again, and that claim binds the stage."""
+    sub = await store.submit(request(modalities=["text"]))
+    entry_id, _ = await claim_next(store, "thinker")
+    wf = store.keys.wf(sub.id)
+    await store.client.hset(f"{wf}:stages", mapping={"thinker": "pending", "thinker:replica": ""})   # the claim, lost
+    assert await emit(store, sub.id, "thinker", 1, 1, "x") == "fenced"
+    res = await redisio.script(store.client, "finish",
+                               [wf, store.tasks_key("thinker", 0), store.keys.events(0), f"{wf}:stages", f"{wf}:log"],
+                               [TASK_GROUP, entry_id, "thinker", 1, "failed", "fenced", "1", now_ms(), 0, ""])
+    assert s(res) == "fenced"
+    assert (await store.client.xpending(store.tasks_key("thinker", 0), TASK_GROUP))["pending"] == 1
+    assert await store.client.xlen(store.keys.events(0)) == 0
+    res = await redisio.script(store.client, "claim", claim_keys(store, "thinker", sub.id),
+                               [store.settings.prefix, TASK_GROUP, "w1", now_ms(), "", "thinker", entry_id, sub.id, "1"])
+    assert s(res[0][0]) == "ok"                                     # claimed again (the orphan audit's claim)
+    assert await emit(store, sub.id, "thinker", 1, 1, "x") == "ok"
+
+
 async def test_abort_is_terminal_once(store) -> None:
     sub = await store.submit(request())
     assert await store.abort(sub.id) == "aborted"

@@ -382,7 +382,8 @@ local function done_needs_reconciler(sk, stage, rec)
 end
 
 -- Close one session (outcome 'done' or 'failed') and report it to the reconciler.
--- The task is acked first, always: a fenced session must not be redelivered.
+-- The task is acked, fenced or not (a fenced session must not be redelivered), except when the
+-- session's own claim is not recorded (see below).
 -- `seq` is the number of steps the session emitted: a `done` whose steps are not all stored (a
 -- write was refused or lost on the way) is closed as a retryable failure instead, and 'gap' is
 -- returned: a stage is never done over a hole (the retry resumes from what was stored).
@@ -435,8 +436,6 @@ local FINISH_FINAL_REC = {'state', 'id', 'stages', 'finals', 'finished', 'groups
 local function finish_session(wf, tasks_key, events_key, group, entry_id, stage, attempt, outcome,
                               detail, retryable, now, seq, downstream, meter, pre)
   local sk = key(wf .. ':stages')
-  redis.call('XACK', key(tasks_key), group, entry_id)
-  redis.call('XDEL', tasks_key, entry_id)
   local rec, cur
   if pre then
     rec, cur = pre.rec, pre.cur
@@ -444,6 +443,14 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
     rec = redis.call('HMGET', key(wf), unpack(FINISH_REC))
     cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':samples', stage .. ':sr')
   end
+  if is_live(rec[1]) and tostring(cur[2]) == tostring(attempt) and cur[1] == 'pending' then
+    -- this attempt's claim is not recorded (lost with a primary that failed over after answering
+    -- it): its task stays pending for this worker, whose orphan audit claims it again. Acked here,
+    -- it would leave the stage pending with no task: nobody would ever run it.
+    return 'fenced'
+  end
+  redis.call('XACK', key(tasks_key), group, entry_id)
+  redis.call('XDEL', tasks_key, entry_id)
   local function sset(...)
     if pre then
       local sw = pre.sw
