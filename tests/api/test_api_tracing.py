@@ -13,7 +13,7 @@ import pytest
 
 from apiserver import api_factory  # noqa: F401 - fixture
 from conftest import toy_spec
-from helpers import cli_env, eventually, omniflow, request
+from helpers import cli_env, eventually, omniflow, request, stage_status
 from jobs_support import FAST, http_receiver, jobs_runner
 from otlp_support import receiver, spans_of  # noqa: F401 - fixture
 
@@ -280,10 +280,12 @@ async def test_worker_and_reconciler_processes_continue_the_trace(engine_factory
 
 
 async def test_a_clients_abort_is_a_span_of_the_workflows_trace_linked_to_the_abort_request(api_factory, receiver):
-    async with api_factory(toy_spec(thinker={"token_delay_s": 0.2})) as (_engine, server), server.client() as http:
+    async with api_factory(toy_spec(thinker={"token_delay_s": 0.2})) as (engine, server), server.client() as http:
         r = await http.post("/v1/workflows", headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"},
                             json={"input": {"text": "stop me"}})
         wf_id = r.json()["id"]
+        # the thinker's session has begun (an abort that lands before its claim leaves no session span)
+        await eventually(lambda: _running(engine.store, wf_id), what="the thinker running")
         r = await http.post(f"/v1/workflows/{wf_id}/abort")         # no traceparent: a trace of its own
         assert r.status_code == 200 and r.json()["state"] == "aborted"
         spans = await spans_of(receiver, TRACE_ID, until=lambda got: any(sp["name"] == "abort" for sp in got) and any(
@@ -297,3 +299,7 @@ async def test_a_clients_abort_is_a_span_of_the_workflows_trace_linked_to_the_ab
     assert abort["links"] == [(request_span["trace_id"], request_span["span_id"])]
     thinker = next(sp for sp in spans if sp["name"] == "session thinker")
     assert thinker["status"] == 2 and thinker["attrs"]["omniflow.outcome"] != "done"
+
+
+async def _running(store, wf_id: str) -> bool:
+    return await stage_status(store, wf_id, "thinker") == "running"
