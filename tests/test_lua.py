@@ -53,6 +53,16 @@ async def claim_next(store: Store, stage: str, worker: str = "w1") -> tuple[str,
     return s(entry_id), [s(x) for x in res[0][:6]]
 
 
+async def bind_talker(store: Store, wf_id: str, worker: str = "w1") -> str:
+    """Deliver workflow `wf_id`'s talker task to `worker` and claim it there (the talker bound to
+    that replica, as a consuming worker's claim does); the task's entry id."""
+    delivered = await store.client.xreadgroup(TASK_GROUP, worker, {store.tasks_key("talker", 0): ">"}, count=1)
+    entry_id = s(delivered[0][1][0][0])
+    await redisio.script(store.client, "claim", claim_keys(store, "talker", wf_id, ("thinker",)),
+                         [store.settings.prefix, TASK_GROUP, worker, now_ms(), "thinker", "talker", entry_id, wf_id, "1"])
+    return entry_id
+
+
 async def emit(store: Store, wf_id: str, stage: str, attempt: int, seq: int, text: str) -> str:
     steps = msgpack.packb([[seq, "A", EMIT_OUT, text]], use_bin_type=False)
     res = await redisio.script(store.client, "emit", emit_keys(store, wf_id, stage),
@@ -115,10 +125,7 @@ async def test_one_emit_call_writes_one_text_entry_and_one_entry_per_edge(store)
     the three chunks; replaying the call writes nothing."""
     sub = await store.submit(request())
     await claim_next(store, "thinker")
-    delivered = await store.client.xreadgroup(TASK_GROUP, "w1", {store.tasks_key("talker", 0): ">"}, count=1)
-    talker_task = s(delivered[0][1][0][0])
-    await redisio.script(store.client, "claim", claim_keys(store, "talker", sub.id, ("thinker",)),
-                       [store.settings.prefix, TASK_GROUP, "w1", now_ms(), "thinker", "talker", talker_task, sub.id, "1"])
+    await bind_talker(store, sub.id)
     chunk = lambda n: ["E", "talker", ["seq", n, "a", 1, "d", f"c{n}"]]  # noqa: E731
     steps = msgpack.packb([[1, "T", "a", "", *chunk(1)], [2, *chunk(2)], [3, "T", "b", "", *chunk(3)]],
                           use_bin_type=False)
@@ -154,10 +161,7 @@ async def test_calls_refused_for_an_inbox_may_land_in_any_order_without_a_false_
     1 MiB chunks through Redis failed their producer with 'an earlier write was lost'."""
     sub = await store.submit(request())
     await claim_next(store, "thinker")
-    delivered = await store.client.xreadgroup(TASK_GROUP, "w1", {store.tasks_key("talker", 0): ">"}, count=1)
-    await redisio.script(store.client, "claim", claim_keys(store, "talker", sub.id, ("thinker",)),
-                         [store.settings.prefix, TASK_GROUP, "w1", now_ms(), "thinker", "talker",
-                          s(delivered[0][1][0][0]), sub.id, "1"])
+    await bind_talker(store, sub.id)
     keys = emit_keys(store, sub.id, "thinker", ("talker",))
 
     def call(n: int, kk: list[str]) -> Any:      # step 1 has a chunk for the talker, the others text only
@@ -259,10 +263,7 @@ async def test_a_session_learns_its_consumers_inbox_and_declares_it_from_then_on
     async def run_thinker(n: int) -> int:
         sub = await store.submit(request())
         await claim_next(store, "thinker")
-        delivered = await store.client.xreadgroup(TASK_GROUP, "w1", {store.tasks_key("talker", 0): ">"}, count=1)
-        await redisio.script(store.client, "claim", claim_keys(store, "talker", sub.id, ("thinker",)),
-                             [store.settings.prefix, TASK_GROUP, "w1", now_ms(), "thinker", "talker",
-                              s(delivered[0][1][0][0]), sub.id, "1"])
+        await bind_talker(store, sub.id)
         session = Session(wf_id=sub.id, stage="thinker", attempt=1, input={}, params={}, finals=("thinker",),
                           downstream=("talker",), resume_seq=0, _batcher=batcher, _keys=store.keys,
                           required=("thinker", "talker", "code2wav"), _consumers=consumers)
