@@ -191,6 +191,15 @@ async def test_calls_refused_for_an_inbox_may_land_in_any_order_without_a_false_
     assert s(await call(5, keys)) == "gap"                                          # waited long enough
     assert s(await call(4, keys)) == "ok"
     assert await store.client.hget(sk, wait_field) is None
+    # a call waiting its turn, sent again and again (a finish retried every few seconds), does not
+    # keep the wait alive: the marker keeps the time of the last refusal for an inbox
+    set_ms = now_ms() - 4_000
+    await store.client.hset(sk, wait_field, f"1:9:{set_ms}")
+    for _ in range(3):
+        assert [s(x) for x in await call(6, keys)] == ["inbox", "", ""]
+    assert s(await store.client.hget(sk, wait_field)) == f"1:9:{set_ms}"
+    await store.client.hset(sk, wait_field, f"1:9:{set_ms - 2_000}")             # lapsed: 6 s ago
+    assert s(await call(6, keys)) == "gap"
 
 
 async def test_claim_is_idempotent_for_the_same_replica_only(store) -> None:
@@ -202,7 +211,32 @@ async def test_claim_is_idempotent_for_the_same_replica_only(store) -> None:
                             [store.settings.prefix, TASK_GROUP, worker, now_ms(), "", "thinker", entry_id, sub.id, "1"])
     assert s((await claim("w1"))[0][0]) == "ok"
     assert s((await claim("w1"))[0][0]) == "ok"        # a retried call after a lost reply
-    assert [s(x) for x in (await claim("w2"))[0]] == ["drop", "stale"]
+    assert [s(x) for x in (await claim("w2"))[0]] == ["drop", "held", "w1"]
+    # the task stays, pending for the replica that runs it (not for w2, not acked)
+    pending = await store.client.xpending_range(store.tasks_key("thinker", 0), TASK_GROUP, min="-", max="+", count=10)
+    assert [(s(p["message_id"]), s(p["consumer"])) for p in pending] == [(entry_id, "w1")]
+
+
+async def test_a_task_delivered_again_while_its_session_runs_stays_findable_by_the_reconciler(store) -> None:
+    """A failover can lose a task's delivery and keep its claim (the claim, sent again, bound the
+    stage on the promoted replica): the session runs on w1 with its task pending for nobody, and
+    the stream delivers the task again, to w2. w2's claim leaves it pending for w1, so when w1
+    dies the reconciler's dead-worker sweep still finds the session and retries it. (Acked there,
+    the stage would stay running forever and its consumers time out: cluster soak, CI.)"""
+    sub = await store.submit(request(modalities=["text"]))
+    tasks = store.tasks_key("thinker", 0)
+    entry_id, res = await claim_next(store, "thinker", "w1")
+    assert res[0] == "ok"
+    await store.client.xack(tasks, TASK_GROUP, entry_id)                       # the delivery, lost:
+    await store.client.execute_command("XGROUP", "SETID", tasks, TASK_GROUP, "0")   # pending for nobody, unread
+    again, res = await claim_next(store, "thinker", "w2")
+    assert again == entry_id and res[:2] == ["drop", "held"]
+    rec = Reconciler(settings=store.settings, pipeline=store.pipeline, redis_url="unused")
+    rec.redis = store.client
+    await store.client.zadd(store.keys.workers, {"w1": 1})                    # w1's lease lapses
+    assert await rec.sweeps.dead_workers() == 1
+    stages = await store.client.hgetall(store.keys.stages(sub.id))
+    assert s(stages[b"thinker"]) == "pending" and s(stages[b"thinker:attempt"]) == "2"
 
 
 async def test_finish_of_a_fenced_session_acks_but_reports_nothing(store) -> None:

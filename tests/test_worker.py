@@ -7,7 +7,9 @@ import pytest
 
 from omniflow.engine.worker import intake as intake_module
 from omniflow.engine.worker import liveness
+from omniflow.storage import redisio
 from omniflow.storage.keys import TASK_GROUP
+from omniflow.storage.schema import now_ms, s
 
 from conftest import toy_spec
 from helpers import eventually, expected_text, log_entries, request, run_to_end
@@ -135,6 +137,37 @@ async def test_a_stage_that_cannot_resume_restarts_with_its_downstream(engine_fa
         assert restarts == [{"t": "restart", "stage": "thinker", "attempt": "2", "stages": "thinker,talker,code2wav"}]
         reasons = {f["stage"]: f["reason"] for f in log if f.get("t") == "retry" and f["stage"] != "thinker"}
         assert reasons == {"talker": "upstream thinker restarted", "code2wav": "upstream thinker restarted"}
+
+
+async def test_a_session_of_a_forgotten_worker_whose_task_comes_again_is_retried(engine_factory) -> None:
+    """A failover lost the delivery of a thinker task but kept its claim (sent again) by worker
+    `ghost`, which then died and, holding nothing pending, was forgotten by the reconciler. The
+    stream delivers the task again, to a live worker: its claim leaves the task pending for
+    `ghost` and leases `ghost` again, so the reconciler's sweep finds the session lost and retries
+    it, and the workflow completes (it used to hang until its consumers' input timeout)."""
+    async with engine_factory(workers=False) as eng:
+        sub = await eng.store.submit(request("ghost"))
+        cell = eng.store.keys.cell_of(sub.id)
+        stream = eng.store.tasks_key("thinker", cell)
+        got = await eng.redis.xreadgroup(TASK_GROUP, "ghost", {stream: ">"}, count=10)
+        entry_id = s(got[0][1][0][0])
+        wf = eng.store.keys.wf(sub.id)
+        keys = [stream, eng.store.keys.state_index("pending", cell), eng.store.keys.state_index("running", cell),
+                wf, f"{wf}:stages", f"{wf}:log"]
+        res = await redisio.script(eng.redis, "claim", keys, [eng.store.settings.prefix, TASK_GROUP, "ghost",
+                                                              now_ms(), "", "thinker", entry_id, sub.id, "1"])
+        assert s(res[0][0]) == "ok"
+        await eng.redis.xack(stream, TASK_GROUP, entry_id)                        # the delivery, lost
+        await eng.redis.execute_command("XGROUP", "SETID", stream, TASK_GROUP, "0")
+        await eng.redis.execute_command("XGROUP", "DELCONSUMER", stream, TASK_GROUP, "ghost")   # forgotten
+        for stage in ("thinker", "talker", "code2wav"):
+            await eng.add_worker(stage)
+        doc = await eng.store.wait(sub.id, timeout_s=30)
+        assert doc["state"] == "completed", doc
+        assert doc["outputs"]["thinker"]["text"] == expected_text("ghost")
+        assert doc["stages"]["thinker"]["attempt"] == 2          # ghost's attempt was found lost and retried
+        log = await log_entries(eng.store, doc["id"])
+        assert any(f.get("t") == "retry" and "ghost" in f.get("reason", "") for f in log), log
 
 
 async def test_a_task_delivered_but_never_received_is_claimed_again(engine_factory, monkeypatch) -> None:

@@ -568,11 +568,11 @@ class ChaosRun:
             state = rec.get("state")
             if state not in TERMINAL:
                 rep.lost += 1
-                rep.problems.append(f"{wf_id}: not terminal ({state}); stages={stages}")
+                rep.problems.append(f"{wf_id}: not terminal ({state})\n{self._timeline(wf_id, log, stages)}")
                 continue
             if state != "completed":
                 rep.not_completed[wf_id] = f"{state}: {rec.get('error')}"
-                rep.problems.append(f"{wf_id}: {state}: {rec.get('error')}")
+                rep.problems.append(f"{wf_id}: {state}: {rec.get('error')}\n{self._timeline(wf_id, log, stages)}")
                 continue
             rep.completed += 1
             want_text, want_chunks = expected_output(prompt_for(i), cfg)
@@ -605,6 +605,33 @@ class ChaosRun:
                 rep.problems.append(f"{wf_id}: {len(terminals)} terminal events")
             self._recovery(log, kill_ms)
         await self._leftovers(redis)
+
+    def _timeline(self, wf_id: str, log: list[Any], stages: dict[str, str]) -> str:
+        """What happened to a workflow that did not complete, for its failure message: its stage
+        hash, then its log's transitions interleaved with the faults injected (ms from the first
+        entry; chunk deltas left out)."""
+        if not log:
+            return "\n".join([f"  stages={stages} (empty log)", *self._log_lines(wf_id)])
+        t0 = int(s(log[0][0]).split("-")[0])
+        events = [(int(s(eid).split("-")[0]),
+                   " ".join(f"{s(k)}={s(v)[:60]}" for k, v in f.items() if k not in (b"delta", b"text")))
+                  for eid, f in log if f.get(b"t") not in (b"text", b"audio")]
+        t_end = events[-1][0] if events else t0
+        events += [(f.t_ms, f"FAULT {f.kind} {f.role} pid={f.pid}" + (f" until +{f.until_ms - t0}" if f.until_ms else ""))
+                   for f in self.faults if t0 - 10_000 <= f.t_ms <= t_end]
+        lines = [f"  +{t - t0:>6} ms  {what}" for t, what in sorted(events)]
+        return "\n".join([f"  stages={stages}", *lines, *self._log_lines(wf_id)])
+
+    def _log_lines(self, wf_id: str, most: int = 40) -> list[str]:
+        """The lines of the processes' logs that name workflow `wf_id`."""
+        out = []
+        for path in sorted(self.cluster.workdir.glob("*.log")):
+            try:
+                found = [line.rstrip() for line in path.read_text(errors="replace").splitlines() if wf_id in line]
+            except OSError:
+                continue
+            out += [f"  {path.stem}: {line[:300]}" for line in found]
+        return out[-most:]
 
     def _recovery(self, log: list[Any], kills: dict[int, Fault]) -> None:
         """Retries, resumed sessions, and the time from a worker's death to its session's next progress."""

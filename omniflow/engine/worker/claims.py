@@ -13,7 +13,7 @@ from omniflow.engine.worker.chunks import MAX_DETAIL_CHARS, chunk_fields, fields
 from omniflow.engine.worker.context import WorkerContext
 from omniflow.engine.worker.pool import StagePool
 from omniflow.engine.worker.sessions import SessionRunner
-from omniflow.errors import RedisUnavailable, ScriptError
+from omniflow.errors import RedisError, RedisUnavailable, ScriptError
 from omniflow.models import Priority, SessionState, StageStatus
 from omniflow.pipeline import INPUT_SRC
 from omniflow.runtime import Backoff
@@ -71,6 +71,8 @@ class Claims:
                     ctx.dead_letter(stage, cell, stream, TASK_GROUP, entry_id,
                                     {b"wf": wf_id.encode(), b"s": stage.encode(), b"a": str(attempt).encode()},
                                     f"claim failed: {reply}")
+                elif len(reply) > 2 and s(reply[1]) == "held":
+                    ctx.track(asyncio.create_task(self._vouch(s(reply[2]), pool.queue)))
                 ctx.stats["dropped"] += 1
                 ctx.inputs.pop((wf_id, stage, attempt), None)
                 ctx.held.discard(entry_id)
@@ -115,6 +117,23 @@ class Claims:
                 ctx.window.retried(stage)
             ctx.spawn(f"{wf_id}|{stage}|{attempt}", self.runner.run(pool, cell, entry_id, session), session, pool,
                       entry_id=entry_id)
+
+    async def _vouch(self, replica: str, queue: str) -> None:
+        """A task this worker was delivered is held by `replica` (claim.lua made it pending for that
+        replica again). If `replica` holds no lease (a worker the reconciler already declared dead
+        and forgot, before the task was delivered again), give it one that lapses in a lease timeout,
+        and name the queue it claimed from: a live replica renews it with its next heartbeat, a dead
+        one is found by the reconciler's dead-worker sweep, which re-queues its pending tasks."""
+        ctx = self.ctx
+        try:
+            expiry = now_ms() + int(ctx.settings.lease_timeout_s * 1000)
+            if not await ctx.redis.execute_command("ZADD", ctx.keys.workers, "NX", expiry, replica):
+                return          # it holds a lease: alive, or the reconciler will find it dead
+            await ctx.redis.hsetnx(ctx.keys.worker_info(replica), "queues", queue)
+            logger.warning("worker %s: a task held by worker %s, which holds no lease, was delivered here; "
+                           "leased it until the reconciler can tell whether it lives", ctx.id, replica)
+        except RedisError as exc:       # its orphan audit, or the next delivery, tries again
+            logger.warning("worker %s: could not lease worker %s for the reconciler: %s", ctx.id, replica, exc)
 
     async def _claim_call(self, pool: StagePool, cell: int, prio: Priority, claims: list[Claim]) -> list[Any] | None:
         """The `claim.lua` replies of a batch, one per task (an exception for a task that alone cannot

@@ -14,6 +14,8 @@
 --       omniflow.tracing)
 --       tenant: the workflow's (the slots take tenants in weighted turn)
 --   {'drop', reason}   (task acked and deleted: workflow gone/terminal/tombstoned, or stale attempt)
+--       reason held, then a replica: the task of a session that replica runs, delivered again;
+--       it stays pending, for that replica (see below)
 -- Claiming again a task this replica already holds answers 'ok' again (a retried call is harmless).
 --@include _lib.lua
 local group, replica, now, stage = ARGV[2], ARGV[3], ARGV[4], ARGV[6]
@@ -30,7 +32,7 @@ for i = 7, #ARGV, 3 do
     'tracestate', 'tenant')
   local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':replica',
     stage .. ':ckpt')
-  local why = nil
+  local why, held = nil, nil
   if not rec[1] then
     why = 'gone'
   elseif not is_live(rec[1]) then
@@ -39,8 +41,17 @@ for i = 7, #ARGV, 3 do
     why = 'stale'
   elseif cur[1] ~= 'pending' and not (cur[4] == replica and (cur[1] == 'running' or cur[1] == 'waiting_input')) then
     why = 'stale'
+    if (cur[1] == 'running' or cur[1] == 'waiting_input') and cur[4] then held = cur[4] end
   end
-  if why then
+  if held then
+    -- This attempt runs on another replica, and its task was delivered here too: a failover lost
+    -- the delivery (a claim sent again bound the stage without it), or a claim sent again lost the
+    -- race to this one. Acked, the running session would have no pending task, and the reconciler
+    -- finds a dead worker's sessions by what is pending for it: that replica's death would leave
+    -- the stage running forever. So the task is made pending for that replica again.
+    redis.call('XCLAIM', KEYS[1], group, held, 0, entry_id, 'FORCE', 'JUSTID')
+    out[#out + 1] = {'drop', 'held', held}
+  elseif why then
     redis.call('XACK', KEYS[1], group, entry_id)
     redis.call('XDEL', KEYS[1], entry_id)
     out[#out + 1] = {'drop', why}

@@ -206,8 +206,14 @@ local function write_steps()
   local wa, wseq, wms = string.match(cur[4] or '', '^(%d+):(%d+):(%d+)$')
   local waiting = wa == ARGV[2] and tonumber(ARGV[4]) - tonumber(wms) <= INBOX_WAIT_MS
   wseq = waiting and tonumber(wseq) or 0
+  -- refused for an inbox (dst, replica), or ('', '') to wait its turn; a call waiting its turn
+  -- keeps the marker's time: the wait lapses INBOX_WAIT_MS after the last refusal for an inbox,
+  -- however often the waiting calls are sent again (a finish retried every few seconds behind a
+  -- call that was never sent again would otherwise wait for ever)
   local function refuse(dst, replica)
-    redis.call('HSET', sk, stage .. ':inbox_wait', ARGV[2] .. ':' .. math.max(upto, wseq) .. ':' .. ARGV[4])
+    local ms = ARGV[4]
+    if dst == '' and waiting then ms = wms end
+    redis.call('HSET', sk, stage .. ':inbox_wait', ARGV[2] .. ':' .. math.max(upto, wseq) .. ':' .. ms)
     return {'inbox', dst, replica}
   end
   local unbound = unbound_inbox(wf, dsts)

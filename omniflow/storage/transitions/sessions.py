@@ -17,7 +17,7 @@ Claim = tuple[str, str, int]
 @returns("claim")
 class ClaimResult(str, Enum):
     OK = "ok"
-    DROP = "drop"               # acked and deleted: the workflow is gone or over, or the attempt stale
+    DROP = "drop"               # acked and deleted (the workflow gone or over, the attempt stale), or held by another replica
 
 
 @returns("restart")
