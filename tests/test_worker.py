@@ -10,6 +10,7 @@ from omniflow.engine.worker import liveness
 from omniflow.storage import redisio
 from omniflow.storage.keys import TASK_GROUP
 from omniflow.storage.schema import now_ms, s
+from omniflow.storage.transitions.sessions import claim
 
 from conftest import toy_spec
 from helpers import eventually, expected_text, log_entries, request, run_to_end
@@ -151,11 +152,9 @@ async def test_a_session_of_a_forgotten_worker_whose_task_comes_again_is_retried
         stream = eng.store.tasks_key("thinker", cell)
         got = await eng.redis.xreadgroup(TASK_GROUP, "ghost", {stream: ">"}, count=10)
         entry_id = s(got[0][1][0][0])
-        wf = eng.store.keys.wf(sub.id)
-        keys = [stream, eng.store.keys.state_index("pending", cell), eng.store.keys.state_index("running", cell),
-                wf, f"{wf}:stages", f"{wf}:log"]
-        res = await redisio.script(eng.redis, "claim", keys, [eng.store.settings.prefix, TASK_GROUP, "ghost",
-                                                              now_ms(), "", "thinker", entry_id, sub.id, "1"])
+        res = await redisio.call(eng.redis, *claim(eng.store.keys, "thinker", (), cell, [(entry_id, sub.id, 1)],
+                                                   worker_id="ghost", now_ms=now_ms(),
+                                                   queue=eng.store.pipeline.queue("thinker")))
         assert s(res[0][0]) == "ok"
         await eng.redis.xack(stream, TASK_GROUP, entry_id)                        # the delivery, lost
         await eng.redis.execute_command("XGROUP", "SETID", stream, TASK_GROUP, "0")

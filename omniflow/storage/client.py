@@ -3,7 +3,8 @@
 Every connection omniflow opens is made by `connect` (the one place a cluster or sentinel client
 plugs in) and is a `RedisClient` (`connect_sync` and `SyncRedisClient`, in `sync_client`, for the
 synchronous client's submits): it owns the redis-py connection and offers the reads and writes omniflow uses, each with its errors
-translated inside. Besides this module only `omniflow.storage.topology` (which kind of server a URL
+translated inside (its `pipeline()` queues commands in an `omniflow.storage.queued.Pipeline`).
+Besides this module only `omniflow.storage.topology` (which kind of server a URL
 names) and `omniflow.ops.embedded*` (the servers omniflow starts) import redis-py.
 Every redis-py error is translated here, and only here, into the `omniflow.errors` tree, and
 every loop has one rule per class:
@@ -55,6 +56,7 @@ from omniflow.errors import (
     RedisUnavailable,
     ScriptError,
 )
+from omniflow.storage.queued import Pipeline
 from omniflow.storage.topology import is_cluster, open_client, pubsub_client
 
 # the two redis-py errors `omniflow.storage.runner` catches (redis-py is imported here, not there)
@@ -160,82 +162,17 @@ async def ensure_group(redis: RedisClient, stream: str, group: str) -> None:
         raise translate(exc) from exc
 
 
+async def _execute_pipe(pipe: RawPipeline, raise_on_error: bool) -> list[Any]:
+    """Send a queued `Pipeline`'s commands (its executor), errors translated."""
+    try:
+        return await pipe.execute(raise_on_error=raise_on_error)
+    except CLIENT_ERRORS as exc:
+        raise translate(exc) from exc
+
+
 # ---------------------------------------------------------------- the client
 KeyT = str | bytes
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
-
-
-def _queues(name: str) -> Callable[..., Pipeline]:
-    """A `Pipeline` method that queues redis-py's `name` command and returns the pipeline."""
-    def queue(self: Pipeline, *args: Any, **kwargs: Any) -> Pipeline:
-        getattr(self._pipe, name)(*args, **kwargs)
-        return self
-
-    queue.__name__ = queue.__qualname__ = name
-    return queue
-
-
-class Pipeline:
-    """Commands queued for one round trip (`RedisClient.pipeline`): each method queues one command
-    (redis-py's signature) and returns the pipeline; `execute` sends them, errors translated."""
-
-    __slots__ = ("_pipe",)
-
-    def __init__(self, pipe: RawPipeline) -> None:
-        self._pipe = pipe
-
-    async def execute(self, *, raise_on_error: bool = True) -> list[Any]:
-        try:
-            return await self._pipe.execute(raise_on_error=raise_on_error)
-        except CLIENT_ERRORS as exc:
-            raise translate(exc) from exc
-
-    # each queues redis-py's command of the same name (its signature) and returns the pipeline
-    execute_command = _queues("execute_command")
-    hmget = _queues("hmget")
-    echo = _queues("echo")
-    hset = _queues("hset")
-    hget = _queues("hget")
-    hgetall = _queues("hgetall")
-    hincrby = _queues("hincrby")
-    hsetnx = _queues("hsetnx")
-    hkeys = _queues("hkeys")
-    hdel = _queues("hdel")
-    xlen = _queues("xlen")
-    xrange = _queues("xrange")
-    xrevrange = _queues("xrevrange")
-    xadd = _queues("xadd")
-    xdel = _queues("xdel")
-    xack = _queues("xack")
-    xpending = _queues("xpending")
-    xinfo_groups = _queues("xinfo_groups")
-    xautoclaim = _queues("xautoclaim")
-    xtrim = _queues("xtrim")
-    expire = _queues("expire")
-    pexpire = _queues("pexpire")
-    zrem = _queues("zrem")
-    zrangebyscore = _queues("zrangebyscore")
-    zrevrangebyscore = _queues("zrevrangebyscore")
-    zremrangebyscore = _queues("zremrangebyscore")
-    zrange = _queues("zrange")
-    zrevrange = _queues("zrevrange")
-    zcount = _queues("zcount")
-    zcard = _queues("zcard")
-    zscore = _queues("zscore")
-    zadd = _queues("zadd")
-    unlink = _queues("unlink")
-    delete = _queues("delete")
-    smembers = _queues("smembers")
-    srem = _queues("srem")
-    sadd = _queues("sadd")
-    rpush = _queues("rpush")
-    ltrim = _queues("ltrim")
-    lrange = _queues("lrange")
-    exists = _queues("exists")
-    get = _queues("get")
-    set = _queues("set")
-    mget = _queues("mget")
-    incr = _queues("incr")
 
 
 class RedisClient:
@@ -265,7 +202,7 @@ class RedisClient:
             raise translate(exc) from exc
 
     def pipeline(self, *, transaction: bool = False) -> Pipeline:
-        return Pipeline(self._raw.pipeline(transaction=transaction))
+        return Pipeline(self._raw.pipeline(transaction=transaction), _execute_pipe)
 
     async def aclose(self) -> None:
         await self._raw.aclose()

@@ -6,7 +6,6 @@ from omniflow.storage.client import (
     CLIENT_ERRORS,
     REDIS_ERRORS,
     REFUSALS,
-    Pipeline,
     RedisClient,
     boundary,
     connect,
@@ -17,6 +16,7 @@ from omniflow.storage.client import (
     translated,
 )
 from omniflow.storage.sync_client import SyncRedisClient, connect_sync
+from omniflow.storage.queued import Pipeline
 from omniflow.storage.runner import READ_ONLY, call, call_sync, execute, load_scripts, require_replicas, script
 
 __all__ = ["CLIENT_ERRORS", "READ_ONLY", "REDIS_ERRORS", "REFUSALS", "Pipeline", "RedisClient", "SyncRedisClient",

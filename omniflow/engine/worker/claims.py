@@ -127,9 +127,12 @@ class Claims:
         ctx = self.ctx
         try:
             expiry = now_ms() + int(ctx.settings.lease_timeout_s * 1000)
-            if not await ctx.redis.execute_command("ZADD", ctx.keys.workers, "NX", expiry, replica):
+            pipe = ctx.redis.pipeline()      # one slot ({workers}): one round trip, cluster or not
+            pipe.execute_command("ZADD", ctx.keys.workers, "NX", expiry, replica)
+            pipe.hsetnx(ctx.keys.worker_info(replica), "queues", queue)     # kept if it has one
+            added, _ = await pipe.execute()
+            if not added:
                 return          # it holds a lease: alive, or the reconciler will find it dead
-            await ctx.redis.hsetnx(ctx.keys.worker_info(replica), "queues", queue)
             logger.warning("worker %s: a task held by worker %s, which holds no lease, was delivered here; "
                            "leased it until the reconciler can tell whether it lives", ctx.id, replica)
         except RedisError as exc:       # its orphan audit, or the next delivery, tries again

@@ -212,7 +212,7 @@ local function write_steps()
   -- call that was never sent again would otherwise wait for ever)
   local function refuse(dst, replica)
     local ms = ARGV[4]
-    if dst == '' and waiting then ms = wms end
+    if dst == '' then ms = wms end       -- only ever while waiting
     redis.call('HSET', sk, stage .. ':inbox_wait', ARGV[2] .. ':' .. math.max(upto, wseq) .. ':' .. ms)
     return {'inbox', dst, replica}
   end
