@@ -30,7 +30,7 @@ from redis.asyncio import Redis
 
 from omniflow.config import Settings
 from omniflow.dataplane.shm import DEFAULT_SHM_DIR, name_part, parse_arena, parse_name
-from omniflow.ops.embedded import EmbeddedServer
+from omniflow.ops.embedded import EmbeddedServer, _die_with_parent
 from omniflow.errors import OmniflowError, RedisUnavailable
 from omniflow.storage.keys import EVENT_GROUP, TASK_GROUP, Keys
 from omniflow.models import SubmitRequest, WorkflowInput
@@ -164,7 +164,8 @@ class Cluster:
         env = {**self.env, **(host.env() if host else {})}
         with log.open("wb") as fh:
             popen = subprocess.Popen(host.argv(argv) if host else argv, env=env, stdout=fh,
-                                     stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                                     preexec_fn=_die_with_parent())   # a killed pytest takes them along
         proc = Proc(role, popen, log, host=host)
         self.procs.append(proc)
         return proc
