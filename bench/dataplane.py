@@ -403,7 +403,7 @@ def _install_trace(directory: str) -> None:
     async def traced_send(self: Any, command: Any, check_health: bool = True) -> None:
         await send(self, command, check_health)
         first = command[0] if isinstance(command, list) and command else command
-        if isinstance(first, (bytes, bytearray)) and b"EVALSHA" in first[:32]:
+        if isinstance(first, (bytes, bytearray)) and b"FCALL" in first[:32]:
             _TRACE.append(("sent", time.monotonic_ns(), 0))
 
     async def traced_xread(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -519,11 +519,11 @@ def engine_chunk_latency(url: str, size: int, workflows: int, chunks: int, *, mo
         if trace:
             from omniflow.storage.scripts import SCRIPTS
 
-            sha = SCRIPTS["emit"].sha.encode()
+            emit_fn = SCRIPTS["emit"].function.encode()
             for entry in r.slowlog_get(100_000):
                 command = entry["command"]
                 command = command if isinstance(command, bytes) else str(command).encode()
-                if command.startswith(b"EVALSHA " + sha):
+                if command.startswith(b"FCALL " + emit_fn):
                     script_us.append(float(entry["duration"]))
             r.config_set("slowlog-log-slower-than", 10_000)
     finally:

@@ -81,6 +81,26 @@ async def test_a_script_refuses_a_key_it_was_not_given(store) -> None:
                               sub.id, "1"])
 
 
+async def test_a_call_sees_nothing_of_the_call_before(store) -> None:
+    """The scripts are functions of one library whose helpers are built once (scripts.py): every
+    table a call fills (the edge entries it gathers, the keys it declared) is made fresh by the next."""
+    sub = await store.submit(request())
+    await claim_next(store, "thinker")
+    keys = emit_keys(store, sub.id, "thinker", ("talker",))
+    edge = store.keys.edge(sub.id, "thinker", "talker")
+
+    async def call(seq: int, *ops: Any, declared: list[str] = keys) -> str:
+        steps = msgpack.packb([[seq, *ops]], use_bin_type=False)
+        return s(await redisio.script(store.client, "emit", declared, ["thinker", 1, "", now_ms(), sub.id, steps]))
+
+    assert await call(1, "E", "talker", ["seq", 1, "a", 1, "d", "c1"]) == "ok"
+    assert await call(2, "A", EMIT_OUT, "x") == "ok"
+    assert await store.client.xlen(edge) == 1, "the second call wrote the first one's edge entry again"
+    with pytest.raises(Exception, match="undeclared key .*:edge:thinker:talker"):
+        await call(3, "E", "talker", ["seq", 3, "a", 1, "d", "c3"], declared=emit_keys(store, sub.id, "thinker"))
+    assert await store.client.xlen(edge) == 1
+
+
 async def test_submit_creates_record_and_presubmits_chunk_stages(store) -> None:
     sub = await store.submit(request())
     for stage in ("thinker", "talker", "code2wav"):

@@ -154,7 +154,7 @@ def test_no_engine_module_is_over_the_limit() -> None:
 # ---------------------------------------------------------------- scripts: KEYS and return codes
 def test_only_the_transitions_build_script_calls() -> None:
     """KEYS lists are built in `omniflow.storage.transitions` only: nothing else names the raw builders."""
-    builders = {"evalsha_args", "script_call", "evalsha"}
+    builders = {"script_args", "script_call", "fcall"}
     allowed = ("omniflow.storage.transitions", "omniflow.storage.scripts", "omniflow.storage.client", "omniflow.storage.runner",
                "omniflow.storage.redisio")
     wrong = []
@@ -164,7 +164,7 @@ def test_only_the_transitions_build_script_calls() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.Name, ast.Attribute)) and (getattr(node, "id", None) or getattr(node, "attr", None)) in builders:
                 wrong.append(f"{name}:{node.lineno}")
-            if isinstance(node, ast.Constant) and node.value == "EVALSHA":
+            if isinstance(node, ast.Constant) and node.value in ("FCALL", "EVALSHA"):
                 wrong.append(f"{name}:{node.lineno}")
     assert not wrong, wrong
 
@@ -258,7 +258,7 @@ def test_every_script_has_a_transition_and_its_keys_come_from_keys() -> None:
     seen = set()
     for name, call in script_calls(keys):
         seen.add(name)
-        assert call[0] == "EVALSHA"
+        assert call[0] == "FCALL"
         nkeys = call[2]
         declared = call[3:3 + nkeys]
         foreign = [k for k in declared if k not in keys.made]

@@ -59,8 +59,7 @@ from omniflow.errors import (
 from omniflow.storage.queued import Pipeline
 from omniflow.storage.topology import is_cluster, open_client, pubsub_client
 
-# the two redis-py errors `omniflow.storage.runner` catches (redis-py is imported here, not there)
-NoScript = NoScriptError
+# the redis-py error `omniflow.storage.runner` catches (redis-py is imported here, not there)
 ReplyError = ResponseError
 
 
@@ -78,6 +77,8 @@ REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, *CLIENT_ERRORS)
 #: error codes of a server that refuses for now: nothing of the command was applied
 REFUSALS = frozenset({"OOM", "READONLY", "BUSY", "LOADING", "MASTERDOWN", "MISCONF", "TRYAGAIN", "CLUSTERDOWN",
                       "NOREPLICAS", "NOSCRIPT", "EXECABORT", "UNBLOCKED"})
+#: how Redis and Valkey answer an FCALL of a function they do not have (no error code of its own)
+FUNCTION_MISSING = "Function not found"
 _REFUSED_CLASSES: tuple[tuple[type[BaseException], str], ...] = (
     (OutOfMemoryError, "OOM"), (ReadOnlyError, "READONLY"), (NoScriptError, "NOSCRIPT"),
     (BusyLoadingError, "LOADING"), (ExecAbortError, "EXECABORT"),
@@ -110,6 +111,8 @@ def translate(exc: BaseException) -> OmniflowError:
         if isinstance(exc, cls):
             return RedisRefused(f"Redis refused the command ({code}): {exc}", refusal=code)
     if isinstance(exc, ResponseError):
+        if str(exc).startswith(FUNCTION_MISSING):     # the library is not loaded: as NOSCRIPT was
+            return RedisRefused(f"Redis refused the command (NOSCRIPT): {exc}", refusal="NOSCRIPT")
         code = str(exc).split(" ", 1)[0]
         if code in REFUSALS:
             return RedisRefused(f"Redis refused the command: {exc}", refusal=code)
@@ -229,6 +232,8 @@ class RedisClient:
         return bool(await self._do("config_set", name, value))
 
     async def script_flush(self) -> bool:
+        """Drop every script and function the server has (a fault to recover from: tests only)."""
+        await self._do("function_flush")
         return bool(await self._do("script_flush"))
 
     async def dbsize(self) -> int:

@@ -1,5 +1,5 @@
 """The one script runner (over `RedisClient`): every Lua call and pipelined command list goes out
-through `execute` (NOSCRIPT answered by loading the scripts and sending those calls again; a
+through `execute` (a function the server lacks, NOSCRIPT here, answered by loading the library and sending those calls again; a
 replication `WAIT` where `require_replicas` asks for it), `call`/`script` for one, `call_sync` from
 sync code. Split from `omniflow.storage.client`, which owns the connection and the error mapping."""
 from __future__ import annotations
@@ -8,31 +8,24 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from omniflow.errors import RedisUnavailable
-from omniflow.storage.client import (CLIENT_ERRORS, NoScript, RedisClient, ReplyError, boundary, is_refused, translate)
+from omniflow.storage.client import CLIENT_ERRORS, RedisClient, ReplyError, boundary, is_refused, translate
 from omniflow.storage.sync_client import SyncRedisClient
-from omniflow.storage.scripts import SCRIPTS
+from omniflow.storage.scripts import LIBRARY, SCRIPTS
 from omniflow.storage.topology import is_cluster
 
 
 # ---------------------------------------------------------------- the script runner
 async def load_scripts(client: RedisClient) -> None:
-    """SCRIPT LOAD every script (cheap; idempotent). Called at start and after NOSCRIPT."""
-    redis = client.raw
+    """FUNCTION LOAD REPLACE the library (idempotent; on a cluster, every primary). Called at start
+    and after a call found its function missing (a restart without persistence, FUNCTION FLUSH)."""
     with boundary():
-        if is_cluster(redis):       # one SCRIPT LOAD per script, sent to every primary
-            for source in SCRIPTS.values():
-                await redis.script_load(source.source)
-            return
-        pipe = redis.pipeline(transaction=False)
-        for source in SCRIPTS.values():
-            pipe.script_load(source.source)
-        await pipe.execute()
+        await cast(Any, client.raw).function_load(LIBRARY, replace=True)
 
 
 async def execute(redis: RedisClient, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
     """Send `commands` in one round trip; each reply in place, an error as its translated class.
 
-    Scripts missing on the server (NOSCRIPT) are loaded and those calls sent again. Raises
+    Functions missing on the server (NOSCRIPT) are loaded and those calls sent again. Raises
     `RedisUnavailable` (or `RedisRefused`) when the round trip itself failed: then nothing can be
     said of any command."""
     results = await _send(redis, commands)
@@ -50,7 +43,7 @@ READ_ONLY = frozenset({"XREAD", "XREADGROUP", "XRANGE", "XREVRANGE", "XLEN", "XP
                        "ZSCORE", "TTL", "PTTL", "PING", "INFO", "SCAN", "TYPE"})
 
 
-_HEARTBEAT_SHA = SCRIPTS["heartbeat"].sha
+_HEARTBEAT = SCRIPTS["heartbeat"].function
 
 
 def require_replicas(client: RedisClient, replicas: int, timeout_ms: int) -> None:
@@ -63,13 +56,13 @@ def require_replicas(client: RedisClient, replicas: int, timeout_ms: int) -> Non
 
 
 def _first_key(cmd: tuple[Any, ...]) -> Any:
-    return cmd[3] if str(cmd[0]).upper() in ("EVALSHA", "EVAL") else cmd[1]
+    return cmd[3] if str(cmd[0]).upper() in ("FCALL", "FCALL_RO", "EVALSHA", "EVAL") else cmd[1]
 
 
 def _needs_replicas(cmd: tuple[Any, ...]) -> bool:
     name = str(cmd[0]).split(" ", 1)[0].upper()
     # a lease renewal is not state to keep: waiting on it would let leases lapse while a replica is away
-    return name not in READ_ONLY and not (name == "EVALSHA" and cmd[1] == _HEARTBEAT_SHA)
+    return name not in READ_ONLY and not (name == "FCALL" and cmd[1] == _HEARTBEAT)
 
 
 async def _send(client: RedisClient, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
@@ -124,7 +117,7 @@ async def _send_replicated(redis: Any, commands: Sequence[tuple[Any, ...]], repl
 
 
 async def call(redis: RedisClient, *command: Any) -> Any:
-    """One command (NOSCRIPT handled); its reply, or its translated error raised."""
+    """One command (a missing function loaded); its reply, or its translated error raised."""
     (result,) = await execute(redis, [command])
     if isinstance(result, Exception):
         raise result
@@ -134,20 +127,20 @@ async def call(redis: RedisClient, *command: Any) -> Any:
 async def script(redis: RedisClient, name: str, keys: list[str], args: list[Any]) -> Any:
     """Call one registered script by name with hand-built KEYS (tests and debugging only: library
     code builds its calls in `omniflow.storage.transitions`)."""
-    return await call(redis, *SCRIPTS[name].evalsha(keys, args))
+    return await call(redis, *SCRIPTS[name].fcall(keys, args))
 
 
 def call_sync(client: SyncRedisClient, command: tuple[Any, ...]) -> Any:
-    """`call` for a synchronous client: one command (a script's call reloaded after a NOSCRIPT)."""
+    """`call` for a synchronous client: one command (sent again after loading the library when its
+    function was missing)."""
     redis = client.raw
     try:
         try:
             return cast(Any, redis).execute_command(*command)
-        except NoScript:
-            pipe = redis.pipeline(transaction=False)
-            for source in SCRIPTS.values():
-                pipe.script_load(source.source)
-            pipe.execute()
+        except ReplyError as exc:
+            if not is_refused(translate(exc), "NOSCRIPT"):
+                raise
+            redis.function_load(LIBRARY, replace=True)
             return cast(Any, redis).execute_command(*command)
     except CLIENT_ERRORS as exc:
         raise translate(exc) from exc

@@ -1,9 +1,37 @@
-"""The Lua script registry: every multi-key transition, loaded once, called by SHA.
+"""The Lua script registry: every multi-key transition, in one function library, called by name.
 
 Scripts live in `omniflow/storage/lua/*.lua`, each with a header listing KEYS, ARGV and
-returns. A line `--@include NAME.lua` splices a shared helper file in. Each script's call
-(KEYS from `Keys`, ARGV, return codes) is one function of `omniflow.storage.transitions`;
-running them (NOSCRIPT reload, error translation) is `omniflow.storage.redisio`'s job.
+returns. A line `--@include NAME.lua` splices a shared helper file in (only the helpers the
+script uses: `_shaken`). Each script's call (KEYS from `Keys`, ARGV, return codes) is one
+function of `omniflow.storage.transitions`; running them (loading the library when the server
+does not have it, error translation) is `omniflow.storage.runner`'s job.
+
+All scripts are functions of ONE library (`FUNCTION LOAD`, Redis and Valkey 7 and newer), called
+with `FCALL`. A script sent with EVALSHA runs its whole text on every call, its helpers included
+(emit's: 8-10 µs of every call back to back, ~40 µs of a cold one on this machine: bench/notes.md,
+round 7); a library runs each script's helpers once, at the first call after it is loaded:
+
+    local KEYS, ARGV                  -- each call sets them
+    local emit_impl
+    local function emit_build()
+      <emit's helpers: each `local function` as written; every other top-level statement of the
+       helper file (a table, a constant, the DECLARED set) only declared here>
+      return function()
+        <those statements, as assignments: they run on every call, as they did in a script>
+        <emit.lua's own text>
+      end
+    end
+    redis.register_function{function_name = 'emit_<version>', callback = ..., flags = {...}}
+
+So what a call sees is what a script saw: KEYS, ARGV and every table of the helper file are made
+fresh by each call; only code lives on between calls (a helper may keep no state of its own in an
+upvalue: `test_lua.py` checks a second call sees none of the first). A script's `#!lua flags=...`
+line becomes its function's flags; a script without one gets none (a function that writes is
+refused as a whole under OOM, before it writes anything: a script without flags was let run and
+failed at its first write that could grow memory). The library's name and its functions' names
+carry a hash of its text (`omniflow_<version>`, `emit_<version>`), so two versions of omniflow on
+one server (a rolling upgrade) each call their own; an old version's library stays loaded until
+an operator deletes it (`FUNCTION DELETE omniflow_<version>`, docs/operations.md).
 """
 from __future__ import annotations
 
@@ -16,16 +44,18 @@ from typing import Any
 LUA_DIR = Path(__file__).resolve().parent / "lua"
 SCRIPT_NAMES = ("submit", "claim", "emit", "finish", "stage_event", "abort", "retry_due", "restart", "list_scan",
                 "heartbeat", "dead_letter", "reap_consumer", "realtime_save", "lease", "purge", "append_input")
+#: scripts that write nothing (their functions may run under OOM, and on a replica)
+READ_ONLY_SCRIPTS = frozenset({"list_scan"})
 
 
 @dataclass(frozen=True)
 class Script:
     name: str
-    source: str
-    sha: str
+    source: str          # its part of the library: the builder and the registration
+    function: str        # its function name in the library (`<name>_<version>`)
 
-    def evalsha(self, keys: list[str], args: list[Any]) -> tuple[Any, ...]:
-        return ("EVALSHA", self.sha, len(keys), *keys, *args)
+    def fcall(self, keys: list[str], args: list[Any]) -> tuple[Any, ...]:
+        return ("FCALL", self.function, len(keys), *keys, *args)
 
 
 def _read(name: str, seen: frozenset[str] = frozenset()) -> str:
@@ -44,6 +74,8 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _COMMENT = re.compile(r"--.*$", re.M)       # (no string in these scripts holds a `--`)
 _LOCAL_FN = re.compile(r"^local\s+function\s+([A-Za-z_][A-Za-z0-9_]*)")
 _LOCAL_VARS = re.compile(r"^local\s+([A-Za-z_][A-Za-z0-9_,\s]*?)\s*=")
+_LOCAL_DECL = re.compile(r"^local\s+([A-Za-z_][A-Za-z0-9_,\s]*?)\s*(=|$)")
+_FLAGS = re.compile(r"^#!lua\s+flags=([a-z,-]+)\s*$")
 
 
 def _chunks(lib: str) -> list[tuple[set[str], str]]:
@@ -91,26 +123,96 @@ def _shaken(lib: str, body: str) -> str:
     return "\n".join(text for (names, text), k in zip(chunks, keep) if k) + "\n"
 
 
-def _load(name: str) -> Script:
+def _split_helpers(lib: str) -> tuple[list[str], list[str]]:
+    """A helper text's statements: those that run once per library load (each `local function`,
+    and a declaration of every other local) and those that run on every call (every statement that
+    is not a `local function`, its `local` dropped: `local T = {}` becomes `T = {}`)."""
+    once: list[str] = []
+    per_call: list[str] = []
+    for _, text in _chunks(lib):
+        lines = text.split("\n")
+        code = [i for i, line in enumerate(lines) if line.strip() and not line.startswith("--")]
+        if not code:
+            once.append(text)
+            continue
+        head = lines[code[0]]
+        if _LOCAL_FN.match(head):
+            if any(lines[i].startswith("for ") for i in code[1:]):
+                raise ValueError(f"a loop at column 0 after `{head}`: it would run once per load, not per call")
+            once.append(text)
+            continue
+        decl = _LOCAL_DECL.match(head)
+        if decl:
+            once.append(f"local {decl.group(1)}")
+            lines[code[0]] = re.sub(r"^local\s+", "", head) if decl.group(2) == "=" else f"{decl.group(1)} = nil"
+        per_call.append("\n".join(lines))
+    return once, per_call
+
+
+def _indent(text: str, by: str) -> str:
+    return "\n".join(by + line if line.strip() else line for line in text.split("\n"))
+
+
+def _builder(name: str) -> tuple[str, list[str]]:
+    """The library text of one script (its builder and registration, `{V}` standing for the
+    version), and its flags."""
     raw = (LUA_DIR / f"{name}.lua").read_text()
-    parts, body = [], []
-    for line in raw.splitlines():
+    lines = raw.splitlines()
+    flags: list[str] = []
+    if lines and lines[0].startswith("#!"):
+        m = _FLAGS.match(lines[0])
+        if not m:
+            raise ValueError(f"{name}.lua: a first line `#!lua flags=...` is the only shebang understood")
+        flags = m.group(1).split(",")
+        lines = lines[1:]
+    body = [line for line in lines if not line.startswith("--@include ")]
+    once: list[str] = []
+    per_call: list[str] = []
+    for line in lines:
         if line.startswith("--@include "):
-            parts.append(("lib", line.split(maxsplit=1)[1].strip()))
+            o, p = _split_helpers(_shaken(_read(line.split(maxsplit=1)[1].strip()), "\n".join(body)))
+            once += o
+            per_call += p
         else:
-            parts.append(("line", line))
-            body.append(line)
-    text = "\n".join(body)
-    source = "\n".join(_shaken(_read(x), text).rstrip("\n") if kind == "lib" else x for kind, x in parts) + "\n"
-    return Script(name=name, source=source, sha=hashlib.sha1(source.encode()).hexdigest())
+            per_call.append(line)
+    if name in READ_ONLY_SCRIPTS:
+        flags.append("no-writes")
+    flag_list = ", ".join(f"'{f}'" for f in flags)
+    text = "\n".join([
+        f"-- ================================================================ {name}",
+        f"local {name}_impl",
+        f"local function {name}_build()",
+        _indent("\n".join(once), "  "),
+        "  return function()",
+        _indent("\n".join(per_call), "    "),
+        "  end",
+        "end",
+        f"redis.register_function{{function_name = '{name}_{{V}}', flags = {{{flag_list}}}, callback = function(keys, args)",
+        "  KEYS, ARGV = keys, args",
+        f"  if {name}_impl == nil then {name}_impl = {name}_build() end",
+        f"  return {name}_impl()",
+        "end}",
+        "",
+    ])
+    return text, flags
 
 
-SCRIPTS: dict[str, Script] = {name: _load(name) for name in SCRIPT_NAMES}
+def _library() -> tuple[str, str, dict[str, Script]]:
+    parts = {name: _builder(name)[0] for name in SCRIPT_NAMES}
+    unversioned = "local KEYS, ARGV\n\n" + "\n".join(parts.values())
+    version = hashlib.sha1(unversioned.encode()).hexdigest()[:12]
+    lib_name = f"omniflow_{version}"
+    code = f"#!lua name={lib_name}\n" + unversioned.replace("{V}", version)
+    scripts = {name: Script(name=name, source=parts[name].replace("{V}", version), function=f"{name}_{version}")
+               for name in SCRIPT_NAMES}
+    return lib_name, code, scripts
 
 
-def evalsha_args(name: str, keys: list[str], args: list[Any]) -> tuple[Any, ...]:
-    """The raw EVALSHA command for one script call (for pipelines and batchers): used by
+#: the library's name (`omniflow_<version>`) and its whole text (what FUNCTION LOAD is sent)
+LIBRARY_NAME, LIBRARY, SCRIPTS = _library()
+
+
+def script_args(name: str, keys: list[str], args: list[Any]) -> tuple[Any, ...]:
+    """The raw FCALL command for one script call (for pipelines and batchers): used by
     `omniflow.storage.transitions` only, which builds every script's KEYS."""
-    return SCRIPTS[name].evalsha(keys, args)
-
-
+    return SCRIPTS[name].fcall(keys, args)

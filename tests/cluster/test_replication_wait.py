@@ -13,7 +13,7 @@ from omniflow.storage import redisio
 from omniflow.ops.embedded import EmbeddedServer
 from omniflow.ops.embedded_ha import wait_for
 from omniflow.errors import RedisUnavailable
-from omniflow.storage.scripts import evalsha_args
+from omniflow.storage.scripts import script_args
 
 
 @pytest.fixture
@@ -50,7 +50,7 @@ async def test_writes_wait_for_the_replica_and_fail_without_it(primary_and_repli
         assert isinstance(results[0], RedisUnavailable) and "not confirmed by 1 replica" in str(results[0])
         # a lease renewal never waits: a replica away must not make every worker lose its lease
         await redisio.load_scripts(client)
-        beat = evalsha_args("heartbeat", ["t:{workers}", "t:{workers}:w1"], ["w1", 1, 60, "stage", "x"])
+        beat = script_args("heartbeat", ["t:{workers}", "t:{workers}:w1"], ["w1", 1, 60, "stage", "x"])
         (renewed,) = await redisio.execute(client, [beat])
         assert not isinstance(renewed, Exception), renewed        # (its reply: the drain flag, none here)
     finally:

@@ -35,7 +35,7 @@ async def out_of_memory(redis: Redis) -> AsyncIterator[None]:
 
 def steps_of(command: tuple[Any, ...]) -> list[int]:
     """The step seqs an `emit.lua` call carries (none for any other command)."""
-    if command[0] != "EVALSHA" or command[1] != scripts.SCRIPTS["emit"].sha:
+    if command[0] != "FCALL" or command[1] != scripts.SCRIPTS["emit"].function:
         return []
     nkeys = command[2]
     packed = command[3 + nkeys + 5]
@@ -126,8 +126,8 @@ async def test_finding3_a_refused_close_never_leaks_the_task_on_a_live_worker(en
 
         async def refusing(commands: list[tuple[Any, ...]]) -> list[Any]:
             # the first emit carrying a finish (its 8th argument) fails with a script error, unapplied
-            hit = next((i for i, c in enumerate(commands) if not failed and c[0] == "EVALSHA"
-                        and c[1] == scripts.SCRIPTS["emit"].sha and len(c) == 3 + c[2] + 7), None)
+            hit = next((i for i, c in enumerate(commands) if not failed and c[0] == "FCALL"
+                        and c[1] == scripts.SCRIPTS["emit"].function and len(c) == 3 + c[2] + 7), None)
             if hit is None:
                 return await real_run(commands)
             failed.append(hit)

@@ -1,6 +1,6 @@
 """What every transition shares: the call it builds and the reply codes it maps.
 
-A transition builds one `Call` (the raw EVALSHA command of one script: send it alone, in a
+A transition builds one `Call` (the raw FCALL command of one script: send it alone, in a
 pipeline or through a `Batcher`), and decodes the script's reply into its enum (`code_of`);
 a reply that is none of the declared codes is a `ScriptError` (a script and its caller disagree).
 """
@@ -11,7 +11,7 @@ from enum import Enum
 from typing import Any, TypeVar
 
 from omniflow.errors import ScriptError
-from omniflow.storage.scripts import evalsha_args
+from omniflow.storage.scripts import script_args
 from omniflow.storage.schema import s
 
 Call = tuple[Any, ...]
@@ -33,8 +33,8 @@ def returns(script: str) -> Callable[[type[E]], type[E]]:
 
 
 def script_call(name: str, keys: list[str], args: list[Any]) -> Call:
-    """The EVALSHA command of one registered script (KEYS built by the caller, from `Keys` only)."""
-    return evalsha_args(name, keys, args)
+    """The FCALL command of one registered script (KEYS built by the caller, from `Keys` only)."""
+    return script_args(name, keys, args)
 
 
 def code_of(enum: type[E], reply: Any, script: str) -> E:
