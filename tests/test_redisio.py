@@ -35,6 +35,7 @@ from helpers import eventually, request
     (ResponseError("BUSY Valkey is busy running a script."), RedisRefused, "BUSY"),
     (ResponseError("MASTERDOWN Link with MASTER is down"), RedisRefused, "MASTERDOWN"),
     (NoScriptError("No matching script."), RedisRefused, "NOSCRIPT"),
+    (ResponseError("Function not found"), RedisRefused, "NOSCRIPT"),       # an FCALL before the library's load
     (ResponseError("emit: unknown op Z (nothing written)"), ScriptError, None),
     (ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"), ScriptError, None),
     (AuthenticationError("invalid password"), ConfigError, None),
@@ -50,6 +51,34 @@ def test_one_error_mapping(raised: BaseException, cls: type, refusal: str | None
 def test_a_bad_url_names_the_setting() -> None:
     with pytest.raises(ConfigError, match="OMNIFLOW_REDIS_URL: 'notaurl'"):
         redisio.connect("notaurl")
+
+
+async def test_a_pooled_connection_with_an_unasked_reply_or_closed_is_replaced(valkey_url) -> None:
+    """The pool's check of a connection it hands out is made without a loop turn
+    (`topology.FastPacking.can_read_destructive`): a connection holding a reply nobody read, or one
+    the server closed, is still never handed to the next command."""
+    redis, admin = redisio.connect(valkey_url), redisio.connect(valkey_url)
+    raw = redis.raw
+    try:
+        await raw.ping()
+        pool = raw.connection_pool
+        conn = await pool.get_connection()
+        await conn.send_command("ECHO", "stale")          # its reply is never read
+        await eventually(lambda: conn._parser._stream._buffer or conn._parser._reader.has_data())
+        assert await conn.can_read_destructive()
+        await pool.release(conn)
+        assert await raw.echo("fresh") == b"fresh"
+        conn = await pool.get_connection()
+        assert not await conn.can_read_destructive()
+        await conn.send_command("CLIENT", "ID")
+        conn_id = await conn.read_response()
+        await pool.release(conn)
+        await admin.raw.execute_command("CLIENT", "KILL", "ID", conn_id)       # the server closes it
+        await eventually(lambda: conn._parser._stream._eof)
+        assert await raw.echo("again") == b"again"
+    finally:
+        await redis.aclose()
+        await admin.aclose()
 
 
 async def test_the_script_runner_reloads_after_a_flush_and_returns_errors_in_place(valkey_url) -> None:
