@@ -17,6 +17,7 @@ from omniflow.errors import RedisError, RedisUnavailable, ScriptError
 from omniflow.models import Priority, SessionState, StageStatus
 from omniflow.pipeline import INPUT_SRC
 from omniflow.runtime import Backoff
+from omniflow.storage import redisio
 from omniflow.storage.keys import TASK_GROUP, FinalizePlan, finalize_plan
 from omniflow.storage.schema import csv, now_ms, s
 from omniflow.storage.transitions import sessions as transitions
@@ -127,10 +128,14 @@ class Claims:
         ctx = self.ctx
         try:
             expiry = now_ms() + int(ctx.settings.lease_timeout_s * 1000)
-            pipe = ctx.redis.pipeline()      # one slot ({workers}): one round trip, cluster or not
-            pipe.execute_command("ZADD", ctx.keys.workers, "NX", expiry, replica)
-            pipe.hsetnx(ctx.keys.worker_info(replica), "queues", queue)     # kept if it has one
-            added, _ = await pipe.execute()
+            # one slot ({workers}): one round trip, cluster or not; through the runner, so that with
+            # `require_replicas` it waits for its replicas (a lease lost with a failover: nobody finds the session)
+            added, kept = await redisio.execute(ctx.redis, [
+                ("ZADD", ctx.keys.workers, "NX", expiry, replica),
+                ("HSETNX", ctx.keys.worker_info(replica), "queues", queue)])      # kept if it has one
+            for reply in (added, kept):
+                if isinstance(reply, Exception):
+                    raise reply
             if not added:
                 return          # it holds a lease: alive, or the reconciler will find it dead
             logger.warning("worker %s: a task held by worker %s, which holds no lease, was delivered here; "

@@ -123,15 +123,17 @@ class SessionRunner:
     async def _report_lost(self, entry_id: str, wf_id: str, stage: str, attempt: int, why: str, *,
                            version: str = "", priority: Priority = Priority.API) -> None:
         """Tell the reconciler this session is lost (it acks the task and retries with attempt + 1),
-        retrying until Redis takes the report: a task must never stay pending on a live worker."""
+        retrying until Redis takes the report: a task must never stay pending on a live worker. Sent
+        through the runner, so with `require_replicas` the report waits for its replicas like every
+        other write (one lost with a failover would leave the task pending here until the orphan audit);
+        a report sent twice is applied once (the reconciler checks attempt and state)."""
         ctx = self.ctx
         backoff = Backoff()
         while True:
             try:
-                with redisio.boundary():
-                    await ctx.redis.xadd(ctx.keys.events(ctx.keys.cell_of(wf_id)),
-                                         {"t": "lost", "wf": wf_id, "s": stage, "a": attempt, "d": why, "r": "1",
-                                          "e": entry_id, "p": version, "c": priority.value})
+                await redisio.call(ctx.redis, "XADD", ctx.keys.events(ctx.keys.cell_of(wf_id)), "*",
+                                   "t", "lost", "wf", wf_id, "s", stage, "a", attempt, "d", why, "r", "1",
+                                   "e", entry_id, "p", version, "c", priority.value)
                 return
             except RedisError as exc:
                 if ctx.stopping:
