@@ -1,7 +1,8 @@
 """The one script runner (over `RedisClient`): every Lua call and pipelined command list goes out
-through `execute` (a function the server lacks, NOSCRIPT here, answered by loading the library and sending those calls again; a
-replication `WAIT` where `require_replicas` asks for it), `call`/`script` for one, `call_sync` from
-sync code. Split from `omniflow.storage.client`, which owns the connection and the error mapping."""
+through `execute` (a call whose function the server lacks, NOSCRIPT here, answered by loading the
+library and sending those calls again; a replication `WAIT` where `require_replicas` asks for it),
+`call`/`script` for one, `call_sync` from sync code. Split from `omniflow.storage.client`, which
+owns the connection and the error mapping."""
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -153,9 +153,9 @@ def _indent(text: str, by: str) -> str:
     return "\n".join(by + line if line.strip() else line for line in text.split("\n"))
 
 
-def _builder(name: str) -> tuple[str, list[str]]:
-    """The library text of one script (its builder and registration, `{V}` standing for the
-    version), and its flags."""
+def _builder(name: str) -> str:
+    """The library text of one script: its builder and its registration (`{V}` stands for the
+    library's version)."""
     raw = (LUA_DIR / f"{name}.lua").read_text()
     lines = raw.splitlines()
     flags: list[str] = []
@@ -194,11 +194,11 @@ def _builder(name: str) -> tuple[str, list[str]]:
         "end}",
         "",
     ])
-    return text, flags
+    return text
 
 
 def _library() -> tuple[str, str, dict[str, Script]]:
-    parts = {name: _builder(name)[0] for name in SCRIPT_NAMES}
+    parts = {name: _builder(name) for name in SCRIPT_NAMES}
     unversioned = "local KEYS, ARGV\n\n" + "\n".join(parts.values())
     version = hashlib.sha1(unversioned.encode()).hexdigest()[:12]
     lib_name = f"omniflow_{version}"
