@@ -208,3 +208,38 @@ async def _batch_done(eng, batch_id: str) -> None:
     from omniflow.jobs.batch import wait_batch
 
     assert (await wait_batch(eng.store, batch_id, timeout_s=20))["state"] == "failed"     # line 3 is invalid
+
+
+async def test_scripts_lists_the_libraries_and_prunes_only_other_omniflow_versions(valkey_url, tmp_path) -> None:
+    """`omniflow scripts`: this version's library and an older one (an upgrade leaves it) are listed;
+    `--prune` deletes the old one only, never another program's; a call of this version still works."""
+    from types import SimpleNamespace
+
+    from omniflow.ops.admin import _library_row
+    from omniflow.storage import redisio
+    from omniflow.storage.scripts import LIBRARY_NAME, SCRIPTS
+
+    redis = redisio.connect(valkey_url)
+    old, other = "omniflow_000000000000", "someoneelse"
+    try:
+        await redisio.load_scripts(redis)
+        for name in (old, other):
+            await redis.raw.function_load(f"#!lua name={name}\nredis.register_function('{name}_f', "
+                                          "function() return 1 end)", replace=True)
+        env = helpers.cli_env(SimpleNamespace(url=valkey_url, settings=SimpleNamespace(prefix="t-scripts")), tmp_path)
+        rows = await run_json("scripts", env=env)
+        assert [(r["library"], r["current"]) for r in rows] == [(LIBRARY_NAME, True), (old, False)]
+        assert rows[0]["functions"] == len(SCRIPTS)
+        code, _, err = await omniflow("scripts", "--prune", env=env)           # no terminal, no --yes
+        assert code == 2 and "--yes" in err
+        assert await run_json("scripts", "--prune", "--yes", env=env) == {"deleted": [old]}
+        left = {_library_row(r)["library"] for r in await redis.function_list("*")}
+        assert old not in left and {LIBRARY_NAME, other} <= left
+        assert await redisio.script(redis, "heartbeat", ["t-scripts:{workers}", "t-scripts:{workers}:w"],
+                                    ["w", 1, 60, "stage", "x"]) is None
+    finally:
+        for name in (old, other):
+            if name in {_library_row(r)["library"] for r in await redis.function_list(name)}:
+                await redis.function_delete(name)
+        await redis.delete("t-scripts:{workers}", "t-scripts:{workers}:w")
+        await redis.aclose()

@@ -1,4 +1,5 @@
-"""The operator's commands: `stats [--watch]`, `workers`, `drain`/`undrain`, `purge`, `dlq ls|replay|drop`.
+"""The operator's commands: `stats [--watch]`, `workers`, `drain`/`undrain`, `purge`, `scripts [--prune]`,
+`dlq ls|replay|drop`.
 
 Thin parsing over `omniflow.ops.admin` (actions) and `omniflow.ops.fleet` (reads). Destructive commands (purge,
 dlq drop) say what they
@@ -252,6 +253,30 @@ def purge(older_than: str = typer.Option(None, "--older-than", help="finished wo
     print_result({"deleted_workflows": n}, f"deleted {n} finished workflow(s)", as_json=as_json)
 
 
+# ---------------------------------------------------------------- script libraries
+@handle_errors
+def scripts(prune: bool = typer.Option(False, "--prune", help="delete the libraries of other omniflow versions"),
+            yes: bool = typer.Option(False, "--yes", help="with --prune: do not ask"),
+            as_json: bool = JsonOpt) -> None:
+    """omniflow's Lua libraries on the server: this version's, and those of versions that ran before
+    (an upgrade leaves its predecessor's). --prune deletes the others; a process of an old version
+    that still runs loads its own again at its next call."""
+    from omniflow.ops.admin import prune_script_libraries, script_libraries
+
+    rows = _run(_with_client, lambda client: script_libraries(client.store))
+    if not prune:
+        print_rows(rows, ("library", "functions", "this version"),
+                   lambda r: [r["library"], str(r["functions"]), "yes" if r["current"] else "-"], as_json=as_json)
+        return
+    old = [r["library"] for r in rows if not r["current"]]
+    if old:
+        _confirm(f"Delete {len(old)} script librar{'y' if len(old) == 1 else 'ies'} of other omniflow versions "
+                 f"({', '.join(old)})?", yes)
+    deleted = _run(_with_client, lambda client: prune_script_libraries(client.store)) if old else []
+    print_result({"deleted": deleted}, f"deleted {len(deleted)} script librar{'y' if len(deleted) == 1 else 'ies'}",
+                 as_json=as_json)
+
+
 # ---------------------------------------------------------------- dead letters
 def _dlq_stage(positional: str | None, option: str | None) -> str | None:
     """The stage named by `STAGE` or `--stage` (not two different ones), checked against the pipeline."""
@@ -340,4 +365,5 @@ def register(app: typer.Typer) -> None:
     app.command("drain")(drain)
     app.command("undrain")(undrain)
     app.command("purge")(purge)
+    app.command("scripts")(scripts)
     app.add_typer(dlq_app, name="dlq")

@@ -22,6 +22,7 @@ from omniflow.storage import redisio
 from omniflow.storage.redisio import translated
 from omniflow.client.store import Store
 from omniflow.storage.schema import WorkflowRecord, csv, decode_fields, now_ms, s
+from omniflow.storage.scripts import LIBRARY_NAME, LIBRARY_PREFIX
 from omniflow.storage.transitions.housekeeping import PurgeResult, purge, purge_code
 
 PURGE_BATCH = 500
@@ -121,6 +122,34 @@ async def purge_all(store: Store) -> int:
     async for key in store.client.scan_iter(match=f"{store.keys.prefix}:*", count=1000):
         n += await store.client.unlink(key)
     return n
+
+
+def _library_row(raw: Any) -> dict[str, Any]:
+    """One FUNCTION LIST entry (a dict under RESP3, a flat name/value list under RESP2) as {library, functions}."""
+    fields = raw if isinstance(raw, dict) else dict(zip(raw[::2], raw[1::2]))
+    fields = {s(k): v for k, v in fields.items()}
+    return {"library": s(fields.get("library_name", b"")), "functions": len(fields.get("functions") or [])}
+
+
+@translated
+async def script_libraries(store: Store) -> list[dict[str, Any]]:
+    """omniflow's script libraries on the server, this version's first: one per version that has run
+    against it (`omniflow.storage.scripts`: an upgrade loads its own beside the old one)."""
+    rows = [_library_row(raw) for raw in await store.client.function_list(f"{LIBRARY_PREFIX}*")]
+    for row in rows:
+        row["current"] = row["library"] == LIBRARY_NAME
+    return sorted(rows, key=lambda r: (not r["current"], r["library"]))
+
+
+@translated
+async def prune_script_libraries(store: Store) -> list[str]:
+    """Delete the libraries of every other omniflow version (never this one's, never another
+    program's). A process of an old version still running is not harmed: its next call finds its
+    function missing and loads its own library again."""
+    old = [row["library"] for row in await script_libraries(store) if not row["current"]]
+    for name in old:
+        await store.client.function_delete(name)
+    return old
 
 
 def dlq_names(pipeline: Pipeline | Store | Catalog, stage: str | None) -> list[str]:

@@ -231,6 +231,13 @@ class RedisClient:
     async def config_set(self, name: str, value: Any) -> bool:
         return bool(await self._do("config_set", name, value))
 
+    async def function_list(self, pattern: str) -> list[Any]:
+        """FUNCTION LIST LIBRARYNAME `pattern`: each library as redis-py gives it (a dict, or a flat list)."""
+        return cast("list[Any]", await self._do("function_list", library=pattern))
+
+    async def function_delete(self, library: str) -> bool:
+        return bool(await self._do("function_delete", library))
+
     async def script_flush(self) -> bool:
         """Drop every script and function the server has (a fault to recover from: tests only)."""
         await self._do("function_flush")

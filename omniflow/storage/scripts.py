@@ -31,7 +31,7 @@ refused as a whole under OOM, before it writes anything: a script without flags 
 failed at its first write that could grow memory). The library's name and its functions' names
 carry a hash of its text (`omniflow_<version>`, `emit_<version>`), so two versions of omniflow on
 one server (a rolling upgrade) each call their own; an old version's library stays loaded until
-an operator deletes it (`FUNCTION DELETE omniflow_<version>`, docs/operations.md).
+an operator deletes it (`omniflow scripts --prune`, docs/operations.md).
 """
 from __future__ import annotations
 
@@ -197,11 +197,15 @@ def _builder(name: str) -> str:
     return text
 
 
+#: every omniflow library's name starts so (`omniflow scripts` lists them)
+LIBRARY_PREFIX = "omniflow_"
+
+
 def _library() -> tuple[str, str, dict[str, Script]]:
     parts = {name: _builder(name) for name in SCRIPT_NAMES}
     unversioned = "local KEYS, ARGV\n\n" + "\n".join(parts.values())
     version = hashlib.sha1(unversioned.encode()).hexdigest()[:12]
-    lib_name = f"omniflow_{version}"
+    lib_name = f"{LIBRARY_PREFIX}{version}"
     code = f"#!lua name={lib_name}\n" + unversioned.replace("{V}", version)
     scripts = {name: Script(name=name, source=parts[name].replace("{V}", version), function=f"{name}_{version}")
                for name in SCRIPT_NAMES}
