@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from omniflow.storage import listing
-from omniflow.errors import InvalidRequest, UnknownPipeline, WorkflowNotFound
+from omniflow.errors import InvalidRequest, ScriptError, UnknownPipeline, WorkflowNotFound
 from omniflow.ops.fleet import entry_ms, list_workers
 from omniflow.storage.keys import DLQ_EVENTS
 from omniflow.models import TERMINAL_STATES, Priority, SubmitRequest, WorkflowInput, WorkflowState
@@ -146,10 +146,16 @@ async def prune_script_libraries(store: Store) -> list[str]:
     """Delete the libraries of every other omniflow version (never this one's, never another
     program's). A process of an old version still running is not harmed: its next call finds its
     function missing and loads its own library again."""
-    old = [row["library"] for row in await script_libraries(store) if not row["current"]]
-    for name in old:
-        await store.client.function_delete(name)
-    return old
+    deleted = []
+    for name in [row["library"] for row in await script_libraries(store) if not row["current"]]:
+        try:
+            await store.client.function_delete(name)
+        except ScriptError as exc:      # gone since it was listed (another prune): nothing to do
+            if "not found" not in str(exc).lower():
+                raise
+            continue
+        deleted.append(name)
+    return deleted
 
 
 def dlq_names(pipeline: Pipeline | Store | Catalog, stage: str | None) -> list[str]:
