@@ -30,11 +30,9 @@ def prelude_only(name: str) -> tuple[str, str]:
     body = "\n".join(line for line in (scripts.LUA_DIR / f"{name}.lua").read_text().splitlines()
                      if not line.startswith(("--@include ", "#!")))
     helpers = scripts._shaken(scripts._read("_lib.lua"), body)
-    once, per_call = scripts._split_helpers(helpers)
-    library = "\n".join([f"#!lua name=prelude_{name}", "local KEYS, ARGV", "local impl",
-                         "local function build()", *once, "return function()", *per_call, "return 1", "end", "end",
-                         f"redis.register_function('prelude_{name}', function(k, a) KEYS, ARGV = k, a",
-                         "if impl == nil then impl = build() end return impl() end)"])
+    once, per_call = scripts._split_helpers(helpers)      # as the library builds it (scripts.function_text)
+    library = (f"#!lua name=prelude_{name}\nlocal KEYS, ARGV\n"
+               + scripts.function_text(name, f"prelude_{name}", once, [*per_call, "return 1"], []))
     return helpers + "\nreturn 1\n", library
 
 

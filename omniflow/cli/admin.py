@@ -272,7 +272,7 @@ def scripts(prune: bool = typer.Option(False, "--prune", help="delete the librar
     if old:
         _confirm(f"Delete {len(old)} script librar{'y' if len(old) == 1 else 'ies'} of other omniflow versions "
                  f"({', '.join(old)})?", yes)
-    deleted = _run(_with_client, lambda client: prune_script_libraries(client.store)) if old else []
+    deleted = _run(_with_client, lambda client: prune_script_libraries(client.store, old)) if old else []
     print_result({"deleted": deleted}, f"deleted {len(deleted)} script librar{'y' if len(deleted) == 1 else 'ies'}",
                  as_json=as_json)
 

@@ -124,10 +124,9 @@ async def purge_all(store: Store) -> int:
     return n
 
 
-def _library_row(raw: Any) -> dict[str, Any]:
-    """One FUNCTION LIST entry (a dict under RESP3, a flat name/value list under RESP2) as {library, functions}."""
-    fields = raw if isinstance(raw, dict) else dict(zip(raw[::2], raw[1::2]))
-    fields = {s(k): v for k, v in fields.items()}
+def _library_row(raw: list[Any]) -> dict[str, Any]:
+    """One FUNCTION LIST entry (a flat name/value list: omniflow's clients speak RESP2) as {library, functions}."""
+    fields = {s(k): v for k, v in zip(raw[::2], raw[1::2])}
     return {"library": s(fields.get("library_name", b"")), "functions": len(fields.get("functions") or [])}
 
 
@@ -142,12 +141,14 @@ async def script_libraries(store: Store) -> list[dict[str, Any]]:
 
 
 @translated
-async def prune_script_libraries(store: Store) -> list[str]:
-    """Delete the libraries of every other omniflow version (never this one's, never another
-    program's). A process of an old version still running is not harmed: its next call finds its
-    function missing and loads its own library again."""
+async def prune_script_libraries(store: Store, names: list[str]) -> list[str]:
+    """Delete the libraries `names` of other omniflow versions (as `script_libraries` listed them;
+    this version's is refused). A process of an old version still running is not harmed: its next
+    call finds its function missing and loads its own library again. Returns those deleted."""
+    if LIBRARY_NAME in names or any(not name.startswith(LIBRARY_PREFIX) for name in names):
+        raise InvalidRequest(f"only other omniflow versions' libraries can be pruned, not {names}")
     deleted = []
-    for name in [row["library"] for row in await script_libraries(store) if not row["current"]]:
+    for name in names:
         try:
             await store.client.function_delete(name)
         except ScriptError as exc:      # gone since it was listed (another prune): nothing to do

@@ -13,13 +13,13 @@ every loop has one rule per class:
 |------------------------------------------------------|--------------------|---------------------------|
 | connection lost, refused or timed out                | `RedisUnavailable` | retry with backoff        |
 | the server refused: OOM, READONLY, BUSY, LOADING...  | `RedisRefused`     | retry with backoff (nothing was applied) |
-| NOSCRIPT (server restarted, or `SCRIPT FLUSH`)       | never leaves here  | scripts loaded, call resent |
+| a function missing (restart, `FUNCTION FLUSH`)      | never leaves here  | library loaded, call resent |
 | a script or command failed (a bug, bad data)         | `ScriptError`      | dead-letter what caused it |
 | bad credentials, no permission                       | `ConfigError`      | stop with one line        |
 
 `execute` is the one script runner: it sends commands in one round trip (one
 command, or a pipeline), returns each reply in place (an error as its
-translated class), and reloads the scripts and resends on NOSCRIPT. Callers
+translated class), and reloads the library and resends when a function is missing. Callers
 that need one reply use `call` / `script`, which raise instead.
 """
 from __future__ import annotations
@@ -232,16 +232,16 @@ class RedisClient:
         return bool(await self._do("config_set", name, value))
 
     async def function_list(self, pattern: str) -> list[Any]:
-        """FUNCTION LIST LIBRARYNAME `pattern`: each library as redis-py gives it (a dict, or a flat list)."""
+        """FUNCTION LIST LIBRARYNAME `pattern`: each library a flat list of name/value pairs."""
         return cast("list[Any]", await self._do("function_list", library=pattern))
 
     async def function_delete(self, library: str) -> bool:
         return bool(await self._do("function_delete", library))
 
     async def script_flush(self) -> bool:
-        """Drop every script and function the server has (a fault to recover from: tests only)."""
-        await self._do("function_flush")
-        return bool(await self._do("script_flush"))
+        """Drop every function the server has, omniflow's script library with them (a fault to
+        recover from: tests only)."""
+        return bool(await self._do("function_flush"))
 
     async def dbsize(self) -> int:
         return int(await self._do("dbsize"))

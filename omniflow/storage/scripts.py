@@ -26,12 +26,13 @@ round 7); a library runs each script's helpers once, at the first call after it 
 So what a call sees is what a script saw: KEYS, ARGV and every table of the helper file are made
 fresh by each call; only code lives on between calls (a helper may keep no state of its own in an
 upvalue: `test_lua.py` checks a second call sees none of the first). A script's `#!lua flags=...`
-line becomes its function's flags; a script without one gets none (a function that writes is
-refused as a whole under OOM, before it writes anything: a script without flags was let run and
-failed at its first write that could grow memory). The library's name and its functions' names
-carry a hash of its text (`omniflow_<version>`, `emit_<version>`), so two versions of omniflow on
-one server (a rolling upgrade) each call their own; an old version's library stays loaded until
-an operator deletes it (`omniflow scripts --prune`, docs/operations.md).
+line becomes its function's flags (`list_scan`'s `no-writes`, `heartbeat`'s `allow-oom`); a script
+without one gets none (a function that writes is refused as a whole under OOM, before it writes
+anything: a script without flags was let run and failed at its first write that could grow memory).
+The library's name and its functions' names carry a hash of its text (`omniflow_<version>`,
+`emit_<version>`), so two versions of omniflow on one server (a rolling upgrade) each call their
+own; an old version's library stays loaded until an operator deletes it (`omniflow scripts
+--prune`, docs/operations.md).
 """
 from __future__ import annotations
 
@@ -44,8 +45,6 @@ from typing import Any
 LUA_DIR = Path(__file__).resolve().parent / "lua"
 SCRIPT_NAMES = ("submit", "claim", "emit", "finish", "stage_event", "abort", "retry_due", "restart", "list_scan",
                 "heartbeat", "dead_letter", "reap_consumer", "realtime_save", "lease", "purge", "append_input")
-#: scripts that write nothing (their functions may run under OOM, and on a replica)
-READ_ONLY_SCRIPTS = frozenset({"list_scan"})
 
 
 @dataclass(frozen=True)
@@ -73,8 +72,7 @@ def _read(name: str, seen: frozenset[str] = frozenset()) -> str:
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _COMMENT = re.compile(r"--.*$", re.M)       # (no string in these scripts holds a `--`)
 _LOCAL_FN = re.compile(r"^local\s+function\s+([A-Za-z_][A-Za-z0-9_]*)")
-_LOCAL_VARS = re.compile(r"^local\s+([A-Za-z_][A-Za-z0-9_,\s]*?)\s*=")
-_LOCAL_DECL = re.compile(r"^local\s+([A-Za-z_][A-Za-z0-9_,\s]*?)\s*(=|$)")
+_LOCAL_VARS = re.compile(r"^local\s+([A-Za-z_][A-Za-z0-9_,\s]*?)\s*(=|$)")    # `local a, b = ...` or `local a`
 _FLAGS = re.compile(r"^#!lua\s+flags=([a-z,-]+)\s*$")
 
 
@@ -141,7 +139,7 @@ def _split_helpers(lib: str) -> tuple[list[str], list[str]]:
                 raise ValueError(f"a loop at column 0 after `{head}`: it would run once per load, not per call")
             once.append(text)
             continue
-        decl = _LOCAL_DECL.match(head)
+        decl = _LOCAL_VARS.match(head)
         if decl:
             once.append(f"local {decl.group(1)}")
             lines[code[0]] = re.sub(r"^local\s+", "", head) if decl.group(2) == "=" else f"{decl.group(1)} = nil"
@@ -175,10 +173,14 @@ def _builder(name: str) -> str:
             per_call += p
         else:
             per_call.append(line)
-    if name in READ_ONLY_SCRIPTS:
-        flags.append("no-writes")
+    return function_text(name, f"{name}_{{V}}", once, per_call, flags)
+
+
+def function_text(name: str, function: str, once: list[str], per_call: list[str], flags: list[str]) -> str:
+    """One function of a library: `once` runs at its first call after the load, `per_call` (ending
+    in what the call returns) on every call, with KEYS and ARGV set (the library declares them)."""
     flag_list = ", ".join(f"'{f}'" for f in flags)
-    text = "\n".join([
+    return "\n".join([
         f"-- ================================================================ {name}",
         f"local {name}_impl",
         f"local function {name}_build()",
@@ -187,14 +189,13 @@ def _builder(name: str) -> str:
         _indent("\n".join(per_call), "    "),
         "  end",
         "end",
-        f"redis.register_function{{function_name = '{name}_{{V}}', flags = {{{flag_list}}}, callback = function(keys, args)",
+        f"redis.register_function{{function_name = '{function}', flags = {{{flag_list}}}, callback = function(keys, args)",
         "  KEYS, ARGV = keys, args",
         f"  if {name}_impl == nil then {name}_impl = {name}_build() end",
         f"  return {name}_impl()",
         "end}",
         "",
     ])
-    return text
 
 
 #: every omniflow library's name starts so (`omniflow scripts` lists them)

@@ -11,7 +11,7 @@ it can, one fault at a time, each injected and then cleared:
 | busy         | a script that runs for the whole window (`busy-reply-threshold` lowered): every other command gets BUSY |
 | pause        | `CLIENT PAUSE <window> ALL`                                                   |
 | kill-clients | `CLIENT KILL TYPE normal` and `TYPE pubsub`: every connection of the engine dropped |
-| script-flush | `FUNCTION FLUSH` + `SCRIPT FLUSH`: every script call finds its function gone   |
+| script-flush | `FUNCTION FLUSH`: every script call finds its function gone                   |
 | poison       | malformed entries in every stream the engine reads: each stage's task stream, the events stream, a worker's inbox, the notify stream, the retries zset, and one workflow's edge log (with the inbox copy its consumer reads) |
 
 Then, after quiescence, `verify` checks: no process exited; every accepted workflow completed with

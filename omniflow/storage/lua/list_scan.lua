@@ -1,3 +1,4 @@
+#!lua flags=no-writes
 -- list_scan: which of some workflows' records match the filters no index serves (read-only).
 -- Used by `omniflow.storage.listing`: the caller reads a bounded step of a listing index
 -- (ZREVRANGE) and passes those records here, so one call reads a bounded number of records and
