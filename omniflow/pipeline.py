@@ -29,6 +29,7 @@ import yaml
 from pydantic import ValidationError
 
 from omniflow.errors import InvalidRequest, PipelineError
+from omniflow.storage.schema import RECORD_FIELD_NAMES
 # the YAML schema: re-exported (`from omniflow.pipeline import ShedMode` and the like keep working)
 from omniflow.pipeline_spec import (
     EdgeMode,
@@ -47,6 +48,9 @@ __all__ = ["INPUT_SRC", "STAGE_NAME_PATTERN", "EdgeMode", "EdgeSpec", "InputKind
            "load_pipeline", "parse_queue", "pool_key", "stage_queue"]
 
 STAGE_NAME_PATTERN = r"^[a-z][a-z0-9_]{0,31}$"
+#: How a workflow's fields are laid out in Redis, a part of every pipeline version (its digest):
+#: 2 = the stage fields in the record (`Keys.stages`); 1 (no salt) = apart, in `<wf>:stages`.
+STORAGE_LAYOUT = 2
 INPUT_SRC = "@input"                 # the pseudo-stage whose edge carries a client's streamed input
 
 
@@ -266,6 +270,9 @@ def _validate(spec: PipelineSpec, source: str) -> Pipeline:
     for name in spec.stages:
         if not re.match(STAGE_NAME_PATTERN, name):
             raise PipelineError(f"{source}: stages.{name}: stage names are lower-case letters, digits and '_'")
+        if name in RECORD_FIELD_NAMES:
+            raise PipelineError(f"{source}: stages.{name}: {name!r} is reserved (a field of every workflow's "
+                                f"record, which holds its stages' fields too); reserved: {', '.join(sorted(RECORD_FIELD_NAMES))}")
     inputs: dict[str, list[EdgeSpec]] = {s: [] for s in spec.stages}
     outputs: dict[str, list[EdgeSpec]] = {s: [] for s in spec.stages}
     seen: dict[tuple[str, str], EdgeMode] = {}
@@ -331,7 +338,10 @@ def _validate(spec: PipelineSpec, source: str) -> Pipeline:
     for name, stage_doc in dumped["stages"].items():
         if spec.stages[name].reserved_slots is None:
             stage_doc.pop("reserved_slots")     # (nor does the default headroom change it)
-    digest = _hash(dumped)
+    # the storage layout is part of a version: a worker of an omniflow that kept the stage fields apart
+    # from the record (layout 1) never reads the queues of a workflow whose record holds them (2), which
+    # it would take for stale and drop; each finishes the workflows it started (docs/operations.md)
+    digest = _hash({**dumped, "storage_layout": STORAGE_LAYOUT})
     return Pipeline(
         spec=spec,
         digest=digest,

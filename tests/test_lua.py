@@ -280,7 +280,7 @@ async def test_finish_of_a_session_whose_claim_was_lost_leaves_its_task_to_be_cl
     sub = await store.submit(request(modalities=["text"]))
     entry_id, _ = await claim_next(store, "thinker")
     wf = store.keys.wf(sub.id)
-    await store.client.hset(f"{wf}:stages", mapping={"thinker": "pending", "thinker:replica": ""})   # the claim, lost
+    await store.client.hset(store.keys.stages(sub.id), mapping={"thinker": "pending", "thinker:replica": ""})   # the claim, lost
     assert await emit(store, sub.id, "thinker", 1, 1, "x") == "fenced"
     res = await redisio.script(store.client, "finish",
                                [wf, store.tasks_key("thinker", 0), store.keys.events(0), f"{wf}:stages", f"{wf}:log"],

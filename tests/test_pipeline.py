@@ -99,10 +99,36 @@ def test_reserved_slots_must_leave_a_slot_and_leave_the_digest_alone() -> None:
     spec["stages"]["thinker"]["reserved_slots"] = 1
     assert build_pipeline(spec).spec.stages["thinker"].reserved_slots == 1
     # the default headroom (reserved_slots unset) leaves a pipeline's version what it was before the
-    # field existed (the digest names the task queues of a deployment being upgraded)
+    # field existed (the digest names the task queues of a deployment being upgraded); the value is
+    # storage layout 2's (layout 1's was 6a4a30d601a56b10: test_the_storage_layout_is_part_of_the_version)
     plain, explicit = toy_spec(), toy_spec()
     explicit["stages"]["thinker"]["reserved_slots"] = 1
-    assert build_pipeline(plain).digest == "6a4a30d601a56b10" != build_pipeline(explicit).digest
+    assert build_pipeline(plain).digest == "e657775ac5bcd97f" != build_pipeline(explicit).digest
+
+
+def test_the_storage_layout_is_part_of_the_version() -> None:
+    """A worker of the layout before (stage fields apart from the record) must never read the queues of
+    a workflow whose record holds them: it would take its tasks for stale and drop them. The layout is
+    hashed into the version, so the two serve different queues; layout 1 hashed nothing more."""
+    import omniflow.pipeline as pl
+
+    assert pl.STORAGE_LAYOUT == 2
+    layout2 = build_pipeline(toy_spec())
+    dumped = layout2.spec.model_dump(mode="json", by_alias=True)
+    dumped.pop("shedding")
+    for stage_doc in dumped["stages"].values():
+        stage_doc.pop("reserved_slots")
+    assert pl._hash(dumped) == "6a4a30d601a56b10" != layout2.digest      # what layout 1 named its queues
+    assert layout2.queue("thinker") != f"thinker@{pl._hash(dumped)}"
+
+
+@pytest.mark.parametrize("name", ["state", "input", "tenant", "finished", "sl"])
+def test_a_stage_may_not_be_named_like_a_record_field(name) -> None:
+    """The record holds the stage fields too, a stage's status under the stage's own name."""
+    spec = toy_spec()
+    spec["stages"][name] = spec["stages"].pop("code2wav")
+    with pytest.raises(PipelineError, match=rf"stages\.{name}: '{name}' is reserved \(a field of every workflow's record"):
+        build_pipeline(spec)
 
 
 def test_bad_yaml_file_is_refused(tmp_path) -> None:

@@ -139,20 +139,31 @@ async def documents(store: Store, wf_ids: Sequence[str], *, tenant: str | None =
     try:
         pipe = store.client.pipeline(transaction=False)
         for wf_id in ids:
-            pipe.hgetall(keys.wf(wf_id))
-            pipe.hgetall(keys.stages(wf_id))
+            pipe.hgetall(keys.wf(wf_id))     # (the stage fields with it: `Keys.stages`)
         raw = await pipe.execute()
     except REDIS_ERRORS as exc:
         raise translate(exc) from exc
     out: dict[str, dict[str, Any] | BaseException] = {}
     found: list[tuple[str, dict[str, str], dict[str, str], list[str]]] = []
-    for i, wf_id in enumerate(ids):
-        rec_raw, stages_raw = raw[2 * i], raw[2 * i + 1]
+    legacy: list[str] = []          # workflows of before: their stage fields in `Keys.stages_legacy`
+    for wf_id, rec_raw in zip(ids, raw):
         rec = {s(k): s(v) for k, v in (rec_raw or {}).items()}
         if not rec or (tenant is not None and rec.get("tenant") != tenant):
             out[wf_id] = WorkflowNotFound(f"no workflow {wf_id}")
             continue
-        found.append((wf_id, rec, {s(k): s(v) for k, v in (stages_raw or {}).items()}, text_stages(rec)))
+        if keys.stage_hash(wf_id, rec) != keys.wf(wf_id):
+            legacy.append(wf_id)
+        found.append((wf_id, rec, rec, text_stages(rec)))
+    if legacy:
+        try:
+            pipe = store.client.pipeline(transaction=False)
+            for wf_id in legacy:
+                pipe.hgetall(keys.stages_legacy(wf_id))
+            old = dict(zip(legacy, await pipe.execute()))
+        except REDIS_ERRORS as exc:
+            raise translate(exc) from exc
+        found = [(wf_id, rec, {s(k): s(v) for k, v in (old[wf_id] or {}).items()} if wf_id in old else st, names)
+                 for wf_id, rec, st, names in found]
     wanted = [(wf_id, names) for wf_id, _, _, names in found if names]
     texts: dict[str, dict[str, str]] = {}
     if wanted:

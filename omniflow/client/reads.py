@@ -46,17 +46,18 @@ class WorkflowReads:
         them with a second one."""
         guess = self._text_guess
         pipe = self._redis.pipeline(transaction=False)
-        pipe.hgetall(self.keys.wf(wf_id))
-        pipe.hgetall(self.keys.stages(wf_id))
+        pipe.hgetall(self.keys.wf(wf_id))       # (the stage fields with it: `Keys.stages`)
         for name in guess:          # after the record: as new as it, or newer (as a read after it)
             pipe.get(self.keys.out(wf_id, name))
-        rec_raw, stages_raw, *guessed = await pipe.execute()
+        rec_raw, *guessed = await pipe.execute()
         if not rec_raw:
             raise WorkflowNotFound(f"no workflow {wf_id}")
         rec = {s(k): s(v) for k, v in rec_raw.items()}
         if tenant is not None and rec.get("tenant") != tenant:
             raise WorkflowNotFound(f"no workflow {wf_id}")
-        st = {s(k): s(v) for k, v in stages_raw.items()}
+        st = rec
+        if self.keys.stage_hash(wf_id, rec) != self.keys.wf(wf_id):     # a workflow of before
+            st = {s(k): s(v) for k, v in (await self._redis.hgetall(self.keys.stages_legacy(wf_id))).items()}
         wanted = text_stages(rec)
         texts = {name: s(v) for name, v in zip(guess, guessed) if name in wanted}
         missing = [name for name in wanted if name not in texts]

@@ -362,12 +362,14 @@ async def stage_times(store: Store, ids: list[str], *, log_scan: int) -> list[St
     pipe = store.client.pipeline(transaction=False)
     for wf_id in ids:
         pipe.hmget(store.keys.wf(wf_id), *RECORD_FIELDS)
-        pipe.hgetall(store.keys.stages(wf_id))
+        pipe.hgetall(store.keys.stages(wf_id))            # the record: the stage fields are in it
+        pipe.hgetall(store.keys.stages_legacy(wf_id))     # (but for a workflow of before: `Keys.stages`)
         pipe.xrange(store.keys.log(wf_id), count=log_scan)
     replies = await pipe.execute()
     out = []
     for i in range(len(ids)):
-        rec, raw, log = replies[3 * i: 3 * i + 3]
+        rec, in_record, legacy, log = replies[4 * i: 4 * i + 4]
+        raw = in_record if (in_record or {}).get(b"sl") == b"1" else legacy
         first: dict[str, int] = {}
         first_text: dict[str, int] = {}
         audio: dict[str, list[AudioChunk]] = {}

@@ -82,7 +82,19 @@ class Keys:
         return f"{self.cell(cell_of(wf_id))}:wf:{wf_id}"
 
     def stages(self, wf_id: str) -> str:
+        """Where a workflow's stage fields (`StageField`) are: its record, beside its own fields (record
+        field `sl` = '1', written by submit). A workflow an omniflow of before submitted keeps them in
+        `stages_legacy` (no `sl`): readers that may meet one ask `stage_hash`."""
+        return self.wf(wf_id)
+
+    def stages_legacy(self, wf_id: str) -> str:
+        """The stage hash of a workflow submitted before its stage fields moved into its record. Every
+        script that reads or writes stage fields still declares it: such a workflow ends where it started."""
         return f"{self.wf(wf_id)}:stages"
+
+    def stage_hash(self, wf_id: str, record: dict[str, str]) -> str:
+        """Where the stage fields of the workflow whose (decoded) record is `record` are."""
+        return self.wf(wf_id) if record.get("sl") == "1" else self.stages_legacy(wf_id)
 
     def log(self, wf_id: str) -> str:
         return f"{self.wf(wf_id)}:log"
@@ -129,7 +141,7 @@ class Keys:
         final stages' outputs and its edge logs (`plan`). Every script that may end a workflow declares them."""
         cell = cell_of(wf_id)
         return [self.tomb(wf_id), self.notify(cell), *self.state_indexes(cell), self.tenant_inflight(cell),
-                self.tenant_seen(cell), self.stages(wf_id), self.log(wf_id),
+                self.tenant_seen(cell), self.stages_legacy(wf_id), self.log(wf_id),
                 self.done(wf_id), self.blobs(wf_id), *(self.out(wf_id, st) for st in plan.finals),
                 *(self.edge(wf_id, a, b) for a, b in plan.edges)]
 

@@ -175,6 +175,17 @@ class RecordField:
     DEGRADED = "degraded"       # why deadline-aware shedding degraded it ('' or none: it was not)
     DROPPED = "dropped"         # csv: the outputs shedding dropped
     TENANT_COUNTED = "tf"       # '1': counted in its cell's live workflows per tenant (fair share)
+    STAGES_IN_RECORD = "sl"     # '1': its stage fields (`StageField`) are in the record (`Keys.stages`)
+
+
+#: Every field a workflow's record may hold besides its stage fields: RecordField's and those only the
+#: scripts and the submit write. The stage fields share the record (`Keys.stages`), and each stage's
+#: status field is the stage's own name: a stage may not be named like one of these
+#: (omniflow.pipeline refuses it). A new record field is added here (tests/test_schema.py checks
+#: the records a whole run writes); the others of a stage contain ':' and never meet a record field.
+RECORD_FIELD_NAMES = frozenset(
+    {v for k, v in vars(RecordField).items() if k.isupper()}
+    | {"updated_ms", "finished", "gsub", "groups", "edges", "blobs", "trace", "tracestate"})
 
 
 @dataclass(frozen=True, slots=True)

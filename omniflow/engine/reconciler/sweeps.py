@@ -296,15 +296,16 @@ class Sweeps:
         keys, redis = self.ctx.keys, self.ctx.redis
         pipe = redis.pipeline(transaction=False)
         for wf_id in wf_ids:
-            pipe.hmget(keys.wf(wf_id), RecordField.PIPELINE, RecordField.PIPELINE_HASH, RecordField.STAGES)
+            pipe.hmget(keys.wf(wf_id), RecordField.PIPELINE, RecordField.PIPELINE_HASH, RecordField.STAGES,
+                       RecordField.STAGES_IN_RECORD)
         records = await pipe.execute()
         pipe = redis.pipeline(transaction=False)
-        for wf_id, (_name, _version, raw_stages) in zip(wf_ids, records):
-            pipe.hmget(keys.stages(wf_id), *(csv(s(raw_stages)) or ["-"]))
+        for wf_id, (_name, _version, raw_stages, sl) in zip(wf_ids, records):
+            pipe.hmget(keys.stage_hash(wf_id, {"sl": s(sl)}), *(csv(s(raw_stages)) or ["-"]))
         statuses = await pipe.execute()
         served = await registry.served(redis, keys)
         out: list[tuple[str, str]] = []
-        for (raw_name, raw_version, raw_stages), status in zip(records, statuses):
+        for (raw_name, raw_version, raw_stages, _sl), status in zip(records, statuses):
             name, version = s(raw_name), s(raw_version)
             waiting = [st for st, value in zip(csv(s(raw_stages)), status) if s(value) == "pending"
                        and version and stage_queue(st, version) not in served]

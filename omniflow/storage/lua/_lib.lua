@@ -172,8 +172,26 @@ local function tasks_key(wf, stage, version)
   return base .. ':' .. prio
 end
 
+-- Where a workflow's stage fields are (`<stage>`, `<stage>:attempt`, ...: omniflow.storage.schema
+-- .StageField): in its record, beside the workflow's own fields (`sl` = '1', set by submit: one hash,
+-- so a call reads and writes both with one HMGET and one HSET), or, for a workflow an omniflow of
+-- before submitted (no `sl`), in `<wf>:stages`, which every caller still declares: such a workflow
+-- ends where it started. `stages_known`: the caller read the record's `sl` itself (with its own
+-- HMGET); `stages_of` reads it with the record (`hget`: free when the caller's `hread` had it).
+local SKEY = {}
+local function stages_known(wf, sl)
+  local sk = wf
+  if sl ~= '1' then sk = key(wf .. ':stages') end
+  SKEY[wf] = sk
+  return sk
+end
+
+local function stages_of(wf)
+  return SKEY[wf] or stages_known(wf, hget(wf, 'sl'))
+end
+
 local function submit_stage(wf, id, stage, attempt, now, version)
-  local sk = key(wf .. ':stages')
+  local sk = stages_of(wf)
   redis.call('HSET', sk, stage, 'pending', stage .. ':attempt', attempt, stage .. ':t_submit', now)
   local known = HV[sk]
   if known then known[stage], known[stage .. ':attempt'], known[stage .. ':t_submit'] = nil, nil, nil end
@@ -186,12 +204,12 @@ end
 -- inflight and notify, and out:<s> of every final stage and edge:<a>:<b> of every edge it has.
 -- The record fields it reads (`hread`: a caller that reads the record first reads them with it); the
 -- record's and stage hash's writes, the caller's buffered ones included, are written here (`hflush`).
-local FINAL_REC = {'stages', 'edges', 'finals', 'webhook', 'state', 'created_ms', 'blobs', 'tenant', 'tf'}
+local FINAL_REC = {'stages', 'edges', 'finals', 'webhook', 'state', 'created_ms', 'blobs', 'tenant', 'tf', 'sl'}
 
 local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now, tomb_ttl, result_ttl)
-  local sk = key(wf .. ':stages')
   local cell = cell_base(wf)
   hread(wf, FINAL_REC)
+  local sk = stages_of(wf)
   local rec = {}
   for i, f in ipairs(FINAL_REC) do rec[i] = hget(wf, f) or false end
   hset(wf, 'state', state, 'finished_ms', now, 'updated_ms', now)
@@ -242,7 +260,7 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
   redis.call('XADD', key(wf .. ':done'), '*', 'state', state)
   redis.call('EXPIRE', wf .. ':done', result_ttl)
   redis.call('EXPIRE', wf, result_ttl)
-  redis.call('EXPIRE', sk, result_ttl)
+  if sk ~= wf then redis.call('EXPIRE', sk, result_ttl) end
   redis.call('EXPIRE', wf .. ':log', result_ttl)
   for _, stage in ipairs(csv(rec[3])) do
     redis.call('EXPIRE', wf .. ':out:' .. stage, result_ttl)
@@ -273,7 +291,7 @@ local bound = {}
 local function consumer_of(wf, dst)
   local cur = bound[dst]
   if cur == nil then
-    cur = redis.call('HMGET', key(wf .. ':stages'), dst, dst .. ':replica', dst .. ':attempt')
+    cur = redis.call('HMGET', stages_of(wf), dst, dst .. ':replica', dst .. ':attempt')
     bound[dst] = cur
   end
   return cur
@@ -344,7 +362,8 @@ end
 -- only then (see finish_session); else it reports to the reconciler, as it would without.
 local function finalize_declared(wf, inflight_key)
   local cell = cell_base(wf)
-  local need = {inflight_key, wf .. ':stages', wf .. ':log', wf .. ':done', cell .. ':idx:state:completed'}
+  local need = {inflight_key, wf .. ':log', wf .. ':done', cell .. ':idx:state:completed'}
+  if hget(wf, 'sl') ~= '1' then need[#need + 1] = wf .. ':stages' end
   local state = hget(wf, 'state')
   if state then need[#need + 1] = cell .. ':idx:state:' .. state end
   if hget(wf, 'tf') then
@@ -433,15 +452,32 @@ local FINISH_FINAL_REC = {'state', 'id', 'stages', 'finals', 'finished', 'groups
 -- csv, and the caller calls `finalize` once its own writes are done (its edges flushed, its stage
 -- hash written), when it declared every key finalize touches (`finalize_declared`): the same
 -- transition the reconciler would apply to the report, one hop and one script call sooner.
+-- What finish_session reads without `pre`, with one HMGET where the stage fields are in the record:
+-- a caller that reads the stage hash before it (finish.lua's `unbound_inbox`) calls this first.
+local function finish_prefetch(wf, stage)
+  local sf = {stage, stage .. ':attempt', stage .. ':seq', stage .. ':samples', stage .. ':sr'}
+  local fields = {'sl'}
+  for _, f in ipairs(FINISH_REC) do fields[#fields + 1] = f end
+  for _, f in ipairs(sf) do fields[#fields + 1] = f end
+  hread(wf, fields)
+  local sk = stages_of(wf)
+  if sk ~= wf then hread(sk, sf) end
+  return sk, sf
+end
+
+-- Without `pre`, the record's and the stage hash's writes are buffered (`hset`): the caller calls
+-- `hflush` after it.
 local function finish_session(wf, tasks_key, events_key, group, entry_id, stage, attempt, outcome,
                               detail, retryable, now, seq, downstream, meter, pre)
-  local sk = key(wf .. ':stages')
-  local rec, cur
+  local sk, rec, cur
   if pre then
-    rec, cur = pre.rec, pre.cur
+    sk, rec, cur = stages_of(wf), pre.rec, pre.cur
   else
-    rec = redis.call('HMGET', key(wf), unpack(FINISH_REC))
-    cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':samples', stage .. ':sr')
+    local sf
+    sk, sf = finish_prefetch(wf, stage)
+    rec, cur = {}, {}
+    for i, f in ipairs(FINISH_REC) do rec[i] = hget(wf, f) or false end
+    for i, f in ipairs(sf) do cur[i] = hget(sk, f) or false end
   end
   if is_live(rec[1]) and tostring(cur[2]) == tostring(attempt) and cur[1] == 'pending' then
     -- this attempt's claim is not recorded (lost with a primary that failed over after answering
@@ -456,7 +492,7 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
       local sw = pre.sw
       for i = 1, select('#', ...) do sw[#sw + 1] = select(i, ...) end
     else
-      redis.call('HSET', sk, ...)
+      hset(sk, ...)
     end
   end
   if not is_live(rec[1]) or tostring(cur[2]) ~= tostring(attempt) then return 'fenced' end
@@ -480,7 +516,13 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
     local finished, complete
     report, finished, complete = done_needs_reconciler(sk, stage, {rec[3], rec[4], rec[5], rec[6], rec[7]})
     if not report then
-      redis.call('HSET', wf, 'finished', table.concat(finished, ','), 'updated_ms', now)
+      if not pre then
+        hset(wf, 'finished', table.concat(finished, ','), 'updated_ms', now)
+      elseif sk == wf then      -- with the caller's stage writes: one HSET
+        sset('finished', table.concat(finished, ','), 'updated_ms', now)
+      else
+        redis.call('HSET', wf, 'finished', table.concat(finished, ','), 'updated_ms', now)
+      end
     elseif complete and pre and pre.z and finalize_declared(wf, pre.z[1]) then
       report, pre.completing = false, table.concat(finished, ',')
     end

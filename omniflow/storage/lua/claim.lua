@@ -27,11 +27,17 @@ local out = {}
 for i = 7, #ARGV, 3 do
   local entry_id, id, attempt = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   local wf = KEYS[4 + (i - 7) / 3 * per_task]
-  local sk = key(wf .. ':stages')
+  -- the record's fields, 'sl', and the stage's fields (in the record but for a workflow of before:
+  -- see stages_of in _lib.lua): one HMGET
   local rec = redis.call('HMGET', wf, 'state', 'input', 'params', 'stages', 'finals', 'created_ms', 'trace',
-    'tracestate', 'tenant')
-  local cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':replica',
+    'tracestate', 'tenant', 'sl', stage, stage .. ':attempt', stage .. ':seq', stage .. ':replica',
     stage .. ':ckpt')
+  local sk = stages_known(wf, rec[10])
+  local cur = {rec[11], rec[12], rec[13], rec[14], rec[15]}
+  if sk ~= wf then
+    cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':replica',
+      stage .. ':ckpt')
+  end
   local why, held = nil, nil
   if not rec[1] then
     why = 'gone'
@@ -57,9 +63,14 @@ for i = 7, #ARGV, 3 do
     out[#out + 1] = {'drop', why}
   else
     if cur[1] == 'pending' then
-      redis.call('HSET', sk, stage, status, stage .. ':replica', replica, stage .. ':t_start', now)
+      if rec[1] == 'pending' and sk == wf then      -- the workflow starts too: one HSET
+        redis.call('HSET', sk, stage, status, stage .. ':replica', replica, stage .. ':t_start', now,
+          'state', 'running', 'updated_ms', now)
+      else
+        redis.call('HSET', sk, stage, status, stage .. ':replica', replica, stage .. ':t_start', now)
+      end
       if rec[1] == 'pending' then
-        redis.call('HSET', wf, 'state', 'running', 'updated_ms', now)
+        if sk ~= wf then redis.call('HSET', wf, 'state', 'running', 'updated_ms', now) end
         index_state(wf, id, 'pending', 'running', rec[6] or now)
         redis.call('XADD', key(wf .. ':log'), '*', 't', 'state', 'state', 'running')
       end

@@ -42,7 +42,7 @@
 --@include _lib.lua
 local wf, stage = KEYS[1], ARGV[1]
 local INBOX_WAIT_MS = 5000      -- how long calls wait for an earlier refused one (`<stage>:inbox_wait`)
-local sk = key(wf .. ':stages')
+local sk = nil                  -- where the stage fields are (stages_known: set by read_all)
 local log_key, out_key, blobs_key = KEYS[5], KEYS[6], KEYS[7]
 local blobs_flagged = false
 
@@ -115,18 +115,10 @@ local ival = {}               -- the current values of the fields 'I' ops change
 local fin_cur = nil           -- the finish's view of this stage (finish_session's `cur`)
 
 local function read_all()
-  local state
-  if fin then
-    if fin[9] then        -- the fields finalize reads too (see finalize_declared)
-      rec = redis.call('HMGET', wf, unpack(FINISH_FINAL_REC))
-      hseed(wf, FINISH_FINAL_REC, rec)
-    else
-      rec = redis.call('HMGET', wf, unpack(FINISH_REC))
-    end
-    state = rec[1]
-  else
-    state = redis.call('HGET', wf, 'state')
-  end
+  -- the record's fields first, then 'sl', then the stage's (in the record too, but for a workflow of
+  -- before: see stages_of in _lib.lua): one HMGET
+  local rf = {'state'}
+  if fin then rf = fin[9] and FINISH_FINAL_REC or FINISH_REC end     -- (FINAL: what finalize reads)
   -- a field that is not there costs a whole scan of a small hash: only what this call needs
   local fields = {stage, stage .. ':attempt', stage .. ':seq', stage .. ':inbox_wait'}
   if fin then
@@ -160,7 +152,26 @@ local function read_all()
   if fin and fin[3] == 'done' then
     for _, dst in ipairs(csv(fin[7])) do want_dst(dst) end
   end
-  local v = redis.call('HMGET', sk, unpack(fields))
+  local all = {}
+  for _, f in ipairs(rf) do all[#all + 1] = f end
+  all[#all + 1] = 'sl'
+  local nr = #all
+  for _, f in ipairs(fields) do all[#all + 1] = f end
+  local got = redis.call('HMGET', wf, unpack(all))
+  local state = got[1]
+  if fin then
+    rec = {}
+    for i = 1, #rf do rec[i] = got[i] end
+    if fin[9] then hseed(wf, all, got) end
+  end
+  sk = stages_known(wf, got[nr])
+  local v
+  if sk == wf then
+    v = {}
+    for i = 1, #fields do v[i] = got[nr + i] end
+  else
+    v = redis.call('HMGET', sk, unpack(fields))
+  end
   for _, dst in ipairs(dsts) do
     local j = at[dst]
     bound[dst] = {v[j], v[j + 1], v[j + 2]}
@@ -337,12 +348,19 @@ do
   local closed = finish_session(wf, KEYS[2], KEYS[3], f[1], f[2], stage, ARGV[2], outcome, detail,
     retryable, ARGV[4], f[6], f[7], f[8] or nil, pre)
   flush_edges()
-  flush_stage()
-  if res == 'fenced' or res == 'gap' then return res end
-  if pre and pre.completing then      -- the terminal set is complete: the workflow ends here
+  if res ~= 'fenced' and res ~= 'gap' and pre and pre.completing then
+    -- the terminal set is complete: the workflow ends here
     hset(wf, 'finished', pre.completing, 'updated_ms', ARGV[4])
+    if sk == wf then
+      hset(wf, unpack(SW))            -- the stage's writes with finalize's: one HSET
+    else
+      flush_stage()
+    end
     finalize(wf, pre.z[1], '', rec[2], 'completed', nil, nil, ARGV[4], 0, pre.z[2])
     return 'completed'
   end
+  flush_stage()
+  hflush()        -- finish_session's writes when it read for itself (no `pre`: the steps were fenced)
+  if res == 'fenced' or res == 'gap' then return res end
   return closed
 end

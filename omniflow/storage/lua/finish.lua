@@ -2,7 +2,8 @@
 -- decide (a failure; a `done` that completes the terminal set or may release `full`-edge successors).
 -- A `done` that would only join the `finished` set is applied here (see finish_session in _lib.lua).
 -- KEYS[1] wf base key  KEYS[2] the stage's task stream  KEYS[3] events stream (of the workflow's cell)
--- KEYS[4] stage hash  KEYS[5] log  KEYS[6..] edge:<stage>:<dst> of each downstream stage, then the
+-- KEYS[4] stage hash (of a workflow whose stage fields are not in its record: see stages_of in
+--   _lib.lua)  KEYS[5] log  KEYS[6..] edge:<stage>:<dst> of each downstream stage, then the
 --   inbox of each replica known to consume one of them (see unbound_inbox in _lib.lua)
 -- ARGV[1] group  ARGV[2] task entry id  ARGV[3] stage  ARGV[4] attempt
 -- ARGV[5] outcome 'done'|'failed'  ARGV[6] usage JSON (done) or error message (failed)
@@ -17,6 +18,7 @@
 if tonumber(ARGV[9]) == nil or (ARGV[5] ~= 'done' and ARGV[5] ~= 'failed') then
   return redis.error_reply('finish: malformed arguments (outcome ' .. tostring(ARGV[5]) .. ', seq ' .. tostring(ARGV[9]) .. ')')
 end
+finish_prefetch(KEYS[1], ARGV[3])    -- the record and this stage's fields, before unbound_inbox reads
 if ARGV[5] == 'done' then
   local unbound = unbound_inbox(KEYS[1], csv(ARGV[10]))
   if unbound then return {'inbox', unbound[1], unbound[2]} end
@@ -24,4 +26,5 @@ end
 local res = finish_session(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5],
   ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10])
 flush_edges()
+hflush()
 return res

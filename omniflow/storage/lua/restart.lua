@@ -17,9 +17,10 @@
 --@include _lib.lua
 local wf, stage, now = KEYS[1], ARGV[2], ARGV[4]
 local by = ARGV[7] or ''
-local sk = key(wf .. ':stages')
-local rec = redis.call('HMGET', wf, 'state', 'id', 'finished', 'pipeline_hash')
-local cur = redis.call('HMGET', sk, stage, stage .. ':attempt')
+local rec = redis.call('HMGET', wf, 'state', 'id', 'finished', 'pipeline_hash', 'sl', stage, stage .. ':attempt')
+local sk = stages_known(wf, rec[5])     -- (see stages_of in _lib.lua)
+local cur = {rec[6], rec[7]}
+if sk ~= wf then cur = redis.call('HMGET', sk, stage, stage .. ':attempt') end
 if not is_live(rec[1]) then return 'fenced' end
 local fence = by ~= '' and redis.call('HMGET', sk, by, by .. ':attempt') or cur
 local fence_attempt = by ~= '' and ARGV[8] or ARGV[3]

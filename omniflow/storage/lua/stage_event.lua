@@ -15,7 +15,7 @@
 --   trace: the workflow's W3C traceparent ('' if none), the parent of the decision's span (omniflow.tracing)
 --@include _lib.lua
 local wf, prefix, kind, stage, now = KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[5]
-local sk = key(wf .. ':stages')
+local sk = nil          -- where its stage fields are (stages_of, once the record is read)
 
 local function apply()
   if kind == 'lost' and ARGV[13] ~= '' then
@@ -26,7 +26,10 @@ local function apply()
   local fields = {'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub', 'pipeline_hash', 'trace'}
   for _, f in ipairs(FINAL_REC) do fields[#fields + 1] = f end
   fields[#fields + 1] = 'prio'      -- tasks_key's (a retry, a successor)
+  fields[#fields + 1] = stage       -- (the stage's own, when they are in the record: stages_of)
+  fields[#fields + 1] = stage .. ':attempt'
   hread(wf, fields)
+  sk = stages_of(wf)
   local rec = {}
   for i = 1, 9 do rec[i] = hget(wf, fields[i]) or false end
   if not is_live(rec[1]) then return {'ignored', rec[1] or 'gone'} end

@@ -1,6 +1,6 @@
 -- submit: create, admit and pre-submit one workflow, or refuse with nothing created.
 -- All keys are of the workflow's cell (`<c>` = `<prefix>:{<cell tag>}`):
--- KEYS[1] wf base key   `<c>:wf:<id>`     KEYS[2] its stage hash   KEYS[3] its log
+-- KEYS[1] wf base key   `<c>:wf:<id>`     KEYS[2] its stage hash (unused: the record holds them)   KEYS[3] its log
 -- KEYS[4] inflight zset `<c>:inflight`    KEYS[5] tombstone `<c>:tomb:<id>`
 -- KEYS[6] idempotency   `<c>:idem:<len(tenant)>:<tenant>:<key>` (ignored when ARGV[6] == 0; a request
 --                       id's cell is the workflow's cell)
@@ -48,17 +48,18 @@ if share then
   end
 end
 
-redis.call('HSET', wf, 'id', id, 'state', 'pending', 'created_ms', now, 'updated_ms', now,
-  'deadline_ms', ARGV[4], 'finished', '', 'gsub', '', 'tf', '1', unpack(ARGV, 10, 9 + 2 * nf))
+-- the record and every required stage's fields in one HSET ('sl': the stage fields are in the
+-- record, see stages_of in _lib.lua); the admitted stages with attempt 1 (they are queued below)
+local fields = {'id', id, 'state', 'pending', 'created_ms', now, 'updated_ms', now,
+  'deadline_ms', ARGV[4], 'finished', '', 'gsub', '', 'tf', '1', 'sl', '1'}
+for i = 10, 9 + 2 * nf do fields[#fields + 1] = ARGV[i] end
 -- the tenant's first live workflow in this cell (its count was 0 or absent): it joins the names set
 -- (never pruned: a tenant with a live workflow is in it already)
 local tenant_new = redis.call('HINCRBY', tinf, tenant, 1) == 1
 for i = 10, 8 + 2 * nf, 2 do      -- the record's priority class, for tasks_key (no read back)
   if ARGV[i] == 'prio' then PRIO[wf] = ARGV[i + 1] end
 end
--- every required stage in one HSET; the admitted ones with attempt 1 (they are queued below)
 local admit = csv(ARGV[8])
-local fields = {}
 for _, stage in ipairs(csv(ARGV[7])) do
   local attempt = 0
   if contains(admit, stage) then
@@ -70,7 +71,7 @@ for _, stage in ipairs(csv(ARGV[7])) do
     fields[#fields + 1] = v
   end
 end
-redis.call('HSET', key(wf .. ':stages'), unpack(fields))
+redis.call('HSET', wf, unpack(fields))
 local version = ''                -- the record's pipeline_hash, among its fields (ARGV[10..])
 for i = 10, 9 + 2 * nf, 2 do
   if ARGV[i] == 'pipeline_hash' then version = ARGV[i + 1] end

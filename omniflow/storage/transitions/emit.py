@@ -64,8 +64,8 @@ def emit_keys(keys: Keys, wf_id: str, stage: str, downstream: Sequence[str],
     `queue`: the stage's task stream name (`Pipeline.queue`: `<stage>@<version>`), the stage's if None;
     `priority`: the class of the stream the session's task came from."""
     cell = keys.cell_of(wf_id)
-    return [keys.wf(wf_id), keys.tasks(queue or stage, cell, priority), keys.events(cell), keys.stages(wf_id), keys.log(wf_id),
-            keys.out(wf_id, stage), keys.blobs(wf_id), *(keys.edge(wf_id, stage, dst) for dst in downstream),
+    return [keys.wf(wf_id), keys.tasks(queue or stage, cell, priority), keys.events(cell), keys.stages_legacy(wf_id),
+            keys.log(wf_id), keys.out(wf_id, stage), keys.blobs(wf_id), *(keys.edge(wf_id, stage, dst) for dst in downstream),
             *inbox_keys(keys, cell, consumers or {})]
 
 
@@ -111,8 +111,8 @@ def finish(keys: Keys, wf_id: str, stage: str, attempt: int, *, entry_id: str, o
     own if None, of class `priority`; reports to the reconciler); a `done` declares the inboxes of the replicas known to
     consume its downstream stages (`consumers`)."""
     cell = keys.cell_of(wf_id)
-    return script_call("finish", [keys.wf(wf_id), keys.tasks(queue or stage, cell, priority), keys.events(cell), keys.stages(wf_id),
-                                  keys.log(wf_id), *(keys.edge(wf_id, stage, dst) for dst in downstream),
+    return script_call("finish", [keys.wf(wf_id), keys.tasks(queue or stage, cell, priority), keys.events(cell),
+                                  keys.stages_legacy(wf_id), keys.log(wf_id), *(keys.edge(wf_id, stage, dst) for dst in downstream),
                                   *inbox_keys(keys, cell, consumers or {})],
                        [TASK_GROUP, entry_id, stage, attempt, outcome, detail, "1" if retryable else "0", now_ms, seq,
                         ",".join(downstream)])

@@ -69,7 +69,7 @@ def purge(keys: Keys, wf_id: str, *, tenant: str, request_id: str, finals: Seque
     """The `purge.lua` call deleting one finished workflow of its cell (its webhook records, in
     their own slot, are deleted apart: `Keys.webhook_keys`)."""
     cell = keys.cell_of(wf_id)
-    doomed = [keys.stages(wf_id), keys.log(wf_id), keys.done(wf_id), *(keys.out(wf_id, st) for st in finals)]
+    doomed = [keys.stages_legacy(wf_id), keys.log(wf_id), keys.done(wf_id), *(keys.out(wf_id, st) for st in finals)]
     if request_id:
         doomed.append(keys.idem(tenant, request_id, cell))
     indexes = [keys.all_wf(cell), *(keys.state_index(st.value, cell) for st in WorkflowState),

@@ -26,7 +26,7 @@ def append_input(keys: Keys, wf_id: str, stage: str, *, final: bool, payloads: S
     """The `append_input.lua` call: `payloads` (codec-encoded chunks) onto `stage`'s `@input` edge,
     copied to the inbox of the replica bound to it when that replica is among `inboxes` (worker ids)."""
     cell = keys.cell_of(wf_id)
-    return script_call("append_input", [keys.wf(wf_id), keys.stages(wf_id), keys.input_edge(wf_id, stage),
+    return script_call("append_input", [keys.wf(wf_id), keys.stages_legacy(wf_id), keys.input_edge(wf_id, stage),
                                         *(keys.inbox(replica, cell) for replica in inboxes)],
                        [wf_id, stage, "1" if final else "0", *payloads])
 

@@ -68,7 +68,7 @@ def retry_due(keys: Keys, wf_id: str, stage: str, attempt: int, member: str, *, 
     queue of the workflow's pipeline `version`: `stage_queue`; every priority class's stream of it, the
     record names its own)."""
     cell = keys.cell_of(wf_id)
-    return script_call("retry_due", [keys.wf(wf_id), keys.retries(cell), keys.stages(wf_id),
+    return script_call("retry_due", [keys.wf(wf_id), keys.retries(cell), keys.stages_legacy(wf_id),
                                      *keys.task_streams(stage_queue(stage, version), cell)],
                        [keys.prefix, member, stage, attempt])
 

@@ -34,7 +34,7 @@ def claim(keys: Keys, stage: str, upstream: Sequence[str], cell: int, claims: Se
     kk = [keys.tasks(queue or stage, cell, priority), keys.state_index(WorkflowState.PENDING.value, cell),
           keys.state_index(WorkflowState.RUNNING.value, cell)]
     for _entry_id, wf_id, _attempt in claims:
-        kk += [keys.wf(wf_id), keys.stages(wf_id), keys.log(wf_id), *(keys.edge(wf_id, src, stage) for src in upstream)]
+        kk += [keys.wf(wf_id), keys.stages_legacy(wf_id), keys.log(wf_id), *(keys.edge(wf_id, src, stage) for src in upstream)]
     return script_call("claim", kk, [keys.prefix, TASK_GROUP, worker_id, now_ms, ",".join(upstream), stage,
                                      *(x for task in claims for x in task)])
 
@@ -52,7 +52,7 @@ def restart(keys: Keys, wf_id: str, stage: str, *, attempt: int | str, below: Se
     stages re-queued: `Pipeline.queue`; of the workflow's class `priority`) written to. `regenerate`:
     (the consuming stage that asks, its attempt, the producer's most attempts, why)."""
     cell = keys.cell_of(wf_id)
-    kk = [keys.wf(wf_id), keys.stages(wf_id), keys.log(wf_id), *(keys.edge(wf_id, a, b) for a, b in edges),
+    kk = [keys.wf(wf_id), keys.stages_legacy(wf_id), keys.log(wf_id), *(keys.edge(wf_id, a, b) for a, b in edges),
           *(keys.out(wf_id, st) for st in (stage, *below)), *(keys.tasks(st, cell, priority) for st in requeued)]
     args: list[Any] = [keys.prefix, stage, attempt, now_ms, ",".join(below), ",".join(f"{a}:{b}" for a, b in edges)]
     if regenerate is not None:
