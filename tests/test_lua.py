@@ -73,6 +73,10 @@ async def emit(store: Store, wf_id: str, stage: str, attempt: int, seq: int, tex
 async def test_a_script_refuses_a_key_it_was_not_given(store) -> None:
     """Every key a script touches must be declared (Redis Cluster routes and checks by KEYS)."""
     sub = await store.submit(request())
+    await claim_next(store, "thinker")           # the thinker has written to its edge: the claim reads it
+    steps = msgpack.packb([[1, "E", "talker", ["seq", 1, "a", 1, "d", "c1"]]], use_bin_type=False)
+    assert s(await redisio.script(store.client, "emit", emit_keys(store, sub.id, "thinker", ("talker",)),
+                                  ["thinker", 1, "", now_ms(), sub.id, steps])) == "ok"
     delivered = await store.client.xreadgroup(TASK_GROUP, "w1", {store.tasks_key("talker", 0): ">"}, count=1)
     talker_task = s(delivered[0][1][0][0])
     with pytest.raises(Exception, match="undeclared key .*:edge:thinker:talker"):
@@ -346,3 +350,50 @@ def test_each_script_carries_only_the_helpers_it_uses() -> None:
     assert "local function finalize(" not in SCRIPTS["claim"].source
     assert "local function key(" in SCRIPTS["claim"].source and "local DECLARED" in SCRIPTS["claim"].source
     assert len(SCRIPTS["claim"].source) < len(SCRIPTS["emit"].source) / 3
+
+
+async def _xrange_calls(store: Store) -> int:
+    return int((await store.client.info("commandstats")).get("cmdstat_xrange", {}).get("calls", 0))
+
+
+async def _claim_talker(store: Store, wf_id: str, entry_id: str) -> list:
+    reply = await redisio.script(store.client, "claim", claim_keys(store, "talker", wf_id, ("thinker",)),
+                                 [store.settings.prefix, TASK_GROUP, "w1", now_ms(), "thinker", "talker", entry_id, wf_id, "1"])
+    assert s(reply[0][0]) == "ok"
+    return [(s(src), [(s(eid), msgpack.unpackb(dict(zip(f[::2], f[1::2]))[b"m"])) for eid, f in entries])
+            for src, entries in reply[0][6]]
+
+
+async def test_a_claim_reads_the_edge_of_an_upstream_stage_only_once_it_has_written_to_it(store) -> None:
+    """A consuming stage claimed before its producer stored a step (the pre-submitted Talker, at
+    submit time) has nothing to catch up on: its claim answers an empty catch-up without reading the
+    edge. Once the producer stored a step, or finished (done with no step: the end of stream alone),
+    the claim reads the edge (a claim sent again answers again, with the catch-up as it is then)."""
+    sub = await store.submit(request())
+    delivered = await store.client.xreadgroup(TASK_GROUP, "w1", {store.tasks_key("talker", 0): ">"}, count=1)
+    talker_task = s(delivered[0][1][0][0])
+    before = await _xrange_calls(store)
+    assert await _claim_talker(store, sub.id, talker_task) == [("thinker", [])]
+    assert await _xrange_calls(store) == before, "the claim read an edge nothing was written to"
+    entry_id, _ = await claim_next(store, "thinker")
+    steps = msgpack.packb([[1, "E", "talker", ["seq", 1, "a", 1, "d", "c1"]]], use_bin_type=False)
+    keys = [*emit_keys(store, sub.id, "thinker", ("talker",)), store.keys.inbox("w1", 0)]   # the talker's replica
+    assert s(await redisio.script(store.client, "emit", keys, ["thinker", 1, "", now_ms(), sub.id, steps])) == "ok"
+    (src, entries), = await _claim_talker(store, sub.id, talker_task)
+    assert src == "thinker" and [chunks for _, chunks in entries] == [[["seq", 1, "a", 1, "d", "c1"]]]
+    assert await _xrange_calls(store) == before + 1
+
+    # done with no step: only the end of stream is on the edge, and it is read
+    other = await store.submit(request())
+    delivered = await store.client.xreadgroup(TASK_GROUP, "w2", {store.tasks_key("thinker", 0): ">"}, count=1)
+    thinker_task = s(delivered[0][1][0][0])
+    await redisio.script(store.client, "claim", claim_keys(store, "thinker", other.id),
+                         [store.settings.prefix, TASK_GROUP, "w2", now_ms(), "", "thinker", thinker_task, other.id, "1"])
+    wf = store.keys.wf(other.id)
+    assert s(await redisio.script(store.client, "finish",
+                                  [wf, store.tasks_key("thinker", 0), store.keys.events(0), f"{wf}:stages", f"{wf}:log",
+                                   store.keys.edge(other.id, "thinker", "talker")],
+                                  [TASK_GROUP, thinker_task, "thinker", 1, "done", "{}", "1", now_ms(), 0, "talker"])) == "ok"
+    delivered = await store.client.xreadgroup(TASK_GROUP, "w1", {store.tasks_key("talker", 0): ">"}, count=1)
+    (src, entries), = await _claim_talker(store, other.id, s(delivered[0][1][0][0]))
+    assert [chunks for _, chunks in entries] == [[["eos", "1", "seq", "0", "a", "1"]]]   # (ARGV: strings)

@@ -29,14 +29,20 @@ for i = 7, #ARGV, 3 do
   local wf = KEYS[4 + (i - 7) / 3 * per_task]
   -- the record's fields, 'sl', and the stage's fields (in the record but for a workflow of before:
   -- see stages_of in _lib.lua): one HMGET
+  -- (and each upstream stage's status and seq: see the catch-up below)
+  local sf = {stage, stage .. ':attempt', stage .. ':seq', stage .. ':replica', stage .. ':ckpt'}
+  for _, src in ipairs(upstream) do
+    sf[#sf + 1] = src
+    sf[#sf + 1] = src .. ':seq'
+  end
   local rec = redis.call('HMGET', wf, 'state', 'input', 'params', 'stages', 'finals', 'created_ms', 'trace',
-    'tracestate', 'tenant', 'sl', stage, stage .. ':attempt', stage .. ':seq', stage .. ':replica',
-    stage .. ':ckpt')
+    'tracestate', 'tenant', 'sl', unpack(sf))
   local sk = stages_known(wf, rec[10])
-  local cur = {rec[11], rec[12], rec[13], rec[14], rec[15]}
-  if sk ~= wf then
-    cur = redis.call('HMGET', sk, stage, stage .. ':attempt', stage .. ':seq', stage .. ':replica',
-      stage .. ':ckpt')
+  local cur = {}
+  if sk == wf then
+    for j = 1, #sf do cur[j] = rec[10 + j] end
+  else
+    cur = redis.call('HMGET', sk, unpack(sf))
   end
   local why, held = nil, nil
   if not rec[1] then
@@ -77,9 +83,18 @@ for i = 7, #ARGV, 3 do
       redis.call('XADD', key(wf .. ':log'), '*', 't', 'stage', 'stage', stage, 'status', status,
         'attempt', attempt, 'replica', replica)
     end
+    -- An upstream stage that has stored no step and is not done has written nothing to its edge
+    -- (each emit that appends to it stores a step, `<src>:seq`; its done appends the end of stream;
+    -- a restart that sets the seq back to 0 deletes the edge with it): nothing to read. (The
+    -- client's streamed input, `@input`, has no status: its edge is read.)
     local catchup = {}
-    for _, src in ipairs(upstream) do
-      catchup[#catchup + 1] = {src, redis.call('XRANGE', key(wf .. ':edge:' .. src .. ':' .. stage), '-', '+')}
+    for j, src in ipairs(upstream) do
+      local st, sq = cur[4 + 2 * j], cur[5 + 2 * j]
+      if st and st ~= 'done' and tostring(sq or '0') == '0' then
+        catchup[#catchup + 1] = {src, {}}
+      else
+        catchup[#catchup + 1] = {src, redis.call('XRANGE', key(wf .. ':edge:' .. src .. ':' .. stage), '-', '+')}
+      end
     end
     out[#out + 1] = {'ok', rec[2], rec[3], rec[4], rec[5], cur[3] or '0', catchup, cur[5] or '',
       rec[7] or '', rec[8] or '', rec[9] or ''}
