@@ -303,7 +303,7 @@ class SessionOutputs(SessionCore):
             extra, inflight, ttl = self._completion
             if meter is None:
                 fin.append(False)
-            fin.append([inflight, ttl])
+            fin.append([inflight, ttl, ",".join(self.required)])     # (the stages: read with the record)
             have = set(self._current_emit_keys()) | set(finish_keys)
             finish_keys.extend(k for k in extra if k not in have)
         self._finish = (finish_keys, msgpack.packb(fin, use_bin_type=False))

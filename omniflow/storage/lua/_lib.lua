@@ -545,9 +545,10 @@ local function valid_meter(m)
     and tonumber(m[4]) ~= nil and tonumber(m[5]) ~= nil
 end
 
--- Is `z` a well-formed completion (a finish's 9th item: {inflight set key, result ttl s})?
+-- Is `z` a well-formed completion (a finish's 9th item: {inflight set key, result ttl s[, stages csv]})?
 local function valid_completion(z)
   return type(z) == 'table' and type(z[1]) == 'string' and tonumber(z[2]) ~= nil
+    and (z[3] == nil or type(z[3]) == 'string')
 end
 
 -- Is `f` a well-formed finish (the msgpack array emit.lua's ARGV[8] carries)?

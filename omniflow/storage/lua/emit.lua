@@ -26,7 +26,7 @@
 --   Steps must be contiguous: one past a hole (a write lost with a Redis connection) is refused.
 -- ARGV[7] optional msgpack finish: {group, entry id, outcome, detail, retryable, last seq, downstream csv
 --   [, meter: {usage key, its expiry epoch s, compute ms, prompt tokens, completion tokens} or false
---   [, completion: {inflight set, result ttl s}]]}
+--   [, completion: {inflight set, result ttl s[, the workflow's stages csv (read with the record)]}]]}
 --   (see finish.lua and finish_session in _lib.lua), applied after the steps; the meter's usage key is
 --   one of KEYS (after the edges). With a completion (the session of a final stage no other final
 --   stage follows, `Keys.finalize_keys` and the inflight set declared after the meter's key), a done
@@ -157,6 +157,11 @@ local function read_all()
   all[#all + 1] = 'sl'
   local nr = #all
   for _, f in ipairs(fields) do all[#all + 1] = f end
+  -- a finish that may complete the workflow: every stage's attempt too (the terminal set's check,
+  -- `terminal_set_complete`), where the caller named its workflow's stages (the completion's 3rd item)
+  if fin and fin[9] and type(fin[9][3]) == 'string' then
+    for _, s in ipairs(csv(fin[9][3])) do all[#all + 1] = s .. ':attempt' end
+  end
   local got = redis.call('HMGET', wf, unpack(all))
   local state = got[1]
   if fin then
