@@ -1,6 +1,7 @@
-"""The schema of what omniflow keeps in Redis: the field names of a workflow's stage hash
-(`StageField`) and the decoding every reader of records, stage hashes and stream entries shares
-(replies are bytes; lists are comma-separated; times are epoch ms).
+"""The schema of what omniflow keeps in Redis: the field names of a workflow's stages (`StageField`,
+kept in its record beside the record's own fields, `RecordField`) and the decoding every reader of
+records, stage fields and stream entries shares (replies are bytes; lists are comma-separated; times
+are epoch ms).
 
 The Lua scripts write the same names (`omniflow/storage/lua/`); nothing else in Python spells them.
 """
@@ -35,7 +36,7 @@ def decode_fields(fields: dict[bytes, bytes]) -> dict[str, str]:
 
 
 class StageField:
-    """Field names of a workflow's stage hash (`Keys.stages`): one group per stage, named after it.
+    """Field names of a workflow's stages (in its record: `Keys.stages`): one group per stage, named after it.
 
     The stage's own field (`status`, the stage's name) holds its `StageStatus`."""
 
