@@ -97,6 +97,47 @@ async def test_submit_many_then_wait_many_with_one_blocking_read(engine_factory)
                 assert ends.pokes <= 2 and ends.watched == 0
 
 
+async def test_the_watcher_reads_one_stream_however_many_workflows_it_watches(engine_factory) -> None:
+    """`completions()` reads its cell's stream of ends (`Keys.ends`), never one stream per watched
+    workflow: its blocking read names one key with 1 workflow watched or 40."""
+    async with engine_factory() as eng:
+        async with AsyncClient(eng.url, settings=eng.settings, pipeline=eng.pipeline) as client:
+            named: list[int] = []
+            real = client.store.client.xread
+
+            async def xread(streams, **kw):
+                named.append(len(streams))
+                return await real(streams, **kw)
+
+            client.store.client.xread = xread       # type: ignore[method-assign]
+            async with client.completions() as ends:
+                (first,) = await client.submit_many(["one"])
+                assert (await ends.watch(first))["state"] == "completed"
+                ids = await client.submit_many([f"w {i}" for i in range(40)])
+                docs = await asyncio.gather(*(ends.watch(wf) for wf in ids))
+                assert [d["state"] for d in docs] == ["completed"] * 40
+            assert named and set(named) == {1}, named
+
+
+async def test_the_watcher_finds_an_end_it_did_not_read_at_its_check(engine_factory) -> None:
+    """An end the watcher's read misses (trimmed from the stream while it fell behind, or written by
+    an omniflow that kept no stream of ends) resolves at its next check of the watched workflows."""
+    from omniflow.client.bulk import Completions
+
+    async with engine_factory(workers=False) as eng:
+        async with AsyncClient(eng.url, settings=eng.settings, pipeline=eng.pipeline) as client:
+            (wf,) = await client.submit_many(["never read"])
+            watcher = Completions(client.store, check_s=0.2)
+            watcher._groups = []                   # no reader at all: only the checks can see the end
+            async with watcher:
+                fut = watcher.watch(wf)
+                await asyncio.sleep(0.3)
+                assert not fut.done()              # live: checked, still waiting
+                await client.store.abort(wf, reason="ended unseen")
+                doc = await asyncio.wait_for(fut, 5)
+                assert doc["state"] == "aborted" and watcher.reads == 0
+
+
 async def test_submit_many_reports_each_refusal_in_place(engine_factory) -> None:
     async with engine_factory(workers=False, max_in_flight=2) as eng:
         async with AsyncClient(eng.url, settings=eng.settings, pipeline=eng.pipeline) as client:

@@ -6,12 +6,16 @@ ends of many workflows (BullMQ's `QueueEvents`).
   the others refused in the same batch).
 - `documents(store, ids)`: the documents of many workflows in two round trips (records and stage hashes,
   then the final text outputs), whatever their number.
-- `Completions`: a watcher. `watch(wf_id)` returns a future that resolves to the workflow's document once
-  it is terminal; every watched workflow's `<wf>:done` stream is read by one blocking XREAD
-  (`omniflow.storage.mux.StreamMux`; one per cell on a cluster). A workflow added while that read is
-  blocked wakes it once (`poke`: one per blocked read, however many are added meanwhile); the documents
-  of the workflows that end together are read together. A watched workflow that no longer exists
-  (expired, purged) resolves to `WorkflowNotFound` at the next existence check (every `check_s`).
+- `Completions`: a watcher (BullMQ's `QueueEvents`). `watch(wf_id)` returns a future that resolves to
+  the workflow's document once it is terminal. Every workflow's end is also written to its cell's
+  `<cell>:ends` stream (`finalize` in `_lib.lua`), which the watcher reads with one blocking XREAD
+  (one per cell on a cluster) from where it stood when the watcher started: one key per read however
+  many workflows it watches. A newly watched workflow's state is checked once (those watched
+  together, one round trip), so one that ended before is not waited for. The documents of the
+  workflows that end together are read together. Every `check_s` the watched ones are checked again:
+  one whose end the reader missed (the stream keeps about the last 10,000; an omniflow of before
+  wrote none) resolves then, and one that no longer exists (expired, purged) resolves to
+  `WorkflowNotFound`.
 
     async with client.completions() as ends:
         futures = [ends.watch(wf) for wf in await client.submit_many(texts)]
@@ -30,17 +34,18 @@ from omniflow.client.store import Store, check_same_body
 from omniflow.errors import AdmissionRefused, RedisRefused, WorkflowNotFound
 from omniflow.models import TERMINAL_STATES, SubmitRequest, Submitted, WorkflowState
 from omniflow.storage import redisio
-from omniflow.storage.mux import StreamMux
 from omniflow.storage.redisio import REDIS_ERRORS, translate
 from omniflow.storage.schema import s
 from omniflow.storage.transitions import Call
 from omniflow.storage.transitions.admission import SubmitResult
 from omniflow.storage.topology import read_groups
+from omniflow.runtime import Backoff
 
 logger = logging.getLogger(__name__)
 
 SUBMIT_BATCH = 256          # submits per round trip
-DEFAULT_CHECK_S = 5.0       # how often the watcher checks that the workflows it waits for still exist
+DEFAULT_CHECK_S = 5.0       # how often the watcher checks the workflows it waits for (ended unseen, or gone)
+ENDS_READ_COUNT = 512       # ends read per call
 
 
 # ---------------------------------------------------------------- submit
@@ -191,15 +196,17 @@ class Completions:
                  check_s: float = DEFAULT_CHECK_S) -> None:
         self._store = store
         self._tenant = tenant
-        groups = read_groups(store.client, store.keys.cells)
-        self._muxes = [StreamMux(store.client, store.keys, block_ms=block_ms, cell=group[0]) for group in groups]
-        self._mux_of = {cell: mux for group, mux in zip(groups, self._muxes) for cell in group}
-        self._ended: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._groups = read_groups(store.client, store.keys.cells)
+        self._block_ms = block_ms
         self._waiting: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._ended: list[str] = []         # read in an ends stream, documents not read yet
+        self._new: list[str] = []           # watched, not checked yet
+        self._wake = asyncio.Event()
+        self._ready: asyncio.Event | None = None    # every group's read position is known
         self._check_s = check_s
-        self._task: asyncio.Task[None] | None = None
-        self._poking: set[asyncio.Future[None]] = set()
-        self.pokes = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self.pokes = 0              # round trips that checked newly watched workflows
+        self.reads = 0              # blocking reads of the ends streams
 
     async def __aenter__(self) -> Completions:
         self.start()
@@ -209,10 +216,14 @@ class Completions:
         await self.close()
 
     def start(self) -> None:
-        if self._task is None:
-            for mux in self._muxes:
-                mux.start()
-            self._task = asyncio.create_task(self._run(), name="completions")
+        if not self._tasks:
+            self._ready = asyncio.Event()
+            positions: list[asyncio.Future[None]] = []
+            for group in self._groups:
+                fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                positions.append(fut)
+                self._tasks.append(asyncio.create_task(self._read(group, fut), name=f"completions:{group[0]}"))
+            self._tasks.append(asyncio.create_task(self._run(positions), name="completions"))
 
     @property
     def watched(self) -> int:
@@ -226,14 +237,8 @@ class Completions:
             return fut
         fut = self._waiting[wf_id] = asyncio.get_running_loop().create_future()
         fut.add_done_callback(_retrieved)       # a waiter that gave up (a timeout) leaves no warning behind
-        cell = self._store.keys.cell_of(wf_id)
-        mux = self._mux_of.get(cell, self._muxes[0])
-        mux.watch(self._store.keys.done(wf_id), "0-0", queue=self._ended, tag=wf_id)
-        if mux.needs_poke():
-            self.pokes += 1
-            task = asyncio.ensure_future(self._poke(mux))
-            self._poking.add(task)
-            task.add_done_callback(self._poking.discard)
+        self._new.append(wf_id)
+        self._wake.set()
         return fut
 
     async def wait(self, wf_ids: Iterable[str], *, timeout_s: float | None = None) -> dict[str, dict[str, Any]]:
@@ -255,70 +260,111 @@ class Completions:
         return out
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-        for mux in self._muxes:
-            await mux.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
         for fut in self._waiting.values():
             fut.cancel()
         self._waiting.clear()
 
-    async def _poke(self, mux: StreamMux) -> None:
-        try:
-            await mux.poke()
-        except REDIS_ERRORS as exc:      # the reader picks the stream up at its next read anyway
-            logger.warning("completions: could not wake the reader: %s", translate(exc))
-
-    async def _run(self) -> None:
-        checked = time.monotonic()
+    async def _read(self, group: tuple[int, ...], positioned: asyncio.Future[None]) -> None:
+        """Read the ends streams of `group`'s cells from where they were when the watcher started,
+        handing on the watched workflows among them."""
+        redis, keys = self._store.client, self._store.keys
+        backoff = Backoff()
+        streams: dict[Any, Any] = {}
+        while not streams:         # where each stream is now: what ends after this is read
+            try:
+                pipe = redis.pipeline(transaction=False)
+                for cell in group:
+                    pipe.xrevrange(keys.ends(cell), count=1)
+                streams = {keys.ends(cell): (last[0][0] if last else "0-0")
+                           for cell, last in zip(group, await pipe.execute())}
+            except REDIS_ERRORS as exc:
+                await backoff.wait(logger, "completions", translate(exc))
+        positioned.set_result(None)
         while True:
             try:
-                first = await asyncio.wait_for(self._ended.get(), self._check_s)
-            except TimeoutError:
-                first = None
-            ended = [] if first is None else [first[0]]
-            while not self._ended.empty():      # every end already here: their documents read together
-                ended.append(self._ended.get_nowait()[0])
+                self.reads += 1
+                reply = await redis.xread(streams, count=ENDS_READ_COUNT, block=self._block_ms)
+                backoff.reset()
+            except REDIS_ERRORS as exc:     # lost, BUSY, LOADING...: read again from where it was
+                await backoff.wait(logger, "completions", translate(exc))
+                continue
+            for raw_key, entries in reply or []:
+                if not entries:
+                    continue
+                streams[s(raw_key)] = entries[-1][0]
+                for _, fields in entries:
+                    wf_id = s(fields.get(b"wf"))
+                    if wf_id in self._waiting:
+                        self._ended.append(wf_id)
+            if self._ended:
+                self._wake.set()
+
+    async def _run(self, positions: list[asyncio.Future[None]]) -> None:
+        # a workflow is checked once every ends stream is read from a position taken before the check:
+        # it ended before the check (the check sees it), or after (a read sees it)
+        await asyncio.gather(*positions)
+        checked = time.monotonic()
+        while True:
+            if not self._ended and not self._new:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self._check_s)
+                except TimeoutError:
+                    pass
+            ended, self._ended = self._ended, []
+            new, self._new = self._new, []
             try:
+                if new:
+                    self.pokes += 1
+                    ended += await self._not_live(new)
                 if ended:
                     await self._resolve(ended)
                 if time.monotonic() - checked >= self._check_s:
                     checked = time.monotonic()
-                    await self._check_exists()
+                    await self._check()
             except (asyncio.CancelledError, KeyboardInterrupt):
                 raise
             except Exception as exc:  # noqa: BLE001 - Redis away: those waiters hear it, the reader goes on
-                for wf_id in ended:
+                for wf_id in [*ended, *new]:
                     self._settle(wf_id, exc)
 
+    async def _not_live(self, ids: list[str]) -> list[str]:
+        """Those of `ids` that are terminal or gone (one HGET of each record's state, pipelined)."""
+        ids = [wf_id for wf_id in ids if wf_id in self._waiting]
+        if not ids:
+            return []
+        pipe = self._store.client.pipeline(transaction=False)
+        for wf_id in ids:
+            pipe.hget(self._store.keys.wf(wf_id), "state")
+        states = await pipe.execute()
+        return [wf_id for wf_id, state in zip(ids, states)
+                if state is None or WorkflowState(s(state)) in TERMINAL_STATES]
+
     async def _resolve(self, ended: list[str]) -> None:
-        docs = await documents(self._store, [w for w in ended if w in self._waiting], tenant=self._tenant)
+        docs = await documents(self._store, [w for w in dict.fromkeys(ended) if w in self._waiting],
+                               tenant=self._tenant)
         for wf_id, doc in docs.items():
             if isinstance(doc, BaseException) or WorkflowState(doc["state"]) in TERMINAL_STATES:
                 self._settle(wf_id, doc)
 
-    async def _check_exists(self) -> None:
-        ids = list(self._waiting)
-        if not ids:
-            return
+    async def _check(self) -> None:
+        """Every `check_s`: the watched workflows that ended unseen (their end trimmed from a stream
+        the reader fell behind on, or ended by an omniflow of before, which wrote no end there) or are
+        gone (expired, purged)."""
         try:
-            pipe = self._store.client.pipeline(transaction=False)
-            for wf_id in ids:
-                pipe.exists(self._store.keys.wf(wf_id))
-            found = await pipe.execute()
+            late = await self._not_live(list(self._waiting))
         except REDIS_ERRORS as exc:
-            logger.warning("completions: existence check failed: %s", translate(exc))
+            logger.warning("completions: state check failed: %s", translate(exc))
             return
-        for wf_id, exists in zip(ids, found):
-            if not exists:
-                self._settle(wf_id, WorkflowNotFound(f"no workflow {wf_id}"))
+        if late:
+            await self._resolve(late)
 
     def _settle(self, wf_id: str, result: dict[str, Any] | BaseException) -> None:
         fut = self._waiting.pop(wf_id, None)
-        cell = self._store.keys.cell_of(wf_id)
-        self._mux_of.get(cell, self._muxes[0]).unwatch(self._store.keys.done(wf_id))
         if fut is None or fut.done():
             return
         if isinstance(result, BaseException):

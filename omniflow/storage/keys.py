@@ -136,11 +136,11 @@ class Keys:
 
     def finalize_keys(self, wf_id: str, plan: FinalizePlan) -> list[str]:
         """Every key `finalize` (_lib.lua) may touch besides the workflow's base key and its cell's
-        in-flight set: its tombstone, its cell's notify stream and state indexes, its cell's live count
+        in-flight set: its tombstone, its cell's notify and ends streams and state indexes, its cell's live count
         and last-seen time per tenant (fair share), its stages, log, done and payload registry, its
         final stages' outputs and its edge logs (`plan`). Every script that may end a workflow declares them."""
         cell = cell_of(wf_id)
-        return [self.tomb(wf_id), self.notify(cell), *self.state_indexes(cell), self.tenant_inflight(cell),
+        return [self.tomb(wf_id), self.notify(cell), self.ends(cell), *self.state_indexes(cell), self.tenant_inflight(cell),
                 self.tenant_seen(cell), self.stages_legacy(wf_id), self.log(wf_id),
                 self.done(wf_id), self.blobs(wf_id), *(self.out(wf_id, st) for st in plan.finals),
                 *(self.edge(wf_id, a, b) for a, b in plan.edges)]
@@ -234,6 +234,11 @@ class Keys:
     def notify(self, cell: int) -> str:
         """Stream of the cell's terminal workflows that asked for a webhook."""
         return f"{self.cell(cell)}:notify"
+
+    def ends(self, cell: int) -> str:
+        """Stream of the cell's workflows as they end (`wf`, `state`; about the last ENDS_MAX_LEN of
+        them, `_lib.lua`): what a watcher of many workflows reads (`omniflow.client.bulk.Completions`)."""
+        return f"{self.cell(cell)}:ends"
 
     def inbox(self, worker_id: str, cell: int) -> str:
         """A worker's input stream in one cell: chunks for its sessions of that cell, forwarded by

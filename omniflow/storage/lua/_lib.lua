@@ -146,6 +146,10 @@ end
 
 -- `<prefix>:notify` keeps at most about this many entries (`omniflow jobs` reads and deletes them)
 local NOTIFY_MAX_LEN = 100000
+-- `<cell>:ends` (every workflow as it ends: what a watcher of many reads, omniflow.client.bulk) keeps
+-- about the last this many: a watcher that falls further behind finds its workflows' ends at its
+-- periodic check instead
+local ENDS_MAX_LEN = 10000
 
 -- A stage's task stream is its queue in the workflow's pipeline version and priority class:
 -- `<c>:stage:<stage>@<version>:tasks` for the `api` class, `...:tasks:<class>` for the others
@@ -201,7 +205,7 @@ end
 -- Move a workflow to a terminal state, once. Callers checked it was live.
 -- Partial outputs stay (labelled by stage); edge logs go; the rest expires.
 -- The keys it may touch, to declare: the workflow's wf, stages, log, done, its cell's tomb:<id>,
--- inflight and notify, and out:<s> of every final stage and edge:<a>:<b> of every edge it has.
+-- inflight, notify and ends, and out:<s> of every final stage and edge:<a>:<b> of every edge it has.
 -- The record fields it reads (`hread`: a caller that reads the record first reads them with it); the
 -- record's and stage hash's writes, the caller's buffered ones included, are written here (`hflush`).
 local FINAL_REC = {'stages', 'edges', 'finals', 'webhook', 'state', 'created_ms', 'blobs', 'tenant', 'tf', 'sl'}
@@ -258,6 +262,8 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
     'stage', err_stage or '')
   -- one entry, ever: a waiter that wants the outcome and not the progress blocks here (wakes once)
   redis.call('XADD', key(wf .. ':done'), '*', 'state', state)
+  -- and in its cell's stream of ends: one read for a watcher of many, however many it watches
+  redis.call('XADD', key(cell .. ':ends'), 'MAXLEN', '~', ENDS_MAX_LEN, '*', 'wf', id, 'state', state)
   redis.call('EXPIRE', wf .. ':done', result_ttl)
   redis.call('EXPIRE', wf, result_ttl)
   if sk ~= wf then redis.call('EXPIRE', sk, result_ttl) end
@@ -362,7 +368,7 @@ end
 -- only then (see finish_session); else it reports to the reconciler, as it would without.
 local function finalize_declared(wf, inflight_key)
   local cell = cell_base(wf)
-  local need = {inflight_key, wf .. ':log', wf .. ':done', cell .. ':idx:state:completed'}
+  local need = {inflight_key, wf .. ':log', wf .. ':done', cell .. ':ends', cell .. ':idx:state:completed'}
   if hget(wf, 'sl') ~= '1' then need[#need + 1] = wf .. ':stages' end
   local state = hget(wf, 'state')
   if state then need[#need + 1] = cell .. ':idx:state:' .. state end
