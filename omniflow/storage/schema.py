@@ -182,7 +182,7 @@ class RecordField:
 #: Every field a workflow's record may hold besides its stage fields: RecordField's and those only the
 #: scripts and the submit write. The stage fields share the record (`Keys.stages`), and each stage's
 #: status field is the stage's own name: a stage may not be named like one of these
-#: (omniflow.pipeline refuses it). A new record field is added here (tests/test_schema.py checks
+#: (omniflow.pipeline refuses it). A new record field is added here (tests/test_layout.py checks
 #: the records a whole run writes); the others of a stage contain ':' and never meet a record field.
 RECORD_FIELD_NAMES = frozenset(
     {v for k, v in vars(RecordField).items() if k.isupper()}
