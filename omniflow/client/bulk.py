@@ -35,7 +35,7 @@ from omniflow.errors import AdmissionRefused, RedisRefused, WorkflowNotFound
 from omniflow.models import TERMINAL_STATES, SubmitRequest, Submitted, WorkflowState
 from omniflow.storage import redisio
 from omniflow.storage.redisio import REDIS_ERRORS, translate
-from omniflow.storage.schema import s
+from omniflow.storage.schema import s, stages_in_record
 from omniflow.storage.transitions import Call
 from omniflow.storage.transitions.admission import SubmitResult
 from omniflow.storage.topology import read_groups
@@ -156,7 +156,7 @@ async def documents(store: Store, wf_ids: Sequence[str], *, tenant: str | None =
         if not rec or (tenant is not None and rec.get("tenant") != tenant):
             out[wf_id] = WorkflowNotFound(f"no workflow {wf_id}")
             continue
-        if keys.stage_hash(wf_id, rec) != keys.wf(wf_id):
+        if not stages_in_record(rec):
             legacy.append(wf_id)
         found.append((wf_id, rec, rec, text_stages(rec)))
     if legacy:
@@ -202,7 +202,6 @@ class Completions:
         self._ended: list[str] = []         # read in an ends stream, documents not read yet
         self._new: list[str] = []           # watched, not checked yet
         self._wake = asyncio.Event()
-        self._ready: asyncio.Event | None = None    # every group's read position is known
         self._check_s = check_s
         self._tasks: list[asyncio.Task[None]] = []
         self.pokes = 0              # round trips that checked newly watched workflows
@@ -217,7 +216,6 @@ class Completions:
 
     def start(self) -> None:
         if not self._tasks:
-            self._ready = asyncio.Event()
             positions: list[asyncio.Future[None]] = []
             for group in self._groups:
                 fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()

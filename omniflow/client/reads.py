@@ -18,7 +18,7 @@ from omniflow.storage import registry
 from omniflow.storage.client import RedisClient
 from omniflow.storage.keys import Keys
 from omniflow.storage.redisio import translated
-from omniflow.storage.schema import decode_fields, s
+from omniflow.storage.schema import decode_fields, s, stages_in_record
 
 if TYPE_CHECKING:
     from omniflow.storage.listing import ListFilter, ListPage
@@ -56,7 +56,7 @@ class WorkflowReads:
         if tenant is not None and rec.get("tenant") != tenant:
             raise WorkflowNotFound(f"no workflow {wf_id}")
         st = rec
-        if self.keys.stage_hash(wf_id, rec) != self.keys.wf(wf_id):     # a workflow of before
+        if not stages_in_record(rec):      # a workflow of before
             st = {s(k): s(v) for k, v in (await self._redis.hgetall(self.keys.stages_legacy(wf_id))).items()}
         wanted = text_stages(rec)
         texts = {name: s(v) for name, v in zip(guess, guessed) if name in wanted}

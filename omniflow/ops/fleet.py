@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from omniflow.storage import registry
 from omniflow.storage.keys import DLQ_EVENTS, PRIORITY_NAMES, TASK_GROUP
 from omniflow.storage.redisio import translated
-from omniflow.storage.schema import csv, now_ms, s
+from omniflow.storage.schema import csv, now_ms, s, stages_in_record
 from omniflow.engine.window import WINDOW_S, merge, percentile
 from omniflow.models import WorkerState, WorkflowState
 
@@ -355,21 +355,21 @@ def _audio_chunk(eid: Any, entry: dict[bytes, bytes]) -> AudioChunk | None:
 
 @translated
 async def stage_times(store: Store, ids: list[str], *, log_scan: int) -> list[StageTimes]:
-    """The stage timings of each workflow, from its record, stage hash and the first `log_scan`
+    """The stage timings of each workflow, from its record (with its stage fields) and the first `log_scan`
     entries of its log (first outputs, every audio chunk)."""
     if not ids:
         return []
     pipe = store.client.pipeline(transaction=False)
     for wf_id in ids:
-        pipe.hmget(store.keys.wf(wf_id), *RECORD_FIELDS)
-        pipe.hgetall(store.keys.stages(wf_id))            # the record: the stage fields are in it
+        pipe.hgetall(store.keys.wf(wf_id))                # the record, with the stage fields
         pipe.hgetall(store.keys.stages_legacy(wf_id))     # (but for a workflow of before: `Keys.stages`)
         pipe.xrange(store.keys.log(wf_id), count=log_scan)
     replies = await pipe.execute()
     out = []
     for i in range(len(ids)):
-        rec, in_record, legacy, log = replies[4 * i: 4 * i + 4]
-        raw = in_record if (in_record or {}).get(b"sl") == b"1" else legacy
+        raw_record, legacy, log = replies[3 * i: 3 * i + 3]
+        full = {s(k): s(v) for k, v in (raw_record or {}).items()}
+        fields = full if stages_in_record(full) else {s(k): s(v) for k, v in (legacy or {}).items()}
         first: dict[str, int] = {}
         first_text: dict[str, int] = {}
         audio: dict[str, list[AudioChunk]] = {}
@@ -387,8 +387,8 @@ async def stage_times(store: Store, ids: list[str], *, log_scan: int) -> list[St
                 logger.warning("workflow %s: a malformed audio log entry %s skipped", ids[i], s(eid))
                 continue
             audio.setdefault(stage, []).append(chunk)
-        record = {name: s(value) for name, value in zip(RECORD_FIELDS, rec or [])}
-        out.append(StageTimes(stages=csv(record.get("stages")), fields={s(k): s(v) for k, v in (raw or {}).items()},
+        record = {name: full.get(name, "") for name in RECORD_FIELDS}
+        out.append(StageTimes(stages=csv(record.get("stages")), fields=fields,
                               first_output_ms=first, record=record, first_text_ms=first_text, audio=audio,
                               log_truncated=len(log or []) >= log_scan))
     return out

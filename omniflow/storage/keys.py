@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from omniflow.storage.cells import DEFAULT_CLUSTER_CELLS, cell_for_key, cell_of, cell_tag
 from omniflow.models import PRIORITY_ORDER, WorkflowState
 from omniflow.pipeline import INPUT_SRC
+from omniflow.storage.schema import stages_in_record
 from omniflow.storage.topology import is_cluster
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ class Keys:
 
     def stage_hash(self, wf_id: str, record: dict[str, str]) -> str:
         """Where the stage fields of the workflow whose (decoded) record is `record` are."""
-        return self.wf(wf_id) if record.get("sl") == "1" else self.stages_legacy(wf_id)
+        return self.wf(wf_id) if stages_in_record(record) else self.stages_legacy(wf_id)
 
     def log(self, wf_id: str) -> str:
         return f"{self.wf(wf_id)}:log"

@@ -179,6 +179,12 @@ class RecordField:
     STAGES_IN_RECORD = "sl"     # '1': its stage fields (`StageField`) are in the record (`Keys.stages`)
 
 
+def stages_in_record(record: dict[str, str]) -> bool:
+    """Whether a (decoded) record holds its workflow's stage fields (`sl`); a workflow submitted
+    before they moved there keeps them in `Keys.stages_legacy`."""
+    return record.get(RecordField.STAGES_IN_RECORD) == "1"
+
+
 #: Every field a workflow's record may hold besides its stage fields: RecordField's and those only the
 #: scripts and the submit write. The stage fields share the record (`Keys.stages`), and each stage's
 #: status field is the stage's own name: a stage may not be named like one of these

@@ -301,7 +301,7 @@ class Sweeps:
         records = await pipe.execute()
         pipe = redis.pipeline(transaction=False)
         for wf_id, (_name, _version, raw_stages, sl) in zip(wf_ids, records):
-            pipe.hmget(keys.stage_hash(wf_id, {"sl": s(sl)}), *(csv(s(raw_stages)) or ["-"]))
+            pipe.hmget(keys.stage_hash(wf_id, {RecordField.STAGES_IN_RECORD: s(sl)}), *(csv(s(raw_stages)) or ["-"]))
         statuses = await pipe.execute()
         served = await registry.served(redis, keys)
         out: list[tuple[str, str]] = []

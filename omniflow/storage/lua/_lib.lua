@@ -194,6 +194,27 @@ local function stages_of(wf)
   return SKEY[wf] or stages_known(wf, hget(wf, 'sl'))
 end
 
+-- The record's fields `rf` and the stage fields `sf` of workflow `wf` with one HMGET (a second one, of
+-- `<wf>:stages`, for a workflow of before): {the values of rf}, the key the stage fields are in, {the
+-- values of sf}; and the fields the HMGET asked and what it answered (for `hseed`).
+local function read_record(wf, rf, sf)
+  local all = {}
+  for _, f in ipairs(rf) do all[#all + 1] = f end
+  all[#all + 1] = 'sl'
+  local nr = #all
+  for _, f in ipairs(sf) do all[#all + 1] = f end
+  local got = redis.call('HMGET', wf, unpack(all))
+  local rec, cur = {}, {}
+  for i = 1, nr - 1 do rec[i] = got[i] end
+  local sk = stages_known(wf, got[nr])
+  if sk ~= wf then
+    cur = redis.call('HMGET', sk, unpack(sf))
+  else
+    for i = 1, #sf do cur[i] = got[nr + i] end
+  end
+  return rec, sk, cur, all, got
+end
+
 local function submit_stage(wf, id, stage, attempt, now, version)
   local sk = stages_of(wf)
   redis.call('HSET', sk, stage, 'pending', stage .. ':attempt', attempt, stage .. ':t_submit', now)
@@ -450,14 +471,6 @@ local FINISH_REC = {'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gs
 local FINISH_FINAL_REC = {'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub', 'tenant', 'pipeline',
   'pipeline_hash', 'prio', 'edges', 'webhook', 'created_ms', 'blobs', 'tf'}
 
--- `pre` (optional): what the caller read and will write already: {rec = HMGET of FINISH_REC, cur = this
--- stage's {status, attempt, seq, samples, sr}, sw = its pending stage-hash writes (field, value, ...),
--- which the caller writes with one HSET after this; the session's stage fields are added to them;
--- z = {inflight set, result ttl s} when the caller may end the workflow itself}. With `z`, a `done`
--- that completes the terminal set is not reported: `pre.completing` is set to the new `finished`
--- csv, and the caller calls `finalize` once its own writes are done (its edges flushed, its stage
--- hash written), when it declared every key finalize touches (`finalize_declared`): the same
--- transition the reconciler would apply to the report, one hop and one script call sooner.
 -- What finish_session reads without `pre`, with one HMGET where the stage fields are in the record:
 -- a caller that reads the stage hash before it (finish.lua's `unbound_inbox`) calls this first.
 local function finish_prefetch(wf, stage)
@@ -471,8 +484,15 @@ local function finish_prefetch(wf, stage)
   return sk, sf
 end
 
--- Without `pre`, the record's and the stage hash's writes are buffered (`hset`): the caller calls
--- `hflush` after it.
+-- `pre` (optional): what the caller read already: {rec = HMGET of FINISH_REC, cur = this stage's
+-- {status, attempt, seq, samples, sr} as the caller's buffered writes leave them, z = {inflight set,
+-- result ttl s} when the caller may end the workflow itself}. With `z`, a `done` that completes the
+-- terminal set is not reported: `pre.completing` is set to the new `finished` csv, and the caller
+-- calls `finalize` once its own writes are done (its edges flushed), when it declared every key
+-- finalize touches (`finalize_declared`): the same transition the reconciler would apply to the
+-- report, one hop and one script call sooner.
+-- The record's and the stage fields' writes are buffered (`hset`, after the caller's own): one HSET
+-- per hash when the caller calls `hflush` (finalize does).
 local function finish_session(wf, tasks_key, events_key, group, entry_id, stage, attempt, outcome,
                               detail, retryable, now, seq, downstream, meter, pre)
   local sk, rec, cur
@@ -493,14 +513,6 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
   end
   redis.call('XACK', key(tasks_key), group, entry_id)
   redis.call('XDEL', tasks_key, entry_id)
-  local function sset(...)
-    if pre then
-      local sw = pre.sw
-      for i = 1, select('#', ...) do sw[#sw + 1] = select(i, ...) end
-    else
-      hset(sk, ...)
-    end
-  end
   if not is_live(rec[1]) or tostring(cur[2]) ~= tostring(attempt) then return 'fenced' end
   if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
   local res = 'ok'
@@ -515,25 +527,19 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
       edge_append(wf, rec[2], stage, dst, {'eos', '1', 'seq', seq, 'a', attempt})
     end
     if meter then
-      sset(stage, 'done', stage .. ':t_end', now, stage .. ':usage', detail, stage .. ':compute_ms', meter[3])
+      hset(sk, stage, 'done', stage .. ':t_end', now, stage .. ':usage', detail, stage .. ':compute_ms', meter[3])
     else
-      sset(stage, 'done', stage .. ':t_end', now, stage .. ':usage', detail)
+      hset(sk, stage, 'done', stage .. ':t_end', now, stage .. ':usage', detail)
     end
     local finished, complete
     report, finished, complete = done_needs_reconciler(sk, stage, {rec[3], rec[4], rec[5], rec[6], rec[7]})
     if not report then
-      if not pre then
-        hset(wf, 'finished', table.concat(finished, ','), 'updated_ms', now)
-      elseif sk == wf then      -- with the caller's stage writes: one HSET
-        sset('finished', table.concat(finished, ','), 'updated_ms', now)
-      else
-        redis.call('HSET', wf, 'finished', table.concat(finished, ','), 'updated_ms', now)
-      end
+      hset(wf, 'finished', table.concat(finished, ','), 'updated_ms', now)
     elseif complete and pre and pre.z and finalize_declared(wf, pre.z[1]) then
       report, pre.completing = false, table.concat(finished, ',')
     end
   else
-    sset(stage, 'failed', stage .. ':t_end', now, stage .. ':error', detail)
+    hset(sk, stage, 'failed', stage .. ':t_end', now, stage .. ':error', detail)
   end
   if meter then meter_session(stage, outcome, rec[8], rec[9], meter, cur[4], cur[5]) end
   redis.call('XADD', key(wf .. ':log'), '*', 't', 'stage', 'stage', stage, 'status', outcome, 'attempt', attempt)

@@ -12,13 +12,10 @@
 --       | {'inbox', stage, replica} (the stage is bound to a replica whose inbox is not in KEYS: nothing written)
 --@include _lib.lua
 local wf, id, stage = KEYS[1], ARGV[1], ARGV[2]
-local rec = redis.call('HMGET', wf, 'state', 'edges', 'sl', '@input:seq', '@input:eos')
+local rec, sk, cur = read_record(wf, {'state', 'edges'}, {'@input:seq', '@input:eos'})
 if not rec[1] then return {'ended', 'gone'} end
 if not contains(csv(rec[2]), '@input:' .. stage) then return {'no_input', ''} end
 if not is_live(rec[1]) then return {'ended', rec[1]} end
-local sk = stages_known(wf, rec[3])     -- (see stages_of in _lib.lua)
-local cur = {rec[4], rec[5]}
-if sk ~= wf then cur = redis.call('HMGET', sk, '@input:seq', '@input:eos') end
 local seq = tonumber(cur[1] or '0')
 if cur[2] then return {'closed', seq} end
 local missing = unbound_inbox(wf, {stage})

@@ -18,6 +18,7 @@
 --       it stays pending, for that replica (see below)
 -- Claiming again a task this replica already holds answers 'ok' again (a retried call is harmless).
 --@include _lib.lua
+local CLAIM_REC = {'state', 'input', 'params', 'stages', 'finals', 'created_ms', 'trace', 'tracestate', 'tenant'}
 local group, replica, now, stage = ARGV[2], ARGV[3], ARGV[4], ARGV[6]
 local upstream = csv(ARGV[5])
 local per_task = 3 + #upstream
@@ -27,23 +28,14 @@ local out = {}
 for i = 7, #ARGV, 3 do
   local entry_id, id, attempt = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   local wf = KEYS[4 + (i - 7) / 3 * per_task]
-  -- the record's fields, 'sl', and the stage's fields (in the record but for a workflow of before:
-  -- see stages_of in _lib.lua): one HMGET
-  -- (and each upstream stage's status and seq: see the catch-up below)
+  -- the record's fields and the stage's, with each upstream stage's status and seq (the catch-up
+  -- below): one HMGET (read_record)
   local sf = {stage, stage .. ':attempt', stage .. ':seq', stage .. ':replica', stage .. ':ckpt'}
   for _, src in ipairs(upstream) do
     sf[#sf + 1] = src
     sf[#sf + 1] = src .. ':seq'
   end
-  local rec = redis.call('HMGET', wf, 'state', 'input', 'params', 'stages', 'finals', 'created_ms', 'trace',
-    'tracestate', 'tenant', 'sl', unpack(sf))
-  local sk = stages_known(wf, rec[10])
-  local cur = {}
-  if sk == wf then
-    for j = 1, #sf do cur[j] = rec[10 + j] end
-  else
-    cur = redis.call('HMGET', sk, unpack(sf))
-  end
+  local rec, sk, cur = read_record(wf, CLAIM_REC, sf)
   local why, held = nil, nil
   if not rec[1] then
     why = 'gone'

@@ -42,7 +42,7 @@
 --@include _lib.lua
 local wf, stage = KEYS[1], ARGV[1]
 local INBOX_WAIT_MS = 5000      -- how long calls wait for an earlier refused one (`<stage>:inbox_wait`)
-local sk = nil                  -- where the stage fields are (stages_known: set by read_all)
+local sk = nil                  -- where the stage fields are (read_all: read_record)
 local log_key, out_key, blobs_key = KEYS[5], KEYS[6], KEYS[7]
 local blobs_flagged = false
 
@@ -105,18 +105,17 @@ if not bad and ARGV[7] then
 end
 if bad then return redis.error_reply('emit: ' .. bad .. ' (nothing written)') end
 
--- One read of the record (the finish's fields too) and one of the stage hash: this stage's fields,
--- each consumer's (`consumer_of`), the fields the steps' 'I' and 'C' ops change; the stage hash's
--- writes are gathered in SW and written with one HSET at the end (in order: the last write of a
--- field wins, as it would one HSET after another).
-local rec = nil               -- HMGET of FINISH_REC (with a finish)
+-- One read of the record (the finish's fields too) with the stage fields: this stage's, each
+-- consumer's (`consumer_of`), those the steps' 'I' and 'C' ops change (`read_record`). The stage's
+-- writes are gathered in SW and join the call's buffered writes (`hset`) once the steps are written,
+-- before the finish's: one HSET per hash at `hflush` (the last write of a field wins, as it would one
+-- HSET after another).
+local rec = nil               -- the record's fields read (FINISH_REC's with a finish)
 local SW = {}                 -- field, value, ... to write to the stage hash
 local ival = {}               -- the current values of the fields 'I' ops change
 local fin_cur = nil           -- the finish's view of this stage (finish_session's `cur`)
 
 local function read_all()
-  -- the record's fields first, then 'sl', then the stage's (in the record too, but for a workflow of
-  -- before: see stages_of in _lib.lua): one HMGET
   local rf = {'state'}
   if fin then rf = fin[9] and FINISH_FINAL_REC or FINISH_REC end     -- (FINAL: what finalize reads)
   -- a field that is not there costs a whole scan of a small hash: only what this call needs
@@ -152,37 +151,20 @@ local function read_all()
   if fin and fin[3] == 'done' then
     for _, dst in ipairs(csv(fin[7])) do want_dst(dst) end
   end
-  local all = {}
-  for _, f in ipairs(rf) do all[#all + 1] = f end
-  all[#all + 1] = 'sl'
-  local nr = #all
-  for _, f in ipairs(fields) do all[#all + 1] = f end
   -- a finish that may complete the workflow: every stage's attempt too (the terminal set's check,
   -- `terminal_set_complete`), where the caller named its workflow's stages (the completion's 3rd item)
-  if fin and fin[9] and type(fin[9][3]) == 'string' then
-    for _, s in ipairs(csv(fin[9][3])) do all[#all + 1] = s .. ':attempt' end
+  if fin and fin[9] and fin[9][3] then
+    for _, s in ipairs(csv(fin[9][3])) do fields[#fields + 1] = s .. ':attempt' end
   end
-  local got = redis.call('HMGET', wf, unpack(all))
-  local state = got[1]
-  if fin then
-    rec = {}
-    for i = 1, #rf do rec[i] = got[i] end
-    if fin[9] then hseed(wf, all, got) end
-  end
-  sk = stages_known(wf, got[nr])
-  local v
-  if sk == wf then
-    v = {}
-    for i = 1, #fields do v[i] = got[nr + i] end
-  else
-    v = redis.call('HMGET', sk, unpack(fields))
-  end
+  local v, all, got
+  rec, sk, v, all, got = read_record(wf, rf, fields)
+  if fin and fin[9] then hseed(wf, all, got) end
   for _, dst in ipairs(dsts) do
     local j = at[dst]
     bound[dst] = {v[j], v[j + 1], v[j + 2]}
   end
   for f, j in pairs(iat) do ival[f] = v[j] end
-  return state, v, ckpt_at and v[ckpt_at]
+  return rec[1], v, ckpt_at and v[ckpt_at]
 end
 
 local function write_steps()
@@ -332,14 +314,15 @@ local function write_steps()
 end
 
 local function flush_stage()
-  if #SW > 0 then redis.call('HSET', sk, unpack(SW)) end
+  if #SW > 0 then hset(sk, unpack(SW)) end
 end
 
 local res = write_steps()
 if type(res) == 'table' then return res end       -- refused for an inbox: nothing written
+flush_stage()
 if not fin then
   flush_edges()
-  flush_stage()
+  hflush()
   return res
 end
 do
@@ -349,23 +332,17 @@ do
     outcome, detail, retryable = 'failed', 'an earlier write of this attempt was lost', '1'
   end
   local pre = nil
-  if fin_cur then pre = {rec = rec, cur = fin_cur, sw = SW, z = f[9]} end
+  if fin_cur then pre = {rec = rec, cur = fin_cur, z = f[9]} end
   local closed = finish_session(wf, KEYS[2], KEYS[3], f[1], f[2], stage, ARGV[2], outcome, detail,
     retryable, ARGV[4], f[6], f[7], f[8] or nil, pre)
   flush_edges()
   if res ~= 'fenced' and res ~= 'gap' and pre and pre.completing then
-    -- the terminal set is complete: the workflow ends here
+    -- the terminal set is complete: the workflow ends here (finalize writes what is buffered)
     hset(wf, 'finished', pre.completing, 'updated_ms', ARGV[4])
-    if sk == wf then
-      hset(wf, unpack(SW))            -- the stage's writes with finalize's: one HSET
-    else
-      flush_stage()
-    end
     finalize(wf, pre.z[1], '', rec[2], 'completed', nil, nil, ARGV[4], 0, pre.z[2])
     return 'completed'
   end
-  flush_stage()
-  hflush()        -- finish_session's writes when it read for itself (no `pre`: the steps were fenced)
+  hflush()
   if res == 'fenced' or res == 'gap' then return res end
   return closed
 end

@@ -17,10 +17,7 @@
 --@include _lib.lua
 local wf, stage, now = KEYS[1], ARGV[2], ARGV[4]
 local by = ARGV[7] or ''
-local rec = redis.call('HMGET', wf, 'state', 'id', 'finished', 'pipeline_hash', 'sl', stage, stage .. ':attempt')
-local sk = stages_known(wf, rec[5])     -- (see stages_of in _lib.lua)
-local cur = {rec[6], rec[7]}
-if sk ~= wf then cur = redis.call('HMGET', sk, stage, stage .. ':attempt') end
+local rec, sk, cur = read_record(wf, {'state', 'id', 'finished', 'pipeline_hash'}, {stage, stage .. ':attempt'})
 if not is_live(rec[1]) then return 'fenced' end
 local fence = by ~= '' and redis.call('HMGET', sk, by, by .. ':attempt') or cur
 local fence_attempt = by ~= '' and ARGV[8] or ARGV[3]

@@ -7,12 +7,8 @@
 --@include _lib.lua
 local wf, stage = KEYS[1], ARGV[3]
 if redis.call('ZREM', KEYS[2], ARGV[2]) == 0 then return 'dropped' end
-local rec = redis.call('HMGET', wf, 'state', 'id', 'pipeline_hash', 'sl', stage, stage .. ':attempt')
+local rec, _, cur = read_record(wf, {'state', 'id', 'pipeline_hash'}, {stage, stage .. ':attempt'})
 if not is_live(rec[1]) then return 'dropped' end
-local cur = {rec[5], rec[6]}
-if rec[4] ~= '1' then       -- a workflow of before: its stage fields are not in its record (stages_of, _lib.lua)
-  cur = redis.call('HMGET', key(wf .. ':stages'), stage, stage .. ':attempt')
-end
 if cur[1] ~= 'pending' or tostring(cur[2]) ~= ARGV[4] then return 'dropped' end
 redis.call('XADD', tasks_key(wf, stage, rec[3] or ''), '*', 'wf', rec[2], 's', stage, 'a', ARGV[4])
 return 'queued'
