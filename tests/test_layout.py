@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from omniflow.storage.schema import RECORD_FIELD_NAMES, s
+import pytest
+
+from omniflow.engine.worker import ensure_group
+from omniflow.errors import ScriptError
+from omniflow.storage import redisio
+from omniflow.storage.keys import TASK_GROUP
+from omniflow.storage.schema import RECORD_FIELD_NAMES, now_ms, s
+from omniflow.storage.transitions import emit, sessions
 
 from conftest import toy_spec
 from helpers import expected_text, request
@@ -87,3 +94,44 @@ async def test_a_workflow_of_the_layout_before_is_aborted_where_its_fields_are(e
         legacy = await eng.redis.hgetall(eng.store.keys.stages_legacy(sub.id))
         assert s(legacy[b"thinker"]) == "aborted"
         assert "thinker" not in await _record(eng, sub.id)
+
+
+async def test_a_worker_declares_the_stages_hash_only_for_a_workflow_claimed_as_one_of_before(engine_factory) -> None:
+    """A worker's claim and emit do not declare `<wf>:stages` (bytes on every call, for workflows a
+    worker of this layout never meets: their queues are another version's). A claim that meets one
+    anyway answers 'layout' and writes nothing; claimed again declaring the key, it is 'ok', and an
+    emit of such a session that did not declare it is refused with a message, nothing written."""
+    async with engine_factory(workers=False, reconciler=False) as eng:
+        keys, store = eng.store.keys, eng.store
+        sub = await store.submit(request())
+        await to_layout_before(eng, sub.id)
+        await ensure_group(eng.redis, store.tasks_key("thinker", 0), TASK_GROUP)
+        entry_id = s((await eng.redis.xreadgroup(TASK_GROUP, "w1", {store.tasks_key("thinker", 0): ">"},
+                                                 count=1))[0][1][0][0])
+        before_rec, before_stages = await _record(eng, sub.id), await eng.redis.hgetall(keys.stages_legacy(sub.id))
+        queue = eng.pipeline.queue("thinker")
+
+        async def claim(legacy: tuple[str, ...]) -> list:
+            call = sessions.claim(keys, "thinker", (), 0, [(entry_id, sub.id, 1)], worker_id="w1", now_ms=now_ms(),
+                                  queue=queue, legacy=legacy)
+            assert (keys.stages_legacy(sub.id) in call[3:3 + call[2]]) == bool(legacy)
+            return await redisio.call(store.client, *call)
+
+        assert [s(x) for x in (await claim(()))[0]] == ["layout"]
+        assert await _record(eng, sub.id) == before_rec
+        assert await eng.redis.hgetall(keys.stages_legacy(sub.id)) == before_stages
+        assert (await eng.redis.xpending(store.tasks_key("thinker", 0), TASK_GROUP))["pending"] == 1   # not acked
+        assert s((await claim((sub.id,)))[0][0]) == "ok"
+        assert s((await eng.redis.hget(keys.stages_legacy(sub.id), "thinker"))) == "running"
+
+        steps = [[1, "T", "hi", ""]]
+        plain = emit.emit_keys(keys, sub.id, "thinker", ("talker",), queue=queue)
+        with pytest.raises(ScriptError, match=r"storage layout before .*:stages\), which this call did not declare"):
+            await redisio.call(store.client, *emit.emit(plain, sub.id, "thinker", 1, status="", now_ms=now_ms(),
+                                                        steps=steps))
+        assert s(await eng.redis.hget(keys.stages_legacy(sub.id), "thinker:seq")) == "0"
+        declared = emit.emit_keys(keys, sub.id, "thinker", ("talker",), queue=queue, legacy=True)
+        assert s(await redisio.call(store.client, *emit.emit(declared, sub.id, "thinker", 1, status="",
+                                                             now_ms=now_ms(), steps=steps))) == "ok"
+        assert s(await eng.redis.hget(keys.stages_legacy(sub.id), "thinker:seq")) == "1"
+        assert "thinker:seq" not in await _record(eng, sub.id)

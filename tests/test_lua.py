@@ -34,13 +34,13 @@ async def store(any_server_url, settings_factory):
 def claim_keys(store: Store, stage: str, wf_id: str, upstream: tuple[str, ...] = ()) -> list[str]:
     wf = store.keys.wf(wf_id)
     return [store.tasks_key(stage, 0), store.keys.state_index("pending", 0), store.keys.state_index("running", 0),
-            wf, f"{wf}:stages", f"{wf}:log", *(f"{wf}:edge:{u}:{stage}" for u in upstream)]
+            wf, f"{wf}:log", *(f"{wf}:edge:{u}:{stage}" for u in upstream)]
 
 
 def emit_keys(store: Store, wf_id: str, stage: str, downstream: tuple[str, ...] = ()) -> list[str]:
     """What a session declares (Session.emit_keys): a script touching anything else fails."""
     wf = store.keys.wf(wf_id)
-    return [wf, store.tasks_key(stage, 0), store.keys.events(0), f"{wf}:stages", f"{wf}:log", f"{wf}:out:{stage}",
+    return [wf, store.tasks_key(stage, 0), store.keys.events(0), f"{wf}:log", f"{wf}:out:{stage}",
             *(f"{wf}:edge:{stage}:{d}" for d in downstream)]
 
 

@@ -96,7 +96,7 @@ async def test_a_finish_sent_again_adds_nothing_and_a_malformed_meter_writes_not
     wf = store.keys.wf(sub.id)
     claimed = await redisio.script(store.client, "claim", [store.tasks_key("thinker", 0),
                                                         store.keys.state_index("pending", 0),
-                                                        store.keys.state_index("running", 0), wf, f"{wf}:stages",
+                                                        store.keys.state_index("running", 0), wf,
                                                         f"{wf}:log"],
                                  [store.settings.prefix, TASK_GROUP, "w1", now_ms(), "", "thinker", entry_id, sub.id, 1])
     assert s(claimed[0][0]) == "ok"
@@ -104,7 +104,7 @@ async def test_a_finish_sent_again_adds_nothing_and_a_malformed_meter_writes_not
     usage_key = store.keys.usage(0, bucket)
     meter = Meter.of(usage_key, bucket=bucket, retention_days=7, compute_s=0.25,
                      usage={"prompt_tokens": 1, "completion_tokens": 3.0, "ignored": "x"})
-    keys = [wf, store.tasks_key("thinker", 0), store.keys.events(0), f"{wf}:stages", f"{wf}:log",
+    keys = [wf, store.tasks_key("thinker", 0), store.keys.events(0), f"{wf}:log",
             f"{wf}:out:thinker", usage_key]
 
     async def finish(fin_meter: list) -> str:

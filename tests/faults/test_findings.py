@@ -332,11 +332,11 @@ async def _consumers(url: str, stream: str) -> list[dict[str, Any]]:
 def claim_keys(eng: Any, tasks: str, wf_id: str) -> list[str]:
     """KEYS of a `claim.lua` call of the entry stage (every key a script touches is declared)."""
     wf, keys = eng.store.keys.wf(wf_id), eng.store.keys
-    return [tasks, keys.state_index("pending", 0), keys.state_index("running", 0), wf, f"{wf}:stages", f"{wf}:log"]
+    return [tasks, keys.state_index("pending", 0), keys.state_index("running", 0), wf, f"{wf}:log"]
 
 
 def emit_keys(eng: Any, wf_id: str) -> list[str]:
     """KEYS of a thinker's `emit.lua` call, as its session declares them (`Session.emit_keys`)."""
     wf, keys = eng.store.keys.wf(wf_id), eng.store.keys
-    return [wf, eng.store.tasks_key("thinker", 0), keys.events(0), f"{wf}:stages", f"{wf}:log", f"{wf}:out:thinker",
+    return [wf, eng.store.tasks_key("thinker", 0), keys.events(0), f"{wf}:log", f"{wf}:out:thinker",
             f"{wf}:edge:thinker:talker"]

@@ -84,6 +84,7 @@ class SessionCore:
     tasks_key: str  # the task stream it was read from ('': its class's)
     _slots: Slots | None  # the stage's slots, to give way at a chunk (higher class, fairer turn; None: never)
     _completion: tuple[tuple[str, ...], str, int] | None  # finalize's keys, inflight set, result ttl (see close)
+    _legacy: bool  # its workflow is of the storage layout before: its emits declare `<wf>:stages`
     completed: bool  # its finish completed the workflow
     resynced_at: float  # when the watchdog last read its edge logs again
 

@@ -276,7 +276,7 @@ class SessionOutputs(SessionCore):
         task stream is the queue's of its priority class."""
         return emit_keys(self._keys, self.wf_id, self.stage, self.downstream,
                          self._consumers.of(self.downstream, self._keys.cell_of(self.wf_id)), queue=self.queue,
-                         priority=self.priority.value)
+                         priority=self.priority.value, legacy=self._legacy)
 
     async def close(self, *, tasks_key: str, events_key: str, group: str, entry_id: str, outcome: str,
                     detail: str, retryable: bool, meter: Meter | None = None) -> str:

@@ -87,6 +87,9 @@ class Session(SessionInputs):
     # the keys its finish declares to complete the workflow itself, its inflight set and result ttl
     # (None: a stage whose finish never completes it; see `SessionOutputs.close`)
     _completion: tuple[tuple[str, ...], str, int] | None = None
+    # its workflow is of the storage layout before (claimed as one: `ClaimResult.LAYOUT`): its emits
+    # declare `<wf>:stages`
+    _legacy: bool = False
     completed: bool = False             # its finish completed the workflow (set by `close`)
     resynced_at: float = 0.0            # monotonic time its edge logs were last read again (worker's watchdog)
 

@@ -55,8 +55,19 @@ class Claims:
             ctx.inputs[(wf_id, stage, attempt)] = queue
             queues.append(queue)
         replies: list[Any] | None = None
+        legacy: set[str] = set()        # workflows of the storage layout before (claimed again naming `<wf>:stages`)
         try:
             replies = await self._claim_call(pool, cell, prio, claims)
+            again = [i for i, reply in enumerate(replies or ())
+                     if not isinstance(reply, Exception) and claim_code(reply) is ClaimResult.LAYOUT]
+            if replies is not None and again:
+                legacy = {claims[i][1] for i in again}
+                more = await self._claim_call(pool, cell, prio, [claims[i] for i in again], legacy=legacy)
+                if more is None:
+                    replies = None
+                else:
+                    for i, reply in zip(again, more, strict=True):
+                        replies[i] = reply
         finally:
             pool.claiming -= len(claims)
             ctx.slot_free.set()
@@ -105,6 +116,7 @@ class Claims:
                     _bp=ctx.backpressure, _consumers=ctx.consumers, queue=pool.queue, trace=trace,
                     priority=prio, tenant=tenant, tasks_key=stream,
                     _completion=self._completion(pool, cell, wf_id) if completes else None,
+                    _legacy=wf_id in legacy,
                 )
             except Exception as exc:  # noqa: BLE001 - a record that does not decode fails its workflow, not us
                 ctx.inputs.pop((wf_id, stage, attempt), None)
@@ -143,14 +155,16 @@ class Claims:
         except RedisError as exc:       # its orphan audit, or the next delivery, tries again
             logger.warning("worker %s: could not lease worker %s for the reconciler: %s", ctx.id, replica, exc)
 
-    async def _claim_call(self, pool: StagePool, cell: int, prio: Priority, claims: list[Claim]) -> list[Any] | None:
+    async def _claim_call(self, pool: StagePool, cell: int, prio: Priority, claims: list[Claim],
+                          legacy: set[str] | frozenset[str] = frozenset()) -> list[Any] | None:
         """The `claim.lua` replies of a batch, one per task (an exception for a task that alone cannot
         be claimed); None when the worker stopped first. A claim sent again is harmless (same replica:
         'ok' again), so transient errors are retried; a batch the script fails on is split, to find
-        the task that causes it."""
+        the task that causes it. `legacy`: the workflows whose `<wf>:stages` the call declares (the
+        others answer `ClaimResult.LAYOUT` when they are of the storage layout before)."""
         ctx = self.ctx
         call = transitions.claim(ctx.keys, pool.stage, pool.upstream, cell, claims, worker_id=ctx.id, now_ms=now_ms(),
-                                 queue=pool.queue, priority=prio.value)
+                                 queue=pool.queue, priority=prio.value, legacy=legacy)
         backoff = Backoff()
         while True:
             try:
@@ -169,7 +183,7 @@ class Claims:
                                ctx.id, len(claims), exc)
                 out: list[Any] = []
                 for claim in claims:
-                    one = await self._claim_call(pool, cell, prio, [claim])
+                    one = await self._claim_call(pool, cell, prio, [claim], legacy)
                     if one is None:
                         return None
                     out += one
@@ -206,14 +220,14 @@ class Claims:
 
     def _completion(self, pool: StagePool, cell: int, wf_id: str) -> tuple[tuple[str, ...], str, int]:
         """What a session's finish needs to complete workflow `wf_id` itself (`Session._completion`):
-        every key finalize may touch (`Keys.finalize_keys`), its cell's inflight set, the result ttl."""
+        every key finalize may touch completing it (`Keys.completion_keys`), its cell's inflight set, the result ttl."""
         pipe = pool.pipeline
         fplan = self._finalize.get(pipe.digest)
         if fplan is None:
             fplan = self._finalize[pipe.digest] = finalize_plan(pipe)
         keys = self.ctx.keys
         inflight = keys.inflight(cell)
-        return (inflight, *keys.finalize_keys(wf_id, fplan)), inflight, self.ctx.settings.result_ttl_s
+        return (inflight, *keys.completion_keys(wf_id, fplan)), inflight, self.ctx.settings.result_ttl_s
 
     def _params_of(self, raw_params: bytes, stage: str) -> dict[str, Any]:
         """A stage's params from the record's JSON, parsed once per distinct JSON. Each session gets

@@ -179,24 +179,37 @@ end
 -- Where a workflow's stage fields are (`<stage>`, `<stage>:attempt`, ...: omniflow.storage.schema
 -- .StageField): in its record, beside the workflow's own fields (`sl` = '1', set by submit: one hash,
 -- so a call reads and writes both with one HMGET and one HSET), or, for a workflow an omniflow of
--- before submitted (no `sl`), in `<wf>:stages`, which every caller still declares: such a workflow
--- ends where it started. `stages_known`: the caller read the record's `sl` itself (with its own
--- HMGET); `stages_of` reads it with the record (`hget`: free when the caller's `hread` had it).
+-- before submitted (a record without `sl`), in `<wf>:stages`: such a workflow ends where it started.
+-- The reconciler's and the client's calls always declare that key; a worker's claim and emit
+-- declare it only for a workflow claimed as one (claim answers 'layout' for it, and the worker
+-- claims it again declaring the key: omniflow.engine.worker.claims). `false`: the record is of
+-- before and its `<wf>:stages` is not declared (a call that meets this writes nothing). A record
+-- that is not there (`state`: nil) has no stage fields anywhere: its own key stands for them.
+-- `stages_known`: the caller read the record's `sl` and `state` itself (with its own HMGET);
+-- `stages_of` reads them with the record (`hget`: free when the caller's `hread` had them).
 local SKEY = {}
-local function stages_known(wf, sl)
+local function stages_known(wf, sl, state)
   local sk = wf
-  if sl ~= '1' then sk = key(wf .. ':stages') end
+  if sl ~= '1' and state then
+    sk = wf .. ':stages'
+    if not DECLARED[sk] then sk = false end
+  end
   SKEY[wf] = sk
   return sk
 end
 
 local function stages_of(wf)
-  return SKEY[wf] or stages_known(wf, hget(wf, 'sl'))
+  local sk = SKEY[wf]
+  if sk == nil then sk = stages_known(wf, hget(wf, 'sl'), hget(wf, 'state')) end
+  if sk == false then error('undeclared key ' .. wf .. ':stages (a workflow of before: pass it in KEYS)') end
+  return sk
 end
 
--- The record's fields `rf` and the stage fields `sf` of workflow `wf` with one HMGET (a second one, of
--- `<wf>:stages`, for a workflow of before): {the values of rf}, the key the stage fields are in, {the
--- values of sf}; and the fields the HMGET asked and what it answered (for `hseed`).
+-- The record's fields `rf` (the first is 'state') and the stage fields `sf` of workflow `wf` with one
+-- HMGET (a second one, of `<wf>:stages`, for a workflow of before): {the values of rf}, the key the
+-- stage fields are in (`false`, and no stage fields read: a workflow of before whose `<wf>:stages`
+-- the caller did not declare, see stages_known), {the values of sf}; and the fields the HMGET asked
+-- and what it answered (for `hseed`).
 local function read_record(wf, rf, sf)
   local all = {}
   for _, f in ipairs(rf) do all[#all + 1] = f end
@@ -206,11 +219,11 @@ local function read_record(wf, rf, sf)
   local got = redis.call('HMGET', wf, unpack(all))
   local rec, cur = {}, {}
   for i = 1, nr - 1 do rec[i] = got[i] end
-  local sk = stages_known(wf, got[nr])
-  if sk ~= wf then
-    cur = redis.call('HMGET', sk, unpack(sf))
-  else
+  local sk = stages_known(wf, got[nr], got[1])
+  if sk == wf then
     for i = 1, #sf do cur[i] = got[nr + i] end
+  elseif sk then
+    cur = redis.call('HMGET', sk, unpack(sf))
   end
   return rec, sk, cur, all, got
 end

@@ -1,7 +1,8 @@
 -- claim: bind a batch of delivered stage tasks to this worker, dropping the ones that are void.
 -- KEYS[1] the stage's task stream of one cell and priority class  KEYS[2], KEYS[3] its listing indexes of the states
---         pending and running; then, per task (in ARGV's order), the workflow's wf base key, stage
---         hash, log, and edge:<src>:<stage> of each upstream stage (all in that cell)
+--         pending and running; then, per task (in ARGV's order), the workflow's wf base key, log,
+--         and edge:<src>:<stage> of each upstream stage (all in that cell); then, in any order, the
+--         `<wf>:stages` of each workflow of before the caller knows of (see stages_known in _lib.lua)
 -- ARGV[1] prefix  ARGV[2] group  ARGV[3] replica (worker id)  ARGV[4] now_ms
 -- ARGV[5] upstream stages csv ('' for the entry stage)  ARGV[6] stage
 -- ARGV[7..] triples: task entry id, workflow id, attempt
@@ -13,6 +14,8 @@
 --       trace, tracestate: the W3C context of the request that made the workflow ('' if none;
 --       omniflow.tracing)
 --       tenant: the workflow's (the slots take tenants in weighted turn)
+--   {'layout'}   (nothing written: the workflow is of before, its stage fields in `<wf>:stages`, which
+--       this call did not declare; claim it again declaring that key)
 --   {'drop', reason}   (task acked and deleted: workflow gone/terminal/tombstoned, or stale attempt)
 --       reason held, then a replica: the task of a session that replica runs, delivered again;
 --       it stays pending, for that replica (see below)
@@ -21,7 +24,7 @@
 local CLAIM_REC = {'state', 'input', 'params', 'stages', 'finals', 'created_ms', 'trace', 'tracestate', 'tenant'}
 local group, replica, now, stage = ARGV[2], ARGV[3], ARGV[4], ARGV[6]
 local upstream = csv(ARGV[5])
-local per_task = 3 + #upstream
+local per_task = 2 + #upstream
 local status = 'running'
 if #upstream > 0 then status = 'waiting_input' end
 local out = {}
@@ -41,13 +44,17 @@ for i = 7, #ARGV, 3 do
     why = 'gone'
   elseif not is_live(rec[1]) then
     why = rec[1]
+  elseif not sk then
+    why = 'layout'
   elseif tostring(cur[2]) ~= attempt then
     why = 'stale'
   elseif cur[1] ~= 'pending' and not (cur[4] == replica and (cur[1] == 'running' or cur[1] == 'waiting_input')) then
     why = 'stale'
     if (cur[1] == 'running' or cur[1] == 'waiting_input') and cur[4] then held = cur[4] end
   end
-  if held then
+  if why == 'layout' then
+    out[#out + 1] = {'layout'}
+  elseif held then
     -- This attempt runs on another replica, and its task was delivered here too: a failover lost
     -- the delivery (a claim sent again bound the stage without it), or a claim sent again lost the
     -- race to this one. Acked, the running session would have no pending task, and the reconciler

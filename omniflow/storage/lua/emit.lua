@@ -1,10 +1,12 @@
 -- emit: write a session's output steps (fenced; idempotent on seq), optionally then finish it.
 -- KEYS[1] wf base key  KEYS[2] the stage's task stream  KEYS[3] events stream (2 and 3: finish only;
--- both of the workflow's cell)  KEYS[4] stage hash  KEYS[5] log  KEYS[6] out:<stage>  KEYS[7] blobs;
--- then edge:<stage>:<dst> of each downstream stage, the inbox of each replica the caller knows to
--- consume one of them (see unbound_inbox in _lib.lua), the finish's usage key (if metered), and last
--- the payload keys of this call's 'B' ops, one per op, in order (omniflow.storage.transitions.emit)
--- Ops never name a key by a suffix: 'X' and 'A' name KEYS[5] or KEYS[6] by position, 'B' one of
+-- both of the workflow's cell)  KEYS[4] log  KEYS[5] out:<stage>  KEYS[6] blobs; then edge:<stage>:<dst>
+-- of each downstream stage, `<wf>:stages` for a workflow of before (see stages_known in _lib.lua;
+-- a call for one that does not declare it is refused, nothing written), the inbox of each replica
+-- the caller knows to consume one of them (see unbound_inbox in _lib.lua), the finish's usage key
+-- (if metered), and last the payload keys of this call's 'B' ops, one per op, in order
+-- (omniflow.storage.transitions.emit)
+-- Ops never name a key by a suffix: 'X' and 'A' name KEYS[4] or KEYS[5] by position, 'B' one of
 -- the payload keys at the end of KEYS.
 -- ARGV[1] stage  ARGV[2] attempt  ARGV[3] new stage status or ''  ARGV[4] now_ms  ARGV[5] workflow id
 -- ARGV[6] msgpack array of steps; a step is {seq, op, ...} with ops applied in order:
@@ -43,7 +45,7 @@
 local wf, stage = KEYS[1], ARGV[1]
 local INBOX_WAIT_MS = 5000      -- how long calls wait for an earlier refused one (`<stage>:inbox_wait`)
 local sk = nil                  -- where the stage fields are (read_all: read_record)
-local log_key, out_key, blobs_key = KEYS[5], KEYS[6], KEYS[7]
+local log_key, out_key, blobs_key = KEYS[4], KEYS[5], KEYS[6]
 local blobs_flagged = false
 
 -- nil when every step is well-formed, else what is wrong
@@ -58,14 +60,14 @@ local function check_steps(steps)
     end
   end
   local first_payload = #KEYS - payloads + 1
-  if payloads > 0 and first_payload <= 7 then return 'payload keys missing from KEYS' end
+  if payloads > 0 and first_payload <= 6 then return 'payload keys missing from KEYS' end
   for n, step in ipairs(steps) do
     if type(step) ~= 'table' or tonumber(step[1]) == nil then return 'step ' .. n .. ' has no seq' end
     local i = 2
     while i <= #step do
       local op, a, b = step[i], step[i + 1], step[i + 2]
       if op == 'X' or op == 'A' then
-        if (a ~= 5 and a ~= 6) or KEYS[a] == nil then
+        if (a ~= 4 and a ~= 5) or KEYS[a] == nil then
           return 'step ' .. n .. ': op ' .. op .. ' names neither the log nor the output'
         end
       elseif op == 'B' then
@@ -170,6 +172,7 @@ end
 local function write_steps()
   local state, cur, ckpt_prev = read_all()
   if state ~= 'running' then return 'fenced' end
+  if not sk then return false end     -- a workflow of before, `<wf>:stages` not declared
   if tostring(cur[2]) ~= ARGV[2] then return 'fenced' end
   if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
   local last = tonumber(cur[3] or '0')
@@ -319,6 +322,10 @@ end
 
 local res = write_steps()
 if type(res) == 'table' then return res end       -- refused for an inbox: nothing written
+if res == false then
+  return redis.error_reply('emit: workflow ' .. ARGV[5] .. ' is of the storage layout before (its stage fields ' ..
+    'in ' .. wf .. ':stages), which this call did not declare (nothing written)')
+end
 flush_stage()
 if not fin then
   flush_edges()

@@ -1,12 +1,12 @@
 -- submit: create, admit and pre-submit one workflow, or refuse with nothing created.
 -- All keys are of the workflow's cell (`<c>` = `<prefix>:{<cell tag>}`):
--- KEYS[1] wf base key   `<c>:wf:<id>`     KEYS[2] its stage hash (unused: the record holds them)   KEYS[3] its log
--- KEYS[4] inflight zset `<c>:inflight`    KEYS[5] tombstone `<c>:tomb:<id>`
--- KEYS[6] idempotency   `<c>:idem:<len(tenant)>:<tenant>:<key>` (ignored when ARGV[6] == 0; a request
+-- KEYS[1] wf base key   `<c>:wf:<id>`     KEYS[2] its log
+-- KEYS[3] inflight zset `<c>:inflight`    KEYS[4] tombstone `<c>:tomb:<id>`
+-- KEYS[5] idempotency   `<c>:idem:<len(tenant)>:<tenant>:<key>` (ignored when ARGV[6] == 0; a request
 --                       id's cell is the workflow's cell)
--- KEYS[7] all-ids zset  `<c>:all`
--- KEYS[8] tenant index  `<c>:idx:tenant:<tenant>`  KEYS[9] tenant names set `<c>:idx:tenants`
--- KEYS[10..] `<c>:stage:<s>@<version>:tasks[:<class>]` of each stage in ARGV[8] (version: the record's
+-- KEYS[6] all-ids zset  `<c>:all`
+-- KEYS[7] tenant index  `<c>:idx:tenant:<tenant>`  KEYS[8] tenant names set `<c>:idx:tenants`
+-- KEYS[9..] `<c>:stage:<s>@<version>:tasks[:<class>]` of each stage in ARGV[8] (version: the record's
 --            pipeline_hash; class: the request's priority class, record field `prio`),
 --            `<c>:idx:state:pending` and `<c>:tinf` (live per tenant)
 -- ARGV[1] prefix  ARGV[2] id  ARGV[3] now_ms  ARGV[4] deadline_ms
@@ -25,14 +25,14 @@
 local wf, id, now = KEYS[1], ARGV[2], ARGV[3]
 local use_idem = tonumber(ARGV[6]) > 0
 if use_idem then
-  local prev = redis.call('GET', KEYS[6])
+  local prev = redis.call('GET', KEYS[5])
   if prev then return {'existing', prev} end
 end
-if redis.call('EXISTS', KEYS[5], wf) > 0 then      -- one call for both (the second only when one exists)
-  if redis.call('EXISTS', KEYS[5]) == 1 then return {'retired', id} end
+if redis.call('EXISTS', KEYS[4], wf) > 0 then      -- one call for both (the second only when one exists)
+  if redis.call('EXISTS', KEYS[4]) == 1 then return {'retired', id} end
   return {'exists', id}
 end
-local n = redis.call('ZCARD', KEYS[4])
+local n = redis.call('ZCARD', KEYS[3])
 if n >= tonumber(ARGV[5]) then return {'busy', tostring(n)} end
 local nf = tonumber(ARGV[9])
 local tenant = ARGV[11]
@@ -79,11 +79,11 @@ end
 for _, stage in ipairs(admit) do
   redis.call('XADD', tasks_key(wf, stage, version), '*', 'wf', id, 's', stage, 'a', 1)
 end
-redis.call('ZADD', KEYS[4], ARGV[4], id)
-redis.call('ZADD', KEYS[7], now, id)
+redis.call('ZADD', KEYS[3], ARGV[4], id)
+redis.call('ZADD', KEYS[6], now, id)
 index_state(wf, id, nil, 'pending', now)
-redis.call('ZADD', KEYS[8], now, id)
-if tenant_new then redis.call('SADD', KEYS[9], ARGV[11]) end
+redis.call('ZADD', KEYS[7], now, id)
+if tenant_new then redis.call('SADD', KEYS[8], ARGV[11]) end
 redis.call('XADD', key(wf .. ':log'), '*', 't', 'state', 'state', 'pending')
-if use_idem then redis.call('SET', KEYS[6], id, 'EX', ARGV[6]) end
+if use_idem then redis.call('SET', KEYS[5], id, 'EX', ARGV[6]) end
 return {'ok', id, tostring(n + 1)}

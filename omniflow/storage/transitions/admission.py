@@ -37,7 +37,7 @@ def submit(keys: Keys, wf_id: str, *, tenant: str, request_id: str, admit: tuple
     `fair`: the fair-share arguments (`FairShare.submit_args`: share, floor, cap; none: no check)."""
     cell = keys.cell_of(wf_id)
     return script_call("submit", [
-        keys.wf(wf_id), keys.stages_legacy(wf_id), keys.log(wf_id), keys.inflight(cell), keys.tomb(wf_id),
+        keys.wf(wf_id), keys.log(wf_id), keys.inflight(cell), keys.tomb(wf_id),
         keys.idem(tenant, request_id or "-", cell),
         keys.all_wf(cell), keys.tenant_index(tenant, cell), keys.tenants(cell),
         keys.state_index(WorkflowState.PENDING.value, cell), keys.tenant_inflight(cell),

@@ -17,8 +17,8 @@ from omniflow.storage.schema import s
 from omniflow.storage.transitions._base import Call, code_of, returns, script_call
 
 #: KEYS positions (1-based, as the Lua sees them) of a session's `emit.lua` call
-EMIT_LOG = 5
-EMIT_OUT = 6
+EMIT_LOG = 4
+EMIT_OUT = 5
 
 
 @returns("emit")
@@ -56,17 +56,18 @@ def inbox_keys(keys: Keys, cell: int, consumers: Mapping[str, Sequence[str]]) ->
 
 def emit_keys(keys: Keys, wf_id: str, stage: str, downstream: Sequence[str],
               consumers: Mapping[str, Sequence[str]] | None = None, *, queue: str | None = None,
-              priority: str = "api") -> list[str]:
+              priority: str = "api", legacy: bool = False) -> list[str]:
     """Every key a session's `emit.lua` calls may touch (see its header), in the order the script
-    reads them: the base key, the task and event streams of the workflow's cell, stages, log, this
-    stage's output, the payload registry, its edges, the inboxes of the replicas known to consume
-    its downstream stages (`consumers`). Built once per session (again when `consumers` changes).
+    reads them: the base key, the task and event streams of the workflow's cell, log, this stage's
+    output, the payload registry, its edges, the stages hash of a workflow of before (`legacy`:
+    claimed as one, see `ClaimResult.LAYOUT`), the inboxes of the replicas known to consume its
+    downstream stages (`consumers`). Built once per session (again when `consumers` changes).
     `queue`: the stage's task stream name (`Pipeline.queue`: `<stage>@<version>`), the stage's if None;
     `priority`: the class of the stream the session's task came from."""
     cell = keys.cell_of(wf_id)
-    return [keys.wf(wf_id), keys.tasks(queue or stage, cell, priority), keys.events(cell), keys.stages_legacy(wf_id),
+    return [keys.wf(wf_id), keys.tasks(queue or stage, cell, priority), keys.events(cell),
             keys.log(wf_id), keys.out(wf_id, stage), keys.blobs(wf_id), *(keys.edge(wf_id, stage, dst) for dst in downstream),
-            *inbox_keys(keys, cell, consumers or {})]
+            *((keys.stages_legacy(wf_id),) if legacy else ()), *inbox_keys(keys, cell, consumers or {})]
 
 
 def emit(base: list[str], wf_id: str, stage: str, attempt: int, *, status: str, now_ms: int, steps: list[list[Any]],

@@ -2,7 +2,7 @@
 starts over, or a producer runs again), `heartbeat.lua` (a worker's lease and info)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from enum import Enum
 from typing import Any
 
@@ -18,6 +18,7 @@ Claim = tuple[str, str, int]
 class ClaimResult(str, Enum):
     OK = "ok"
     DROP = "drop"               # acked and deleted (the workflow gone or over, the attempt stale), or held by another replica
+    LAYOUT = "layout"           # nothing written: a workflow of before (`<wf>:stages`); claim it again naming it in `legacy`
 
 
 @returns("restart")
@@ -28,13 +29,16 @@ class RestartResult(str, Enum):
 
 
 def claim(keys: Keys, stage: str, upstream: Sequence[str], cell: int, claims: Sequence[Claim], *, worker_id: str,
-          now_ms: int, queue: str | None = None, priority: str = "api") -> Call:
+          now_ms: int, queue: str | None = None, priority: str = "api", legacy: Collection[str] = ()) -> Call:
     """One `claim.lua` call for a batch of tasks of `stage` in `cell` delivered to `worker_id` from the
-    task stream of `queue` (`Pipeline.queue`: `<stage>@<version>`; the stage's own if None) of class `priority`."""
+    task stream of `queue` (`Pipeline.queue`: `<stage>@<version>`; the stage's own if None) of class `priority`.
+    `legacy`: the workflows of the batch known to be of the storage layout before (their stage fields
+    in `<wf>:stages`, declared for them only: a claim of one without it answers `ClaimResult.LAYOUT`)."""
     kk = [keys.tasks(queue or stage, cell, priority), keys.state_index(WorkflowState.PENDING.value, cell),
           keys.state_index(WorkflowState.RUNNING.value, cell)]
     for _entry_id, wf_id, _attempt in claims:
-        kk += [keys.wf(wf_id), keys.stages_legacy(wf_id), keys.log(wf_id), *(keys.edge(wf_id, src, stage) for src in upstream)]
+        kk += [keys.wf(wf_id), keys.log(wf_id), *(keys.edge(wf_id, src, stage) for src in upstream)]
+    kk += [keys.stages_legacy(wf_id) for _entry_id, wf_id, _attempt in claims if wf_id in legacy]
     return script_call("claim", kk, [keys.prefix, TASK_GROUP, worker_id, now_ms, ",".join(upstream), stage,
                                      *(x for task in claims for x in task)])
 
