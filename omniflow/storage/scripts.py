@@ -121,10 +121,39 @@ def _shaken(lib: str, body: str) -> str:
     return "\n".join(text for (names, text), k in zip(chunks, keep) if k) + "\n"
 
 
+#: a comment line that makes the statement after it a constant: built once per library load, like a
+#: `local function` (a table of names nothing ever writes to; `_check_const` refuses one a script writes)
+CONST_MARK = "--@const"
+
+
+def _const_names(text: str) -> set[str]:
+    """The locals a `--@const` statement of `text` defines."""
+    out: set[str] = set()
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.strip() == CONST_MARK:
+            m = _LOCAL_VARS.match(next(x for x in lines[i + 1:] if x.strip() and not x.startswith("--")))
+            if m is None:
+                raise ValueError(f"{CONST_MARK} must precede a `local NAME = ...` statement")
+            out |= {v.strip() for v in m.group(1).split(",")}
+    return out
+
+
+def _check_const(names: set[str], code: str) -> None:
+    """No statement writes into a constant (`NAME[...] =`, `NAME.x =`, `NAME =` other than where it is
+    defined, `table.insert(NAME, ...)`): it is shared by every call."""
+    lines = [line for line in _COMMENT.sub("", code).splitlines() if not re.match(r"\s*local\s", line)]
+    stripped = "\n".join(lines)
+    for name in names:
+        if re.search(rf"(?<![\w.]){name}\s*(\[[^\]]*\]|\.\w+)?\s*=(?!=)", stripped) or \
+                re.search(rf"table\.(insert|remove|sort)\(\s*{name}\b", stripped):
+            raise ValueError(f"{name} is a {CONST_MARK} table and is written to")
+
+
 def _split_helpers(lib: str) -> tuple[list[str], list[str]]:
-    """A helper text's statements: those that run once per library load (each `local function`,
-    and a declaration of every other local) and those that run on every call (every statement that
-    is not a `local function`, its `local` dropped: `local T = {}` becomes `T = {}`)."""
+    """A helper text's statements: those that run once per library load (each `local function`, each
+    `--@const` statement, and a declaration of every other local) and those that run on every call
+    (every other statement, its `local` dropped: `local T = {}` becomes `T = {}`)."""
     once: list[str] = []
     per_call: list[str] = []
     for _, text in _chunks(lib):
@@ -134,6 +163,9 @@ def _split_helpers(lib: str) -> tuple[list[str], list[str]]:
             once.append(text)
             continue
         head = lines[code[0]]
+        if any(line.strip() == CONST_MARK for line in lines[:code[0]]):
+            once.append(text)
+            continue
         if _LOCAL_FN.match(head):
             if any(lines[i].startswith("for ") for i in code[1:]):
                 raise ValueError(f"a loop at column 0 after `{head}`: it would run once per load, not per call")
@@ -166,13 +198,24 @@ def _builder(name: str) -> str:
     body = [line for line in lines if not line.startswith("--@include ")]
     once: list[str] = []
     per_call: list[str] = []
+    consts: set[str] = set()
+    const_next = False         # the script's own `--@const` statement (one line) goes to `once`
     for line in lines:
         if line.startswith("--@include "):
-            o, p = _split_helpers(_shaken(_read(line.split(maxsplit=1)[1].strip()), "\n".join(body)))
+            text = _shaken(_read(line.split(maxsplit=1)[1].strip()), "\n".join(body))
+            consts |= _const_names(text)
+            o, p = _split_helpers(text)
             once += o
             per_call += p
+        elif line.strip() == CONST_MARK:
+            const_next = True
+            consts |= _const_names("\n".join(lines[lines.index(line):]))
+        elif const_next and line.strip() and not line.startswith("--"):
+            once.append(line)
+            const_next = False
         else:
             per_call.append(line)
+    _check_const(consts, "\n".join(per_call) + "\n".join(once))
     return function_text(name, f"{name}_{{V}}", once, per_call, flags)
 
 

@@ -309,3 +309,27 @@ def test_up_waits_for_its_valkey_to_load_a_large_aof_and_shows_how_far_it_is(up_
     assert progress, err
     assert max(float(after) for _, after, _ in progress) > START_TIMEOUT_S        # past the timeout, still up
     assert "has loaded its data" in err and "omniflow is up" in out
+
+
+def test_the_embedded_server_keeps_more_freed_chunks_per_size_unless_told_otherwise(tmp_path, monkeypatch) -> None:
+    """The embedded Valkey runs with glibc's tcache enlarged (`SERVER_GLIBC_TUNABLES`, bench/notes.md
+    round 9); an operator's own GLIBC_TUNABLES wins."""
+    from omniflow.ops.embedded import SERVER_GLIBC_TUNABLES
+
+    def environ_of(server: EmbeddedServer) -> dict[str, str]:
+        assert server.process is not None
+        raw = Path(f"/proc/{server.process.pid}/environ").read_bytes()
+        return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    server = EmbeddedServer(data_dir=tmp_path / "a", appendonly=False).start()
+    try:
+        assert environ_of(server)["GLIBC_TUNABLES"] == SERVER_GLIBC_TUNABLES
+    finally:
+        server.stop()
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=7")
+    server = EmbeddedServer(data_dir=tmp_path / "b", appendonly=False).start()
+    try:
+        assert environ_of(server)["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=7"
+    finally:
+        server.stop()

@@ -185,7 +185,8 @@ class SessionOutputs(SessionCore):
         for dst, payload in payloads.items():
             if dst in self.downstream:
                 fields = self._payload_fields(seq, dst, payload, step, (sizes or {}).get(dst))
-                step += ["E", dst, fields]
+                # packed here (on the caller's thread): emit.lua appends it to the edge entry as it is
+                step += ["P", dst, msgpack.packb(fields, use_bin_type=False)]
         if checkpoint:
             step += ["C", str(checkpoint), ""]
         return step

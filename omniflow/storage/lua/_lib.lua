@@ -8,7 +8,7 @@
 -- declaring it: the payload keys `finalize` unlinks (see there).
 
 local DECLARED = {}
-for _, k in ipairs(KEYS) do DECLARED[k] = true end
+for i = 1, #KEYS do DECLARED[KEYS[i]] = true end
 
 local function key(name)
   if not DECLARED[name] then error('undeclared key ' .. name .. ' (pass it in KEYS)') end
@@ -20,17 +20,27 @@ local function cell_base(k)
   return string.match(k, '^(.-%b{})')
 end
 
+-- (The helpers on every call's path loop with numeric `for`s: an `ipairs` step is a C call in this
+-- Lua, twice the time; bench/notes.md, round 9.)
 local function csv(s)
-  local out = {}
+  local out, n, i = {}, 0, 1
   if s then
-    for item in string.gmatch(s, '[^,]+') do out[#out + 1] = item end
+    local len = #s
+    while i <= len do
+      local j = string.find(s, ',', i, true) or len + 1
+      if j > i then
+        n = n + 1
+        out[n] = string.sub(s, i, j - 1)
+      end
+      i = j + 1
+    end
   end
   return out
 end
 
 local function contains(list, value)
-  for _, v in ipairs(list) do
-    if v == value then return true end
+  for i = 1, #list do
+    if list[i] == value then return true end
   end
   return false
 end
@@ -57,17 +67,19 @@ local function hread(k, fields)
     HV[k] = known
   end
   local pend = HW[k]
-  local want, seen = nil, nil      -- (no garbage when every field is known: the common case)
-  for _, f in ipairs(fields) do
+  local want, seen, n = nil, nil, 0      -- (no garbage when every field is known: the common case)
+  for i = 1, #fields do
+    local f = fields[i]
     if known[f] == nil and not (pend and pend.v[f] ~= nil) and not (seen and seen[f]) then
       if want == nil then want, seen = {}, {} end
       seen[f] = true
-      want[#want + 1] = f
+      n = n + 1
+      want[n] = f
     end
   end
   if want then
     local got = redis.call('HMGET', k, unpack(want))
-    for i, f in ipairs(want) do known[f] = got[i] end       -- false: no such field
+    for i = 1, n do known[want[i]] = got[i] end       -- false: no such field
   end
 end
 
@@ -93,10 +105,11 @@ local function hset(k, ...)
     HW_KEYS[#HW_KEYS + 1] = k
   end
   local v, order = pend.v, pend.order
-  for i = 1, select('#', ...), 2 do
-    local f, x = select(i, ...)
+  local a, n = {...}, select('#', ...)
+  for i = 1, n, 2 do
+    local f = a[i]
     if v[f] == nil then order[#order + 1] = f end
-    v[f] = x
+    v[f] = a[i + 1]
   end
 end
 
@@ -110,21 +123,26 @@ local function hseed(k, names, values)
     known = {}
     HV[k] = known
   end
-  for i, f in ipairs(names) do
+  for i = 1, #names do
+    local f = names[i]
     if known[f] == nil then known[f] = values[i] end
   end
 end
 
 local function hflush()
-  for _, k in ipairs(HW_KEYS) do
+  for h = 1, #HW_KEYS do
+    local k = HW_KEYS[h]
     local pend, known = HW[k], HV[k] or {}
     HV[k] = known
-    local sets, dels = {}, {}
-    for _, f in ipairs(pend.order) do
-      local v = pend.v[f]
+    local sets, dels, ns = {}, {}, 0
+    local order, pv = pend.order, pend.v
+    for i = 1, #order do
+      local f = order[i]
+      local v = pv[f]
       if v == false then dels[#dels + 1] = f else
-        sets[#sets + 1] = f
-        sets[#sets + 1] = v
+        sets[ns + 1] = f
+        sets[ns + 2] = v
+        ns = ns + 2
       end
       known[f] = v
     end
@@ -211,17 +229,17 @@ end
 -- the caller did not declare, see stages_known), {the values of sf}; and the fields the HMGET asked
 -- and what it answered (for `hseed`).
 local function read_record(wf, rf, sf)
-  local all = {}
-  for _, f in ipairs(rf) do all[#all + 1] = f end
-  all[#all + 1] = 'sl'
-  local nr = #all
-  for _, f in ipairs(sf) do all[#all + 1] = f end
+  local all, nr, ns = {}, #rf, #sf
+  for i = 1, nr do all[i] = rf[i] end
+  nr = nr + 1
+  all[nr] = 'sl'
+  for i = 1, ns do all[nr + i] = sf[i] end
   local got = redis.call('HMGET', wf, unpack(all))
   local rec, cur = {}, {}
   for i = 1, nr - 1 do rec[i] = got[i] end
   local sk = stages_known(wf, got[nr], got[1])
   if sk == wf then
-    for i = 1, #sf do cur[i] = got[nr + i] end
+    for i = 1, ns do cur[i] = got[nr + i] end
   elseif sk then
     cur = redis.call('HMGET', sk, unpack(sf))
   end
@@ -242,6 +260,7 @@ end
 -- inflight, notify and ends, and out:<s> of every final stage and edge:<a>:<b> of every edge it has.
 -- The record fields it reads (`hread`: a caller that reads the record first reads them with it); the
 -- record's and stage hash's writes, the caller's buffered ones included, are written here (`hflush`).
+--@const
 local FINAL_REC = {'stages', 'edges', 'finals', 'webhook', 'state', 'created_ms', 'blobs', 'tenant', 'tf', 'sl'}
 
 local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now, tomb_ttl, result_ttl)
@@ -249,7 +268,7 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
   hread(wf, FINAL_REC)
   local sk = stages_of(wf)
   local rec = {}
-  for i, f in ipairs(FINAL_REC) do rec[i] = hget(wf, f) or false end
+  for i = 1, #FINAL_REC do local f = FINAL_REC[i] rec[i] = hget(wf, f) or false end
   hset(wf, 'state', state, 'finished_ms', now, 'updated_ms', now)
   if rec[9] then       -- counted in its tenant's live workflows at submit (fair share): no longer
     local tinf = key(cell .. ':tinf')
@@ -261,8 +280,10 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
     hset(wf, 'error', err, 'error_stage', err_stage or '')
   end
   if state ~= 'completed' then
-    hread(sk, csv(rec[1]))
-    for _, stage in ipairs(csv(rec[1])) do
+    local stages = csv(rec[1])
+    hread(sk, stages)
+    for j = 1, #stages do
+      local stage = stages[j]
       local st = hget(sk, stage)
       if not stage_terminal(st) then
         if stage == err_stage and state == 'failed' then
@@ -280,15 +301,15 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
   -- under this workflow's base key, so in this script's slot whether or not the caller declared them
   -- (one that ends a workflow by id alone, an abort or a deadline, need not know its pipeline)
   local edge_keys = {}
-  for _, edge in ipairs(csv(rec[2])) do edge_keys[#edge_keys + 1] = wf .. ':edge:' .. edge end
+  local wf_edges = csv(rec[2])
+  for j = 1, #wf_edges do edge_keys[j] = wf .. ':edge:' .. wf_edges[j] end
   if #edge_keys > 0 then redis.call('UNLINK', unpack(edge_keys)) end
   -- chunk payloads too large for their edge entries (omniflow.dataplane): nothing reads them any more.
   -- Their names are the set's members (data, written by the emits that stored them): not declared
   -- here, but under this workflow's base key, so in this script's slot.
   if rec[7] then
-    for _, blob in ipairs(redis.call('SMEMBERS', key(wf .. ':blobs'))) do
-      redis.call('UNLINK', blob)
-    end
+    local blobs = redis.call('SMEMBERS', key(wf .. ':blobs'))
+    for j = 1, #blobs do redis.call('UNLINK', blobs[j]) end
     redis.call('UNLINK', wf .. ':blobs')
   end
   hflush()
@@ -302,9 +323,8 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
   redis.call('EXPIRE', wf, result_ttl)
   if sk ~= wf then redis.call('EXPIRE', sk, result_ttl) end
   redis.call('EXPIRE', wf .. ':log', result_ttl)
-  for _, stage in ipairs(csv(rec[3])) do
-    redis.call('EXPIRE', wf .. ':out:' .. stage, result_ttl)
-  end
+  local finals = csv(rec[3])
+  for j = 1, #finals do redis.call('EXPIRE', wf .. ':out:' .. finals[j], result_ttl) end
   if rec[4] and rec[4] ~= '' then
     -- bounded: without a jobs runner reading it, the oldest notifications go first
     redis.call('XADD', key(cell .. ':notify'), 'MAXLEN', '~', NOTIFY_MAX_LEN, '*', 'wf', id, 'state', state)
@@ -340,7 +360,8 @@ end
 -- Before a call writes anything: is one of the downstream stages `dsts` bound to a replica whose
 -- inbox the caller did not declare? Returns {dst, replica} of the first such, or nil.
 local function unbound_inbox(wf, dsts)
-  for _, dst in ipairs(dsts) do
+  for j = 1, #dsts do
+    local dst = dsts[j]
     local cur = consumer_of(wf, dst)
     if (cur[1] == 'waiting_input' or cur[1] == 'running') and cur[2] and not DECLARED[inbox_key(wf, cur[2])] then
       return {dst, cur[2]}
@@ -369,10 +390,31 @@ local function edge_append(wf, id, src, dst, fields)
   chunks[#chunks + 1] = fields
 end
 
+-- A msgpack array of `chunks`, each a flat field list: a table, packed here, or a string the caller
+-- packed already (emit.lua's op 'P'): an array is its header and then its items' encodings.
+local function pack_chunks(chunks)
+  local n = #chunks
+  local parts = {}
+  for i = 1, n do
+    local c = chunks[i]
+    if type(c) == 'string' then parts[i] = c else parts[i] = cmsgpack.pack(c) end
+  end
+  local head
+  if n < 16 then
+    head = string.char(0x90 + n)
+  elseif n < 65536 then
+    head = string.char(0xdc, math.floor(n / 256), n % 256)
+  else
+    head = string.char(0xdd, math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256, math.floor(n / 256) % 256, n % 256)
+  end
+  return head .. table.concat(parts)
+end
+
 local function flush_edges()
-  for _, dst in ipairs(edge_order) do
+  for j = 1, #edge_order do
+    local dst = edge_order[j]
     local e = edges[dst]
-    local m = cmsgpack.pack(e[2])
+    local m = pack_chunks(e[2])
     redis.call('XADD', e[1], '*', 'm', m)
     if e[3] then
       redis.call('XADD', e[3], '*', 'wf', e[6], 'ds', dst, 'da', e[4], 'src', e[5], 'm', m)
@@ -384,14 +426,17 @@ end
 -- The terminal set: every final stage finished AND every submitted stage (attempt > 0) finished.
 -- `finished` is a list of stage names; finals and required are csv fields of the record.
 local function terminal_set_complete(sk, finished, finals, required)
-  for _, s in ipairs(csv(finals)) do
+  local final_list = csv(finals)
+  for j = 1, #final_list do
+    local s = final_list[j]
     if not contains(finished, s) then return false end
   end
   local stages = csv(required)
   local fields = {}
-  for i, s in ipairs(stages) do fields[i] = s .. ':attempt' end
+  for i = 1, #stages do local s = stages[i] fields[i] = s .. ':attempt' end
   hread(sk, fields)
-  for _, s in ipairs(stages) do
+  for j = 1, #stages do
+    local s = stages[j]
     if tonumber(hget(sk, s .. ':attempt')) > 0 and not contains(finished, s) then return false end
   end
   return true
@@ -413,9 +458,12 @@ local function finalize_declared(wf, inflight_key)
   local hook = hget(wf, 'webhook')
   if hook and hook ~= '' then need[#need + 1] = cell .. ':notify' end
   if hget(wf, 'blobs') then need[#need + 1] = wf .. ':blobs' end
-  for _, s in ipairs(csv(hget(wf, 'finals'))) do need[#need + 1] = wf .. ':out:' .. s end
-  for _, edge in ipairs(csv(hget(wf, 'edges'))) do need[#need + 1] = wf .. ':edge:' .. edge end
-  for _, k in ipairs(need) do
+  local final_list = csv(hget(wf, 'finals'))
+  for j = 1, #final_list do need[#need + 1] = wf .. ':out:' .. final_list[j] end
+  local edge_list = csv(hget(wf, 'edges'))
+  for j = 1, #edge_list do need[#need + 1] = wf .. ':edge:' .. edge_list[j] end
+  for j = 1, #need do
+    local k = need[j]
     if not DECLARED[k] then return false end
   end
   return true
@@ -431,7 +479,8 @@ local function done_needs_reconciler(sk, stage, rec)
   if contains(finished, stage) then return true, finished, false end       -- let the reconciler say 'duplicate'
   if rec[4] and rec[4] ~= '[]' and rec[4] ~= '' then
     local gsub = csv(rec[5])
-    for i, g in ipairs(cjson.decode(rec[4])) do
+    local groups = cjson.decode(rec[4])
+    for i = 1, #groups do local g = groups[i]
       if not contains(gsub, tostring(i)) and contains(g['after'], stage) then return true, finished, false end
     end
   end
@@ -478,9 +527,11 @@ end
 
 -- The record fields finish_session reads (HMGET, in this order: a caller that read them already
 -- passes them).
+--@const
 local FINISH_REC = {'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub', 'tenant', 'pipeline',
   'pipeline_hash', 'prio'}
 -- FINISH_REC and then the rest of what finalize reads (FINAL_REC): a finish that may end its workflow
+--@const
 local FINISH_FINAL_REC = {'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub', 'tenant', 'pipeline',
   'pipeline_hash', 'prio', 'edges', 'webhook', 'created_ms', 'blobs', 'tf'}
 
@@ -489,8 +540,8 @@ local FINISH_FINAL_REC = {'state', 'id', 'stages', 'finals', 'finished', 'groups
 local function finish_prefetch(wf, stage)
   local sf = {stage, stage .. ':attempt', stage .. ':seq', stage .. ':samples', stage .. ':sr'}
   local fields = {'sl'}
-  for _, f in ipairs(FINISH_REC) do fields[#fields + 1] = f end
-  for _, f in ipairs(sf) do fields[#fields + 1] = f end
+  for j = 1, #FINISH_REC do fields[#fields + 1] = FINISH_REC[j] end
+  for j = 1, #sf do fields[#fields + 1] = sf[j] end
   hread(wf, fields)
   local sk = stages_of(wf)
   if sk ~= wf then hread(sk, sf) end
@@ -515,8 +566,8 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
     local sf
     sk, sf = finish_prefetch(wf, stage)
     rec, cur = {}, {}
-    for i, f in ipairs(FINISH_REC) do rec[i] = hget(wf, f) or false end
-    for i, f in ipairs(sf) do cur[i] = hget(sk, f) or false end
+    for i = 1, #FINISH_REC do local f = FINISH_REC[i] rec[i] = hget(wf, f) or false end
+    for i = 1, #sf do local f = sf[i] cur[i] = hget(sk, f) or false end
   end
   if is_live(rec[1]) and tostring(cur[2]) == tostring(attempt) and cur[1] == 'pending' then
     -- this attempt's claim is not recorded (lost with a primary that failed over after answering
@@ -536,7 +587,9 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
   end
   local report = true
   if outcome == 'done' then
-    for _, dst in ipairs(csv(downstream)) do
+    local down = csv(downstream)
+    for j = 1, #down do
+      local dst = down[j]
       edge_append(wf, rec[2], stage, dst, {'eos', '1', 'seq', seq, 'a', attempt})
     end
     if meter then

@@ -21,6 +21,7 @@
 --       it stays pending, for that replica (see below)
 -- Claiming again a task this replica already holds answers 'ok' again (a retried call is harmless).
 --@include _lib.lua
+--@const
 local CLAIM_REC = {'state', 'input', 'params', 'stages', 'finals', 'created_ms', 'trace', 'tracestate', 'tenant'}
 local group, replica, now, stage = ARGV[2], ARGV[3], ARGV[4], ARGV[6]
 local upstream = csv(ARGV[5])
@@ -34,7 +35,8 @@ for i = 7, #ARGV, 3 do
   -- the record's fields and the stage's, with each upstream stage's status and seq (the catch-up
   -- below): one HMGET (read_record)
   local sf = {stage, stage .. ':attempt', stage .. ':seq', stage .. ':replica', stage .. ':ckpt'}
-  for _, src in ipairs(upstream) do
+  for j = 1, #upstream do
+    local src = upstream[j]
     sf[#sf + 1] = src
     sf[#sf + 1] = src .. ':seq'
   end
@@ -87,7 +89,8 @@ for i = 7, #ARGV, 3 do
     -- a restart that sets the seq back to 0 deletes the edge with it): nothing to read. (The
     -- client's streamed input, `@input`, has no status: its edge is read.)
     local catchup = {}
-    for j, src in ipairs(upstream) do
+    for j = 1, #upstream do
+      local src = upstream[j]
       local st, sq = cur[4 + 2 * j], cur[5 + 2 * j]
       if st and st ~= 'done' and tostring(sq or '0') == '0' then
         catchup[#catchup + 1] = {src, {}}

