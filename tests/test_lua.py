@@ -178,6 +178,28 @@ async def test_one_emit_call_writes_one_text_entry_and_one_entry_per_edge(store)
     assert await store.client.xlen(store.keys.edge(sub.id, "thinker", "talker")) == 1
 
 
+async def test_packed_chunks_and_table_chunks_make_one_edge_entry_a_consumer_decodes(store) -> None:
+    """Op 'P' carries a chunk the worker packed; the script appends it to the edge entry as it is,
+    beside chunks it packs itself ('E'): the entry's `m` is one msgpack array of them all, in order,
+    a 16-bit array header past 15 chunks."""
+    sub = await store.submit(request())
+    await claim_next(store, "thinker")
+    fields = lambda n: ["seq", n, "a", 1, "d", f"c{n}" * n]  # noqa: E731
+    ops = [[n, *(["P", "talker", msgpack.packb(fields(n), use_bin_type=False)] if n % 3 else ["E", "talker", fields(n)])]
+           for n in range(1, 21)]
+    res = await redisio.script(store.client, "emit", emit_keys(store, sub.id, "thinker", ("talker",)),
+                               ["thinker", 1, "", now_ms(), sub.id, msgpack.packb(ops, use_bin_type=False)])
+    assert s(res) == "ok"
+    (entry,) = await store.client.xrange(store.keys.edge(sub.id, "thinker", "talker"))
+    assert entry[1][b"m"][:3] == bytes([0xdc, 0, 20])
+    chunks = msgpack.unpackb(entry[1][b"m"], raw=True)
+    assert chunks == [[x.encode() if isinstance(x, str) else x for x in fields(n)] for n in range(1, 21)]
+    bad = msgpack.packb([[21, "P", "talker", ""]], use_bin_type=False)
+    with pytest.raises(Exception, match="op P needs a packed chunk"):
+        await redisio.script(store.client, "emit", emit_keys(store, sub.id, "thinker", ("talker",)),
+                             ["thinker", 1, "", now_ms(), sub.id, bad])
+
+
 async def test_calls_refused_for_an_inbox_may_land_in_any_order_without_a_false_gap(store) -> None:
     """Call A (step 1) is refused for the talker's inbox, call B (step 2) waits its turn; A is sent
     again and lands, and call C (step 3) arrives before B's second sending: C waits its turn too (the
@@ -397,3 +419,17 @@ async def test_a_claim_reads_the_edge_of_an_upstream_stage_only_once_it_has_writ
     delivered = await store.client.xreadgroup(TASK_GROUP, "w1", {store.tasks_key("talker", 0): ">"}, count=1)
     (src, entries), = await _claim_talker(store, other.id, s(delivered[0][1][0][0]))
     assert [chunks for _, chunks in entries] == [[["eos", "1", "seq", "0", "a", "1"]]]   # (ARGV: strings)
+
+
+def test_a_const_table_is_built_once_and_never_written() -> None:
+    """`--@const` tables are shared by every call of a library function (scripts.py): the library is
+    refused when a script writes into one."""
+    from omniflow.storage import scripts
+
+    src = scripts.SCRIPTS["emit"].source
+    per_call = src[src.index("  return function()"):]
+    assert "FINISH_REC = {" not in per_call and "local FINISH_REC = {" in src     # built once
+    scripts._check_const({"T"}, "local T = {'a'}\nlocal x = T[1]\nif T[1] == x then return end")
+    for bad in ("T[1] = 'b'", "T.x = 1", "T = {}", "table.insert(T, 'c')"):
+        with pytest.raises(ValueError, match="T is a --@const table"):
+            scripts._check_const({"T"}, f"local T = {{'a'}}\n{bad}")
