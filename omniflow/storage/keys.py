@@ -146,16 +146,17 @@ class Keys:
                 self.done(wf_id), self.blobs(wf_id), *(self.out(wf_id, st) for st in plan.finals),
                 *(self.edge(wf_id, a, b) for a, b in plan.edges)]
 
-    def completion_keys(self, wf_id: str, plan: FinalizePlan) -> list[str]:
+    def completion_keys(self, wf_id: str, plan: FinalizePlan, *, legacy: bool = False) -> list[str]:
         """What a session's finish that may complete its running workflow (`finalize` to 'completed'
         from 'running', in emit.lua) declares besides what its emit call declares already (the base
         key, log, payload registry, the stage's own output): `finalize_keys` less the tombstone
-        and the other states' indexes, which a completion never touches (`finalize_declared` in
+        and the other states' indexes, which a completion never touches, and less `<wf>:stages`
+        unless the workflow is of the storage layout before (`legacy`; `finalize_declared` in
         _lib.lua checks what it needs against the record before completing)."""
         cell = cell_of(wf_id)
         return [self.notify(cell), self.ends(cell), self.state_index(WorkflowState.RUNNING.value, cell),
                 self.state_index(WorkflowState.COMPLETED.value, cell), self.tenant_inflight(cell),
-                self.tenant_seen(cell), self.stages_legacy(wf_id), self.done(wf_id),
+                self.tenant_seen(cell), *((self.stages_legacy(wf_id),) if legacy else ()), self.done(wf_id),
                 *(self.out(wf_id, st) for st in plan.finals), *(self.edge(wf_id, a, b) for a, b in plan.edges)]
 
     def webhook_keys(self, wf_id: str) -> list[str]:

@@ -115,7 +115,7 @@ class Claims:
                     _plane=ctx.plane, _domain_of=self.runner.domain_of, _chunk_dsts=pool.chunk_dsts,
                     _bp=ctx.backpressure, _consumers=ctx.consumers, queue=pool.queue, trace=trace,
                     priority=prio, tenant=tenant, tasks_key=stream,
-                    _completion=self._completion(pool, cell, wf_id) if completes else None,
+                    _completion=self._completion(pool, cell, wf_id, wf_id in legacy) if completes else None,
                     _legacy=wf_id in legacy,
                 )
             except Exception as exc:  # noqa: BLE001 - a record that does not decode fails its workflow, not us
@@ -218,7 +218,7 @@ class Claims:
                 self._plans[key] = plan
         return plan
 
-    def _completion(self, pool: StagePool, cell: int, wf_id: str) -> tuple[tuple[str, ...], str, int]:
+    def _completion(self, pool: StagePool, cell: int, wf_id: str, legacy: bool) -> tuple[tuple[str, ...], str, int]:
         """What a session's finish needs to complete workflow `wf_id` itself (`Session._completion`):
         every key finalize may touch completing it (`Keys.completion_keys`), its cell's inflight set, the result ttl."""
         pipe = pool.pipeline
@@ -227,7 +227,7 @@ class Claims:
             fplan = self._finalize[pipe.digest] = finalize_plan(pipe)
         keys = self.ctx.keys
         inflight = keys.inflight(cell)
-        return (inflight, *keys.completion_keys(wf_id, fplan)), inflight, self.ctx.settings.result_ttl_s
+        return (inflight, *keys.completion_keys(wf_id, fplan, legacy=legacy)), inflight, self.ctx.settings.result_ttl_s
 
     def _params_of(self, raw_params: bytes, stage: str) -> dict[str, Any]:
         """A stage's params from the record's JSON, parsed once per distinct JSON. Each session gets
