@@ -138,6 +138,49 @@ async def test_the_watcher_finds_an_end_it_did_not_read_at_its_check(engine_fact
                 assert doc["state"] == "aborted" and watcher.reads == 0
 
 
+async def test_a_workflow_submitted_after_the_watcher_is_positioned_is_watched_without_a_state_check(
+        engine_factory) -> None:
+    """`AsyncClient.submit` tells its watchers of what it submits once they are positioned: watched, such
+    a workflow is not checked (no HGET), its end is read; one that ended before the watch (its end read
+    while nobody watched it) resolves from the recent ends. A repeated request's workflow (it may have
+    ended long ago) and one submitted before the watcher is positioned are checked as before."""
+    async with engine_factory() as eng:
+        async with AsyncClient(eng.url, settings=eng.settings, pipeline=eng.pipeline) as client:
+            old = await client.submit("before the watcher", request_id="r-old")
+            await client.wait(old, timeout_s=30)
+            async with client.completions() as ends:
+                await eventually(lambda: ends.positioned)
+                ids = [await client.submit(f"fresh {i}") for i in range(5)]
+                docs = await asyncio.wait_for(asyncio.gather(*(ends.watch(wf) for wf in ids)), 30)
+                assert [d["state"] for d in docs] == ["completed"] * 5
+                assert ends.pokes == 0                      # none of them was checked
+                early = await client.submit("ends before its watch")
+                await client.wait(early, timeout_s=30)
+                await eventually(lambda: early in ends._recent)      # the reader saw its end, unwatched
+                assert (await asyncio.wait_for(ends.watch(early), 5))["state"] == "completed"
+                assert ends.pokes == 0
+                again = await client.submit("before the watcher", request_id="r-old")    # existing
+                assert again == old
+                assert (await asyncio.wait_for(ends.watch(old), 5))["state"] == "completed"
+                assert ends.pokes == 1                      # checked: it ended before the positions
+
+
+async def test_a_fresh_watch_of_a_workflow_that_ended_unseen_resolves_at_the_check(engine_factory) -> None:
+    """A watch said fresh of a workflow whose end the reader never reads (here: no reader) is not
+    lost: the periodic check finds it."""
+    from omniflow.client.bulk import Completions
+
+    async with engine_factory() as eng:
+        async with AsyncClient(eng.url, settings=eng.settings, pipeline=eng.pipeline) as client:
+            wf = await client.submit("ended unseen")
+            await client.wait(wf, timeout_s=30)
+            watcher = Completions(client.store, check_s=0.2)
+            watcher._groups = []
+            async with watcher:
+                doc = await asyncio.wait_for(watcher.watch(wf, fresh=True), 5)
+                assert doc["state"] == "completed" and watcher.pokes == 0
+
+
 async def test_submit_many_reports_each_refusal_in_place(engine_factory) -> None:
     async with engine_factory(workers=False, max_in_flight=2) as eng:
         async with AsyncClient(eng.url, settings=eng.settings, pipeline=eng.pipeline) as client:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -49,6 +50,9 @@ class AsyncClient:
         # no pipeline given: the default comes from local settings (OMNIFLOW_PIPELINE), which need not be
         # what the deployment serves; checked against its registry at the first submit (`_default_ref`)
         self._picked: str | None = None if pipeline is None else ""     # "": keep the local default
+        # this client's watchers (`completions()`): told of the workflows it submits after they are
+        # positioned, which they then watch without checking their state (bulk.Completions.submitted)
+        self._watchers: weakref.WeakSet[bulk.Completions] = weakref.WeakSet()
 
     async def _default_ref(self, req: SubmitRequest) -> SubmitRequest:
         """The request, sent to the deployment's pipeline when it names none and this client's default
@@ -94,7 +98,12 @@ class AsyncClient:
         by name or NAME@VERSION (default: the client's, see `_default_ref`)."""
         req = await self._default_ref(_request(text, modalities, stage_params, request_id, deadline_s, webhook_url,
                                                audio_sample_rate, pipeline))
-        wf_id = (await self.store.submit(req, tenant=self.tenant)).id
+        positioned = [w for w in self._watchers if w.positioned]      # before the submit is sent
+        submitted = await self.store.submit(req, tenant=self.tenant)
+        wf_id = submitted.id
+        if not submitted.existing:
+            for watcher in positioned:
+                watcher.submitted(wf_id)
         if audio_sample_rate is not None and len(self._rates) < RATES_KEPT:
             self._rates[wf_id] = audio_sample_rate      # its appends need not read it back
         return wf_id
@@ -127,7 +136,9 @@ class AsyncClient:
             async with client.completions() as ends:
                 docs = await asyncio.gather(*(ends.watch(wf) for wf in ids))
         """
-        return bulk.Completions(self.store, block_ms=block_ms)
+        watcher = bulk.Completions(self.store, block_ms=block_ms)
+        self._watchers.add(watcher)
+        return watcher
 
     async def wait_many(self, wf_ids: Sequence[str], *, timeout_s: float | None = None) -> dict[str, dict[str, Any]]:
         """`wait` for many workflows with one blocking read: every document, by id, once all are terminal

@@ -11,7 +11,10 @@ ends of many workflows (BullMQ's `QueueEvents`).
   `<cell>:ends` stream (`finalize` in `_lib.lua`), which the watcher reads with one blocking XREAD
   (one per cell on a cluster) from where it stood when the watcher started: one key per read however
   many workflows it watches. A newly watched workflow's state is checked once (those watched
-  together, one round trip), so one that ended before is not waited for. The documents of the
+  together, one round trip), so one that ended before is not waited for; not one submitted after
+  the reader took its positions (`positioned` before the submit: its end is read after them, or has
+  been, among the last `RECENT_ENDS` unwatched ends the reader keeps): `watch(wf_id, fresh=True)`,
+  which an `AsyncClient`'s `submit` arranges for its own watchers. The documents of the
   workflows that end together are read together. Every `check_s` the watched ones are checked again:
   one whose end the reader missed (the stream keeps about the last 10,000; an omniflow of before
   wrote none) resolves then, and one that no longer exists (expired, purged) resolves to
@@ -45,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 SUBMIT_BATCH = 256          # submits per round trip
 DEFAULT_CHECK_S = 5.0       # how often the watcher checks the workflows it waits for (ended unseen, or gone)
+RECENT_ENDS = 4096          # ends read that nobody watched (yet): a fresh watch looks there first
+FRESH_KEPT = 4096           # ids submitted after the positions, not watched yet (`submitted`)
 ENDS_READ_COUNT = 512       # ends read per call
 
 
@@ -203,6 +208,9 @@ class Completions:
         self._new: list[str] = []           # watched, not checked yet
         self._wake = asyncio.Event()
         self._check_s = check_s
+        self._positioned = False            # every ends stream is read from a position taken before now
+        self._recent: dict[str, None] = {}  # ends read that were not watched (oldest first, RECENT_ENDS)
+        self._fresh: dict[str, None] = {}   # `submitted` ids, not watched yet (oldest first, FRESH_KEPT)
         self._tasks: list[asyncio.Task[None]] = []
         self.pokes = 0              # round trips that checked newly watched workflows
         self.reads = 0              # blocking reads of the ends streams
@@ -227,15 +235,41 @@ class Completions:
     def watched(self) -> int:
         return len(self._waiting)
 
-    def watch(self, wf_id: str) -> asyncio.Future[dict[str, Any]]:
-        """A future for the workflow's document once it is terminal (the same one for the same id)."""
+    @property
+    def positioned(self) -> bool:
+        """Is every ends stream read from a position taken before now? A workflow submitted after
+        this says True ends after those positions: watching it needs no check of its state (`fresh`)."""
+        return self._positioned
+
+    def submitted(self, wf_id: str) -> None:
+        """`wf_id` was created by a submit sent after `positioned` said True (`AsyncClient.submit`
+        tells its watchers): when it is watched, its state is not checked (`watch(fresh=True)`)."""
+        self._fresh[wf_id] = None
+        if len(self._fresh) > FRESH_KEPT:
+            del self._fresh[next(iter(self._fresh))]
+
+    def watch(self, wf_id: str, *, fresh: bool = False) -> asyncio.Future[dict[str, Any]]:
+        """A future for the workflow's document once it is terminal (the same one for the same id).
+        `fresh`: the workflow was created by a submit sent after `positioned` said True (not a
+        repeated request's): its end is read after the reader's positions, or was (then it is among
+        the recent ends), so its state is not checked (one command less per workflow). A fresh watch
+        of one that is not so still resolves: at the next periodic check (`check_s`)."""
         self.start()
         fut = self._waiting.get(wf_id)
         if fut is not None:
             return fut
         fut = self._waiting[wf_id] = asyncio.get_running_loop().create_future()
         fut.add_done_callback(_retrieved)       # a waiter that gave up (a timeout) leaves no warning behind
-        self._new.append(wf_id)
+        if wf_id in self._fresh:
+            del self._fresh[wf_id]
+            fresh = True
+        if not fresh:
+            self._new.append(wf_id)
+        elif wf_id in self._recent:         # it ended, and the reader saw it before the watch
+            del self._recent[wf_id]
+            self._ended.append(wf_id)
+        else:
+            return fut
         self._wake.set()
         return fut
 
@@ -298,6 +332,10 @@ class Completions:
                     wf_id = s(fields.get(b"wf"))
                     if wf_id in self._waiting:
                         self._ended.append(wf_id)
+                    else:
+                        self._recent[wf_id] = None
+                        if len(self._recent) > RECENT_ENDS:
+                            del self._recent[next(iter(self._recent))]
             if self._ended:
                 self._wake.set()
 
@@ -305,6 +343,7 @@ class Completions:
         # a workflow is checked once every ends stream is read from a position taken before the check:
         # it ended before the check (the check sees it), or after (a read sees it)
         await asyncio.gather(*positions)
+        self._positioned = True
         checked = time.monotonic()
         while True:
             if not self._ended and not self._new:
