@@ -119,23 +119,17 @@ def capture(warmup: int = 10) -> tuple[bytes, list[list[bytes]]]:
     return wf.encode(), calls
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def count(wf: bytes, calls: list[list[bytes]], n: int, tunables: str | None) -> dict[str, Any]:
     """Callgrind's instructions inside FCALL per replayed workflow, per call and per C function."""
     import redis
 
-    from omniflow.ops.embedded import server_env, valkey_binary
+    from omniflow.ops.embedded import free_port, server_env, valkey_binary
     from omniflow.storage.scripts import LIBRARY
 
     if shutil.which("valgrind") is None:
         raise BenchError("valgrind is not installed")
     tmp = Path(tempfile.mkdtemp(prefix="omniflow-script-cost-"))
-    port = _free_port()
+    port = free_port()
     env = server_env()
     if tunables is not None:
         env["GLIBC_TUNABLES"] = tunables

@@ -166,8 +166,8 @@ async def test_a_workflow_submitted_after_the_watcher_is_positioned_is_watched_w
 
 
 async def test_a_fresh_watch_of_a_workflow_that_ended_unseen_resolves_at_the_check(engine_factory) -> None:
-    """A watch said fresh of a workflow whose end the reader never reads (here: no reader) is not
-    lost: the periodic check finds it."""
+    """A workflow said `submitted` whose end the reader never reads (here: no reader) is not lost:
+    the periodic check finds it."""
     from omniflow.client.bulk import Completions
 
     async with engine_factory() as eng:
@@ -177,7 +177,8 @@ async def test_a_fresh_watch_of_a_workflow_that_ended_unseen_resolves_at_the_che
             watcher = Completions(client.store, check_s=0.2)
             watcher._groups = []
             async with watcher:
-                doc = await asyncio.wait_for(watcher.watch(wf, fresh=True), 5)
+                watcher.submitted(wf)
+                doc = await asyncio.wait_for(watcher.watch(wf), 5)
                 assert doc["state"] == "completed" and watcher.pokes == 0
 
 

@@ -87,28 +87,28 @@ async def submit_workflow(body: SubmitRequest, request: Request, state: StateDep
     if idempotency_key is not None:
         body = _with_idempotency_key(body, idempotency_key)
     # a workflow submitted once the watcher is positioned ends after its read positions: watched
-    # without a check of its state (omniflow.client.bulk.Completions.watch, `fresh`)
+    # without a check of its state (omniflow.client.bulk.Completions.submitted)
     positioned = wait > 0 and state.completions is not None and state.completions.positioned
     submitted = await state.store.submit(body, tenant=principal.tenant)
     payload = SubmitResponse(id=submitted.id, state=submitted.state, existing=submitted.existing,
                              links=links(request, submitted.id))
     if wait > 0:
-        fresh = positioned and not submitted.existing
-        return JSONResponse(await _wait_document(state, submitted.id, principal.scope, wait, fresh=fresh),
+        if positioned and not submitted.existing and state.completions is not None:
+            state.completions.submitted(submitted.id)
+        return JSONResponse(await _wait_document(state, submitted.id, principal.scope, wait),
                             headers={"Location": payload.links.self})
     status = 200 if submitted.existing else 202
     return JSONResponse(payload.model_dump(mode="json"), status_code=status,
                         headers={"Location": payload.links.self})
 
 
-async def _wait_document(state: ApiState, wf_id: str, tenant: str | None, wait: float, *,
-                         fresh: bool = False) -> dict[str, Any]:
+async def _wait_document(state: ApiState, wf_id: str, tenant: str | None, wait: float) -> dict[str, Any]:
     """The workflow's document once it is terminal, or its current one after `wait` seconds: through the
     API's one watcher of workflow ends (omniflow.client.bulk.Completions: one blocking read for every
     request waiting, woken once per workflow, not once per log entry)."""
     if state.completions is not None:
         try:
-            return await asyncio.wait_for(asyncio.shield(state.completions.watch(wf_id, fresh=fresh)), wait)
+            return await asyncio.wait_for(asyncio.shield(state.completions.watch(wf_id)), wait)
         except TimeoutError:
             pass
     else:

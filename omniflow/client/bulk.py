@@ -13,8 +13,8 @@ ends of many workflows (BullMQ's `QueueEvents`).
   many workflows it watches. A newly watched workflow's state is checked once (those watched
   together, one round trip), so one that ended before is not waited for; not one submitted after
   the reader took its positions (`positioned` before the submit: its end is read after them, or has
-  been, among the last `RECENT_ENDS` unwatched ends the reader keeps): `watch(wf_id, fresh=True)`,
-  which an `AsyncClient`'s `submit` arranges for its own watchers. The documents of the
+  been, among the last `RECENT_ENDS` unwatched ends the reader keeps): `submitted(wf_id)`, which an
+  `AsyncClient`'s `submit` calls for its own watchers and the API's `POST ?wait=` for its one. The documents of the
   workflows that end together are read together. Every `check_s` the watched ones are checked again:
   one whose end the reader missed (the stream keeps about the last 10,000; an omniflow of before
   wrote none) resolves then, and one that no longer exists (expired, purged) resolves to
@@ -242,34 +242,32 @@ class Completions:
         return self._positioned
 
     def submitted(self, wf_id: str) -> None:
-        """`wf_id` was created by a submit sent after `positioned` said True (`AsyncClient.submit`
-        tells its watchers): when it is watched, its state is not checked (`watch(fresh=True)`)."""
+        """`wf_id` was created (not found: a repeated request's workflow may have ended long ago) by a
+        submit sent after `positioned` said True: when it is watched, its state is not checked, its end
+        is read after the reader's positions or was (then it is among the recent ends): one command
+        less per workflow. Said of one that is not so, its watch still resolves, at the periodic check
+        (`check_s`)."""
         self._fresh[wf_id] = None
         if len(self._fresh) > FRESH_KEPT:
             del self._fresh[next(iter(self._fresh))]
 
-    def watch(self, wf_id: str, *, fresh: bool = False) -> asyncio.Future[dict[str, Any]]:
-        """A future for the workflow's document once it is terminal (the same one for the same id).
-        `fresh`: the workflow was created by a submit sent after `positioned` said True (not a
-        repeated request's): its end is read after the reader's positions, or was (then it is among
-        the recent ends), so its state is not checked (one command less per workflow). A fresh watch
-        of one that is not so still resolves: at the next periodic check (`check_s`)."""
+    def watch(self, wf_id: str) -> asyncio.Future[dict[str, Any]]:
+        """A future for the workflow's document once it is terminal (the same one for the same id);
+        its state is checked once unless it was `submitted` here."""
         self.start()
         fut = self._waiting.get(wf_id)
         if fut is not None:
             return fut
         fut = self._waiting[wf_id] = asyncio.get_running_loop().create_future()
         fut.add_done_callback(_retrieved)       # a waiter that gave up (a timeout) leaves no warning behind
-        if wf_id in self._fresh:
-            del self._fresh[wf_id]
-            fresh = True
-        if not fresh:
+        if wf_id not in self._fresh:
             self._new.append(wf_id)
-        elif wf_id in self._recent:         # it ended, and the reader saw it before the watch
-            del self._recent[wf_id]
-            self._ended.append(wf_id)
         else:
-            return fut
+            del self._fresh[wf_id]
+            if wf_id not in self._recent:
+                return fut                  # its end is still to be read
+            del self._recent[wf_id]         # it ended, and the reader saw it before the watch
+            self._ended.append(wf_id)
         self._wake.set()
         return fut
 

@@ -154,10 +154,12 @@ class Keys:
         unless the workflow is of the storage layout before (`legacy`; `finalize_declared` in
         _lib.lua checks what it needs against the record before completing)."""
         cell = cell_of(wf_id)
-        return [self.notify(cell), self.ends(cell), self.state_index(WorkflowState.RUNNING.value, cell),
-                self.state_index(WorkflowState.COMPLETED.value, cell), self.tenant_inflight(cell),
-                self.tenant_seen(cell), *((self.stages_legacy(wf_id),) if legacy else ()), self.done(wf_id),
-                *(self.out(wf_id, st) for st in plan.finals), *(self.edge(wf_id, a, b) for a, b in plan.edges)]
+        untouched = {self.tomb(wf_id), self.log(wf_id), self.blobs(wf_id),
+                     *(self.state_index(st.value, cell) for st in WorkflowState
+                       if st not in (WorkflowState.RUNNING, WorkflowState.COMPLETED))}
+        if not legacy:
+            untouched.add(self.stages_legacy(wf_id))
+        return [k for k in self.finalize_keys(wf_id, plan) if k not in untouched]
 
     def webhook_keys(self, wf_id: str) -> list[str]:
         """A workflow's webhook records (their own slot: never in a script with its cell's keys)."""

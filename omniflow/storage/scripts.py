@@ -200,7 +200,7 @@ def _builder(name: str) -> str:
     per_call: list[str] = []
     consts: set[str] = set()
     const_next = False         # the script's own `--@const` statement (one line) goes to `once`
-    for line in lines:
+    for i, line in enumerate(lines):
         if line.startswith("--@include "):
             text = _shaken(_read(line.split(maxsplit=1)[1].strip()), "\n".join(body))
             consts |= _const_names(text)
@@ -209,13 +209,13 @@ def _builder(name: str) -> str:
             per_call += p
         elif line.strip() == CONST_MARK:
             const_next = True
-            consts |= _const_names("\n".join(lines[lines.index(line):]))
+            consts |= _const_names("\n".join(lines[i:]))
         elif const_next and line.strip() and not line.startswith("--"):
             once.append(line)
             const_next = False
         else:
             per_call.append(line)
-    _check_const(consts, "\n".join(per_call) + "\n".join(once))
+    _check_const(consts, "\n".join([*per_call, *once]))
     return function_text(name, f"{name}_{{V}}", once, per_call, flags)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Collection
 from typing import Any
 
 from omniflow import tracing
@@ -156,7 +157,7 @@ class Claims:
             logger.warning("worker %s: could not lease worker %s for the reconciler: %s", ctx.id, replica, exc)
 
     async def _claim_call(self, pool: StagePool, cell: int, prio: Priority, claims: list[Claim],
-                          legacy: set[str] | frozenset[str] = frozenset()) -> list[Any] | None:
+                          legacy: Collection[str] = ()) -> list[Any] | None:
         """The `claim.lua` replies of a batch, one per task (an exception for a task that alone cannot
         be claimed); None when the worker stopped first. A claim sent again is harmless (same replica:
         'ok' again), so transient errors are retried; a batch the script fails on is split, to find
