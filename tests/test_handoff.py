@@ -5,7 +5,10 @@ batch."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import os
 import threading
+import weakref
 from typing import Any
 
 import pytest
@@ -125,3 +128,65 @@ async def test_inputs_read_from_a_compute_thread_keep_what_a_batch_took() -> Non
         assert session._queue.empty() and session.state is SessionState.RUNNING
     finally:
         compute.stop()
+
+
+def _is_eventfd(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not hasattr(os, "eventfd"), reason="no eventfd here: every batch takes the self-pipe")
+async def test_a_call_queued_while_the_loop_is_busy_runs_before_what_becomes_ready_after_it() -> None:
+    """After the first batch the loop is woken through an eventfd, not the self-pipe; a call handed
+    over while the loop is busy still joins its ready queue then, as call_soon_threadsafe's does."""
+    loop = asyncio.get_running_loop()
+    hop = handoff(loop)
+    warmed = threading.Event()
+    threading.Thread(target=hop.call, args=(warmed.set,)).start()
+    await eventually(warmed.is_set, what="the first (self-pipe) batch")
+    assert hop._fd is not None and _is_eventfd(hop._fd)
+    order: list[str] = []
+    queued = threading.Event()
+
+    def busy() -> None:            # the loop is held here while a thread hands a call over
+        threading.Thread(target=lambda: (hop.call(order.append, "handed over"), queued.set())).start()
+        assert queued.wait(5)
+        loop.call_soon(order.append, "ready after it")
+
+    loop.call_soon(busy)
+    await eventually(lambda: len(order) == 2, what="both callbacks")
+    assert order == ["handed over", "ready after it"]
+
+
+@pytest.mark.skipif(not hasattr(os, "eventfd"), reason="no eventfd here: every batch takes the self-pipe")
+def test_a_closed_loop_refuses_calls_and_its_eventfd_is_closed() -> None:
+    compute = ComputeThread("t")
+    hop = handoff(compute.loop)
+    ran = threading.Event()
+    hop.call(ran.set)
+    assert ran.wait(5)
+    fd = hop._fd
+    assert fd is not None and _is_eventfd(fd)
+    compute.stop()
+    with pytest.raises(RuntimeError, match="closed"):
+        hop.call(print, "never")
+    assert not _is_eventfd(fd)
+    assert hop._fd is None
+
+
+@pytest.mark.skipif(not hasattr(os, "eventfd"), reason="no eventfd here: every batch takes the self-pipe")
+def test_a_collected_loop_takes_its_handoff_and_eventfd_with_it() -> None:
+    compute = ComputeThread("t")
+    ran = threading.Event()
+    handoff(compute.loop).call(ran.set)
+    assert ran.wait(5)
+    fd = handoff(compute.loop)._fd
+    assert fd is not None and _is_eventfd(fd)
+    compute.stop()
+    ref = weakref.ref(compute.loop)
+    del compute
+    gc.collect()
+    assert ref() is None, "the handoff registry kept the loop alive"
+    assert not _is_eventfd(fd)
