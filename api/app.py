@@ -23,6 +23,7 @@ from omniflow.catalog import Catalog
 from omniflow.errors import ConfigError, OmniflowError
 from omniflow.pipeline import Pipeline
 from omniflow.storage import registry as pipeline_registry
+from omniflow.storage.batcher import Batcher
 from omniflow.storage.redisio import REDIS_ERRORS, translate
 from omniflow.client.store import Store, connect
 
@@ -43,7 +44,8 @@ def create_app(settings: Settings, pipeline: Pipeline | Catalog, *, redis_url: s
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redis = connect(redis_url)
-        store = Store(redis, settings, Catalog.of(list(catalog)))
+        submits = Batcher(redis)            # concurrent POSTs' submits: one round trip while one is on the wire
+        store = Store(redis, settings, Catalog.of(list(catalog)), batcher=submits)
         try:
             for pipe in catalog:
                 await pipeline_registry.register(redis, store.keys, pipe)
@@ -69,6 +71,7 @@ def create_app(settings: Settings, pipeline: Pipeline | Catalog, *, redis_url: s
                 await task
             await hub.close()
             await completions.close()
+            await submits.drain()                   # a submit whose request went away is still written
             await redis.aclose()
 
     app = FastAPI(title="omniflow", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)

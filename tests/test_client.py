@@ -97,6 +97,23 @@ async def test_submit_many_then_wait_many_with_one_blocking_read(engine_factory)
                 assert ends.pokes <= 2 and ends.watched == 0
 
 
+async def test_concurrent_submits_of_one_client_share_round_trips_and_each_hears_its_own_answer(engine_factory) -> None:
+    """`submit` from many tasks at once: what piles up while one submit is on the wire goes out in the
+    next round trip (the client's batcher), and each caller still gets its own id or refusal."""
+    async with engine_factory(workers=False, max_in_flight=30) as eng:
+        async with AsyncClient(eng.url, settings=eng.settings, pipeline=eng.pipeline) as client:
+            batcher = client.store.batcher
+            assert batcher is not None
+            before = batcher.round_trips
+            got = await asyncio.gather(*(client.submit(f"at once {i}") for i in range(40)), return_exceptions=True)
+            ids = [g for g in got if isinstance(g, str)]
+            refused = [g for g in got if isinstance(g, AdmissionRefused)]
+            assert len(ids) == 30 and len(set(ids)) == 30 and len(refused) == 10, got
+            assert batcher.commands - batcher.round_trips >= 1 and batcher.round_trips - before < 40
+            states = [(await client.get(wf))["state"] for wf in ids]
+            assert states == ["pending"] * 30
+
+
 async def test_the_watcher_reads_one_stream_however_many_workflows_it_watches(engine_factory) -> None:
     """`completions()` reads its cell's stream of ends (`Keys.ends`), never one stream per watched
     workflow: its blocking read names one key with 1 workflow watched or 40."""

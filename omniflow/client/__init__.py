@@ -29,6 +29,7 @@ from omniflow.pipeline import Pipeline, load_pipeline
 from omniflow.storage.redisio import connect, connect_sync
 from omniflow.storage.transitions.admission import SubmitResult
 from omniflow.client.store import Store, check_same_body
+from omniflow.storage.batcher import Batcher
 from omniflow.storage.schema import s
 
 
@@ -45,7 +46,9 @@ class AsyncClient:
         self.pipeline = catalog.default
         self.tenant = tenant
         self.redis = connect(self.redis_url)
-        self.store = Store(self.redis, self.settings, catalog)
+        # submits from concurrent callers go out together (one round trip while one is on the wire;
+        # one at once at low load): omniflow.storage.batcher
+        self.store = Store(self.redis, self.settings, catalog, batcher=Batcher(self.redis))
         self._rates: dict[str, int] = {}        # audio workflows submitted here -> their input's sample rate
         # no pipeline given: the default comes from local settings (OMNIFLOW_PIPELINE), which need not be
         # what the deployment serves; checked against its registry at the first submit (`_default_ref`)
@@ -85,6 +88,8 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
+        if self.store.batcher is not None:
+            await self.store.batcher.drain()        # a submit whose caller gave up is still written
         await self.redis.aclose()
 
     async def submit(self, text: str | None = None, *, modalities: Sequence[str] | None = None,
