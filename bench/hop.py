@@ -7,7 +7,10 @@ queue as the inbox does; the executor runs on a `ComputeThread` or on the loop i
 
 - latency: one chunk at a time (fed, then its emit seen on the worker's loop, then the next): per round
   trip, an input in and an emit out; `hop` = (thread - loop) / 2, the cost of one handoff;
-- burst: N chunks fed at once, until N emits are seen: the cost per item when handoffs can batch.
+- burst: N chunks fed at once, until N emits are seen: the cost per item when handoffs can batch;
+- wake-up: the worker's loop and a compute thread's loop hand one call back and forth, N round trips,
+  through asyncio's `call_soon_threadsafe` (its self-pipe) and through `Handoff` (an eventfd after the
+  first batch): CPU of the process (both threads) and wall time per round trip, two wake-ups each.
 
     .venv/bin/python bench/hop.py [--n 2000] [--rounds 3]
 """
@@ -26,7 +29,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from omniflow.dataplane import codec
-from omniflow.engine.compute import ComputeThread
+from omniflow.engine.compute import ComputeThread, handoff
 from omniflow.engine.session import Session
 from omniflow.models import SessionState
 from omniflow.storage.keys import Keys
@@ -110,6 +113,35 @@ async def _one(mode: str, n: int, compute: ComputeThread | None) -> float:
     return took
 
 
+async def _ping_pong(n: int, compute: ComputeThread, how: str) -> tuple[float, float]:
+    """(CPU µs, wall µs) per round trip of one call between this loop and the compute thread's."""
+    here, there = asyncio.get_running_loop(), compute.loop
+    done = asyncio.Event()
+    count = 0
+
+    def send(loop: asyncio.AbstractEventLoop, fn: Any) -> None:
+        if how == "self-pipe":
+            loop.call_soon_threadsafe(fn)
+        else:
+            handoff(loop).call(fn)
+
+    def on_there() -> None:
+        send(here, on_here)
+
+    def on_here() -> None:
+        nonlocal count
+        count += 1
+        if count >= n:
+            done.set()
+        else:
+            send(there, on_there)
+
+    cpu, wall = time.process_time(), time.perf_counter()
+    send(there, on_there)
+    await done.wait()
+    return (time.process_time() - cpu) / n * 1e6, (time.perf_counter() - wall) / n * 1e6
+
+
 async def measure(n: int, rounds: int) -> dict[str, Any]:
     compute = ComputeThread("hopbench")
     out: dict[str, Any] = {}
@@ -126,6 +158,14 @@ async def measure(n: int, rounds: int) -> dict[str, Any]:
             hop_us = (thread_us - loop_us) / (2 if mode == "latency" else 1)
             out[mode] = {"loop_us_per_item": round(loop_us, 1), "thread_us_per_item": round(thread_us, 1),
                          "hop_us": round(hop_us, 1), "runs_thread_us": [round(x, 1) for x in per["thread"]]}
+        await _ping_pong(200, compute, "handoff")       # wires both loops' eventfds (their first batches)
+        wake: dict[str, list[tuple[float, float]]] = {"self-pipe": [], "handoff": []}
+        for _ in range(rounds):
+            for how in wake:
+                wake[how].append(await _ping_pong(n * 5, compute, how))
+        out["wakeup"] = {how: {"cpu_us_per_round_trip": round(statistics.median(c for c, _ in runs), 1),
+                               "wall_us_per_round_trip": round(statistics.median(w for _, w in runs), 1)}
+                         for how, runs in wake.items()}
     finally:
         compute.stop()
     return out
@@ -140,7 +180,7 @@ def run(*, quick: bool = False) -> list[Any]:
     res = asyncio.run(measure(n, rounds))
     rows = []
     for mode, what in (("latency", "one chunk at a time, ms per handoff"), ("burst", f"{n} chunks at once, ms per item")):
-        row = res[mode]
+        row = dict(res[mode], wakeup=res["wakeup"]) if mode == "latency" else res[mode]
         per_handoff = 2 if mode == "latency" else 1
         worst = (max(row["runs_thread_us"]) - row["loop_us_per_item"]) / per_handoff
         rows.append(Result("omniflow", f"compute-thread hop (bench/hop.py): {what}", 1, n,
@@ -156,9 +196,13 @@ def main() -> None:
     args = ap.parse_args()
     res = asyncio.run(measure(args.n, args.rounds))
     print(json.dumps(res, indent=1))
-    for mode, row in res.items():
+    for mode in ("latency", "burst"):
+        row = res[mode]
         print(f"compute-thread hop ({mode}): {row['hop_us'] / 1000:.3f} ms "
               f"(thread {row['thread_us_per_item']:.1f} us/item, loop {row['loop_us_per_item']:.1f} us/item)")
+    for how, row in res["wakeup"].items():
+        print(f"wake-up round trip through {how}: {row['cpu_us_per_round_trip']:.1f} us of CPU, "
+              f"{row['wall_us_per_round_trip']:.1f} us wall")
 
 
 if __name__ == "__main__":
