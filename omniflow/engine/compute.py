@@ -54,10 +54,11 @@ class Handoff:
     `call_soon_threadsafe` does, the drain's Handle appended to the loop's ready queue (so calls run
     in the order they came, as before), but wakes the loop with one `eventfd_write` instead of the
     self-pipe's socket send, whose reader receives until a `BlockingIOError` on every wake-up (the
-    eventfd's reader reads it once): about 5 µs of CPU less per wake-up, ~12 of them per workflow
-    of the toy pipeline (bench/notes.md, round 10). Where there is no eventfd (not Linux), or the loop is not asyncio's own, or it
-    cannot watch a file descriptor, every batch keeps the self-pipe. The eventfd is closed with
-    the loop: when a call finds the loop closed, or when the loop is collected.
+    eventfd's reader reads it once): about 5 µs of CPU less per wake-up (bench/hop.py), and the toy
+    pipeline takes ~7 wake-ups per workflow at low load (bench/notes.md, round 10). Where there is
+    no eventfd (not Linux), or the loop is not asyncio's own, or it cannot watch a file descriptor,
+    every batch keeps the self-pipe. The eventfd is closed with the loop: when a call finds the loop
+    closed, or when the loop is collected.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
