@@ -88,13 +88,13 @@ async def submit_workflow(body: SubmitRequest, request: Request, state: StateDep
         body = _with_idempotency_key(body, idempotency_key)
     # a workflow submitted once the watcher is positioned ends after its read positions: watched
     # without a check of its state (omniflow.client.bulk.Completions.submitted)
-    positioned = wait > 0 and state.completions is not None and state.completions.positioned
+    watcher = state.completions if wait > 0 and state.completions is not None and state.completions.positioned else None
     submitted = await state.store.submit(body, tenant=principal.tenant)
     payload = SubmitResponse(id=submitted.id, state=submitted.state, existing=submitted.existing,
                              links=links(request, submitted.id))
     if wait > 0:
-        if positioned and not submitted.existing and state.completions is not None:
-            state.completions.submitted(submitted.id)
+        if watcher is not None and not submitted.existing:
+            watcher.submitted(submitted.id)
         return JSONResponse(await _wait_document(state, submitted.id, principal.scope, wait),
                             headers={"Location": payload.links.self})
     status = 200 if submitted.existing else 202

@@ -48,7 +48,8 @@ class AsyncClient:
         self.redis = connect(self.redis_url)
         # submits from concurrent callers go out together (one round trip while one is on the wire;
         # one at once at low load): omniflow.storage.batcher
-        self.store = Store(self.redis, self.settings, catalog, batcher=Batcher(self.redis))
+        self._submits = Batcher(self.redis)
+        self.store = Store(self.redis, self.settings, catalog, batcher=self._submits)
         self._rates: dict[str, int] = {}        # audio workflows submitted here -> their input's sample rate
         # no pipeline given: the default comes from local settings (OMNIFLOW_PIPELINE), which need not be
         # what the deployment serves; checked against its registry at the first submit (`_default_ref`)
@@ -88,8 +89,7 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        if self.store.batcher is not None:
-            await self.store.batcher.drain()        # a submit whose caller gave up is still written
+        await self._submits.drain()                 # a submit whose caller gave up is still written
         await self.redis.aclose()
 
     async def submit(self, text: str | None = None, *, modalities: Sequence[str] | None = None,

@@ -53,6 +53,13 @@ FRESH_KEPT = 4096           # ids submitted after the positions, not watched yet
 ENDS_READ_COUNT = 512       # ends read per call
 
 
+def _keep(ids: dict[str, None], wf_id: str, most: int) -> None:
+    """Add `wf_id` to an insertion-ordered set of at most `most` ids (the oldest goes first)."""
+    ids[wf_id] = None
+    if len(ids) > most:
+        del ids[next(iter(ids))]
+
+
 # ---------------------------------------------------------------- submit
 async def submit_many(store: Store, requests: Sequence[SubmitRequest], *, tenant: str = "default",
                       return_exceptions: bool = False) -> list[Submitted | BaseException]:
@@ -247,9 +254,7 @@ class Completions:
         is read after the reader's positions or was (then it is among the recent ends): one command
         less per workflow. Said of one that is not so, its watch still resolves, at the periodic check
         (`check_s`)."""
-        self._fresh[wf_id] = None
-        if len(self._fresh) > FRESH_KEPT:
-            del self._fresh[next(iter(self._fresh))]
+        _keep(self._fresh, wf_id, FRESH_KEPT)
 
     def watch(self, wf_id: str) -> asyncio.Future[dict[str, Any]]:
         """A future for the workflow's document once it is terminal (the same one for the same id);
@@ -331,9 +336,7 @@ class Completions:
                     if wf_id in self._waiting:
                         self._ended.append(wf_id)
                     else:
-                        self._recent[wf_id] = None
-                        if len(self._recent) > RECENT_ENDS:
-                            del self._recent[next(iter(self._recent))]
+                        _keep(self._recent, wf_id, RECENT_ENDS)
             if self._ended:
                 self._wake.set()
 

@@ -140,11 +140,7 @@ class Keys:
         in-flight set: its tombstone, its cell's notify and ends streams and state indexes, its cell's live count
         and last-seen time per tenant (fair share), its stages, log, done and payload registry, its
         final stages' outputs and its edge logs (`plan`). Every script that may end a workflow declares them."""
-        cell = cell_of(wf_id)
-        return [self.tomb(wf_id), self.notify(cell), self.ends(cell), *self.state_indexes(cell), self.tenant_inflight(cell),
-                self.tenant_seen(cell), self.stages_legacy(wf_id), self.log(wf_id),
-                self.done(wf_id), self.blobs(wf_id), *(self.out(wf_id, st) for st in plan.finals),
-                *(self.edge(wf_id, a, b) for a, b in plan.edges)]
+        return self._ending_keys(wf_id, plan, completing=False, legacy=True)
 
     def completion_keys(self, wf_id: str, plan: FinalizePlan, *, legacy: bool = False) -> list[str]:
         """What a session's finish that may complete its running workflow (`finalize` to 'completed'
@@ -153,13 +149,24 @@ class Keys:
         and the other states' indexes, which a completion never touches, and less `<wf>:stages`
         unless the workflow is of the storage layout before (`legacy`; `finalize_declared` in
         _lib.lua checks what it needs against the record before completing)."""
+        return self._ending_keys(wf_id, plan, completing=True, legacy=legacy)
+
+    def _ending_keys(self, wf_id: str, plan: FinalizePlan, *, completing: bool, legacy: bool) -> list[str]:
+        """`finalize_keys` (in its order), or only what a completion touches: one list for both, each
+        key formatted once (a completing session's claim builds it: once per workflow)."""
         cell = cell_of(wf_id)
-        untouched = {self.tomb(wf_id), self.log(wf_id), self.blobs(wf_id),
-                     *(self.state_index(st.value, cell) for st in WorkflowState
-                       if st not in (WorkflowState.RUNNING, WorkflowState.COMPLETED))}
-        if not legacy:
-            untouched.add(self.stages_legacy(wf_id))
-        return [k for k in self.finalize_keys(wf_id, plan) if k not in untouched]
+        if completing:
+            keys = [self.notify(cell), self.ends(cell), self.state_index(WorkflowState.RUNNING.value, cell),
+                    self.state_index(WorkflowState.COMPLETED.value, cell)]
+        else:
+            keys = [self.tomb(wf_id), self.notify(cell), self.ends(cell), *self.state_indexes(cell)]
+        keys += [self.tenant_inflight(cell), self.tenant_seen(cell)]
+        if legacy:
+            keys.append(self.stages_legacy(wf_id))
+        keys += [self.done(wf_id)] if completing else [self.log(wf_id), self.done(wf_id), self.blobs(wf_id)]
+        keys += [self.out(wf_id, st) for st in plan.finals]
+        keys += [self.edge(wf_id, a, b) for a, b in plan.edges]
+        return keys
 
     def webhook_keys(self, wf_id: str) -> list[str]:
         """A workflow's webhook records (their own slot: never in a script with its cell's keys)."""

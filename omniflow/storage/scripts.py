@@ -198,9 +198,9 @@ def _builder(name: str) -> str:
     body = [line for line in lines if not line.startswith("--@include ")]
     once: list[str] = []
     per_call: list[str] = []
-    consts: set[str] = set()
+    consts = _const_names("\n".join(body))
     const_next = False         # the script's own `--@const` statement (one line) goes to `once`
-    for i, line in enumerate(lines):
+    for line in lines:
         if line.startswith("--@include "):
             text = _shaken(_read(line.split(maxsplit=1)[1].strip()), "\n".join(body))
             consts |= _const_names(text)
@@ -209,7 +209,6 @@ def _builder(name: str) -> str:
             per_call += p
         elif line.strip() == CONST_MARK:
             const_next = True
-            consts |= _const_names("\n".join(lines[i:]))
         elif const_next and line.strip() and not line.startswith("--"):
             once.append(line)
             const_next = False
