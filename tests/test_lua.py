@@ -178,6 +178,29 @@ async def test_one_emit_call_writes_one_text_entry_and_one_entry_per_edge(store)
     assert await store.client.xlen(store.keys.edge(sub.id, "thinker", "talker")) == 1
 
 
+async def test_a_consumer_bound_to_the_calling_worker_gets_no_inbox_copy_and_the_reply_names_it(store) -> None:
+    """A worker names itself in its emit calls (ARGV[8]): a consumer bound to it needs no declared
+    inbox and gets no inbox entry; the reply names it and its attempt, so the worker hands it the
+    call's chunks in memory. The edge log has them, as always. Another replica's call is refused for
+    that consumer's inbox as before."""
+    sub = await store.submit(request())
+    await claim_next(store, "thinker")
+    await bind_talker(store, sub.id, worker="w1")
+    keys = emit_keys(store, sub.id, "thinker", ("talker",))
+    packed = msgpack.packb(["seq", 1, "a", 1, "d", "c1"], use_bin_type=False)
+    steps = msgpack.packb([[1, "P", "talker", packed]], use_bin_type=False)
+    refused = await redisio.script(store.client, "emit", keys, ["thinker", 1, "", now_ms(), sub.id, steps, "", "w2"])
+    assert [s(x) for x in refused] == ["inbox", "talker", "w1"]
+    reply = await redisio.script(store.client, "emit", keys, ["thinker", 1, "", now_ms(), sub.id, steps, "", "w1"])
+    assert [s(x) for x in reply] == ["ok", "talker", "1"]
+    (entry,) = await store.client.xrange(store.keys.edge(sub.id, "thinker", "talker"))
+    assert msgpack.unpackb(entry[1][b"m"], raw=True) == [[b"seq", 1, b"a", 1, b"d", b"c1"]]
+    assert await store.client.xlen(store.keys.inbox("w1", 0)) == 0
+    # a call that writes no edge names no consumer
+    text = msgpack.packb([[2, "A", EMIT_OUT, "x"]], use_bin_type=False)
+    assert s(await redisio.script(store.client, "emit", keys, ["thinker", 1, "", now_ms(), sub.id, text, "", "w1"])) == "ok"
+
+
 async def test_packed_chunks_and_table_chunks_make_one_edge_entry_a_consumer_decodes(store) -> None:
     """Op 'P' carries a chunk the worker packed; the script appends it to the edge entry as it is,
     beside chunks it packs itself ('E'): the entry's `m` is one msgpack array of them all, in order,

@@ -37,8 +37,10 @@ async def test_one_worker_serving_every_stage_runs_workflows_to_completion(engin
             assert doc["state"] == "completed"
             assert doc["outputs"]["thinker"]["text"] == expected_text(f"shared device {i}")
             assert doc["outputs"]["code2wav"]["chunks"] == 8
-            # every session of the workflow ran in the one worker, its inputs came through one inbox
+            # every session of the workflow ran in the one worker
             assert {st["replica"] for st in doc["stages"].values()} == {worker.id}
+        # whose producers handed its sessions their chunks in memory: no inbox copy of any of them
+        assert await eng.redis.xlen(eng.store.keys.inbox(worker.id, 0)) == 0
         stats = await collect_stats(eng.store)
         for name in ("thinker", "talker", "code2wav"):
             assert stats["stages"][name]["live_workers"] == 1

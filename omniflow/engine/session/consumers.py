@@ -7,10 +7,15 @@ declare (the call wrote nothing and is sent again, declaring it); from then on e
 the worker declares that inbox for that stage and cell, so in steady state no call is refused. The
 book keeps the last few replicas per stage and cell: declaring a gone replica's inbox costs a few
 bytes, nothing else (a key is written only when the stage is bound to it).
+
+A consumer bound to the producer's own worker gets no inbox copy: the producer hands it the chunks
+in memory (`LocalInputs`).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 DEFAULT_PER_STAGE = 8
 
@@ -34,3 +39,48 @@ class Consumers:
     def of(self, stages: Sequence[str], cell: int) -> dict[str, tuple[str, ...]]:
         """The replicas known to consume each of `stages` in `cell`."""
         return {st: tuple(self._seen.get((st, cell), ())) for st in stages}
+
+
+InputKey = tuple[str, str, int]         # (workflow id, stage, attempt)
+
+
+class LocalInputs:
+    """The input queues of a worker's sessions, and the chunks its own producers hand them.
+
+    A session's queue is registered before its claim is sent and removed when it ends; the worker's
+    inbox reader feeds it what producers of other workers forward. A producer of this worker names
+    the worker in its `emit.lua` calls (`replica`): for a consumer bound to this worker the script
+    writes no inbox copy, and once the call has written its steps the producer hands their chunks to
+    the consuming session here (`deliver`), one blocking read and one inbox entry fewer per hop
+    between two stages of one process. What is handed over is in the edge log already: a session
+    that misses it (its queue registered after the call, a reply lost with the connection) reads it
+    from there (the claim's catch-up, the watchdog's resync), and the reader skips what it has.
+    """
+
+    def __init__(self, replica: str = "") -> None:
+        self.replica = replica
+        self._queues: dict[InputKey, asyncio.Queue[Any]] = {}
+
+    def register(self, key: InputKey, queue: asyncio.Queue[Any]) -> None:
+        self._queues[key] = queue
+
+    def get(self, key: InputKey) -> asyncio.Queue[Any] | None:
+        return self._queues.get(key)
+
+    def pop(self, key: InputKey) -> asyncio.Queue[Any] | None:
+        return self._queues.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._queues)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._queues
+
+    def deliver(self, key: InputKey, src: str, chunks: Iterable[dict[bytes, Any]]) -> bool:
+        """Queue `chunks` of `src` for this worker's session `key`, if it still has it (False when not)."""
+        queue = self._queues.get(key)
+        if queue is None:
+            return False
+        for chunk in chunks:
+            queue.put_nowait((src, chunk))
+        return True

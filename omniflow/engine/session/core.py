@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from omniflow.dataplane.backpressure import EdgeWindow, WaitStats
     from omniflow.dataplane.base import Ref
     from omniflow.dataplane.plane import DataPlane
-    from omniflow.engine.session.consumers import Consumers
+    from omniflow.engine.session.consumers import Consumers, LocalInputs
     from omniflow.storage.batcher import Batcher
     from omniflow.storage.keys import Keys
 
@@ -58,9 +58,11 @@ class SessionCore:
     _steps: list[list[Any]]
     _status: str
     _finish: tuple[list[str], bytes] | None
+    _done: bool  # its finish closes it as done (its consumers' end of stream rides on it)
     _emit_keys: list[str] | None
     _consumers: Consumers  # which replicas consume which stage (the inboxes its emits declare)
     _consumers_seen: int  # the `Consumers.version` its `_emit_keys` were built with
+    _local: LocalInputs | None  # the worker's input queues: its written chunks go to local consumers in memory
     _open: asyncio.Future[Any] | None  # the queued write that is not built yet (takes more steps)
     _last_in: dict[str, int]
     _write_error: BaseException | None

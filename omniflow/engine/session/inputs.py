@@ -17,7 +17,9 @@ from omniflow.errors import NonRetryableError
 from omniflow.models import SessionState, StageStatus
 from omniflow.storage.schema import StageField
 
-STATUS_ALONE_AFTER_S = 0.01  # a compute thread's session that started running and wrote nothing since
+# a compute thread's session that started running and wrote nothing since: its status is written alone
+# (else it rides on its first emit; under load a session may wait longer than this for its thread)
+STATUS_ALONE_AFTER_S = 0.1
 INPUT_BATCH = 256       # raw chunks one hop from a compute thread to the worker's loop may bring back
 
 

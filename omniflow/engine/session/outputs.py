@@ -21,7 +21,7 @@ from omniflow.dataplane.codec import payload_nbytes
 from omniflow.engine.session.core import ACTIVE, SessionCore
 from omniflow.errors import Fenced, NonRetryableError, RedisUnavailable
 from omniflow.models import SessionState, StageStatus
-from omniflow.storage.schema import StageField
+from omniflow.storage.schema import StageField, s
 from omniflow.storage.transitions.emit import EMIT_LOG, EMIT_OUT, EmitResult, emit_code, emit_keys, refused_inbox
 from omniflow.storage.transitions.emit import emit as emit_call
 from omniflow.storage.usage import Meter
@@ -29,6 +29,9 @@ from omniflow.storage.usage import Meter
 logger = logging.getLogger(__name__)
 
 MAX_EMITS_IN_FLIGHT = 64
+#: how long a step a compute thread emitted waits for what the thread emits right after it (more steps,
+#: the executor's return and so the finish) before it is written: one call instead of several
+EMIT_LINGER_S = 0.0005
 MAX_INBOX_RESENDS = 8       # a call refused for a consumer's inbox is sent again at most this many times
 DOMAIN_RECHECK_S = 0.5      # how often a producer asks again where a not-yet-claimed consumer runs
 DOMAIN_REFRESH_S = 5.0      # ... and where a claimed one runs (a retry may have moved it to another host)
@@ -200,11 +203,12 @@ class SessionOutputs(SessionCore):
         self._steps.append(step)
         if self._home is None:
             self._schedule()
-        else:
-            # handed off by the compute thread: write on the next loop turn, so that whatever else
-            # the same batch brought (more steps, the executor's return, after which the worker closes
-            # the session) joins this write, as it does when the executor runs on this loop
-            self._home.call_soon(self._schedule_pending)
+        elif len(self._steps) == 1:
+            # handed off by the compute thread: written after a short linger, so that what the thread
+            # emits right after it (more steps, the executor's return, after which the worker closes the
+            # session: the finish rides on this write then) joins this write, as it does when the
+            # executor runs on this loop; a step emitted before a long forward pass waits no longer
+            self._home.call_later(EMIT_LINGER_S, self._schedule_pending)
 
     def _schedule(self) -> None:
         if self._open is None:
@@ -231,13 +235,33 @@ class SessionOutputs(SessionCore):
                 taken.append((steps, status, self._finish))
             steps, status, finish = taken[0]
             return emit_call(self._current_emit_keys(), self.wf_id, self.stage, self.attempt, status=status,
-                             now_ms=int(time.time() * 1000), steps=steps, finish=finish)
+                             now_ms=int(time.time() * 1000), steps=steps, finish=finish,
+                             replica=self._local.replica if self._local is not None else "")
 
-        self._relay(done, build, self._batcher.send_lazy(build), 0)
+        self._relay(done, build, self._batcher.send_lazy(build), 0, taken)
         return done
 
+    def _hand_over(self, reply: list[Any], steps: list[list[Any]], finish: tuple[list[str], bytes] | None) -> None:
+        """After a call wrote `steps` (and its finish): the chunks it wrote for the consumers bound to
+        this worker (the reply names each, with its attempt: the script wrote them no inbox copy), and
+        a done finish's end of stream, to those sessions (`LocalInputs`)."""
+        local = self._local
+        assert local is not None
+        src = self.stage
+        for j in range(1, len(reply) - 1, 2):
+            dst, attempt = s(reply[j]), int(reply[j + 1])
+            chunks: list[dict[bytes, Any]] = []
+            for step in steps:
+                for i in range(1, len(step) - 2, 3):
+                    if step[i] == "P" and step[i + 1] == dst:   # decoded as the inbox reader decodes them
+                        flat = msgpack.unpackb(step[i + 2], raw=True)
+                        chunks.append(dict(zip(flat[::2], flat[1::2])))
+            if finish is not None and self._done:
+                chunks.append({b"eos": b"1", b"seq": self.seq, b"a": self.attempt})
+            local.deliver((self.wf_id, dst, attempt), src, chunks)
+
     def _relay(self, done: asyncio.Future[Any], build: Callable[[], tuple[Any, ...]], sent: asyncio.Future[Any],
-               tries: int) -> None:
+               tries: int, taken: list[tuple[list[list[Any]], str, tuple[list[str], bytes] | None]]) -> None:
         def settled(fut: asyncio.Future[Any]) -> None:
             if fut.cancelled():
                 if not done.done():
@@ -251,8 +275,11 @@ class SessionOutputs(SessionCore):
                 dst, replica = refused_inbox(result)
                 if replica:
                     self._consumers.learn(dst, self._keys.cell_of(self.wf_id), replica)
-                self._relay(done, build, self._batcher.send_lazy(build), tries + 1)
+                self._relay(done, build, self._batcher.send_lazy(build), tries + 1, taken)
                 return
+            if isinstance(result, list) and len(result) > 2 and self._local is not None and taken \
+                    and emit_code(result) in (EmitResult.OK, EmitResult.COMPLETED):
+                self._hand_over(result, taken[0][0], taken[0][2])
             if done.done():
                 return
             if exc is not None:
@@ -293,6 +320,7 @@ class SessionOutputs(SessionCore):
         """
         if self.state in ACTIVE:
             self.state = SessionState.CLOSED
+        self._done = outcome == "done"
         fin: list[Any] = [group, entry_id, outcome, detail, "1" if retryable else "0", self.seq,
                           ",".join(self.downstream)]
         finish_keys = [tasks_key, events_key]

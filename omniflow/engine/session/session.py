@@ -7,7 +7,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from omniflow.engine.session.consumers import Consumers
+from omniflow.engine.session.consumers import Consumers, LocalInputs
 from omniflow.engine.session.inputs import SessionInputs
 from omniflow.executor import Session as ExecutorSession
 from omniflow.models import Priority, SessionState
@@ -57,9 +57,13 @@ class Session(SessionInputs):
     _steps: list[list[Any]] = field(default_factory=list)
     _status: str = ""
     _finish: tuple[list[str], bytes] | None = None
+    _done: bool = False                 # its finish closes it as done (set by `close`)
     _emit_keys: list[str] | None = None
     _consumers: Consumers = field(default_factory=Consumers)   # the worker's: which inboxes its emits declare
     _consumers_seen: int = -1
+    # the worker's input queues, when a downstream stage may run on it: the chunks of a written call go
+    # to its own consuming sessions in memory (no inbox copy), see `LocalInputs`
+    _local: LocalInputs | None = None
     _open: asyncio.Future[Any] | None = None      # the queued write that is not built yet (takes more steps)
     _last_in: dict[str, int] = field(default_factory=dict)
     _write_error: BaseException | None = None

@@ -42,6 +42,7 @@ class Claims:
         self._plans: dict[tuple[str, bytes, bytes], _Plan] = {}
         self._finalize: dict[str, FinalizePlan] = {}      # pipeline version -> what finalize touches
         self._params: dict[bytes, dict[str, Any]] = {}
+        self._served = frozenset(pool.stage for pool in ctx.pools.values())    # its producers hand them chunks
 
     async def claim(self, pool: StagePool, cell: int, claims: list[Claim], prio: Priority = Priority.API) -> None:
         """Claim a batch of tasks of one priority class's stream with one `claim.lua` call, then start
@@ -53,7 +54,7 @@ class Claims:
         for _entry_id, wf_id, attempt in claims:
             # register before claiming: chunks forwarded to our inbox after the claim find their queue
             queue: asyncio.Queue[Any] = asyncio.Queue()
-            ctx.inputs[(wf_id, stage, attempt)] = queue
+            ctx.inputs.register((wf_id, stage, attempt), queue)
             queues.append(queue)
         replies: list[Any] | None = None
         legacy: set[str] = set()        # workflows of the storage layout before (claimed again naming `<wf>:stages`)
@@ -74,7 +75,7 @@ class Claims:
             ctx.slot_free.set()
             if replies is None:
                 for _entry_id, wf_id, attempt in claims:
-                    ctx.inputs.pop((wf_id, stage, attempt), None)
+                    ctx.inputs.pop((wf_id, stage, attempt))
         if replies is None:         # the worker is stopping: the reconciler re-queues what we hold
             return
         loop = asyncio.get_running_loop()
@@ -87,7 +88,7 @@ class Claims:
                 elif len(reply) > 2 and s(reply[1]) == "held":
                     ctx.track(asyncio.create_task(self._vouch(s(reply[2]), pool.queue)))
                 ctx.stats["dropped"] += 1
-                ctx.inputs.pop((wf_id, stage, attempt), None)
+                ctx.inputs.pop((wf_id, stage, attempt))
                 ctx.held.discard(entry_id)
                 continue
             try:
@@ -114,13 +115,14 @@ class Claims:
                     _status=StageStatus.RUNNING.value if upstream and not sources else "",
                     checkpoint=checkpoint, _home=loop if pool.compute is not None else None,
                     _plane=ctx.plane, _domain_of=self.runner.domain_of, _chunk_dsts=pool.chunk_dsts,
-                    _bp=ctx.backpressure, _consumers=ctx.consumers, queue=pool.queue, trace=trace,
+                    _bp=ctx.backpressure, _consumers=ctx.consumers,
+                    _local=ctx.inputs if self._served.intersection(downstream) else None, queue=pool.queue, trace=trace,
                     priority=prio, tenant=tenant, tasks_key=stream,
                     _completion=self._completion(pool, cell, wf_id, wf_id in legacy) if completes else None,
                     _legacy=wf_id in legacy,
                 )
             except Exception as exc:  # noqa: BLE001 - a record that does not decode fails its workflow, not us
-                ctx.inputs.pop((wf_id, stage, attempt), None)
+                ctx.inputs.pop((wf_id, stage, attempt))
                 why = f"workflow record is malformed: {type(exc).__name__}: {exc}"[:MAX_DETAIL_CHARS]
                 ctx.spawn(f"{wf_id}|{stage}|{attempt}", self._fail_unstartable(pool, cell, prio, entry_id, wf_id,
                                                                                attempt, why),

@@ -14,7 +14,7 @@ from omniflow.config import Settings
 from omniflow.dataplane import DataPlane
 from omniflow.dataplane.backpressure import WaitStats
 from omniflow.engine.session import Session
-from omniflow.engine.session.consumers import Consumers
+from omniflow.engine.session.consumers import Consumers, LocalInputs
 from omniflow.engine.window import StageWindow
 from omniflow.engine.worker.pool import StagePool
 from omniflow.errors import RedisError, RedisUnavailable
@@ -61,8 +61,8 @@ class WorkerContext:
         self.sessions: dict[str, tuple[Session | None, asyncio.Task[None]]] = {}
         self.held: set[str] = set()     # task entry ids this worker is working on (claim, session, dead letter)
         self.aborted: dict[str, None] = {}  # the workflows whose abort this worker heard, oldest first
-        # (wf, stage, attempt) -> the input queue of that session
-        self.inputs: dict[tuple[str, str, int], asyncio.Queue[Any]] = {}
+        # (wf, stage, attempt) -> the input queue of that session; what its own producers hand it
+        self.inputs = LocalInputs(worker_id)
         self.consumers = Consumers()        # which replicas consume which stage: the inboxes emits declare
         self.slot_free = asyncio.Event()        # a session slot came free (intake waits on it)
         self.undrained = asyncio.Event()        # cleared while an operator drains this worker

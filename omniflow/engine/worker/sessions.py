@@ -64,7 +64,7 @@ class SessionRunner:
             logger.warning("session %s/%s: a write failed: %s", wf_id, stage, exc)
             outcome, detail, retryable = "failed", f"worker {ctx.id}: a write failed: {exc}"[:MAX_DETAIL_CHARS], True
         finally:
-            ctx.inputs.pop((wf_id, stage, attempt), None)
+            ctx.inputs.pop((wf_id, stage, attempt))
         closing_ns = tracing.now_ns() if tracing.tracer is not None else 0
         code = await self._close(pool, cell, entry_id, session, outcome, detail, retryable)
         if session._span is not None:

@@ -336,7 +336,8 @@ end
 -- end-of-stream {'eos', '1', 'seq', n, 'a', attempt}). When a session of <dst> is already bound to a
 -- worker, the same entry is copied to that worker's inbox in this cell (`<cell>:inbox:<replica>`,
 -- fields wf, ds (dst stage), da (dst attempt), src, m): a worker reads one stream per cell for all
--- its sessions' inputs.
+-- its sessions' inputs. Not when that worker is the caller (`SELF`): it hands the chunks of a call
+-- that wrote them to its own session in memory (omniflow.engine.session.consumers.LocalInputs).
 --
 -- The inbox's name is the consuming replica, which the producer learns (`omniflow.engine.session
 -- .consumers`): a producer declares the inboxes of the replicas it knows consume each downstream
@@ -345,6 +346,11 @@ end
 local function inbox_key(wf, replica)
   return cell_base(wf) .. ':inbox:' .. replica
 end
+-- The replica making this call, when it hands what it writes for its own sessions to them in memory
+-- (emit.lua's ARGV[8]): a consumer bound to it gets no inbox copy (false: every bound consumer does);
+-- LOCAL lists them (dst, dst attempt, ...), for the caller.
+local SELF = false
+local LOCAL = {}
 -- {status, replica, attempt} of stage dst (the stage hash, read once per call; a caller that reads
 -- the stage hash first may fill it: emit.lua)
 local bound = {}
@@ -363,7 +369,8 @@ local function unbound_inbox(wf, dsts)
   for j = 1, #dsts do
     local dst = dsts[j]
     local cur = consumer_of(wf, dst)
-    if (cur[1] == 'waiting_input' or cur[1] == 'running') and cur[2] and not DECLARED[inbox_key(wf, cur[2])] then
+    if (cur[1] == 'waiting_input' or cur[1] == 'running') and cur[2] and cur[2] ~= SELF
+        and not DECLARED[inbox_key(wf, cur[2])] then
       return {dst, cur[2]}
     end
   end
@@ -380,7 +387,12 @@ local function edge_append(wf, id, src, dst, fields)
     local cur = consumer_of(wf, dst)
     local inbox = false
     if (cur[1] == 'waiting_input' or cur[1] == 'running') and cur[2] then
-      inbox = key(inbox_key(wf, cur[2]))
+      if cur[2] ~= SELF then
+        inbox = key(inbox_key(wf, cur[2]))
+      else
+        local n = #LOCAL
+        LOCAL[n + 1], LOCAL[n + 2] = dst, tostring(cur[3])
+      end
     end
     e = {key(wf .. ':edge:' .. src .. ':' .. dst), {}, inbox, cur[3], src, id}
     edges[dst] = e

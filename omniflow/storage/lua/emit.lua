@@ -37,7 +37,12 @@
 --   stage follows, `Keys.finalize_keys` and the inflight set declared after the meter's key), a done
 --   that completes the workflow's terminal set ends the workflow here ('completed'), instead of in
 --   the reconciler's `stage_event.lua` one hop later.
+-- ARGV[8] optional: the calling replica (worker id), when it hands the chunks this call writes for its
+--   own sessions to them in memory: a consumer bound to it gets no inbox copy (`SELF` in _lib.lua);
+--   ARGV[7] is '' when there is no finish
 -- Returns 'ok' | 'completed' (with a finish: the workflow completed in this call) | 'dup' (every step was already written) | 'fenced' (session no longer owns the stage)
+--       ('ok' and 'completed' as {code, dst, dst attempt, ...} when the call wrote to edges whose consumer is
+--        bound to the caller, ARGV[8]: those got no inbox copy, the caller hands them the call's chunks)
 --       | 'gap' (steps after a hole were not written: the attempt must end; a retry resumes)
 --       | {'inbox', dst, replica} (nothing written: stage dst is bound to replica, whose inbox is not in
 --         KEYS; send the call again declaring it. dst and replica are '' for a call sent after such a
@@ -108,7 +113,8 @@ end
 local decoded, steps = pcall(cmsgpack.unpack, ARGV[6])
 local bad = (not decoded and 'steps do not decode') or check_steps(steps)
 local fin = nil
-if not bad and ARGV[7] then
+if ARGV[8] and ARGV[8] ~= '' then SELF = ARGV[8] end
+if not bad and ARGV[7] and ARGV[7] ~= '' then
   local ok
   ok, fin = pcall(cmsgpack.unpack, ARGV[7])
   if not ok or not valid_finish(fin) then bad = 'the finish is malformed' end
@@ -343,10 +349,15 @@ if res == false then
     'in ' .. wf .. ':stages), which this call did not declare (nothing written)')
 end
 flush_stage()
+-- the code, with the consumers bound to the caller that this call wrote to (see LOCAL in _lib.lua)
+local function answer(code)
+  if #LOCAL == 0 then return code end
+  return {code, unpack(LOCAL)}
+end
 if not fin then
   flush_edges()
   hflush()
-  return res
+  return answer(res)
 end
 do
   local f = fin
@@ -363,9 +374,10 @@ do
     -- the terminal set is complete: the workflow ends here (finalize writes what is buffered)
     hset(wf, 'finished', pre.completing, 'updated_ms', ARGV[4])
     finalize(wf, pre.z[1], '', rec[2], 'completed', nil, nil, ARGV[4], 0, pre.z[2])
-    return 'completed'
+    return answer('completed')
   end
   hflush()
   if res == 'fenced' or res == 'gap' then return res end
-  return closed
+  if closed ~= 'ok' then return closed end
+  return answer('ok')
 end

@@ -71,9 +71,10 @@ def emit_keys(keys: Keys, wf_id: str, stage: str, downstream: Sequence[str],
 
 
 def emit(base: list[str], wf_id: str, stage: str, attempt: int, *, status: str, now_ms: int, steps: list[list[Any]],
-         finish: tuple[list[str], bytes] | None = None) -> Call:
+         finish: tuple[list[str], bytes] | None = None, replica: str = "") -> Call:
     """One `emit.lua` call: `steps`, then the `finish` if given: (its task stream, event stream and
-    optional usage key; the packed finish). `base` is `emit_keys`.
+    optional usage key; the packed finish). `base` is `emit_keys`. `replica`: the calling worker, when it
+    hands what the call writes for its own sessions to them in memory (no inbox copy for those).
 
     A payload op ('B', key, {payload, ttl_ms}) names its key in `steps`; here the key is appended
     to KEYS and the op sent names it by its position instead (`steps` are left as they are: a call
@@ -95,8 +96,10 @@ def emit(base: list[str], wf_id: str, stage: str, attempt: int, *, status: str, 
     if blobs:       # payload keys this call stores: declared like every other key
         kk = [*kk, *blobs]
     args: list[Any] = [stage, attempt, status, now_ms, wf_id, msgpack.packb(wire, use_bin_type=False)]
-    if finish is not None:
-        args.append(finish[1])
+    if finish is not None or replica:
+        args.append(finish[1] if finish is not None else "")
+    if replica:
+        args.append(replica)
     return script_call("emit", kk, args)
 
 
