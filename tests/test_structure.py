@@ -265,6 +265,9 @@ def script_calls(keys: Keys) -> Iterator[tuple[str, tuple[Any, ...]]]:
     yield "abort", admission.abort(keys, PLAN, WF, now_ms=1, state=WorkflowState.ABORTED, reason="x", stage="",
                                    tombstone_ttl_s=1, result_ttl_s=1)
     yield "claim", sessions.claim(keys, "talker", ("thinker",), 0, [("1-0", WF, 1)], worker_id="w", now_ms=1)
+    yield "claim", sessions.claim_groups(keys, [sessions.ClaimGroup("thinker", (), 0, [("1-0", WF, 1)]),
+                                                sessions.ClaimGroup("talker", ("thinker",), 0, [("1-1", WF, 1)])],
+                                         worker_id="w", now_ms=1, legacy={WF})
     yield "restart", sessions.restart(keys, WF, "thinker", attempt=1, below=("talker",), edges=[("thinker", "talker")],
                                       requeued=("talker",), now_ms=1, regenerate=("talker", 1, 3, "why"))
     yield "heartbeat", sessions.heartbeat(keys, "w", loading=False, expiry_ms=1, info_ttl_s=1, info={"a": 1})

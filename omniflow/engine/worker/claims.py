@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
 from omniflow import tracing
@@ -23,7 +24,7 @@ from omniflow.storage.keys import TASK_GROUP, FinalizePlan, finalize_plan
 from omniflow.storage.schema import csv, now_ms, s
 from omniflow.storage.transitions import sessions as transitions
 from omniflow.storage.transitions.emit import finish
-from omniflow.storage.transitions.sessions import Claim, ClaimResult, claim_code
+from omniflow.storage.transitions.sessions import Claim, ClaimGroup, ClaimResult, claim_code
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,27 @@ PLAN_CACHE_MAX = 1024
 
 #: (required stages, finals, the stage's downstream, whether its finish may complete the workflow)
 _Plan = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], bool]
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """Tasks one read delivered from one task stream: of `pool`'s stage, in `cell`, of class `prio`."""
+
+    pool: StagePool
+    cell: int
+    prio: Priority
+    claims: list[Claim]
+
+
+def _regroup(tasks: list[tuple[Delivered, Claim]]) -> list[Delivered]:
+    """Some tasks of some groups, as groups (in order)."""
+    out: list[Delivered] = []
+    for group, claim in tasks:
+        if out and out[-1].pool is group.pool and out[-1].prio is group.prio and out[-1].cell == group.cell:
+            out[-1].claims.append(claim)
+        else:
+            out.append(Delivered(group.pool, group.cell, group.prio, [claim]))
+    return out
 
 
 class Claims:
@@ -47,92 +69,106 @@ class Claims:
     async def claim(self, pool: StagePool, cell: int, claims: list[Claim], prio: Priority = Priority.API) -> None:
         """Claim a batch of tasks of one priority class's stream with one `claim.lua` call, then start
         a session for each one kept."""
+        await self.claim_many([Delivered(pool, cell, prio, claims)])
+
+    async def claim_many(self, groups: list[Delivered]) -> None:
+        """Claim what one read delivered from several task streams of one cell (the stages a worker
+        serves) with one `claim.lua` call, then start a session for each task kept."""
         ctx = self.ctx
-        stream = pool.stream(cell, prio)
-        stage, upstream = pool.stage, pool.upstream
+        tasks = [(group, claim) for group in groups for claim in group.claims]
         queues: list[asyncio.Queue[Any]] = []
-        for _entry_id, wf_id, attempt in claims:
+        for group, (_entry_id, wf_id, attempt) in tasks:
             # register before claiming: chunks forwarded to our inbox after the claim find their queue
             queue: asyncio.Queue[Any] = asyncio.Queue()
-            ctx.inputs.register((wf_id, stage, attempt), queue)
+            ctx.inputs.register((wf_id, group.pool.stage, attempt), queue)
             queues.append(queue)
         replies: list[Any] | None = None
         legacy: set[str] = set()        # workflows of the storage layout before (claimed again naming `<wf>:stages`)
         try:
-            replies = await self._claim_call(pool, cell, prio, claims)
+            replies = await self._claim_call(groups)
             again = [i for i, reply in enumerate(replies or ())
                      if not isinstance(reply, Exception) and claim_code(reply) is ClaimResult.LAYOUT]
             if replies is not None and again:
-                legacy = {claims[i][1] for i in again}
-                more = await self._claim_call(pool, cell, prio, [claims[i] for i in again], legacy=legacy)
+                legacy = {tasks[i][1][1] for i in again}
+                more = await self._claim_call(_regroup([tasks[i] for i in again]), legacy=legacy)
                 if more is None:
                     replies = None
                 else:
                     for i, reply in zip(again, more, strict=True):
                         replies[i] = reply
         finally:
-            pool.claiming -= len(claims)
+            for group in groups:
+                group.pool.claiming -= len(group.claims)
             ctx.slot_free.set()
             if replies is None:
-                for _entry_id, wf_id, attempt in claims:
-                    ctx.inputs.pop((wf_id, stage, attempt))
+                for group, (_entry_id, wf_id, attempt) in tasks:
+                    ctx.inputs.pop((wf_id, group.pool.stage, attempt))
         if replies is None:         # the worker is stopping: the reconciler re-queues what we hold
             return
+        for (group, claim), queue, reply in zip(tasks, queues, replies, strict=True):
+            self._start(group, claim, queue, reply, legacy)
+
+    def _start(self, group: Delivered, claim: Claim, queue: asyncio.Queue[Any], reply: Any, legacy: set[str]) -> None:
+        """Start the session of one claimed task (or drop it, as its reply says)."""
+        ctx = self.ctx
+        pool, cell, prio = group.pool, group.cell, group.prio
+        stream = pool.stream(cell, prio)
+        stage, upstream = pool.stage, pool.upstream
+        entry_id, wf_id, attempt = claim
         loop = asyncio.get_running_loop()
-        for (entry_id, wf_id, attempt), queue, reply in zip(claims, queues, replies, strict=True):
-            if isinstance(reply, Exception) or claim_code(reply) is not ClaimResult.OK:
-                if isinstance(reply, Exception):    # this task alone cannot be claimed: poison
-                    ctx.dead_letter(stage, cell, stream, TASK_GROUP, entry_id,
-                                    {b"wf": wf_id.encode(), b"s": stage.encode(), b"a": str(attempt).encode()},
-                                    f"claim failed: {reply}")
-                elif len(reply) > 2 and s(reply[1]) == "held":
-                    ctx.track(asyncio.create_task(self._vouch(s(reply[2]), pool.queue)))
-                ctx.stats["dropped"] += 1
-                ctx.inputs.pop((wf_id, stage, attempt))
-                ctx.held.discard(entry_id)
-                continue
-            try:
-                _, raw_input, raw_params, raw_stages, raw_finals, seq = reply[:6]
-                checkpoint = s(reply[7]) if len(reply) > 7 else ""
-                trace = (s(reply[8]), s(reply[9])) if tracing.tracer is not None and len(reply) > 9 else ("", "")
-                tenant = s(reply[10]) if len(reply) > 10 else ""
-                catchup = [(s(src), chunk) for src, entries in reply[6] for entry in entries
-                           for chunk in chunk_fields(fields_dict(entry[1]))] if upstream else []
-                required, finals, downstream, completes = self._plan_of(pool, raw_stages, raw_finals)
-                record_input = json.loads(raw_input)
-                # this workflow's sources: the upstream stages it runs, and `@input` if it streams audio in
-                sources = tuple(u for u in upstream if u in required or (u == INPUT_SRC and "audio" in record_input))
-                session = Session(
-                    wf_id=wf_id, stage=stage, attempt=attempt,
-                    input=record_input, params=self._params_of(raw_params, stage),
-                    finals=finals, downstream=downstream,
-                    resume_seq=int(seq or 0), _batcher=ctx.batcher_for(wf_id), _keys=ctx.keys,
-                    upstream=sources, required=required, _queue=queue,
-                    _catchup=[c for c in catchup if c[0] in sources] if len(sources) < len(upstream) else catchup,
-                    _input_timeout_s=pool.spec.retry.input_timeout_s,
-                    state=SessionState.WAITING_INPUT if sources else SessionState.RUNNING,
-                    # claimed as waiting for input (its pool's stage may have some), it has none: running
-                    _status=StageStatus.RUNNING.value if upstream and not sources else "",
-                    checkpoint=checkpoint, _home=loop if pool.compute is not None else None,
-                    _plane=ctx.plane, _domain_of=self.runner.domain_of, _chunk_dsts=pool.chunk_dsts,
-                    _bp=ctx.backpressure, _consumers=ctx.consumers,
-                    _local=ctx.inputs if self._served.intersection(downstream) else None, queue=pool.queue, trace=trace,
-                    priority=prio, tenant=tenant, tasks_key=stream,
-                    _completion=self._completion(pool, cell, wf_id, wf_id in legacy) if completes else None,
-                    _legacy=wf_id in legacy,
-                )
-            except Exception as exc:  # noqa: BLE001 - a record that does not decode fails its workflow, not us
-                ctx.inputs.pop((wf_id, stage, attempt))
-                why = f"workflow record is malformed: {type(exc).__name__}: {exc}"[:MAX_DETAIL_CHARS]
-                ctx.spawn(f"{wf_id}|{stage}|{attempt}", self._fail_unstartable(pool, cell, prio, entry_id, wf_id,
-                                                                               attempt, why),
-                          entry_id=entry_id)
-                continue
-            ctx.stats["claimed"] += 1
-            if attempt > 1:
-                ctx.window.retried(stage)
-            ctx.spawn(f"{wf_id}|{stage}|{attempt}", self.runner.run(pool, cell, entry_id, session), session, pool,
+        if isinstance(reply, Exception) or claim_code(reply) is not ClaimResult.OK:
+            if isinstance(reply, Exception):    # this task alone cannot be claimed: poison
+                ctx.dead_letter(stage, cell, stream, TASK_GROUP, entry_id,
+                                {b"wf": wf_id.encode(), b"s": stage.encode(), b"a": str(attempt).encode()},
+                                f"claim failed: {reply}")
+            elif len(reply) > 2 and s(reply[1]) == "held":
+                ctx.track(asyncio.create_task(self._vouch(s(reply[2]), pool.queue)))
+            ctx.stats["dropped"] += 1
+            ctx.inputs.pop((wf_id, stage, attempt))
+            ctx.held.discard(entry_id)
+            return
+        try:
+            _, raw_input, raw_params, raw_stages, raw_finals, seq = reply[:6]
+            checkpoint = s(reply[7]) if len(reply) > 7 else ""
+            trace = (s(reply[8]), s(reply[9])) if tracing.tracer is not None and len(reply) > 9 else ("", "")
+            tenant = s(reply[10]) if len(reply) > 10 else ""
+            catchup = [(s(src), chunk) for src, entries in reply[6] for entry in entries
+                       for chunk in chunk_fields(fields_dict(entry[1]))] if upstream else []
+            required, finals, downstream, completes = self._plan_of(pool, raw_stages, raw_finals)
+            record_input = json.loads(raw_input)
+            # this workflow's sources: the upstream stages it runs, and `@input` if it streams audio in
+            sources = tuple(u for u in upstream if u in required or (u == INPUT_SRC and "audio" in record_input))
+            session = Session(
+                wf_id=wf_id, stage=stage, attempt=attempt,
+                input=record_input, params=self._params_of(raw_params, stage),
+                finals=finals, downstream=downstream,
+                resume_seq=int(seq or 0), _batcher=ctx.batcher_for(wf_id), _keys=ctx.keys,
+                upstream=sources, required=required, _queue=queue,
+                _catchup=[c for c in catchup if c[0] in sources] if len(sources) < len(upstream) else catchup,
+                _input_timeout_s=pool.spec.retry.input_timeout_s,
+                state=SessionState.WAITING_INPUT if sources else SessionState.RUNNING,
+                # claimed as waiting for input (its pool's stage may have some), it has none: running
+                _status=StageStatus.RUNNING.value if upstream and not sources else "",
+                checkpoint=checkpoint, _home=loop if pool.compute is not None else None,
+                _plane=ctx.plane, _domain_of=self.runner.domain_of, _chunk_dsts=pool.chunk_dsts,
+                _bp=ctx.backpressure, _consumers=ctx.consumers,
+                _local=ctx.inputs if self._served.intersection(downstream) else None, queue=pool.queue, trace=trace,
+                priority=prio, tenant=tenant, tasks_key=stream,
+                _completion=self._completion(pool, cell, wf_id, wf_id in legacy) if completes else None,
+                _legacy=wf_id in legacy,
+            )
+        except Exception as exc:  # noqa: BLE001 - a record that does not decode fails its workflow, not us
+            ctx.inputs.pop((wf_id, stage, attempt))
+            why = f"workflow record is malformed: {type(exc).__name__}: {exc}"[:MAX_DETAIL_CHARS]
+            ctx.spawn(f"{wf_id}|{stage}|{attempt}", self._fail_unstartable(pool, cell, prio, entry_id, wf_id,
+                                                                           attempt, why),
                       entry_id=entry_id)
+            return
+        ctx.stats["claimed"] += 1
+        if attempt > 1:
+            ctx.window.retried(stage)
+        ctx.spawn(f"{wf_id}|{stage}|{attempt}", self.runner.run(pool, cell, entry_id, session), session, pool,
+                  entry_id=entry_id)
 
     async def _vouch(self, replica: str, queue: str) -> None:
         """A task this worker was delivered is held by `replica` (claim.lua made it pending for that
@@ -158,21 +194,23 @@ class Claims:
         except RedisError as exc:       # its orphan audit, or the next delivery, tries again
             logger.warning("worker %s: could not lease worker %s for the reconciler: %s", ctx.id, replica, exc)
 
-    async def _claim_call(self, pool: StagePool, cell: int, prio: Priority, claims: list[Claim],
-                          legacy: Collection[str] = ()) -> list[Any] | None:
-        """The `claim.lua` replies of a batch, one per task (an exception for a task that alone cannot
-        be claimed); None when the worker stopped first. A claim sent again is harmless (same replica:
-        'ok' again), so transient errors are retried; a batch the script fails on is split, to find
-        the task that causes it. `legacy`: the workflows whose `<wf>:stages` the call declares (the
-        others answer `ClaimResult.LAYOUT` when they are of the storage layout before)."""
+    async def _claim_call(self, groups: list[Delivered], legacy: Collection[str] = ()) -> list[Any] | None:
+        """The `claim.lua` replies of a batch, one per task in the order of the groups' tasks (an
+        exception for a task that alone cannot be claimed); None when the worker stopped first. A
+        claim sent again is harmless (same replica: 'ok' again), so transient errors are retried; a
+        batch the script fails on is split, to find the task that causes it. `legacy`: the workflows
+        whose `<wf>:stages` the call declares (the others answer `ClaimResult.LAYOUT` when they are of
+        the storage layout before)."""
         ctx = self.ctx
-        call = transitions.claim(ctx.keys, pool.stage, pool.upstream, cell, claims, worker_id=ctx.id, now_ms=now_ms(),
-                                 queue=pool.queue, priority=prio.value, legacy=legacy)
+        call = transitions.claim_groups(
+            ctx.keys, [ClaimGroup(g.pool.stage, g.pool.upstream, g.cell, g.claims, g.pool.queue, g.prio.value)
+                       for g in groups], worker_id=ctx.id, now_ms=now_ms(), legacy=legacy)
+        size = sum(len(g.claims) for g in groups)
         backoff = Backoff()
         while True:
             try:
                 replies = await ctx.batcher.send(*call)
-                if not isinstance(replies, list) or len(replies) != len(claims):
+                if not isinstance(replies, list) or len(replies) != size:
                     raise ScriptError(f"unexpected claim reply {replies!r:.200}")
                 return replies
             except RedisUnavailable as exc:        # lost, refused (OOM, READONLY, LOADING...)
@@ -180,16 +218,17 @@ class Claims:
                     return None
                 await backoff.wait(logger, f"worker {ctx.id}: claim failed", exc)
             except ScriptError as exc:
-                if len(claims) == 1:
+                if size == 1:
                     return [exc]
                 logger.warning("worker %s: a claim of %d tasks failed (%s); claiming them one by one",
-                               ctx.id, len(claims), exc)
+                               ctx.id, size, exc)
                 out: list[Any] = []
-                for claim in claims:
-                    one = await self._claim_call(pool, cell, prio, [claim], legacy)
-                    if one is None:
-                        return None
-                    out += one
+                for group in groups:
+                    for claim in group.claims:
+                        one = await self._claim_call([Delivered(group.pool, group.cell, group.prio, [claim])], legacy)
+                        if one is None:
+                            return None
+                        out += one
                 return out
 
     async def _fail_unstartable(self, pool: StagePool, cell: int, prio: Priority, entry_id: str, wf_id: str,

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 
-from omniflow.engine.worker.claims import Claims
+from omniflow.engine.worker.claims import Claims, Delivered
 from omniflow.engine.worker.context import WorkerContext
 from omniflow.engine.worker.pool import StagePool
 from omniflow.errors import MalformedEntry, RedisError
@@ -18,6 +18,7 @@ from omniflow.storage.entries import task as task_entry
 from omniflow.storage.keys import TASK_GROUP
 from omniflow.storage.redisio import REDIS_ERRORS, ensure_group
 from omniflow.storage.schema import s
+from omniflow.storage.transitions.sessions import Claim
 from omniflow.storage.topology import is_cluster
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ ORPHAN_AUDIT_S = 5.0
 ORPHAN_IDLE_MS = 3_000
 ORPHAN_BATCH = 256
 
-Delivered = list[tuple[str, dict[bytes, bytes]]]
+Entries = list[tuple[str, dict[bytes, bytes]]]
 
 
 class Intake:
@@ -116,16 +117,29 @@ class Intake:
                 for pool in ready:
                     pool.claiming -= reserved
                 ctx.slot_free.set()
+            # what one read delivered, every stage's tasks of one cell claimed with one call
+            by_cell: dict[int, list[Delivered]] = {}
             for stream, entries in reply or []:
                 pool, cell, prio = self.by_stream[s(stream)]
-                self.accept(pool, cell, [(s(entry_id), fields) for entry_id, fields in entries], prio)
+                claims = self.validate(pool, cell, [(s(entry_id), fields) for entry_id, fields in entries], prio)
+                if claims:
+                    by_cell.setdefault(cell, []).append(Delivered(pool, cell, prio, claims))
+            for groups in by_cell.values():
+                ctx.track(asyncio.create_task(self.claims.claim_many(groups)))
 
-    def accept(self, pool: StagePool, cell: int, entries: Delivered, prio: Priority = Priority.API) -> None:
+    def accept(self, pool: StagePool, cell: int, entries: Entries, prio: Priority = Priority.API) -> None:
         """Validate delivered tasks (malformed ones go to the dead-letter stream) and claim the rest in one call."""
+        claims = self.validate(pool, cell, entries, prio)
+        if claims:
+            self.ctx.track(asyncio.create_task(self.claims.claim(pool, cell, claims, prio)))
+
+    def validate(self, pool: StagePool, cell: int, entries: Entries, prio: Priority = Priority.API) -> list[Claim]:
+        """The delivered tasks to claim (malformed ones go to the dead-letter stream; while draining,
+        none: they are handed back), counted in `pool.claiming` until their claim is answered."""
         ctx = self.ctx
         if ctx.draining:       # read by a blocking read that began before the drain: give them back
             ctx.track(asyncio.create_task(self._hand_back(pool, cell, entries, prio)))
-            return
+            return []
         stream = pool.stream(cell, prio)
         if prio is Priority.INTERACTIVE:
             self.live_seen_at = time.monotonic()
@@ -148,11 +162,10 @@ class Intake:
                         held.cancel()
             claims.append((entry_id, wf_id, attempt))
             ctx.held.add(entry_id)
-        if claims:
-            pool.claiming += len(claims)
-            ctx.track(asyncio.create_task(self.claims.claim(pool, cell, claims, prio)))
+        pool.claiming += len(claims)
+        return claims
 
-    async def _hand_back(self, pool: StagePool, cell: int, entries: Delivered, prio: Priority) -> None:
+    async def _hand_back(self, pool: StagePool, cell: int, entries: Entries, prio: Priority) -> None:
         """Re-queue unclaimed tasks as they were (same attempt: still valid for any other worker)."""
         ctx = self.ctx
         stream = pool.stream(cell, prio)

@@ -1,11 +1,18 @@
 -- claim: bind a batch of delivered stage tasks to this worker, dropping the ones that are void.
--- KEYS[1] the stage's task stream of one cell and priority class  KEYS[2], KEYS[3] its listing indexes of the states
---         pending and running; then, per task (in ARGV's order), the workflow's wf base key, log,
---         and edge:<src>:<stage> of each upstream stage (all in that cell); then, in any order, the
---         `<wf>:stages` of each workflow of before the caller knows of (see stages_known in _lib.lua)
+-- The batch may hold the tasks of several stages (a worker serving several stages claims what one
+-- read delivered with one call): one group per task stream, the first in KEYS[1] and ARGV[5..].
+-- KEYS[1] the first group's task stream (one cell and priority class)  KEYS[2], KEYS[3] the cell's
+--         listing indexes of the states pending and running; then, per task of the group (in ARGV's
+--         order), the workflow's wf base key, log, and edge:<src>:<stage> of each upstream stage (all
+--         in that cell); then each further group's task stream followed by its tasks' keys, the same
+--         way; then, in any order, the `<wf>:stages` of each workflow of before the caller knows of
+--         (see stages_known in _lib.lua)
 -- ARGV[1] prefix  ARGV[2] group  ARGV[3] replica (worker id)  ARGV[4] now_ms
 -- ARGV[5] upstream stages csv ('' for the entry stage)  ARGV[6] stage
--- ARGV[7..] triples: task entry id, workflow id, attempt
+-- ARGV[7..] triples: task entry id, workflow id, attempt; then, per further group, '+', its upstream
+--         csv, its stage and its triples
+-- Tasks of one workflow (its stages' sessions, delivered together) are read with one HMGET of its
+-- record and written with one HSET.
 -- Returns one reply per task, in order:
 --   {'ok', input, params, stages csv, finals csv, emitted seq, catch-up, checkpoint, trace, tracestate, tenant}
 --       catch-up: for each upstream stage, {src, entries of its edge log so far}; entries written
@@ -22,84 +29,153 @@
 -- Claiming again a task this replica already holds answers 'ok' again (a retried call is harmless).
 --@include _lib.lua
 --@const
-local CLAIM_REC = {'state', 'input', 'params', 'stages', 'finals', 'created_ms', 'trace', 'tracestate', 'tenant'}
-local group, replica, now, stage = ARGV[2], ARGV[3], ARGV[4], ARGV[6]
-local upstream = csv(ARGV[5])
-local per_task = 2 + #upstream
-local status = 'running'
-if #upstream > 0 then status = 'waiting_input' end
-local out = {}
-for i = 7, #ARGV, 3 do
-  local entry_id, id, attempt = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  local wf = KEYS[4 + (i - 7) / 3 * per_task]
-  -- the record's fields and the stage's, with each upstream stage's status and seq (the catch-up
-  -- below): one HMGET (read_record)
-  local sf = {stage, stage .. ':attempt', stage .. ':seq', stage .. ':replica', stage .. ':ckpt'}
-  for j = 1, #upstream do
-    local src = upstream[j]
-    sf[#sf + 1] = src
-    sf[#sf + 1] = src .. ':seq'
-  end
-  local rec, sk, cur = read_record(wf, CLAIM_REC, sf)
-  local why, held = nil, nil
-  if not rec[1] then
-    why = 'gone'
-  elseif not is_live(rec[1]) then
-    why = rec[1]
-  elseif not sk then
-    why = 'layout'
-  elseif tostring(cur[2]) ~= attempt then
-    why = 'stale'
-  elseif cur[1] ~= 'pending' and not (cur[4] == replica and (cur[1] == 'running' or cur[1] == 'waiting_input')) then
-    why = 'stale'
-    if (cur[1] == 'running' or cur[1] == 'waiting_input') and cur[4] then held = cur[4] end
-  end
-  if why == 'layout' then
-    out[#out + 1] = {'layout'}
-  elseif held then
-    -- This attempt runs on another replica, and its task was delivered here too: a failover lost
-    -- the delivery (a claim sent again bound the stage without it), or a claim sent again lost the
-    -- race to this one. Acked, the running session would have no pending task, and the reconciler
-    -- finds a dead worker's sessions by what is pending for it: that replica's death would leave
-    -- the stage running forever. So the task is made pending for that replica again.
-    redis.call('XCLAIM', KEYS[1], group, held, 0, entry_id, 'FORCE', 'JUSTID')
-    out[#out + 1] = {'drop', 'held', held}
-  elseif why then
-    redis.call('XACK', KEYS[1], group, entry_id)
-    redis.call('XDEL', KEYS[1], entry_id)
-    out[#out + 1] = {'drop', why}
-  else
-    if cur[1] == 'pending' then
-      if rec[1] == 'pending' and sk == wf then      -- the workflow starts too: one HSET
-        redis.call('HSET', sk, stage, status, stage .. ':replica', replica, stage .. ':t_start', now,
-          'state', 'running', 'updated_ms', now)
-      else
-        redis.call('HSET', sk, stage, status, stage .. ':replica', replica, stage .. ':t_start', now)
+local CLAIM_REC = {'state', 'input', 'params', 'stages', 'finals', 'created_ms', 'trace', 'tracestate', 'tenant', 'sl'}
+local group, replica, now = ARGV[2], ARGV[3], ARGV[4]
+
+-- The groups and their tasks: {stream, stage, upstream, status, {entry id, workflow id, attempt, wf key, edge keys}}
+local groups = {}
+local reads = {}            -- wf key -> the stage fields its tasks read (with the record's: one HMGET)
+local order = {}            -- the wf keys, in the order first seen
+do
+  local a, k = 5, 1         -- the next ARGV and KEYS positions of the group
+  while a <= #ARGV do
+    if a > 5 then a = a + 1 end                     -- past the '+' of a further group
+    local g = {KEYS[k], ARGV[a + 1], csv(ARGV[a]), 'running', {}}
+    if #g[3] > 0 then g[4] = 'waiting_input' end
+    k = k + 1
+    if k == 2 then k = 4 end                        -- (the indexes follow the first group's stream)
+    a = a + 2
+    local stage, upstream = g[2], g[3]
+    while a <= #ARGV and ARGV[a] ~= '+' do
+      local wf = KEYS[k]
+      local t = {ARGV[a], ARGV[a + 1], ARGV[a + 2], wf}
+      k = k + 2 + #upstream
+      a = a + 3
+      g[5][#g[5] + 1] = t
+      local sf = reads[wf]
+      if sf == nil then
+        sf = {}
+        reads[wf] = sf
+        order[#order + 1] = wf
       end
-      if rec[1] == 'pending' then
-        if sk ~= wf then redis.call('HSET', wf, 'state', 'running', 'updated_ms', now) end
-        index_state(wf, id, 'pending', 'running', rec[6] or now)
-        redis.call('XADD', key(wf .. ':log'), '*', 't', 'state', 'state', 'running')
-      end
-      redis.call('XADD', key(wf .. ':log'), '*', 't', 'stage', 'stage', stage, 'status', status,
-        'attempt', attempt, 'replica', replica)
-    end
-    -- An upstream stage that has stored no step and is not done has written nothing to its edge
-    -- (each emit that appends to it stores a step, `<src>:seq`; its done appends the end of stream;
-    -- a restart that sets the seq back to 0 deletes the edge with it): nothing to read. (The
-    -- client's streamed input, `@input`, has no status: its edge is read.)
-    local catchup = {}
-    for j = 1, #upstream do
-      local src = upstream[j]
-      local st, sq = cur[4 + 2 * j], cur[5 + 2 * j]
-      if st and st ~= 'done' and tostring(sq or '0') == '0' then
-        catchup[#catchup + 1] = {src, {}}
-      else
-        catchup[#catchup + 1] = {src, redis.call('XRANGE', key(wf .. ':edge:' .. src .. ':' .. stage), '-', '+')}
+      local n = #sf
+      sf[n + 1], sf[n + 2], sf[n + 3], sf[n + 4], sf[n + 5] =
+        stage, stage .. ':attempt', stage .. ':seq', stage .. ':replica', stage .. ':ckpt'
+      for j = 1, #upstream do
+        sf[#sf + 1] = upstream[j]
+        sf[#sf + 1] = upstream[j] .. ':seq'
       end
     end
-    out[#out + 1] = {'ok', rec[2], rec[3], rec[4], rec[5], cur[3] or '0', catchup, cur[5] or '',
-      rec[7] or '', rec[8] or '', rec[9] or ''}
+    groups[#groups + 1] = g
   end
 end
+
+-- one read per workflow: the record's fields and every stage field its tasks need (a workflow of
+-- before: its stage fields from `<wf>:stages`); V[wf][field] = the value (false: not there)
+local V = {}
+for i = 1, #order do
+  local wf = order[i]
+  local sf = reads[wf]
+  local fields = {}
+  local nr = #CLAIM_REC
+  for j = 1, nr do fields[j] = CLAIM_REC[j] end
+  for j = 1, #sf do fields[nr + j] = sf[j] end
+  local got = redis.call('HMGET', wf, unpack(fields))
+  local v = {}
+  for j = 1, #fields do v[fields[j]] = got[j] end
+  local sk = stages_known(wf, v['sl'], v['state'])
+  if sk and sk ~= wf then
+    got = redis.call('HMGET', sk, unpack(sf))
+    for j = 1, #sf do v[sf[j]] = got[j] end
+  end
+  V[wf] = v
+end
+
+local W, WK = {}, {}        -- the fields each hash is written (one HSET per hash at the end), its keys in order
+local function write(k, ...)
+  local w = W[k]
+  if w == nil then
+    w = {}
+    W[k] = w
+    WK[#WK + 1] = k
+  end
+  local a = {...}
+  for i = 1, #a do w[#w + 1] = a[i] end
+end
+
+local out = {}
+for gi = 1, #groups do
+  local g = groups[gi]
+  local stream, stage, upstream, status = g[1], g[2], g[3], g[4]
+  local tasks = g[5]
+  for ti = 1, #tasks do
+    local t = tasks[ti]
+    local entry_id, id, attempt, wf = t[1], t[2], t[3], t[4]
+    local v = V[wf]
+    local state = v['state']
+    local sk = SKEY[wf]
+    local why, held = nil, nil
+    local cur, cur_replica
+    if not state then
+      why = 'gone'
+    elseif not is_live(state) then
+      why = state
+    elseif not sk then
+      why = 'layout'
+    else
+      cur, cur_replica = v[stage], v[stage .. ':replica']
+      if tostring(v[stage .. ':attempt']) ~= attempt then
+        why = 'stale'
+      elseif cur ~= 'pending' and not (cur_replica == replica and (cur == 'running' or cur == 'waiting_input')) then
+        why = 'stale'
+        if (cur == 'running' or cur == 'waiting_input') and cur_replica then held = cur_replica end
+      end
+    end
+    if why == 'layout' then
+      out[#out + 1] = {'layout'}
+    elseif held then
+      -- This attempt runs on another replica, and its task was delivered here too: a failover lost
+      -- the delivery (a claim sent again bound the stage without it), or a claim sent again lost the
+      -- race to this one. Acked, the running session would have no pending task, and the reconciler
+      -- finds a dead worker's sessions by what is pending for it: that replica's death would leave
+      -- the stage running forever. So the task is made pending for that replica again.
+      redis.call('XCLAIM', stream, group, held, 0, entry_id, 'FORCE', 'JUSTID')
+      out[#out + 1] = {'drop', 'held', held}
+    elseif why then
+      redis.call('XACK', stream, group, entry_id)
+      redis.call('XDEL', stream, entry_id)
+      out[#out + 1] = {'drop', why}
+    else
+      if cur == 'pending' then
+        write(sk, stage, status, stage .. ':replica', replica, stage .. ':t_start', now)
+        v[stage], v[stage .. ':replica'] = status, replica
+        if state == 'pending' then     -- the workflow starts too (its record's HSET)
+          write(wf, 'state', 'running', 'updated_ms', now)
+          v['state'] = 'running'
+          index_state(wf, id, 'pending', 'running', v['created_ms'] or now)
+          redis.call('XADD', key(wf .. ':log'), '*', 't', 'state', 'state', 'running')
+        end
+        redis.call('XADD', key(wf .. ':log'), '*', 't', 'stage', 'stage', stage, 'status', status,
+          'attempt', attempt, 'replica', replica)
+      end
+      -- An upstream stage that has stored no step and is not done has written nothing to its edge
+      -- (each emit that appends to it stores a step, `<src>:seq`; its done appends the end of stream;
+      -- a restart that sets the seq back to 0 deletes the edge with it): nothing to read. (The
+      -- client's streamed input, `@input`, has no status: its edge is read.)
+      local catchup = {}
+      for j = 1, #upstream do
+        local src = upstream[j]
+        local st, sq = v[src], v[src .. ':seq']
+        if st and st ~= 'done' and tostring(sq or '0') == '0' then
+          catchup[j] = {src, {}}
+        else
+          catchup[j] = {src, redis.call('XRANGE', key(wf .. ':edge:' .. src .. ':' .. stage), '-', '+')}
+        end
+      end
+      out[#out + 1] = {'ok', v['input'], v['params'], v['stages'], v['finals'], v[stage .. ':seq'] or '0', catchup,
+        v[stage .. ':ckpt'] or '', v['trace'] or '', v['tracestate'] or '', v['tenant'] or ''}
+    end
+  end
+end
+for i = 1, #WK do redis.call('HSET', WK[i], unpack(W[WK[i]])) end
 return out

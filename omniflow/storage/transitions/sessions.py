@@ -3,6 +3,7 @@ starts over, or a producer runs again), `heartbeat.lua` (a worker's lease and in
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -28,19 +29,51 @@ class RestartResult(str, Enum):
     EXHAUSTED = "exhausted"     # regenerate: the producer has used its attempts; nothing changed
 
 
+@dataclass(frozen=True)
+class ClaimGroup:
+    """The tasks of one stage delivered from one task stream: `queue` (`Pipeline.queue`:
+    `<stage>@<version>`; the stage's own if None) of class `priority`, in `cell`."""
+
+    stage: str
+    upstream: Sequence[str]
+    cell: int
+    claims: Sequence[Claim]
+    queue: str | None = None
+    priority: str = "api"
+
+
 def claim(keys: Keys, stage: str, upstream: Sequence[str], cell: int, claims: Sequence[Claim], *, worker_id: str,
           now_ms: int, queue: str | None = None, priority: str = "api", legacy: Collection[str] = ()) -> Call:
-    """One `claim.lua` call for a batch of tasks of `stage` in `cell` delivered to `worker_id` from the
-    task stream of `queue` (`Pipeline.queue`: `<stage>@<version>`; the stage's own if None) of class `priority`.
-    `legacy`: the workflows of the batch known to be of the storage layout before (their stage fields
-    in `<wf>:stages`, declared for them only: a claim of one without it answers `ClaimResult.LAYOUT`)."""
-    kk = [keys.tasks(queue or stage, cell, priority), keys.state_index(WorkflowState.PENDING.value, cell),
-          keys.state_index(WorkflowState.RUNNING.value, cell)]
-    for _entry_id, wf_id, _attempt in claims:
-        kk += [keys.wf(wf_id), keys.log(wf_id), *(keys.edge(wf_id, src, stage) for src in upstream)]
-    kk += [keys.stages_legacy(wf_id) for _entry_id, wf_id, _attempt in claims if wf_id in legacy]
-    return script_call("claim", kk, [keys.prefix, TASK_GROUP, worker_id, now_ms, ",".join(upstream), stage,
-                                     *(x for task in claims for x in task)])
+    """One `claim.lua` call for a batch of tasks of `stage` in `cell` delivered to `worker_id` (one
+    `ClaimGroup`: see `claim_groups`)."""
+    return claim_groups(keys, [ClaimGroup(stage, upstream, cell, claims, queue, priority)], worker_id=worker_id,
+                        now_ms=now_ms, legacy=legacy)
+
+
+def claim_groups(keys: Keys, groups: Sequence[ClaimGroup], *, worker_id: str, now_ms: int,
+                 legacy: Collection[str] = ()) -> Call:
+    """One `claim.lua` call for the tasks of several stages delivered to `worker_id` together (one
+    read of a worker serving several stages), all in one cell; its replies come in the order of the
+    groups' tasks. `legacy`: the workflows of the batch known to be of the storage layout before
+    (their stage fields in `<wf>:stages`, declared for them only: a claim of one without it answers
+    `ClaimResult.LAYOUT`)."""
+    kk: list[str] = []
+    args: list[Any] = [keys.prefix, TASK_GROUP, worker_id, now_ms]
+    for n, group in enumerate(groups):
+        stage, upstream = group.stage, group.upstream
+        kk.append(keys.tasks(group.queue or stage, group.cell, group.priority))
+        if n == 0:
+            kk += [keys.state_index(WorkflowState.PENDING.value, group.cell),
+                   keys.state_index(WorkflowState.RUNNING.value, group.cell)]
+        else:
+            args.append("+")
+        args += [",".join(upstream), stage]
+        for entry_id, wf_id, attempt in group.claims:
+            kk += [keys.wf(wf_id), keys.log(wf_id), *(keys.edge(wf_id, src, stage) for src in upstream)]
+            args += [entry_id, wf_id, attempt]
+    wf_ids = dict.fromkeys(wf_id for group in groups for _entry_id, wf_id, _attempt in group.claims if wf_id in legacy)
+    kk += [keys.stages_legacy(wf_id) for wf_id in wf_ids]
+    return script_call("claim", kk, args)
 
 
 def claim_code(reply: Any) -> ClaimResult:
