@@ -1,12 +1,12 @@
 """Fan-out of workflow event logs to many waiters over one blocking XREAD.
 
 Long-polls, SSE streams and OpenAI streams all wait on a workflow's event log
-(`<prefix>:wf:{id}:log`). Each would otherwise hold a Redis connection in its
-own XREAD BLOCK; instead they subscribe here: one `StreamMux` watches every
-log that has at least one subscriber and copies each entry to every
-subscriber's queue. A subscriber replays the history after its cursor with
-XRANGE first and drops live duplicates by id, so it never misses an entry
-that arrived between its subscription and its replay (`Store.read_log`).
+(`<prefix>:wf:{id}:log`; an entry holds the events of one script call: `schema.log_events`).
+Each would otherwise hold a Redis connection in its own XREAD BLOCK; instead they
+subscribe here: one `StreamMux` watches every log that has at least one subscriber
+and copies each entry to every subscriber's queue. A subscriber replays the history
+after its cursor with XRANGE first and drops live duplicates by event id, so it never
+misses an event that arrived between its subscription and its replay (`Store.read_log`).
 """
 from __future__ import annotations
 
@@ -17,17 +17,17 @@ from contextlib import asynccontextmanager
 
 from omniflow.storage.mux import Entry, StreamMux
 from omniflow.client.store import LOG_ENTRY_LIMIT, Store
-from omniflow.storage.schema import decode_fields, s
+from omniflow.storage.schema import event_position, log_events, s
 from omniflow.storage.topology import read_groups
 
 Event = tuple[str, dict[str, str]]
 IDLE: Event = ("", {})
 
 
-def stream_id(value: str) -> tuple[int, int]:
-    """'1700000000000-3' -> (1700000000000, 3); a bare ms time counts as seq 0."""
-    ms, _, seq = value.partition("-")
-    return int(ms), int(seq or 0)
+def stream_id(value: str) -> tuple[int, int, int]:
+    """An event id -> where it is in the log: '1700000000000-3' -> (1700000000000, 3, 0), its entry's
+    third event '1700000000000-3.2' -> (1700000000000, 3, 2); a bare ms time counts as seq 0."""
+    return event_position(value)
 
 
 def is_stream_id(value: str) -> bool:
@@ -79,7 +79,7 @@ class LogHub:
         subs.add(queue)
         if key not in self._pumps:
             mux = self._mux_of[cell]
-            source = mux.watch(key, after)
+            source = mux.watch(key, after.partition(".")[0])      # (the entry of an event id)
             self._pumps[key] = asyncio.create_task(self._pump(key, source), name=f"hub:{key}")
             await mux.poke()
         return queue
@@ -141,11 +141,10 @@ class LogHub:
                     return
                 yield IDLE
                 continue
-            eid = s(raw_id)
-            if stream_id(eid) <= cursor:
-                continue
-            cursor = stream_id(eid)
-            event = decode_fields(fields)
-            yield eid, event
-            if event.get("t") == "terminal":
-                return
+            for eid, event in log_events(s(raw_id), fields):
+                if stream_id(eid) <= cursor:
+                    continue
+                cursor = stream_id(eid)
+                yield eid, event
+                if event.get("t") == "terminal":
+                    return

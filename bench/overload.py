@@ -46,6 +46,7 @@ if __package__ in (None, ""):
 from bench import workload
 from bench.common import bench_env, check_alive, redis_client, running, start_server, stop
 from omniflow.executor import Executor, Session
+from omniflow.storage.schema import log_events_raw
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "out" / "overload.json"
@@ -195,9 +196,9 @@ async def _probe_with(store: Any, n: int, *, tenant: str, priority: Any, until: 
         while not seen:
             reply = await store.client.xread({log: last}, block=10_000, count=16)
             for _stream, entries in reply or []:
-                for entry_id, fields in entries:
+                for entry_id, entry in entries:
                     last = entry_id
-                    if fields.get(b"t") == b"text":
+                    if any(f.get(b"t") == b"text" for f in log_events_raw(entry)):
                         seen = True
                         first_ms = int(entry_id.split(b"-")[0])
                         break

@@ -48,6 +48,7 @@ from omniflow.client.store import Store, connect
 from omniflow.config import Settings
 from omniflow.ops.embedded import EmbeddedServer
 from omniflow.storage.schema import s
+from omniflow.storage.schema import log_events_raw
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "out" / "speech.json"
@@ -160,7 +161,8 @@ async def speech_once(oai: AsyncOpenAI, store: Store) -> tuple[float, float]:
         async for _piece in response.iter_bytes():
             first = first or time.perf_counter()
     marks: dict[str, int] = {}
-    for entry_id, fields in await store.client.xrange(store.keys.log(wf_id)):
+    for entry_id, fields in ((eid, ev) for eid, entry in await store.client.xrange(store.keys.log(wf_id))
+                             for ev in log_events_raw(entry)):
         f = {s(k): s(v) for k, v in fields.items()}
         at = int(s(entry_id).split("-")[0])
         key = f"{f.get('stage')}:{f.get('status') or f.get('t')}"

@@ -8,6 +8,7 @@ import msgpack
 import pytest
 
 from omniflow.storage import redisio
+from omniflow.storage.transitions import sessions
 from omniflow.storage.transitions.emit import EMIT_OUT
 from omniflow.storage.keys import TASK_GROUP
 from omniflow.pipeline import build_pipeline
@@ -199,6 +200,36 @@ async def test_a_consumer_bound_to_the_calling_worker_gets_no_inbox_copy_and_the
     # a call that writes no edge names no consumer
     text = msgpack.packb([[2, "A", EMIT_OUT, "x"]], use_bin_type=False)
     assert s(await redisio.script(store.client, "emit", keys, ["thinker", 1, "", now_ms(), sub.id, text, "", "w1"])) == "ok"
+
+
+async def test_one_claim_of_a_workflows_stages_reads_and_writes_its_record_once_and_logs_one_entry(store) -> None:
+    """What one read delivered for the three stages of a workflow is claimed with one call: each task
+    answered in order, the record bound for all three, and ONE log entry holding the call's four
+    events (the workflow running, then each stage), which the readers expand, each with its id."""
+    sub = await store.submit(request())
+    groups, upstream = [], {"thinker": (), "talker": ("thinker",), "code2wav": ("talker",)}
+    for stage in ("thinker", "talker", "code2wav"):
+        delivered = await store.client.xreadgroup(TASK_GROUP, "w1", {store.tasks_key(stage, 0): ">"}, count=1)
+        entry_id = s(delivered[0][1][0][0])
+        groups.append(sessions.ClaimGroup(stage, upstream[stage], 0, [(entry_id, sub.id, 1)],
+                                          store.pipeline.queue(stage)))
+    call = sessions.claim_groups(store.keys, groups, worker_id="w1", now_ms=now_ms())
+    replies = await redisio.execute(store.client, [call])
+    assert [s(r[0]) for r in replies[0]] == ["ok", "ok", "ok"]
+    rec = await store.client.hmget(store.keys.wf(sub.id), ["state", "thinker", "talker", "code2wav", "talker:replica"])
+    assert [s(x) for x in rec] == ["running", "running", "waiting_input", "waiting_input", "w1"]
+    entries = await store.client.xrange(store.keys.log(sub.id))
+    assert len(entries) == 2                # submit's, the claim's
+    events = await store.read_log(sub.id)
+    claim_id = s(entries[1][0])
+    assert [eid for eid, _ in events][1:] == [claim_id, f"{claim_id}.1", f"{claim_id}.2", f"{claim_id}.3"]
+    assert [(e["t"], e.get("state") or e["stage"]) for _, e in events] == [
+        ("state", "pending"), ("state", "running"), ("stage", "thinker"), ("stage", "talker"), ("stage", "code2wav")]
+    assert events[3][1] == {"t": "stage", "stage": "talker", "status": "waiting_input", "attempt": "1", "replica": "w1"}
+    # read after an event inside the entry: the rest of it, and nothing twice
+    assert [eid for eid, _ in await store.read_log(sub.id, after=f"{claim_id}.1")] == [f"{claim_id}.2", f"{claim_id}.3"]
+    assert await store.read_log(sub.id, after=f"{claim_id}.3") == []
+    assert (await store.last_event(sub.id))[0] == f"{claim_id}.3"
 
 
 async def test_packed_chunks_and_table_chunks_make_one_edge_entry_a_consumer_decodes(store) -> None:

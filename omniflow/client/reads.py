@@ -18,7 +18,7 @@ from omniflow.storage import registry
 from omniflow.storage.client import RedisClient
 from omniflow.storage.keys import Keys
 from omniflow.storage.redisio import translated
-from omniflow.storage.schema import decode_fields, s, stages_in_record
+from omniflow.storage.schema import log_events, s, stages_in_record
 
 if TYPE_CHECKING:
     from omniflow.storage.listing import ListFilter, ListPage
@@ -90,26 +90,37 @@ class WorkflowReads:
 
     @translated
     async def last_event(self, wf_id: str) -> tuple[str, dict[str, str]] | None:
-        """The newest entry of the workflow's event log (None when it has none)."""
+        """The newest event of the workflow's event log, with its id (None when it has none)."""
         last = await self._redis.xrevrange(self.keys.log(wf_id), count=1)
-        return (s(last[0][0]), decode_fields(last[0][1])) if last else None
+        return log_events(s(last[0][0]), last[0][1])[-1] if last else None
 
     @translated
     async def read_log(self, wf_id: str, *, after: str = "0-0", count: int = LOG_ENTRY_LIMIT,
-                       block_ms: int | None = None) -> list[tuple[str, dict[str, str]]]:
-        """Event-log entries after `after`; with `block_ms`, wait for the next ones."""
+                       block_ms: int | None = None, whole: bool = False) -> list[tuple[str, dict[str, str]]]:
+        """Event-log events after the event `after` (an event id: `log_events`), from at most `count`
+        entries; with `block_ms`, wait for the next ones when there are none yet. `whole`: every event
+        of the entry of `after` has been read (the next one is in a later entry: one read less)."""
         key = self.keys.log(wf_id)
+        entry, _, k = after.partition(".")
+        if after != "0-0" and not whole:
+            # the entry of `after` itself too: the events it holds after that one
+            entries = await self._redis.xrange(key, min=entry, count=count)
+            events = [ev for eid, fields in entries for ev in log_events(s(eid), fields)
+                      if s(eid) != entry or _place(ev[0]) > int(k or 0)]
+            if events or block_ms is None:
+                return events
         if block_ms is None:
-            entries = await self._redis.xrange(key, min=f"({after}" if after != "0-0" else "-", count=count)
+            entries = await self._redis.xrange(key, min=f"({entry}" if entry != "0-0" else "-", count=count)
         else:
-            reply = await self._redis.xread({key: after}, count=count, block=block_ms)
+            reply = await self._redis.xread({key: entry}, count=count, block=block_ms)
             entries = reply[0][1] if reply else []
-        return [(s(eid), decode_fields(fields)) for eid, fields in entries]
+        return [ev for eid, fields in entries for ev in log_events(s(eid), fields)]
 
     async def follow(self, wf_id: str, *, after: str = "0-0", block_ms: int = 5_000,
                      timeout_s: float | None = None) -> AsyncIterator[tuple[str, dict[str, str]]]:
-        """Every log entry from `after` until (and including) the terminal one."""
+        """Every log event from `after` until (and including) the terminal one."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        whole = False           # every event of the entry of `after` read (after the first read)
         while True:
             wait = block_ms
             if deadline is not None:
@@ -117,7 +128,7 @@ class WorkflowReads:
                 if left <= 0:
                     return
                 wait = max(1, min(block_ms, int(left * 1000)))
-            entries = await self.read_log(wf_id, after=after, block_ms=wait)
+            entries = await self.read_log(wf_id, after=after, block_ms=wait, whole=whole)
             if not entries and after == "0-0" and await self.state(wf_id) is None:
                 raise WorkflowNotFound(f"no workflow {wf_id}")
             for eid, fields in entries:
@@ -125,6 +136,7 @@ class WorkflowReads:
                 yield eid, fields
                 if fields.get("t") == "terminal":
                     return
+            whole = whole or bool(entries)
 
     @translated
     async def wait(self, wf_id: str, *, timeout_s: float | None = None, tenant: str | None = None) -> dict[str, Any]:
@@ -197,3 +209,8 @@ class WorkflowReads:
                 n = len(served.get(pipe.queue(name), ()))
                 counts[name] = min(counts.get(name, n), n)
         return counts
+
+
+def _place(event_id: str) -> int:
+    """An event's place in its log entry (0: the entry's own fields)."""
+    return int(event_id.partition(".")[2] or 0)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from omniflow.storage import registry
 from omniflow.storage.keys import DLQ_EVENTS, PRIORITY_NAMES, TASK_GROUP
 from omniflow.storage.redisio import translated
-from omniflow.storage.schema import csv, now_ms, s, stages_in_record
+from omniflow.storage.schema import csv, log_events_raw, now_ms, s, stages_in_record
 from omniflow.engine.window import WINDOW_S, merge, percentile
 from omniflow.models import WorkerState, WorkflowState
 
@@ -373,7 +373,7 @@ async def stage_times(store: Store, ids: list[str], *, log_scan: int) -> list[St
         first: dict[str, int] = {}
         first_text: dict[str, int] = {}
         audio: dict[str, list[AudioChunk]] = {}
-        for eid, entry in log or []:
+        for eid, entry in ((eid, event) for eid, fields in log or [] for event in log_events_raw(fields)):
             kind = s(entry.get(b"t"))
             if kind not in OUTPUT_EVENTS:
                 continue

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
+
 
 def now_ms() -> int:
     """The wall clock in epoch milliseconds, as every record and log entry keeps time."""
@@ -33,6 +35,45 @@ def csv(value: Any) -> list[str]:
 def decode_fields(fields: dict[bytes, bytes]) -> dict[str, str]:
     """A log entry's fields as text (binary payload fields left out)."""
     return {s(k): s(v) for k, v in fields.items() if k not in (b"pcm", b"d")}
+
+
+#: a log entry's field holding its further events (`flush_log` in _lib.lua: one entry per script call)
+LOG_MORE = b"more"
+
+
+def _raw(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def log_events_raw(fields: dict[bytes, bytes]) -> list[dict[bytes, bytes]]:
+    """The events of one log entry, names and values as bytes: the entry's own fields, then each one
+    its `more` field holds (a script call that logs several events of a workflow writes one entry).
+    A `more` that does not decode is one event of kind `malformed`."""
+    more = fields.get(LOG_MORE)
+    if more is None:
+        return [fields]
+    events = [{k: v for k, v in fields.items() if k != LOG_MORE}]
+    try:
+        for flat in msgpack.unpackb(more, raw=True):
+            events.append({_raw(k): _raw(v) for k, v in zip(flat[::2], flat[1::2])})
+    except (ValueError, TypeError, msgpack.UnpackException):
+        events.append({b"t": b"malformed"})
+    return events
+
+
+def log_events(entry_id: str, fields: dict[bytes, bytes]) -> list[tuple[str, dict[str, str]]]:
+    """The events of one log entry, decoded, each with its id: the entry's id for its first event,
+    `<entry id>.<k>` for the k-th one after it (what SSE sends as `id` and takes back as `Last-Event-ID`)."""
+    return [(entry_id if k == 0 else f"{entry_id}.{k}", decode_fields(event))
+            for k, event in enumerate(log_events_raw(fields))]
+
+
+def event_position(event_id: str) -> tuple[int, int, int]:
+    """An event id -> (ms, seq, k): its entry's stream id and its place in the entry (ValueError if it is
+    none: `1700000000000-3`, `1700000000000-3.1`; a bare ms time counts as seq 0)."""
+    entry, _, k = event_id.partition(".")
+    ms, _, seq = entry.partition("-")
+    return int(ms), int(seq or 0), int(k or 0)
 
 
 class StageField:

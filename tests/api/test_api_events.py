@@ -5,6 +5,7 @@ import json
 
 from apiserver import api_factory  # noqa: F401 - fixture
 from conftest import toy_spec
+from omniflow.storage.schema import event_position
 
 
 async def read_sse(response) -> list[dict]:
@@ -37,11 +38,13 @@ async def test_sse_streams_transitions_text_audio_and_terminal(api_factory):
         assert text == doc["outputs"]["thinker"]["text"]
         assert all(e["id"] == e["data"]["id"] for e in events)
 
-        # resume after the 5th event: exactly the rest, same ids
-        cut = events[4]["id"]
-        async with http.stream("GET", f"/v1/workflows/{wf_id}/events", headers={"Last-Event-ID": cut}) as r:
-            rest = await read_sse(r)
-        assert [e["id"] for e in rest] == [e["id"] for e in events[5:]]
+        # resume after any event (an entry holds the events of one script call: `<entry id>.<k>` is the
+        # k-th after its first, so a cut may fall inside an entry): exactly the rest, same ids
+        assert any("." in e["id"] for e in events)
+        for i, cut in enumerate(e["id"] for e in events[:-1]):
+            async with http.stream("GET", f"/v1/workflows/{wf_id}/events", headers={"Last-Event-ID": cut}) as r:
+                rest = await read_sse(r)
+            assert [e["id"] for e in rest] == [e["id"] for e in events[i + 1:]], cut
 
 
 async def test_sse_resumes_mid_flight_without_gaps(api_factory):
@@ -77,9 +80,9 @@ async def test_sse_resumed_at_or_past_the_terminal_ends_at_once_with_204(api_fac
         wf_id = (await http.post("/v1/workflows", json={"input": {"text": "finish"}})).json()["id"]
         async with http.stream("GET", f"/v1/workflows/{wf_id}/events") as r:
             events = await read_sse(r)
-        terminal = events[-1]["id"]
-        ms, _, seq = terminal.partition("-")
-        for cursor in (terminal, f"{ms}-{int(seq) + 5}", f"{int(ms) + 60_000}-0"):
+        terminal = events[-1]["id"]         # an event id: its entry's stream id, and `.k` for its k-th event after the first
+        ms, seq, _k = event_position(terminal)
+        for cursor in (terminal, f"{ms}-{seq + 5}", f"{ms + 60_000}-0"):
             r = await http.get(f"/v1/workflows/{wf_id}/events", headers={"Last-Event-ID": cursor}, timeout=5)
             assert r.status_code == 204 and r.content == b"", cursor
         r = await http.get(f"/v1/workflows/{wf_id}/events", params={"after": events[-2]["id"]}, timeout=5)

@@ -16,6 +16,7 @@ from helpers import eventually, metric_values
 
 from omniflow.ops.continuity import continuity
 from omniflow.storage.schema import now_ms, s
+from omniflow.storage.schema import log_events_raw
 
 N, WORDS = 4, 6
 SPEC = toy_spec(code2wav={"chunk_delay_s": 0.15})     # 80 ms chunks 150 ms apart: underruns
@@ -30,7 +31,8 @@ async def _expected(eng: Any, wf_ids: list[str]) -> dict[str, float]:
         rec = {s(k): s(v) for k, v in (await eng.redis.hgetall(eng.store.keys.wf(wf_id))).items()}
         st = {s(k): s(v) for k, v in (await eng.redis.hgetall(eng.store.keys.stages(wf_id))).items()}
         audio = [(int(s(eid).split("-")[0]), int(f[b"samples"]), int(f[b"sr"]))
-                 for eid, f in await eng.redis.xrange(eng.store.keys.log(wf_id)) if f.get(b"t") == b"audio"]
+                 for eid, entry in await eng.redis.xrange(eng.store.keys.log(wf_id))
+                 for f in log_events_raw(entry) if f.get(b"t") == b"audio"]
         assert len(audio) == WORDS
         out["ttfa"] += (audio[0][0] - int(rec["created_ms"])) / 1000
         figures = continuity([(at / 1000, n / sr) for at, n, sr in audio])

@@ -38,6 +38,7 @@ from omniflow.pipeline import load_pipeline
 from omniflow.client.store import Store, connect
 from omniflow.storage.schema import s
 from omniflow.workers.toy import codes_for, hidden_state, reply_words, tone
+from omniflow.storage.schema import log_events_raw
 from tests.chaos.hosts import Host
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -560,6 +561,7 @@ class ChaosRun:
             pipe.xrange(self.keys.out(wf_id, "code2wav"))
             pipe.xrange(self.keys.log(wf_id))
             rec, stages, text, audio, log = await pipe.execute()
+            log = [(eid, event) for eid, fields in log for event in log_events_raw(fields)]     # one per call
             rec = {s(k): s(v) for k, v in rec.items()}
             stages = {s(k): s(v) for k, v in stages.items()}
             if not rec:

@@ -20,6 +20,7 @@ from redis import Redis
 from omniflow.ops.embedded import EmbeddedServer
 from omniflow.client.store import connect
 from omniflow.storage.schema import s
+from omniflow.storage.schema import log_events_raw
 from tests.chaos.driver import STAGES, TERMINAL, ChaosConfig, ChaosRun, Cluster
 from tests.chaos.hosts import IP, Host, NetLab
 from tests.chaos.test_chaos import _assert_clean, _report
@@ -186,7 +187,7 @@ async def _replicas(url: str, run: ChaosRun) -> dict[str, dict[str, list[str]]]:
     try:
         out: dict[str, dict[str, list[str]]] = {}
         for wf_id in run.accepted:
-            for _, fields in await redis.xrange(run.keys.log(wf_id)):
+            for fields in (ev for _, entry in await redis.xrange(run.keys.log(wf_id)) for ev in log_events_raw(entry)):
                 if fields.get(b"t") == b"stage" and b"replica" in fields:
                     out.setdefault(wf_id, {}).setdefault(s(fields[b"stage"]), []).append(s(fields[b"replica"]))
         return out

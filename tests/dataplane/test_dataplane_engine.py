@@ -17,6 +17,7 @@ from dataplane_workers import (
 from omniflow.config import DataPlaneMode
 from omniflow.dataplane import DataPlane, Ref, TransportKind
 from omniflow.dataplane.shm import DEFAULT_SHM_DIR, shm_available
+from omniflow.storage.schema import log_events_raw
 
 pytestmark = pytest.mark.skipif(not shm_available(DEFAULT_SHM_DIR), reason="no /dev/shm on this host")
 
@@ -207,7 +208,7 @@ async def test_a_consumer_retried_on_another_host_has_its_producer_run_again(eng
         assert doc["outputs"]["dst"]["text"] == expected_digest(10, 256 * KIB)     # each chunk once, in order
         assert doc["stages"]["src"]["attempt"] == 2                                  # run again, once
         assert other.stats["regenerated"] == 1
-        log = [fields for _, fields in await eng.redis.xrange(eng.store.keys.log(wf_id))]
+        log = [event for _, fields in await eng.redis.xrange(eng.store.keys.log(wf_id)) for event in log_events_raw(fields)]
         restarts = [f for f in log if f.get(b"t") == b"restart"]
         assert len(restarts) == 1 and restarts[0][b"stage"] == b"src" and restarts[0][b"by"] == b"dst"
         assert any(f.get(b"t") == b"retry" and f.get(b"stage") == b"src" and b"cannot be read" in f.get(b"reason", b"")

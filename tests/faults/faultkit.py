@@ -38,6 +38,7 @@ from omniflow.models import SubmitRequest, WorkflowInput
 from omniflow.storage.redisio import REDIS_ERRORS, connect
 from omniflow.client.store import Store
 from omniflow.storage.schema import s
+from omniflow.storage.schema import log_events_raw
 from helpers import eventually
 from tests.chaos.driver import STAGES, TERMINAL, ChaosConfig, Cluster, expected_output, prompt_for
 
@@ -312,6 +313,7 @@ class FaultRun:
         pipe.xrange(k.out(sub.wf_id, "code2wav"))
         pipe.xrange(k.log(sub.wf_id))
         rec_raw, text, audio, log = await pipe.execute()
+        log = [(eid, event) for eid, fields in log for event in log_events_raw(fields)]     # one entry per call
         rec = {s(a): s(b) for a, b in rec_raw.items()}
         retries = sum(1 for _, f in log if f.get(b"t") == b"retry")
         state = rec.get("state", "")

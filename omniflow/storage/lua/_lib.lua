@@ -246,6 +246,40 @@ local function read_record(wf, rf, sf)
   return rec, sk, cur, all, got
 end
 
+-- A workflow's event log gets at most ONE entry per script call: `log_event` gathers the call's
+-- events (flat field lists, the first field pair `t`, <kind>), `flush_log` writes them, in order. The
+-- entry's fields are the first event's; with more than one, field `more` holds the msgpack array of
+-- the others (each a flat field list). Readers expand an entry into its events
+-- (omniflow.storage.schema.log_events: the k-th further one's id is `<entry id>.<k>`). Every script
+-- that logs calls `flush_log` before it returns.
+local LOGS, LOG_KEYS = {}, {}
+local function log_event(log, fields)
+  local evs = LOGS[log]
+  if evs == nil then
+    evs = {}
+    LOGS[log] = evs
+    LOG_KEYS[#LOG_KEYS + 1] = log
+  end
+  evs[#evs + 1] = fields
+end
+
+local function flush_log()
+  for i = 1, #LOG_KEYS do
+    local log = LOG_KEYS[i]
+    local evs = LOGS[log]
+    if #evs == 1 then
+      redis.call('XADD', log, '*', unpack(evs[1]))
+    else
+      local first, more = evs[1], {}
+      for j = 2, #evs do more[j - 1] = evs[j] end
+      local n = #first
+      first[n + 1], first[n + 2] = 'more', cmsgpack.pack(more)
+      redis.call('XADD', log, '*', unpack(first))
+    end
+  end
+  LOGS, LOG_KEYS = {}, {}
+end
+
 local function submit_stage(wf, id, stage, attempt, now, version)
   local sk = stages_of(wf)
   redis.call('HSET', sk, stage, 'pending', stage .. ':attempt', attempt, stage .. ':t_submit', now)
@@ -313,8 +347,7 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
     redis.call('UNLINK', wf .. ':blobs')
   end
   hflush()
-  redis.call('XADD', key(wf .. ':log'), '*', 't', 'terminal', 'state', state, 'error', err or '',
-    'stage', err_stage or '')
+  log_event(key(wf .. ':log'), {'t', 'terminal', 'state', state, 'error', err or '', 'stage', err_stage or ''})
   -- one entry, ever: a waiter that wants the outcome and not the progress blocks here (wakes once)
   redis.call('XADD', key(wf .. ':done'), '*', 'state', state)
   -- and in its cell's stream of ends: one read for a watcher of many, however many it watches
@@ -620,7 +653,7 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
     hset(sk, stage, 'failed', stage .. ':t_end', now, stage .. ':error', detail)
   end
   if meter then meter_session(stage, outcome, rec[8], rec[9], meter, cur[4], cur[5]) end
-  redis.call('XADD', key(wf .. ':log'), '*', 't', 'stage', 'stage', stage, 'status', outcome, 'attempt', attempt)
+  log_event(key(wf .. ':log'), {'t', 'stage', 'stage', stage, 'status', outcome, 'attempt', attempt})
   if report then
     -- 'c': the workflow's class (the reconciler declares that class's task streams only)
     redis.call('XADD', key(events_key), '*', 't', outcome, 'wf', rec[2], 's', stage, 'a', attempt, 'd', detail,

@@ -11,4 +11,5 @@ local rec = redis.call('HMGET', wf, 'state', 'id', 'trace')
 if not rec[1] then return {'gone'} end
 if not is_live(rec[1]) then return {'terminal', rec[1]} end
 finalize(wf, KEYS[2], ARGV[1], rec[2], ARGV[3], ARGV[4], ARGV[5], ARGV[2], ARGV[6], ARGV[7])
+flush_log()
 return {'ok', rec[3] or ''}

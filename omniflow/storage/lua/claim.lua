@@ -153,10 +153,10 @@ for gi = 1, #groups do
           write(wf, 'state', 'running', 'updated_ms', now)
           v['state'] = 'running'
           index_state(wf, id, 'pending', 'running', v['created_ms'] or now)
-          redis.call('XADD', key(wf .. ':log'), '*', 't', 'state', 'state', 'running')
+          log_event(key(wf .. ':log'), {'t', 'state', 'state', 'running'})
         end
-        redis.call('XADD', key(wf .. ':log'), '*', 't', 'stage', 'stage', stage, 'status', status,
-          'attempt', attempt, 'replica', replica)
+        log_event(key(wf .. ':log'), {'t', 'stage', 'stage', stage, 'status', status, 'attempt', attempt,
+          'replica', replica})
       end
       -- An upstream stage that has stored no step and is not done has written nothing to its edge
       -- (each emit that appends to it stores a step, `<src>:seq`; its done appends the end of stream;
@@ -178,4 +178,5 @@ for gi = 1, #groups do
   end
 end
 for i = 1, #WK do redis.call('HSET', WK[i], unpack(W[WK[i]])) end
+flush_log()
 return out

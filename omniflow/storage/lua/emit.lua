@@ -257,7 +257,7 @@ local function write_steps()
     status = ARGV[3]
     SW[#SW + 1] = stage
     SW[#SW + 1] = status
-    redis.call('XADD', log_key, '*', 't', 'stage', 'stage', stage, 'status', ARGV[3], 'attempt', ARGV[2])
+    log_event(log_key, {'t', 'stage', 'stage', stage, 'status', ARGV[3], 'attempt', ARGV[2]})
   end
   local texts, tfirst, tlast = {}, nil, nil
   local ckpts = {}
@@ -275,7 +275,8 @@ local function write_steps()
       while i <= #step do
         local op = step[i]
         if op == 'X' then
-          redis.call('XADD', KEYS[step[i + 1]], '*', unpack(step[i + 2]))
+          if step[i + 1] == 4 then log_event(log_key, step[i + 2])     -- (the log: one entry per call)
+          else redis.call('XADD', KEYS[step[i + 1]], '*', unpack(step[i + 2])) end
         elseif op == 'E' or op == 'P' then
           edge_append(wf, ARGV[5], stage, step[i + 1], step[i + 2])
         elseif op == 'T' then
@@ -316,7 +317,7 @@ local function write_steps()
   if #texts > 0 then
     local delta = table.concat(texts)
     redis.call('APPEND', out_key, delta)
-    redis.call('XADD', log_key, '*', 't', 'text', 'stage', stage, 'from', tfirst, 'seq', tlast, 'delta', delta)
+    log_event(log_key, {'t', 'text', 'stage', stage, 'from', tfirst, 'seq', tlast, 'delta', delta})
   end
   if #ckpts > 0 then
     SW[#SW + 1] = stage .. ':ckpt'
@@ -357,6 +358,7 @@ end
 if not fin then
   flush_edges()
   hflush()
+  flush_log()
   return answer(res)
 end
 do
@@ -374,9 +376,11 @@ do
     -- the terminal set is complete: the workflow ends here (finalize writes what is buffered)
     hset(wf, 'finished', pre.completing, 'updated_ms', ARGV[4])
     finalize(wf, pre.z[1], '', rec[2], 'completed', nil, nil, ARGV[4], 0, pre.z[2])
+    flush_log()
     return answer('completed')
   end
   hflush()
+  flush_log()
   if res == 'fenced' or res == 'gap' then return res end
   if closed ~= 'ok' then return closed end
   return answer('ok')

@@ -27,4 +27,5 @@ local res = finish_session(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3],
   ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10])
 flush_edges()
 hflush()
+flush_log()
 return res

@@ -44,8 +44,7 @@ for i = (by ~= '' and 1 or 2), #cleared do
     submit_stage(wf, id, s, attempt + 1, now, rec[4] or '')
     local reason = i == 1 and ('its output cannot be read by ' .. by .. ': ' .. (ARGV[10] or ''))
       or ('upstream ' .. stage .. ' restarted')
-    redis.call('XADD', key(wf .. ':log'), '*', 't', 'retry', 'stage', s, 'attempt', tostring(attempt + 1),
-      'reason', reason)
+    log_event(key(wf .. ':log'), {'t', 'retry', 'stage', s, 'attempt', tostring(attempt + 1), 'reason', reason})
   end
 end
 for _, s in ipairs(finished) do
@@ -55,10 +54,10 @@ if #kept ~= #finished then
   redis.call('HSET', wf, 'finished', table.concat(kept, ','))
 end
 if by == '' then
-  redis.call('XADD', key(wf .. ':log'), '*', 't', 'restart', 'stage', stage, 'attempt', ARGV[3],
-    'stages', table.concat(cleared, ','))
+  log_event(key(wf .. ':log'), {'t', 'restart', 'stage', stage, 'attempt', ARGV[3], 'stages', table.concat(cleared, ',')})
 else
-  redis.call('XADD', key(wf .. ':log'), '*', 't', 'restart', 'stage', stage, 'attempt', tostring(cur[2]),
-    'stages', table.concat(cleared, ','), 'by', by)
+  log_event(key(wf .. ':log'), {'t', 'restart', 'stage', stage, 'attempt', tostring(cur[2]),
+    'stages', table.concat(cleared, ','), 'by', by})
 end
+flush_log()
 return 'ok'

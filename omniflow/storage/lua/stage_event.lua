@@ -73,8 +73,7 @@ local function apply()
   if ARGV[7] == '1' and attempt < tonumber(ARGV[8]) then
     local nxt = attempt + 1
     hset(sk, stage, 'pending', stage .. ':attempt', nxt, stage .. ':t_submit', now)
-    redis.call('XADD', key(wf .. ':log'), '*', 't', 'retry', 'stage', stage, 'attempt', tostring(nxt),
-      'reason', kind .. ': ' .. ARGV[6])
+    log_event(key(wf .. ':log'), {'t', 'retry', 'stage', stage, 'attempt', tostring(nxt), 'reason', kind .. ': ' .. ARGV[6]})
     if tonumber(ARGV[9]) <= tonumber(now) then
       redis.call('XADD', tasks_key(wf, stage, rec[8] or ''), '*', 'wf', id, 's', stage, 'a', nxt)
     else
@@ -92,6 +91,7 @@ end
 
 local res = apply()
 hflush()
+flush_log()
 if ARGV[16] and ARGV[16] ~= '' then
   redis.call('XACK', KEYS[4], ARGV[15], ARGV[16])
   redis.call('XDEL', KEYS[4], ARGV[16])
