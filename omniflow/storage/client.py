@@ -4,8 +4,11 @@ Every connection omniflow opens is made by `connect` (the one place a cluster or
 plugs in) and is a `RedisClient` (`connect_sync` and `SyncRedisClient`, in `sync_client`, for the
 synchronous client's submits): it owns the redis-py connection and offers the reads and writes omniflow uses, each with its errors
 translated inside (its `pipeline()` queues commands in an `omniflow.storage.queued.Pipeline`).
-Besides this module only `omniflow.storage.topology` (which kind of server a URL
-names) and `omniflow.ops.embedded*` (the servers omniflow starts) import redis-py.
+On a standalone server the hot path (the script runner, `xread`/`xreadgroup`, `pipeline()`) goes
+through the lean transport, `omniflow.storage.resp`, which raises redis-py's errors: they are
+translated here like every other. Besides this module only `omniflow.storage.topology` (which
+kind of server a URL names), `omniflow.storage.resp` and `omniflow.ops.embedded*` (the servers
+omniflow starts) import redis-py.
 Every redis-py error is translated here, and only here, into the `omniflow.errors` tree, and
 every loop has one rule per class:
 
@@ -57,6 +60,7 @@ from omniflow.errors import (
     ScriptError,
 )
 from omniflow.storage.queued import Pipeline
+from omniflow.storage.resp import Transport, xread_command, xreadgroup_command
 from omniflow.storage.topology import is_cluster, open_client, pubsub_client
 
 # the redis-py error `omniflow.storage.runner` catches (redis-py is imported here, not there)
@@ -185,6 +189,8 @@ class RedisClient:
 
     def __init__(self, raw: Redis) -> None:
         self._raw = raw
+        self._lean = Transport.for_client(raw)
+        self._lean_pipe = None if self._lean is None else translated(self._lean.execute_pipeline)
         #: (replicas, timeout ms) every writing round trip waits for (`require_replicas`)
         self.omniflow_wait: tuple[int, int] | None = None
 
@@ -192,6 +198,12 @@ class RedisClient:
     def raw(self) -> Redis:
         """The redis-py client (this boundary's, and `omniflow.storage.topology`'s; tests)."""
         return self._raw
+
+    @property
+    def lean(self) -> Transport | None:
+        """The lean transport of a standalone server's client (`omniflow.storage.resp`), which the
+        script runner, the stream reads and pipelines use; None: everything goes through redis-py."""
+        return self._lean
 
     @property
     def cluster(self) -> bool:
@@ -205,9 +217,15 @@ class RedisClient:
             raise translate(exc) from exc
 
     def pipeline(self, *, transaction: bool = False) -> Pipeline:
+        """Commands queued with redis-py's signatures, sent in one round trip (through the lean
+        transport unless it is a MULTI/EXEC transaction)."""
+        if self._lean_pipe is not None and not transaction:
+            return Pipeline(self._raw.pipeline(transaction=False), self._lean_pipe)
         return Pipeline(self._raw.pipeline(transaction=transaction), _execute_pipe)
 
     async def aclose(self) -> None:
+        if self._lean is not None:
+            await self._lean.aclose()
         await self._raw.aclose()
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
@@ -371,12 +389,22 @@ class RedisClient:
         return cast("Entries", await self._do("xrevrange", key, max, min, count))
 
     async def xread(self, streams: Mapping[Any, Any], count: int | None = None, block: int | None = None) -> list[Any]:
-        return cast("list[Any]", await self._do("xread", streams, count=count, block=block))
+        """XREAD (a blocking one on a connection of its own: `omniflow.storage.resp`)."""
+        if self._lean is None:
+            return cast("list[Any]", await self._do("xread", streams, count=count, block=block))
+        with boundary():
+            return cast("list[Any]", await self._lean.request(*xread_command(streams, count, block),
+                                                              exclusive=block is not None))
 
     async def xreadgroup(self, group: str, consumer: str, streams: Mapping[Any, Any], count: int | None = None,
                          block: int | None = None, **kwargs: Any) -> list[Any]:
-        return cast("list[Any]", await self._do("xreadgroup", group, consumer, streams, count=count, block=block,
-                                                **kwargs))
+        """XREADGROUP (a blocking one on a connection of its own)."""
+        if self._lean is None:
+            return cast("list[Any]", await self._do("xreadgroup", group, consumer, streams, count=count, block=block,
+                                                    **kwargs))
+        with boundary():
+            return cast("list[Any]", await self._lean.request(
+                *xreadgroup_command(group, consumer, streams, count, block, **kwargs), exclusive=block is not None))
 
     async def xack(self, key: KeyT, group: str, *ids: Any) -> int:
         return int(await self._do("xack", key, group, *ids))

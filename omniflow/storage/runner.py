@@ -68,45 +68,52 @@ def _needs_replicas(cmd: tuple[Any, ...]) -> bool:
 
 async def _send(client: RedisClient, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
     wait = client.omniflow_wait
-    redis = client.raw
     if wait is not None and any(_needs_replicas(c) for c in commands):
-        return await _send_replicated(redis, commands, *wait)
+        return await _send_replicated(client, commands, *wait)
+    lean = client.lean
     try:
-        if len(commands) == 1:
+        if lean is not None:                # a standalone server: `omniflow.storage.resp`, replies as redis-py's
+            results = await lean.send(commands)
+        elif len(commands) == 1:
             try:
-                return [await cast(Any, redis).execute_command(*commands[0])]
+                return [await cast(Any, client.raw).execute_command(*commands[0])]
             except ReplyError as exc:         # in place, like a pipeline
                 return [translate(exc)]
-        pipe = redis.pipeline(transaction=False)
-        for cmd in commands:
-            pipe.execute_command(*cmd)
-        results = await pipe.execute(raise_on_error=False)
+        else:
+            pipe = client.raw.pipeline(transaction=False)
+            for cmd in commands:
+                pipe.execute_command(*cmd)
+            results = await pipe.execute(raise_on_error=False)
     except CLIENT_ERRORS as exc:
         raise translate(exc) from exc
     return [translate(r) if isinstance(r, Exception) else r for r in results]
 
 
-async def _send_replicated(redis: Any, commands: Sequence[tuple[Any, ...]], replicas: int,
+async def _send_replicated(client: RedisClient, commands: Sequence[tuple[Any, ...]], replicas: int,
                            timeout_ms: int) -> list[Any]:
-    """`_send` followed by WAIT on every primary it wrote to, in the same round trip (`redis`: the raw
-    redis-py client, `RedisClient.raw`)."""
-    cluster = is_cluster(redis)
+    """`_send` followed by WAIT on every primary it wrote to, in the same round trip (on a
+    connection of its own: WAIT holds the connection until the replicas answer)."""
+    redis: Any = client.raw
+    lean = client.lean
     try:
-        pipe = redis.pipeline(transaction=False)
-        for cmd in commands:
-            pipe.execute_command(*cmd)
-        nodes = {}
-        if cluster:
-            await redis.initialize()        # the slot map (a no-op once the client knows it)
-            for cmd in commands:
-                node = redis.get_node_from_key(_first_key(cmd))
-                if node is not None:        # a slot without a primary: the round trip fails on its own
-                    nodes[node.name] = node
-            for node in nodes.values():
-                pipe.execute_command("WAIT", replicas, timeout_ms, target_nodes=node)
+        if lean is not None:
+            results = await lean.send([*commands, ("WAIT", replicas, timeout_ms)], exclusive=True)
         else:
-            pipe.execute_command("WAIT", replicas, timeout_ms)
-        results = await pipe.execute(raise_on_error=False)
+            pipe = redis.pipeline(transaction=False)
+            for cmd in commands:
+                pipe.execute_command(*cmd)
+            if is_cluster(redis):
+                await redis.initialize()        # the slot map (a no-op once the client knows it)
+                nodes = {}
+                for cmd in commands:
+                    node = redis.get_node_from_key(_first_key(cmd))
+                    if node is not None:        # a slot without a primary: the round trip fails on its own
+                        nodes[node.name] = node
+                for node in nodes.values():
+                    pipe.execute_command("WAIT", replicas, timeout_ms, target_nodes=node)
+            else:
+                pipe.execute_command("WAIT", replicas, timeout_ms)
+            results = await pipe.execute(raise_on_error=False)
     except CLIENT_ERRORS as exc:
         raise translate(exc) from exc
     replies, acks = results[:len(commands)], results[len(commands):]

@@ -46,11 +46,17 @@ class ServerKind(str, enum.Enum):
     SENTINEL = "sentinel"
 
 
-def pack(args: tuple[Any, ...]) -> list[bytes]:
+def pack_one(args: tuple[Any, ...]) -> bytes:
     """One command in RESP, packed by hiredis in C (redis-py's asyncio client packs in Python)."""
     if isinstance(args[0], str) and " " in args[0]:      # "XGROUP CREATE", "SCRIPT LOAD", ...
         args = (*args[0].split(), *args[1:])
-    return [hiredis.pack_command(args)]
+    packed: bytes = hiredis.pack_command(args)
+    return packed
+
+
+def pack(args: tuple[Any, ...]) -> list[bytes]:
+    """`pack_one` as redis-py's connections return it."""
+    return [pack_one(args)]
 
 
 class FastPacking:
@@ -61,7 +67,7 @@ class FastPacking:
         return pack(args)
 
     def pack_commands(self, commands: Any) -> list[bytes]:
-        return [b"".join(pack(tuple(cmd))[0] for cmd in commands)]
+        return [b"".join(pack_one(tuple(cmd)) for cmd in commands)]
 
     async def can_read_destructive(self) -> bool:
         """Is something waiting on this connection that no command asked for (a reply, or the
