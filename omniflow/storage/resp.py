@@ -1,12 +1,14 @@
 """The lean transport: RESP2 over asyncio Protocols, for a standalone server's hot path.
 
-redis-py's asyncio client spends most of a round trip's client CPU on its own layers (the pool's
-get/release, the retry wrapper, the pipeline object, a read per reply through a StreamReader):
-~63 µs per FCALL on this machine where the socket work and hiredis need ~45. `Transport` sends
-the same commands over its own connections: a command list is packed by hiredis into one write,
-its replies are parsed by a `hiredis.Reader` in `data_received` and handed back in one future
-per round trip. It is used by `omniflow.storage.runner` (every script call and pipelined command
-list), `RedisClient.xread` / `xreadgroup` and `RedisClient.pipeline()` (without MULTI); every other
+redis-py's asyncio client spends about half of a round trip's client CPU on its own layers (the
+pool's get/release, the retry wrapper, the pipeline object, a read per reply through a
+StreamReader). `Transport` sends the same commands over its own connections: a command list is
+packed by hiredis into one write, its replies are parsed by a `hiredis.Reader` in `data_received`
+and handed back in one future per round trip (client CPU per round trip on this 2-vCPU VM, both
+ways alternated in one process, medians: FCALL 63 -> 49 µs, 3 commands 75 -> 49 µs, a blocking
+XREAD of one entry 37 -> 27 µs; 25 -> 14 and 36 -> 16 µs while the VM ran faster: bench/transport.py).
+It is used by `omniflow.storage.runner` (every script call and pipelined command list),
+`RedisClient.xread` / `xreadgroup` and `RedisClient.pipeline()` (without MULTI); every other
 command, and every cluster or sentinel client, stays on redis-py.
 
 Replies are exactly redis-py's (`decode_responses=False`, RESP2): errors are built by redis-py's
@@ -54,7 +56,6 @@ MAX_IDLE_EXCLUSIVE = 4
 _OWN_OPTIONS = ("keys", NEVER_DECODE, EMPTY_RESPONSE)
 _NO_OPTIONS: Mapping[str, Any] = {}
 _MORE = object()                                    # the reader's "no whole reply yet"
-_UNSET = object()
 
 Command = tuple[Any, ...]
 Options = Mapping[str, Any]
@@ -253,10 +254,9 @@ class Transport:
         return found(reply, **kwargs)
 
     def _callback(self, name: Any) -> Callable[..., Any] | None:
-        found = self._found.get(name, _UNSET)
-        if found is _UNSET:               # looked up as redis-py does (a case-insensitive dict), once per name
-            found = self._found[name] = self._callbacks[name] if name in self._callbacks else None
-        return cast("Callable[..., Any] | None", found)
+        if name not in self._found:       # looked up as redis-py does (a case-insensitive dict), once per name
+            self._found[name] = self._callbacks[name] if name in self._callbacks else None
+        return self._found[name]
 
     async def _round_trip(self, packed: bytes, count: int, exclusive: bool) -> list[Any]:
         if exclusive:
