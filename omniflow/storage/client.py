@@ -5,10 +5,9 @@ plugs in) and is a `RedisClient` (`connect_sync` and `SyncRedisClient`, in `sync
 synchronous client's submits): it owns the redis-py connection and offers the reads and writes omniflow uses, each with its errors
 translated inside (its `pipeline()` queues commands in an `omniflow.storage.queued.Pipeline`).
 On a standalone server the hot path (the script runner, `xread`/`xreadgroup`, `pipeline()`) goes
-through the lean transport, `omniflow.storage.resp`, which raises redis-py's errors: they are
-translated here like every other. Besides this module only `omniflow.storage.topology` (which
-kind of server a URL names), `omniflow.storage.resp` and `omniflow.ops.embedded*` (the servers
-omniflow starts) import redis-py.
+through the lean transport, `omniflow.storage.resp` (it raises redis-py's errors, translated here).
+Besides this module only `topology` (which kind of server a URL names), `resp` and
+`omniflow.ops.embedded*` (the servers omniflow starts) import redis-py.
 Every redis-py error is translated here, and only here, into the `omniflow.errors` tree, and
 every loop has one rule per class:
 
@@ -158,17 +157,6 @@ def translated(fn: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any,
 
 
 # ---------------------------------------------------------------- streams and groups
-async def ensure_group(redis: RedisClient, stream: str, group: str) -> None:
-    """Create `group` on `stream` (and the stream) unless it exists."""
-    try:
-        await redis.raw.xgroup_create(stream, group, id="0", mkstream=True)
-    except ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise translate(exc) from exc
-    except CLIENT_ERRORS as exc:
-        raise translate(exc) from exc
-
-
 async def _execute_pipe(pipe: RawPipeline, raise_on_error: bool) -> list[Any]:
     """Send a queued `Pipeline`'s commands (its executor), errors translated."""
     try:
@@ -392,9 +380,7 @@ class RedisClient:
         """XREAD (a blocking one on a connection of its own: `omniflow.storage.resp`)."""
         if self._lean is None:
             return cast("list[Any]", await self._do("xread", streams, count=count, block=block))
-        with boundary():
-            return cast("list[Any]", await self._lean.request(*xread_command(streams, count, block),
-                                                              exclusive=block is not None))
+        return await self._lean_read(lambda: xread_command(streams, count, block), block)
 
     async def xreadgroup(self, group: str, consumer: str, streams: Mapping[Any, Any], count: int | None = None,
                          block: int | None = None, **kwargs: Any) -> list[Any]:
@@ -402,9 +388,12 @@ class RedisClient:
         if self._lean is None:
             return cast("list[Any]", await self._do("xreadgroup", group, consumer, streams, count=count, block=block,
                                                     **kwargs))
-        with boundary():
-            return cast("list[Any]", await self._lean.request(
-                *xreadgroup_command(group, consumer, streams, count, block, **kwargs), exclusive=block is not None))
+        return await self._lean_read(lambda: xreadgroup_command(group, consumer, streams, count, block, **kwargs), block)
+
+    async def _lean_read(self, build: Callable[[], tuple[Any, ...]], block: int | None) -> list[Any]:
+        assert self._lean is not None
+        with boundary():        # (redis-py's checks of the arguments raise in `build`)
+            return cast("list[Any]", await self._lean.request(*build(), exclusive=block is not None))
 
     async def xack(self, key: KeyT, group: str, *ids: Any) -> int:
         return int(await self._do("xack", key, group, *ids))

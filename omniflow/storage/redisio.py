@@ -9,7 +9,6 @@ from omniflow.storage.client import (
     RedisClient,
     boundary,
     connect,
-    ensure_group,
     is_nogroup,
     is_refused,
     translate,
@@ -17,7 +16,9 @@ from omniflow.storage.client import (
 )
 from omniflow.storage.sync_client import SyncRedisClient, connect_sync
 from omniflow.storage.queued import Pipeline
-from omniflow.storage.runner import READ_ONLY, call, call_sync, execute, load_scripts, require_replicas, script
+from omniflow.storage.runner import (
+    READ_ONLY, call, call_sync, ensure_group, execute, load_scripts, require_replicas, script,
+)
 
 __all__ = ["CLIENT_ERRORS", "READ_ONLY", "REDIS_ERRORS", "REFUSALS", "Pipeline", "RedisClient", "SyncRedisClient",
            "boundary", "call", "call_sync", "connect", "connect_sync", "ensure_group", "execute", "is_nogroup",

@@ -8,11 +8,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
-from omniflow.errors import RedisUnavailable
+from omniflow.errors import RedisUnavailable, ScriptError
 from omniflow.storage.client import CLIENT_ERRORS, RedisClient, ReplyError, boundary, is_refused, translate
 from omniflow.storage.sync_client import SyncRedisClient
 from omniflow.storage.scripts import LIBRARY, SCRIPTS
 from omniflow.storage.topology import is_cluster
+
+
+async def ensure_group(redis: RedisClient, stream: str, group: str) -> None:
+    """Create `group` on `stream` (and the stream) unless it exists."""
+    try:
+        await redis.xgroup_create(stream, group, id="0", mkstream=True)
+    except ScriptError as exc:          # (a reply error of any other kind is raised as it is)
+        if "BUSYGROUP" not in str(exc):
+            raise
 
 
 # ---------------------------------------------------------------- the script runner
