@@ -141,6 +141,33 @@ class _Any:
 ANY = _Any()
 
 
+async def test_a_pipeline_that_blocks_holds_a_connection_of_its_own(lean: RedisClient) -> None:
+    """`pipeline(blocking=True)`: a blocking XREAD and the reads queued after it, answered together
+    once the XREAD is served (what `Store.wait` does: the document in the same round trip as the
+    end it waited for); meanwhile the client's other commands go on, on the shared connection."""
+    k = "t_resp:blocking"
+    await lean.raw.delete(f"{k}:done", f"{k}:rec")
+    pipe = lean.pipeline(blocking=True)
+    pipe.xread({f"{k}:done": "0-0"}, count=1, block=5_000)
+    pipe.hgetall(f"{k}:rec")
+    waiting = asyncio.ensure_future(pipe.execute())
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    # the shared connection is free: a script call and a pipeline go through while the read blocks
+    assert await runner.call(lean, "HSET", f"{k}:rec", "state", "completed") == 1
+    assert await lean.pipeline().hget(f"{k}:rec", "state").execute() == [b"completed"]
+    await runner.call(lean, "XADD", f"{k}:done", "*", "state", "completed")
+    ended, rec = await asyncio.wait_for(waiting, 5)
+    assert ended[0][0] == f"{k}:done".encode() and ended[0][1][0][1] == {b"state": b"completed"}
+    assert rec == {b"state": b"completed"}
+    # a block that times out: the empty read, and the reads after it all the same
+    pipe = lean.pipeline(blocking=True)
+    pipe.xread({f"{k}:never": "0-0"}, count=1, block=20)
+    pipe.hgetall(f"{k}:rec")
+    assert await pipe.execute() == [[], {b"state": b"completed"}]
+    await lean.raw.delete(f"{k}:done", f"{k}:rec")
+
+
 async def test_an_error_in_a_pipeline_stays_in_place_and_is_translated(lean: RedisClient) -> None:
     k = "t-resp:pipe"
     await lean.set(f"{k}:str", "v")

@@ -17,6 +17,7 @@ from omniflow.models import TERMINAL_STATES, WorkflowState
 from omniflow.storage import registry
 from omniflow.storage.client import RedisClient
 from omniflow.storage.keys import Keys
+from omniflow.storage.queued import Pipeline
 from omniflow.storage.redisio import translated
 from omniflow.storage.schema import log_events, s, stages_in_record
 
@@ -44,12 +45,23 @@ class WorkflowReads:
         One round trip: the text outputs are read with the record, for the stages whose output was
         text in the last document read here (the same few recur); a record that wants others gets
         them with a second one."""
-        guess = self._text_guess
         pipe = self._redis.pipeline(transaction=False)
+        guess = self._document_reads(pipe, wf_id)
+        rec_raw, *guessed = await pipe.execute()
+        return await self._document_of(wf_id, rec_raw, guess, guessed, tenant)
+
+    def _document_reads(self, pipe: Pipeline, wf_id: str) -> tuple[str, ...]:
+        """Queue what the document is read from on `pipe` (the record, the text outputs guessed);
+        the stages whose text is read."""
+        guess = self._text_guess
         pipe.hgetall(self.keys.wf(wf_id))       # (the stage fields with it: `Keys.stages`)
         for name in guess:          # after the record: as new as it, or newer (as a read after it)
             pipe.get(self.keys.out(wf_id, name))
-        rec_raw, *guessed = await pipe.execute()
+        return guess
+
+    async def _document_of(self, wf_id: str, rec_raw: dict[bytes, bytes], guess: tuple[str, ...],
+                           guessed: list[Any], tenant: str | None) -> dict[str, Any]:
+        """The document from what `_document_reads` read (and what it did not guess, read now)."""
         if not rec_raw:
             raise WorkflowNotFound(f"no workflow {wf_id}")
         rec = {s(k): s(v) for k, v in rec_raw.items()}
@@ -158,9 +170,15 @@ class WorkflowReads:
                 if left <= 0:
                     break
                 wait_ms = max(1, min(wait_ms, int(left * 1000)))
-            if await self._redis.xread({self.keys.done(wf_id): "0-0"}, count=1, block=wait_ms):
-                break
-            if await self.state(wf_id) is None:       # expired or purged while we waited
+            # the document is read in the same round trip, right after the blocking read is served
+            # (a pipeline runs in order on its connection): the record as the terminal left it
+            pipe = self._redis.pipeline(blocking=True)
+            pipe.xread({self.keys.done(wf_id): "0-0"}, count=1, block=wait_ms)
+            guess = self._document_reads(pipe, wf_id)
+            ended, rec_raw, *guessed = await pipe.execute()
+            if ended:
+                return await self._document_of(wf_id, rec_raw, guess, guessed, tenant)
+            if not rec_raw:       # expired or purged while we waited
                 raise WorkflowNotFound(f"no workflow {wf_id}")
         return await self.document(wf_id, tenant=tenant)
 

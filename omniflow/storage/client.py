@@ -178,7 +178,6 @@ class RedisClient:
     def __init__(self, raw: Redis) -> None:
         self._raw = raw
         self._lean = Transport.for_client(raw)
-        self._lean_pipe = None if self._lean is None else translated(self._lean.execute_pipeline)
         #: (replicas, timeout ms) every writing round trip waits for (`require_replicas`)
         self.omniflow_wait: tuple[int, int] | None = None
 
@@ -189,8 +188,7 @@ class RedisClient:
 
     @property
     def lean(self) -> Transport | None:
-        """The lean transport of a standalone server's client (`omniflow.storage.resp`), which the
-        script runner, the stream reads and pipelines use; None: everything goes through redis-py."""
+        """The hot path's transport on a standalone server (`omniflow.storage.resp`; None: redis-py's)."""
         return self._lean
 
     @property
@@ -204,11 +202,12 @@ class RedisClient:
         except CLIENT_ERRORS as exc:
             raise translate(exc) from exc
 
-    def pipeline(self, *, transaction: bool = False) -> Pipeline:
-        """Commands queued with redis-py's signatures, sent in one round trip (through the lean
-        transport unless it is a MULTI/EXEC transaction)."""
-        if self._lean_pipe is not None and not transaction:
-            return Pipeline(self._raw.pipeline(transaction=False), self._lean_pipe)
+    def pipeline(self, *, transaction: bool = False, blocking: bool = False) -> Pipeline:
+        """Commands queued with redis-py's signatures, sent in one round trip (the lean transport's but
+        for MULTI/EXEC). `blocking`: it holds a blocking read (on a connection of its own)."""
+        if self._lean is not None and not transaction:
+            return Pipeline(self._raw.pipeline(transaction=False),
+                            translated(functools.partial(self._lean.execute_pipeline, exclusive=blocking)))
         return Pipeline(self._raw.pipeline(transaction=transaction), _execute_pipe)
 
     async def aclose(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from omniflow.storage.cells import DEFAULT_CLUSTER_CELLS, cell_for_key, cell_of, cell_tag
@@ -51,6 +52,11 @@ def finalize_plan(pipeline: Pipeline) -> FinalizePlan:
                          *(((INPUT_SRC, pipeline.audio_stage),) if pipeline.audio_stage else ())))
 
 
+@lru_cache(maxsize=4096)
+def _cell_base(prefix: str, cell: int) -> str:
+    return f"{prefix}:{{{cell_tag(cell)}}}"
+
+
 @dataclass(frozen=True, slots=True)
 class Keys:
     prefix: str = DEFAULT_PREFIX
@@ -68,7 +74,7 @@ class Keys:
     # --- cells ------------------------------------------------------------
     def cell(self, cell: int) -> str:
         """The base every key of `cell` starts with: `<prefix>:{<cell tag>}`."""
-        return f"{self.prefix}:{{{cell_tag(cell)}}}"
+        return _cell_base(self.prefix, cell)
 
     @property
     def all_cells(self) -> range:

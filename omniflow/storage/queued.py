@@ -36,6 +36,7 @@ class Pipeline:
     hset = _queues("hset")
     hget = _queues("hget")
     hgetall = _queues("hgetall")
+    xread = _queues("xread")
     hincrby = _queues("hincrby")
     hsetnx = _queues("hsetnx")
     hkeys = _queues("hkeys")

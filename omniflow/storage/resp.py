@@ -214,12 +214,13 @@ class Transport:
         replies = await self._round_trip(packed, len(commands), exclusive)
         return [self._parse(cmd[0], reply, _NO_OPTIONS) for cmd, reply in zip(commands, replies)]
 
-    async def send_stack(self, stack: Sequence[tuple[Command, Options]]) -> list[Any]:
-        """A redis-py pipeline's queued commands (each with its options) in one round trip."""
+    async def send_stack(self, stack: Sequence[tuple[Command, Options]], *, exclusive: bool = False) -> list[Any]:
+        """A redis-py pipeline's queued commands (each with its options) in one round trip (on a
+        connection of its own with `exclusive`: one that blocks)."""
         if not stack:
             return []
         packed = b"".join([pack_one(args) for args, _ in stack])
-        replies = await self._round_trip(packed, len(stack), False)
+        replies = await self._round_trip(packed, len(stack), exclusive)
         return [self._parse(args[0], reply, options) for (args, options), reply in zip(stack, replies)]
 
     async def request(self, args: Command, options: Options, *, exclusive: bool = False) -> Any:
@@ -230,15 +231,16 @@ class Transport:
             raise reply
         return reply
 
-    async def execute_pipeline(self, pipe: Any, raise_on_error: bool) -> list[Any]:
+    async def execute_pipeline(self, pipe: Any, raise_on_error: bool, *, exclusive: bool = False) -> list[Any]:
         """redis-py's `Pipeline.execute` (without MULTI) for redis-py pipeline `pipe`, its queued
         commands sent here: each reply through its callback, an error reply in place or, with
-        `raise_on_error`, the first one raised as redis-py words it."""
+        `raise_on_error`, the first one raised as redis-py words it. `exclusive`: on a connection of
+        its own (a pipeline that holds a blocking read)."""
         if pipe.scripts or pipe.watching:          # never queued by omniflow: redis-py's own way
             return cast("list[Any]", await pipe.execute(raise_on_error=raise_on_error))
         stack = pipe.command_stack
         await pipe.reset()
-        results = await self.send_stack(stack)
+        results = await self.send_stack(stack, exclusive=exclusive)
         if raise_on_error:
             pipe.raise_first_error(stack, results)
         return results

@@ -37,9 +37,21 @@ def script_call(name: str, keys: list[str], args: list[Any]) -> Call:
     return script_args(name, keys, args)
 
 
+#: enum -> {the code as the server answers it (bytes): its member}: one dict lookup per reply (an Enum
+#: call with a decode is several µs, and every script call's reply is decoded at least once)
+_RAW_CODES: dict[type[Enum], dict[bytes, Enum]] = {}
+
+
 def code_of(enum: type[E], reply: Any, script: str) -> E:
     """The code a script answered (`reply`, or its first element), as `enum`."""
     raw = reply[0] if isinstance(reply, list) and reply else reply
+    if isinstance(raw, bytes):
+        table = _RAW_CODES.get(enum)
+        if table is None:
+            table = _RAW_CODES[enum] = {str(m.value).encode(): m for m in enum}
+        member = table.get(raw)
+        if member is not None:
+            return member      # type: ignore[return-value]
     try:
         if isinstance(raw, int) and not isinstance(raw, bool):
             return enum(raw)
