@@ -165,7 +165,8 @@ async def test_a_consumer_killed_in_the_middle_of_a_shared_memory_read(engine_fa
         assert doc["state"] == "completed", doc["error"]
         assert doc["outputs"]["dst"]["text"] == expected_digest(8, 256 * KIB)
         assert doc["stages"]["dst"]["attempt"] == 2 and doc["stages"]["src"]["attempt"] == 1
-        assert worker_of(eng, "dst").stats["payloads_released"] == 8
+        # released by the worker once it has read its finish's reply (a waiter may see the end first)
+        await eventually(lambda: worker_of(eng, "dst").stats["payloads_released"] == 8, what="the payloads released")
         assert not segments(prefix)                                # all handed back by the retry
         await DataPlane(eng.redis, eng.settings).sweep()
         assert not segments(prefix)
@@ -211,7 +212,8 @@ async def test_every_process_of_a_host_stopping_cleanly_mid_workflow(engine_fact
         restarts = [f for f in await log_entries(eng.store, sub.id) if f.get("t") == "restart"]
         if back == "on-this-host":     # the retry read what the stopped producer left: it did not run again
             assert doc["stages"]["src"]["attempt"] == 1 and doc["stages"]["dst"]["attempt"] == 2 and not restarts
-            assert worker_of(eng, "dst").stats["payloads_released"] == 8 and not segments(prefix)
+            await eventually(lambda: worker_of(eng, "dst").stats["payloads_released"] == 8 and not segments(prefix),
+                             what="the payloads released")
         else:                          # another host cannot map them: the producer ran again there
             assert doc["stages"]["src"]["attempt"] == 2 and len(restarts) == 1
             assert set(stopped) & set(files(prefix))                 # left here, until this host's sweep
