@@ -70,12 +70,6 @@ class LocalInputs:
     def pop(self, key: InputKey) -> asyncio.Queue[Any] | None:
         return self._queues.pop(key, None)
 
-    def __len__(self) -> int:
-        return len(self._queues)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._queues
-
     def deliver(self, key: InputKey, src: str, chunks: Iterable[dict[bytes, Any]]) -> bool:
         """Queue `chunks` of `src` for this worker's session `key`, if it still has it (False when not)."""
         queue = self._queues.get(key)
