@@ -19,7 +19,7 @@ from omniflow.storage.client import RedisClient
 from omniflow.storage.keys import Keys
 from omniflow.storage.queued import Pipeline
 from omniflow.storage.redisio import translated
-from omniflow.storage.schema import log_events, s, stages_in_record
+from omniflow.storage.schema import event_position, log_events, s, stages_in_record
 
 if TYPE_CHECKING:
     from omniflow.storage.listing import ListFilter, ListPage
@@ -113,12 +113,13 @@ class WorkflowReads:
         entries; with `block_ms`, wait for the next ones when there are none yet. `whole`: every event
         of the entry of `after` has been read (the next one is in a later entry: one read less)."""
         key = self.keys.log(wf_id)
-        entry, _, k = after.partition(".")
+        entry = after.partition(".")[0]
         if after != "0-0" and not whole:
             # the entry of `after` itself too: the events it holds after that one
+            cut = event_position(after)
             entries = await self._redis.xrange(key, min=entry, count=count)
             events = [ev for eid, fields in entries for ev in log_events(s(eid), fields)
-                      if s(eid) != entry or _place(ev[0]) > int(k or 0)]
+                      if event_position(ev[0]) > cut]
             if events or block_ms is None:
                 return events
         if block_ms is None:
@@ -227,8 +228,3 @@ class WorkflowReads:
                 n = len(served.get(pipe.queue(name), ()))
                 counts[name] = min(counts.get(name, n), n)
         return counts
-
-
-def _place(event_id: str) -> int:
-    """An event's place in its log entry (0: the entry's own fields)."""
-    return int(event_id.partition(".")[2] or 0)

@@ -178,6 +178,8 @@ class RedisClient:
     def __init__(self, raw: Redis) -> None:
         self._raw = raw
         self._lean = Transport.for_client(raw)
+        self._lean_pipes = None if self._lean is None else tuple(      # pipeline()'s executors: (shared, blocking)
+            translated(functools.partial(self._lean.execute_pipeline, exclusive=e)) for e in (False, True))
         #: (replicas, timeout ms) every writing round trip waits for (`require_replicas`)
         self.omniflow_wait: tuple[int, int] | None = None
 
@@ -205,9 +207,8 @@ class RedisClient:
     def pipeline(self, *, transaction: bool = False, blocking: bool = False) -> Pipeline:
         """Commands queued with redis-py's signatures, sent in one round trip (the lean transport's but
         for MULTI/EXEC). `blocking`: it holds a blocking read (on a connection of its own)."""
-        if self._lean is not None and not transaction:
-            return Pipeline(self._raw.pipeline(transaction=False),
-                            translated(functools.partial(self._lean.execute_pipeline, exclusive=blocking)))
+        if self._lean_pipes is not None and not transaction:
+            return Pipeline(self._raw.pipeline(transaction=False), self._lean_pipes[blocking])
         return Pipeline(self._raw.pipeline(transaction=transaction), _execute_pipe)
 
     async def aclose(self) -> None:

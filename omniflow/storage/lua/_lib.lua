@@ -45,6 +45,18 @@ local function contains(list, value)
   return false
 end
 
+-- The list kept under `k` in `map` (a new one, its key appended to `keys`, the first time): what a
+-- call gathers per key and then writes key by key, in the order the keys first came.
+local function list_in(map, keys, k)
+  local list = map[k]
+  if list == nil then
+    list = {}
+    map[k] = list
+    keys[#keys + 1] = k
+  end
+  return list
+end
+
 local function is_live(state)
   return state == 'pending' or state == 'running'
 end
@@ -254,12 +266,7 @@ end
 -- that logs calls `flush_log` before it returns.
 local LOGS, LOG_KEYS = {}, {}
 local function log_event(log, fields)
-  local evs = LOGS[log]
-  if evs == nil then
-    evs = {}
-    LOGS[log] = evs
-    LOG_KEYS[#LOG_KEYS + 1] = log
-  end
+  local evs = list_in(LOGS, LOG_KEYS, log)
   evs[#evs + 1] = fields
 end
 

@@ -32,7 +32,7 @@
 local CLAIM_REC = {'state', 'input', 'params', 'stages', 'finals', 'created_ms', 'trace', 'tracestate', 'tenant', 'sl'}
 local group, replica, now = ARGV[2], ARGV[3], ARGV[4]
 
--- The groups and their tasks: {stream, stage, upstream, status, {entry id, workflow id, attempt, wf key, edge keys}}
+-- The groups and their tasks: {stream, stage, upstream, status, {{entry id, workflow id, attempt, wf key}, ...}}
 local groups = {}
 local reads = {}            -- wf key -> the stage fields its tasks read (with the record's: one HMGET)
 local order = {}            -- the wf keys, in the order first seen
@@ -52,12 +52,7 @@ do
       k = k + 2 + #upstream
       a = a + 3
       g[5][#g[5] + 1] = t
-      local sf = reads[wf]
-      if sf == nil then
-        sf = {}
-        reads[wf] = sf
-        order[#order + 1] = wf
-      end
+      local sf = list_in(reads, order, wf)
       local n = #sf
       sf[n + 1], sf[n + 2], sf[n + 3], sf[n + 4], sf[n + 5] =
         stage, stage .. ':attempt', stage .. ':seq', stage .. ':replica', stage .. ':ckpt'
@@ -93,12 +88,7 @@ end
 
 local W, WK = {}, {}        -- the fields each hash is written (one HSET per hash at the end), its keys in order
 local function write(k, ...)
-  local w = W[k]
-  if w == nil then
-    w = {}
-    W[k] = w
-    WK[#WK + 1] = k
-  end
+  local w = list_in(W, WK, k)
   local a = {...}
   for i = 1, #a do w[#w + 1] = a[i] end
 end
