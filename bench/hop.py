@@ -171,13 +171,21 @@ async def measure(n: int, rounds: int) -> dict[str, Any]:
     return out
 
 
+def on_worker_loop(coro: Any) -> Any:
+    """Run `coro` on the event loop a worker runs on (`OMNIFLOW_LOOP`: uvloop by default)."""
+    from omniflow.runtime import loop_factory
+
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        return runner.run(coro)
+
+
 def run(*, quick: bool = False) -> list[Any]:
     """The `user` group's hop rows for bench/run.py: p50 = the hop in ms (thread minus loop, the median
     of the rounds), p99 = the worst round's; wf/s = items per second through the compute thread."""
     from bench.common import Result
 
     n, rounds = (300, 3) if quick else (2000, 3)
-    res = asyncio.run(measure(n, rounds))
+    res = on_worker_loop(measure(n, rounds))
     rows = []
     for mode, what in (("latency", "one chunk at a time, ms per handoff"), ("burst", f"{n} chunks at once, ms per item")):
         row = dict(res[mode], wakeup=res["wakeup"]) if mode == "latency" else res[mode]
@@ -194,7 +202,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    res = asyncio.run(measure(args.n, args.rounds))
+    res = on_worker_loop(measure(args.n, args.rounds))
     print(json.dumps(res, indent=1))
     for mode in ("latency", "burst"):
         row = res[mode]

@@ -146,3 +146,31 @@ async def test_batched_session_resumes_from_its_checkpoint_after_a_failed_step(e
         assert doc["outputs"]["thinker"]["text"] == counting_text("resume")   # nothing repeated or missing
         stages = await eng.redis.hgetall(eng.store.keys.stages(doc["id"]))
         assert stages[b"thinker:ckpt"].decode() == "".join(f"resume-{i} " for i in range(6))
+
+
+@pytest.mark.parametrize(("choice", "loop_module"), [(None, "uvloop"), ("uvloop", "uvloop"), ("asyncio", "asyncio")])
+def test_long_running_processes_run_on_the_loop_omniflow_loop_names(monkeypatch, choice, loop_module) -> None:
+    from omniflow.runtime import run_until_signal
+
+    pytest.importorskip("uvloop")       # uvicorn[standard], a dependency, brings it where it builds
+    monkeypatch.setenv("OMNIFLOW_GC_TUNE", "0")
+    if choice is None:
+        monkeypatch.delenv("OMNIFLOW_LOOP", raising=False)
+    else:
+        monkeypatch.setenv("OMNIFLOW_LOOP", choice)
+    seen: list[str] = []
+
+    async def main(stop: asyncio.Event) -> None:
+        seen.append(type(asyncio.get_running_loop()).__module__.split(".")[0])
+
+    run_until_signal(main)
+    assert seen == [loop_module]
+
+
+def test_an_unknown_omniflow_loop_is_refused_with_the_choices(monkeypatch) -> None:
+    from omniflow.errors import ConfigError
+    from omniflow.runtime import loop_factory
+
+    monkeypatch.setenv("OMNIFLOW_LOOP", "trio")
+    with pytest.raises(ConfigError, match="OMNIFLOW_LOOP must be one of uvloop, asyncio, not 'trio'"):
+        loop_factory()
