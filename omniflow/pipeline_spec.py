@@ -41,7 +41,8 @@ class StageSpec(BaseModel):
     prefetch: int | None = Field(
         None, ge=0, le=4096,
         description="sessions claimed ahead of a free slot, so a freed slot starts the next one with no "
-                    "round trip (default: max_sessions / 4, at least 1)")
+                    "round trip (default: adapts: max_sessions / 4, at least 1, while the queue runs dry; "
+                    "max_sessions while it holds a backlog)")
     reserved_slots: int | None = Field(
         None, ge=0, le=4095,
         description="session slots kept free for live traffic while it is about: a lower priority class, or a "

@@ -186,3 +186,32 @@ async def test_a_task_delivered_but_never_received_is_claimed_again(engine_facto
         assert doc["outputs"]["thinker"]["text"] == expected_text("lost in delivery")
         assert doc["stages"]["thinker"]["attempt"] == 1          # the same attempt: nothing was retried
         assert worker.stats["orphans"] == 1
+
+
+@pytest.mark.parametrize(("prefetch", "held"), [(None, 8), (1, 5)])
+async def test_a_backlog_is_claimed_a_whole_batch_ahead_unless_prefetch_is_set(engine_factory, prefetch, held) -> None:
+    from workers_fixtures import HeldThinker
+
+    HeldThinker.release = asyncio.Event()
+    spec = toy_spec()
+    spec["stages"]["thinker"].update(executor="workers_fixtures:HeldThinker", max_sessions=4, prefetch=prefetch)
+    async with engine_factory(spec, workers=False) as eng:
+        ids = [(await eng.store.submit(request(f"queued {i}"))).id for i in range(12)]   # queued before a worker
+        for stage in eng.pipeline.order:
+            await eng.add_worker(stage)
+        pool = eng.workers["thinker"][0].pools[eng.pipeline.queue("thinker")]
+        # 4 slots: by default the first read finds a backlog (5 asked, 5 delivered) and the pool then
+        # claims a whole batch ahead (4 + 4); a prefetch the stage sets is kept (4 + 1)
+        await eventually(lambda: pool.active == held)
+        assert pool.core.deep and pool.capacity == held and pool.free == 0
+        HeldThinker.release.set()
+        for wf_id in ids:
+            assert (await eng.store.wait(wf_id, timeout_s=30))["state"] == "completed"
+        # the queue ran dry: reads come back short, and the pool holds no more than a quarter ahead
+        HeldThinker.release = asyncio.Event()
+        more = [(await eng.store.submit(request(f"one by one {i}"))).id for i in range(2)]
+        await eventually(lambda: pool.active == 2)
+        assert not pool.core.deep and pool.capacity == 5
+        HeldThinker.release.set()
+        for wf_id in more:
+            assert (await eng.store.wait(wf_id, timeout_s=30))["state"] == "completed"

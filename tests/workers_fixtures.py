@@ -51,6 +51,19 @@ class BlockingThinkerOnLoop(BlockingThinker):
     runs_on = "loop"
 
 
+class HeldThinker(ToyThinker):
+    """Every session waits, on the worker's loop, until the test sets `release` (a fresh
+    `asyncio.Event` per test: `HeldThinker.release = asyncio.Event()`)."""
+
+    runs_on = "loop"
+    release: asyncio.Event | None = None
+
+    async def run(self, session: Session) -> Mapping[str, Any]:
+        assert type(self).release is not None, "set HeldThinker.release first"
+        await type(self).release.wait()
+        return await super().run(session)
+
+
 class SlowLoadingThinker(ToyThinker):
     """A thinker whose `setup` (its model loading) blocks its compute thread until the test sets
     `release` (60 s at most, so a failed test cannot hang the session)."""

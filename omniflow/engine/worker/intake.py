@@ -77,6 +77,7 @@ class Intake:
                 block = ctx.settings.block_ms if len(ready) == len(ctx.pools) and not self.starved else \
                     min(ctx.settings.block_ms, INTAKE_RECHECK_MS)
                 reserved = count * len(cells)
+                lookahead = False
             else:
                 # Every stage is full (its slots and its prefetch). Live traffic must not wait for a
                 # session to end before it is even read: a full stage still reads its interactive
@@ -93,7 +94,7 @@ class Intake:
                     finally:
                         self.starved -= 1
                     continue
-                count, block, reserved = 1, INTAKE_RECHECK_MS, len(cells)
+                count, block, reserved, lookahead = 1, INTAKE_RECHECK_MS, len(cells), True
                 streams = {pool.stream(cell, Priority.INTERACTIVE): ">" for pool in ready for cell in cells}
             for pool in ready:
                 pool.claiming += reserved
@@ -119,11 +120,16 @@ class Intake:
                 ctx.slot_free.set()
             # what one read delivered, every stage's tasks of one cell claimed with one call
             by_cell: dict[int, list[Delivered]] = {}
+            got = {pool.core: 0 for pool in ready} if not lookahead else {}   # most entries of one stream, by pool
             for stream, entries in reply or []:
                 pool, cell, prio = self.by_stream[s(stream)]
+                if pool.core in got:
+                    got[pool.core] = max(got[pool.core], len(entries))
                 claims = self.validate(pool, cell, [(s(entry_id), fields) for entry_id, fields in entries], prio)
                 if claims:
                     by_cell.setdefault(cell, []).append(Delivered(pool, cell, prio, claims))
+            for core, n in got.items():       # a backlog or not: how far ahead the pool claims
+                core.saw_read(count, n)
             for groups in by_cell.values():
                 ctx.track(asyncio.create_task(self.claims.claim_many(groups)))
 
