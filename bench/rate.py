@@ -11,7 +11,7 @@ warm-up, `--seconds` of it. Prints one JSON line: wf/s reached, p50/p99 submit -
 CPU per workflow of each process (worker, reconciler, Valkey, this client) and in all, Redis commands
 and script calls per workflow.
 
-    .venv/bin/python bench/rate.py [--rate 600] [--seconds 5] [--loop]
+    .venv/bin/python bench/rate.py [--rate 600] [--seconds 5] [--loop] [--client-uvloop]
 
 To compare two trees of the code, run each tree's copy of this script, alternately, several times:
 each imports omniflow from the tree it is in.
@@ -56,11 +56,18 @@ async def paced(url: str, eng: Engine, rate: float, n: int) -> list[float]:
     return sorted(latencies)
 
 
+def _uvloop() -> Any:
+    import uvloop
+
+    return uvloop.new_event_loop
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--rate", type=float, default=600.0, help="workflows per second offered (default 600)")
     ap.add_argument("--seconds", type=float, default=5.0, help="how long (default 5)")
     ap.add_argument("--loop", action="store_true", help="the stages with runs_on = 'loop'")
+    ap.add_argument("--client-uvloop", action="store_true", help="this client on uvloop (default: asyncio.run's loop)")
     args = ap.parse_args()
     n = int(args.rate * args.seconds)
     with start_server() as server:
@@ -72,7 +79,8 @@ def main() -> None:
             eng.wait_ready(r, procs)
             asyncio.run(_burst(url, eng, "warm", WARMUP))
             before, meter, t0 = server_stats(r), ProcessCPU(r, procs), time.time()
-            lat = asyncio.run(paced(url, eng, args.rate, n))
+            with asyncio.Runner(loop_factory=_uvloop() if args.client_uvloop else None) as run:
+                lat = run.run(paced(url, eng, args.rate, n))
             wall, cpu, cost = time.time() - t0, meter.take(), cost_delta(before, server_stats(r), n)
     per_wf = {name.replace("omniflow-", ""): round(s * 1e6 / n) for name, s in cpu.items()}
     print(json.dumps({"rate": args.rate, "wf/s": round(n / wall), "p50_ms": round(lat[len(lat) // 2] * 1000, 2),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 
 import pytest
 
@@ -39,6 +40,9 @@ async def test_sync_client_submits_directly_and_maps_errors(engine_factory) -> N
                     client.submit("sync hello", request_id="sync-1")
                 ids = [client.submit(f"fill {i}") for i in range(3)]
                 assert [client.wait(i, timeout_s=10)["state"] for i in ids] == ["completed"] * 3
+                # its private loop is uvloop's where installed (OMNIFLOW_LOOP unset: the default)
+                expected = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+                assert type(client._loop).__module__.split(".")[0] == expected
                 return wf
         aborted = await asyncio.to_thread(work)
         # and the aborted workflow's sessions ended on every worker: aborted within milliseconds of

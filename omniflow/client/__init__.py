@@ -26,6 +26,7 @@ from omniflow.errors import RedisRefused, UnknownPipeline
 from omniflow.models import AudioInput, SubmitRequest, WorkflowInput
 from omniflow.catalog import Catalog
 from omniflow.pipeline import Pipeline, load_pipeline
+from omniflow.runtime import loop_factory
 from omniflow.storage.redisio import connect, connect_sync
 from omniflow.storage.transitions.admission import SubmitResult
 from omniflow.client.store import Store, check_same_body
@@ -185,7 +186,9 @@ class Client:
     connection (cheaper per call than driving an event loop); the rest runs `AsyncClient`."""
 
     def __init__(self, redis_url: str | None = None, **kwargs: Any) -> None:
-        self._loop = asyncio.new_event_loop()
+        # its own loop, on uvloop where installed (`OMNIFLOW_LOOP`): -10 % of the client's CPU per
+        # workflow at a fixed rate (bench/rate.py --client-uvloop; bench/notes.md, round 12)
+        self._loop = (loop_factory() or asyncio.new_event_loop)()
         self._client: AsyncClient = self._run(_make(redis_url, kwargs))
         self._sync = connect_sync(self._client.redis_url)
 
