@@ -111,8 +111,8 @@ LOOPS = ("uvloop", "asyncio")
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """The event loop the long-running processes run on: uvloop where it is installed (uvicorn's
     `standard` extra brings it, so the API already runs on it), asyncio's own otherwise or with
-    `OMNIFLOW_LOOP=asyncio`. uvloop took 8.5 % less of a worker's CPU per workflow at a fixed rate
-    (bench/notes.md, round 12). None: asyncio's default."""
+    `OMNIFLOW_LOOP=asyncio`. uvloop took 3.7 % less of a worker's CPU per workflow at a fixed rate
+    (bench/notes.md, round 12; 8.5 % in round 11's runs). None: asyncio's default."""
     choice = os.environ.get("OMNIFLOW_LOOP", "uvloop").strip().lower() or "uvloop"
     if choice not in LOOPS:
         raise ConfigError(f"OMNIFLOW_LOOP must be one of {', '.join(LOOPS)}, not {choice!r}")
