@@ -32,6 +32,7 @@ if __package__ in (None, ""):
 from bench.common import ProcessCPU, cost_delta, redis_client, running, server_stats, start_server
 from bench.omniflow_bench import LOOP_STAGES, USER_STAGES, Engine, pipeline_yaml
 from bench.omniflow_user import _burst, _client_kwargs
+from omniflow.runtime import loop_factory
 
 WARMUP = 200
 
@@ -56,18 +57,13 @@ async def paced(url: str, eng: Engine, rate: float, n: int) -> list[float]:
     return sorted(latencies)
 
 
-def _uvloop() -> Any:
-    import uvloop
-
-    return uvloop.new_event_loop
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--rate", type=float, default=600.0, help="workflows per second offered (default 600)")
     ap.add_argument("--seconds", type=float, default=5.0, help="how long (default 5)")
     ap.add_argument("--loop", action="store_true", help="the stages with runs_on = 'loop'")
-    ap.add_argument("--client-uvloop", action="store_true", help="this client on uvloop (default: asyncio.run's loop)")
+    ap.add_argument("--client-uvloop", action="store_true",
+                    help="this client on the workers' loop (OMNIFLOW_LOOP: uvloop by default; else asyncio.run's)")
     args = ap.parse_args()
     n = int(args.rate * args.seconds)
     with start_server() as server:
@@ -79,7 +75,7 @@ def main() -> None:
             eng.wait_ready(r, procs)
             asyncio.run(_burst(url, eng, "warm", WARMUP))
             before, meter, t0 = server_stats(r), ProcessCPU(r, procs), time.time()
-            with asyncio.Runner(loop_factory=_uvloop() if args.client_uvloop else None) as run:
+            with asyncio.Runner(loop_factory=loop_factory() if args.client_uvloop else None) as run:
                 lat = run.run(paced(url, eng, args.rate, n))
             wall, cpu, cost = time.time() - t0, meter.take(), cost_delta(before, server_stats(r), n)
     per_wf = {name.replace("omniflow-", ""): round(s * 1e6 / n) for name, s in cpu.items()}

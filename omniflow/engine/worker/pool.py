@@ -37,8 +37,9 @@ class PoolCore:
         self.live_window_s = live_window_s
         # At most max_sessions run the executor at once (the GPU's batch slots); up to `prefetch` more
         # are claimed and wait for a slot, so a freed slot starts the next session without a round trip.
-        self.set_prefetch(spec)
+        self.prefetch_base = self.prefetch_deep = 0
         self.deep = False           # the last read found a backlog (see `saw_read`)
+        self.set_prefetch(spec)
         self.slots = self.new_slots(spec)
         self.active = 0             # sessions held (running or waiting for a slot)
         self.claiming = 0           # tasks read but not yet claimed (they hold session slots too)
@@ -47,14 +48,16 @@ class PoolCore:
         self.stage = stage
 
     def set_prefetch(self, spec: StageSpec) -> None:
-        """The prefetch `spec` asks for; by default it adapts to the queue (`saw_read`): a quarter of
-        `max_sessions` (at least 1) while reads drain it, a whole batch while it holds a backlog."""
+        """The prefetch `spec` asks for (the largest any stage sharing the pool asks for); by default
+        it adapts to the queue (`saw_read`): a quarter of `max_sessions` (at least 1) while reads
+        drain it, a whole batch while it holds a backlog."""
         if spec.prefetch is not None:
-            self.prefetch_base = self.prefetch_deep = spec.prefetch
+            base = deep = spec.prefetch
         else:
-            self.prefetch_base = max(1, self.max_sessions // 4)
-            self.prefetch_deep = max(self.prefetch_base, self.max_sessions)
-        self.capacity = self.max_sessions + self.prefetch_base
+            base = max(1, self.max_sessions // 4)
+            deep = max(base, self.max_sessions)
+        self.prefetch_base, self.prefetch_deep = max(self.prefetch_base, base), max(self.prefetch_deep, deep)
+        self.capacity = self.max_sessions + (self.prefetch_deep if self.deep else self.prefetch_base)
 
     def saw_read(self, asked: int, got: int) -> None:
         """What a read of this pool's streams delivered (`got` of the `asked` COUNT, most of any one
@@ -186,10 +189,7 @@ def build_pools(routes: Sequence[tuple[Pipeline, str]], *, executor: Executor | 
                                          live_window_s=live_window_s)
         elif max_sessions is None and spec.max_sessions > core.max_sessions:
             core.max_sessions = spec.max_sessions
-            before = core.prefetch_base, core.prefetch_deep
             core.set_prefetch(spec)
-            core.prefetch_base, core.prefetch_deep = max(before[0], core.prefetch_base), max(before[1], core.prefetch_deep)
-            core.capacity = core.max_sessions + core.prefetch_base
             core.slots = core.new_slots(spec)
         pools[pipe.queue(stage)] = StagePool(pipe, stage, core=core)
     return pools
