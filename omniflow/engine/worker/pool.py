@@ -57,7 +57,11 @@ class PoolCore:
             base = max(1, self.max_sessions // 4)
             deep = max(base, self.max_sessions)
         self.prefetch_base, self.prefetch_deep = max(self.prefetch_base, base), max(self.prefetch_deep, deep)
-        self.capacity = self.max_sessions + (self.prefetch_deep if self.deep else self.prefetch_base)
+
+    @property
+    def capacity(self) -> int:
+        """Sessions it holds at most: its slots, and the prefetch of the queue's state (`saw_read`)."""
+        return self.max_sessions + (self.prefetch_deep if self.deep else self.prefetch_base)
 
     def saw_read(self, asked: int, got: int) -> None:
         """What a read of this pool's streams delivered (`got` of the `asked` COUNT, most of any one
@@ -72,7 +76,6 @@ class PoolCore:
             self.deep = False
         elif asked > 1:             # (one asked and one delivered says nothing: a blocked read gets one)
             self.deep = True
-        self.capacity = self.max_sessions + (self.prefetch_deep if self.deep else self.prefetch_base)
 
     def new_slots(self, spec: StageSpec) -> Slots:
         """`max_sessions` slots, of which `reserved_slots` (default one in eight) are kept for live
