@@ -37,7 +37,8 @@ from omniflow.storage.keys import EVENT_GROUP, NOTIFY_GROUP, TASK_GROUP, Keys
 from omniflow.models import SubmitRequest, WorkflowInput
 from omniflow.storage.redisio import REDIS_ERRORS, connect
 from omniflow.client.store import Store
-from omniflow.storage.schema import s
+from omniflow.storage.schema import now_ms, s
+from omniflow.storage.usage import bucket_of
 from omniflow.storage.schema import log_events_raw
 from helpers import eventually
 from tests.chaos.driver import STAGES, TERMINAL, ChaosConfig, Cluster, expected_output, prompt_for
@@ -113,6 +114,7 @@ class FaultRun:
         self.poisoned_wf: str | None = None
         self.poison_sent: Counter[str] = Counter()
         self._load = True
+        self._baseline_hour = 0          # the usage hour when the key baseline was taken
 
     # ------------------------------------------------------------ load
     async def submit_steadily(self, store: Store) -> None:
@@ -235,6 +237,7 @@ class FaultRun:
             # the schedule: gap_s of steady load before the first fault and between two faults
             await asyncio.sleep(self.gap_s)
             baseline = await self._key_shapes(admin)
+            self._baseline_hour = bucket_of(now_ms())
             for fault in faults:
                 self.report.windows.append(await self.inject(admin, fault))
                 await asyncio.sleep(self.gap_s)
@@ -298,6 +301,10 @@ class FaultRun:
         for cell in self.keys.all_cells:
             for key in (self.keys.tenant_inflight(cell), self.keys.tenant_seen(cell)):
                 bound[_shape(key)] = max(bound.get(_shape(key), 0), 1)
+            # usage is kept by the hour (each hour's hash expires with the retention): a run that
+            # crosses the hour starts the next one, with or without faults
+            hours = _shape(self.keys.usage(cell, 0))
+            bound[hours] = bound.get(hours, 0) + bucket_of(now_ms()) - self._baseline_hour
         rep.grown = {shape: (bound.get(shape, 0), n) for shape, n in after.items()
                      if n > bound.get(shape, 0) and ":dlq:" not in shape}
         if rep.grown:
@@ -410,8 +417,11 @@ class FaultRun:
 
 
 def _shape(key: str) -> str:
-    """A process's own keys (`<cell>:inbox:<id>`, `<cell>:wake:<id>`, `<prefix>:{workers}:<id>`) as one shape."""
+    """A process's own keys (`<cell>:inbox:<id>`, `<cell>:wake:<id>`, `<prefix>:{workers}:<id>`) as one
+    shape, and a cell's usage hours (`<cell>:usage:<hour>`) as another."""
     parts = key.split(":")
+    if len(parts) > 2 and parts[-2] == "usage" and parts[-1].isdigit():
+        return ":".join([*parts[:-1], "*"])
     for i, part in enumerate(parts[:-1]):
         if part in ("inbox", "wake") or (part == "{workers}" and i == len(parts) - 2):
             return ":".join([*parts[:i + 1], "*"])
