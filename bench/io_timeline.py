@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
-import pickle
 import statistics
 import sys
 import tempfile
@@ -56,11 +56,11 @@ if _out and "worker" in sys.argv:
         send, received = conn.send, conn.data_received
 
         def traced_send(self, packed, count):
-            _log.append((time.time(), "S", id(self), bytes(packed[:160])))
+            _log.append((time.time(), "S", id(self), bytes(packed[:160]).decode("latin-1")))
             return send(self, packed, count)
 
         def traced_received(self, data):
-            _log.append((time.time(), "R", id(self), b""))
+            _log.append((time.time(), "R", id(self), ""))
             return received(self, data)
         conn.send, conn.data_received = traced_send, traced_received
 
@@ -76,17 +76,16 @@ if _out and "worker" in sys.argv:
     builtins.__import__ = _hook
 
     def _dump():
-        import pickle
-        with open(f"{_out}.{os.getpid()}", "wb") as f:
-            pickle.dump(_log, f)
+        import json
+        with open(f"{_out}.{os.getpid()}", "w") as f:
+            json.dump(_log, f)
     atexit.register(_dump)
 ''' % {"env": TRACE_ENV}
 
 
-def label(head: bytes) -> str:
+def label(head: str) -> str:
     """`FCALL claim`, `XREADGROUP`...: the command of a written round trip (its first one)."""
-    parts = head.split(b"\r\n")
-    words = [p.decode("ascii", "replace") for p in parts[2::2]]
+    words = head.split("\r\n")[2::2]
     if not words:
         return "?"
     if words[0].upper() == "FCALL" and len(words) > 1:
@@ -115,15 +114,16 @@ def measure(mode: str, n: int, split: bool) -> dict[str, Any]:
                     t0 = time.time()
                     client.wait(client.submit(f"io{i}"), timeout_s=30)
                     marks.append((t0, time.time()))
-        events: list[tuple[float, str, int, bytes]] = []
-        for path in glob.glob(out + ".*"):
-            with open(path, "rb") as f:
-                events += pickle.load(f)
+        events: list[tuple[float, str, tuple[str, int], str]] = []
+        for path in glob.glob(out + ".*"):       # one file per worker process: <out>.<pid>
+            pid = path.rsplit(".", 1)[1]
+            with open(path) as f:
+                events += [(t, kind, (pid, conn), head) for t, kind, conn, head in json.load(f)]
     if not events:
         raise SystemExit("no worker wrote its trace (did it exit cleanly?)")
     events.sort()
     named: list[tuple[float, str]] = []
-    last: dict[int, str] = {}          # connection -> the command it last wrote (what a reply answers)
+    last: dict[tuple[str, int], str] = {}    # connection -> the command it last wrote (what a reply answers)
     for t, kind, conn, head in events:
         if kind == "S":
             last[conn] = label(head)
