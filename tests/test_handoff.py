@@ -15,7 +15,7 @@ import pytest
 from helpers import eventually
 
 from omniflow.dataplane import codec
-from omniflow.engine.compute import ComputeThread, handoff, run_on
+from omniflow.engine.compute import ComputeThread, handoff, run_on, start_on
 from omniflow.engine.session import Session
 from omniflow.models import SessionState
 from omniflow.storage.keys import Keys
@@ -126,6 +126,78 @@ async def test_inputs_read_from_a_compute_thread_keep_what_a_batch_took() -> Non
 
         assert await compute.run(reads_in_two_goes()) == ([1, 2], [3, 4, 5])
         assert session._queue.empty() and session.state is SessionState.RUNNING
+    finally:
+        compute.stop()
+
+
+async def test_a_compute_thread_session_with_its_next_chunk_in_keeps_the_thread() -> None:
+    """A session read from a compute thread whose next chunk (or end of stream) is already on the
+    worker's loop takes it without yielding to the other coroutines on its thread, as it would on
+    the worker's loop; with nothing there it yields to them while it waits."""
+    compute = ComputeThread("t")
+    loop = asyncio.get_running_loop()
+    try:
+        session = Session(wf_id="wf", stage="code2wav", attempt=1, input={}, params={}, finals=(), downstream=(),
+                          resume_seq=0, _batcher=_Batcher(), _keys=Keys("t"),  # type: ignore[arg-type]
+                          upstream=("talker",), state=SessionState.WAITING_INPUT, _home=loop)
+
+        def feed(*items: Any) -> None:
+            for item in items:
+                session._queue.put_nowait(("talker", item))
+        chunk = {b"seq": b"1", b"a": b"1", b"d": codec.dumps("one")}
+        fed = threading.Event()
+
+        async def reader() -> list[str]:
+            order: list[str] = []
+            chunks = session.inputs().__aiter__()
+            here = asyncio.get_running_loop()
+            here.call_soon(order.append, "other")        # another session's turn, ready on this thread
+            order.append((await chunks.__anext__()).data)    # nothing in yet: waits, and the other runs
+            here.call_soon(order.append, "other again")
+            loop.call_soon_threadsafe(feed, {b"eos": b"1"})
+            loop.call_soon_threadsafe(fed.set)
+            fed.wait(5)                                   # the end of the stream is in (this thread held)
+            async for _ in chunks:                        # taken at once: the other waits its turn
+                pass
+            order.append("ended")
+            await asyncio.sleep(0)
+            return order
+
+        task = asyncio.ensure_future(compute.run(reader()))
+        await asyncio.sleep(0.05)
+        feed(chunk)
+        assert await task == ["other", "one", "ended", "other again"]
+    finally:
+        compute.stop()
+
+
+async def test_start_on_gives_a_future_any_thread_can_wait_on() -> None:
+    compute = ComputeThread("t")
+    try:
+        async def where() -> str:
+            return threading.current_thread().name
+
+        assert start_on(compute.loop, where()).result(timeout=5) == "compute-t"
+
+        async def fails() -> None:
+            raise KeyError("remote")
+
+        with pytest.raises(KeyError, match="remote"):
+            await asyncio.wrap_future(start_on(compute.loop, fails()))
+        running, cancelled = threading.Event(), threading.Event()
+
+        async def forever() -> None:
+            running.set()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+        fut = start_on(compute.loop, forever())
+        await eventually(running.is_set, what="the coroutine running on the compute thread")
+        assert fut.cancel()
+        await eventually(cancelled.is_set, what="the remote task cancelled with its future")
     finally:
         compute.stop()
 

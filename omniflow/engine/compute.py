@@ -209,6 +209,42 @@ async def run_on(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) 
         raise
 
 
+def start_on(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    """Start `coro` on `loop` (another thread's), in order with the other calls handed to it, and
+    return a `concurrent.futures.Future` of its outcome: any thread may wait on it, block on it, or
+    check it. Cancelling the future cancels the coroutine there."""
+    out: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def settle(task: asyncio.Task[T]) -> None:
+        try:
+            if task.cancelled():
+                out.cancel()
+            elif (exc := task.exception()) is not None:
+                out.set_exception(exc)
+            else:
+                out.set_result(task.result())
+        except concurrent.futures.InvalidStateError:     # cancelled by its waiter meanwhile
+            pass
+
+    def start() -> None:
+        if out.cancelled():
+            coro.close()
+            return
+        task = loop.create_task(coro)
+        task.add_done_callback(settle)
+
+        def cancel_there(fut: concurrent.futures.Future[T]) -> None:
+            if fut.cancelled() and not task.done():
+                try:
+                    loop.call_soon_threadsafe(task.cancel)
+                except RuntimeError:        # the loop is closed: nothing runs there any more
+                    pass
+        out.add_done_callback(cancel_there)
+
+    handoff(loop).call(start)
+    return out
+
+
 class ComputeThread:
     """One daemon thread with its own event loop; coroutines are submitted to it from another loop."""
 

@@ -4,6 +4,7 @@ payload references resolved through the data plane, the read position reported f
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,6 +13,7 @@ from omniflow import tracing
 from omniflow.dataplane import codec
 from omniflow.dataplane.base import InputLost, PayloadMissing, Ref, TransportKind, WrongHost
 from omniflow.executor import Chunk
+from omniflow.engine.compute import run_on, start_on
 from omniflow.engine.session.outputs import SessionOutputs
 from omniflow.errors import NonRetryableError
 from omniflow.models import SessionState, StageStatus
@@ -21,6 +23,7 @@ from omniflow.storage.schema import StageField
 # (else it rides on its first emit; under load a session may wait longer than this for its thread)
 STATUS_ALONE_AFTER_S = 0.1
 INPUT_BATCH = 256       # raw chunks one hop from a compute thread to the worker's loop may bring back
+READY_WAIT_S = 0.05     # how long a compute thread blocks for chunks already in before it yields instead
 
 
 class SessionInputs(SessionOutputs):
@@ -39,7 +42,7 @@ class SessionInputs(SessionOutputs):
             if taken:       # taken from the queue in an earlier batch (a compute thread's)
                 src, fields = taken.popleft()
             elif remote:    # one hop to the worker's loop brings every chunk that is there
-                taken.extend(await self._on_home(self._next_batch(open_srcs)))
+                taken.extend(await self._remote_batch(open_srcs))
                 continue
             else:           # what is already here is taken without a coroutine (the common case under load)
                 ready = self._next_ready()
@@ -56,6 +59,23 @@ class SessionInputs(SessionOutputs):
             if self._span is not None:
                 tracing.chunk_event(self._span, "in", src, chunk.seq)
             yield chunk
+
+    async def _remote_batch(self, open_srcs: set[str]) -> list[tuple[str, dict[bytes, bytes]]]:
+        """`_next_batch`, from a compute thread. When chunks already wait on the worker's loop (this
+        session alone takes them, so they are still there when the loop runs it), the thread blocks
+        for the hop instead of yielding to the other sessions on its loop: a session whose next
+        chunk, or end of stream, is in keeps running, as on the worker's loop (`_next_ready`) or
+        with a local queue. Yielding sent it behind every other session's turn on the thread (a
+        vocoder's sessions: a whole step each), so its end waited for theirs (bench/notes.md,
+        round 13). With nothing there yet, it yields as before."""
+        assert self._home is not None
+        if self._catchup_pos >= len(self._catchup) and self._queue.empty():   # read across threads: a hint
+            return await run_on(self._home, self._next_batch(open_srcs))
+        fut = start_on(self._home, self._next_batch(open_srcs))
+        try:
+            return fut.result(timeout=READY_WAIT_S)
+        except concurrent.futures.TimeoutError:     # the worker's loop is busy: wait without blocking the thread
+            return await asyncio.wrap_future(fut)
 
     def _next_ready(self) -> tuple[str, dict[bytes, bytes]] | None:
         """The next raw chunk if one is here already (catch-up first, then the inbox queue), else
