@@ -171,6 +171,40 @@ async def test_a_compute_thread_session_with_its_next_chunk_in_keeps_the_thread(
         compute.stop()
 
 
+async def test_a_hop_cancelled_on_the_worker_loop_is_a_cancellation_on_the_thread() -> None:
+    """The thread blocked for chunks that are in sees the hop cancelled there (the worker stopping) as
+    the asyncio cancellation a yielding hop would bring, not as a `concurrent.futures` error."""
+    compute = ComputeThread("t")
+    loop = asyncio.get_running_loop()
+    try:
+        session = Session(wf_id="wf", stage="code2wav", attempt=1, input={}, params={}, finals=(), downstream=(),
+                          resume_seq=0, _batcher=_Batcher(), _keys=Keys("t"),  # type: ignore[arg-type]
+                          upstream=("talker",), state=SessionState.WAITING_INPUT, _home=loop)
+        session._queue.put_nowait(("talker", {b"seq": b"1", b"a": b"1", b"d": codec.dumps(1)}))   # in: it blocks
+        started = asyncio.Event()
+
+        async def held(_open: set[str]) -> list[Any]:
+            started.set()
+            await asyncio.sleep(3600)
+            return []
+        session._next_batch = held                   # type: ignore[method-assign]
+
+        async def reader() -> str:
+            try:
+                async for _ in session.inputs():
+                    pass
+            except asyncio.CancelledError:
+                return "cancelled"
+            return "ended"
+
+        task = asyncio.ensure_future(compute.run(reader()))
+        await started.wait()
+        next(t for t in asyncio.all_tasks() if t.get_coro().__name__ == "held").cancel()   # type: ignore[union-attr]
+        assert await task == "cancelled"
+    finally:
+        compute.stop()
+
+
 async def test_start_on_gives_a_future_any_thread_can_wait_on() -> None:
     compute = ComputeThread("t")
     try:

@@ -76,6 +76,8 @@ class SessionInputs(SessionOutputs):
             return fut.result(timeout=READY_WAIT_S)
         except concurrent.futures.TimeoutError:     # the worker's loop is busy: wait without blocking the thread
             return await asyncio.wrap_future(fut)
+        except concurrent.futures.CancelledError:   # cancelled there (the worker stopping): as `run_on` says it
+            raise asyncio.CancelledError from None
 
     def _next_ready(self) -> tuple[str, dict[bytes, bytes]] | None:
         """The next raw chunk if one is here already (catch-up first, then the inbox queue), else
