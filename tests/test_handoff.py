@@ -55,6 +55,21 @@ async def test_a_failing_call_does_not_stop_the_others(caplog: pytest.LogCapture
     assert "boom" in caplog.text
 
 
+class _Forever:
+    """A coroutine that runs until it is cancelled, and says both (from any thread)."""
+
+    def __init__(self) -> None:
+        self.running, self.cancelled = threading.Event(), threading.Event()
+
+    async def __call__(self) -> None:
+        self.running.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
 async def test_run_on_brings_back_results_errors_and_cancels_the_remote_task() -> None:
     compute = ComputeThread("t")
     caller = asyncio.get_running_loop()
@@ -71,22 +86,13 @@ async def test_run_on_brings_back_results_errors_and_cancels_the_remote_task() -
         with pytest.raises(KeyError, match="remote"):
             await run_on(compute.loop, fails())
 
-        running, cancelled = threading.Event(), threading.Event()
-
-        async def forever() -> None:
-            running.set()
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                cancelled.set()
-                raise
-
+        forever = _Forever()
         task = asyncio.ensure_future(compute.run(forever()))
-        await eventually(running.is_set, what="the coroutine running on the compute thread")
+        await eventually(forever.running.is_set, what="the coroutine running on the compute thread")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await eventually(cancelled.is_set, what="the remote task cancelled")
+        await eventually(forever.cancelled.is_set, what="the remote task cancelled")
     finally:
         compute.stop()
 
@@ -103,15 +109,19 @@ class _Batcher:
         return self.send(build)
 
 
+def _reader(stage: str, upstream: str) -> Session:
+    """A session of `stage` reading `upstream`'s chunks, its home the running loop (the worker's)."""
+    return Session(wf_id="wf", stage=stage, attempt=1, input={}, params={}, finals=(), downstream=(),
+                   resume_seq=0, _batcher=_Batcher(), _keys=Keys("t"),  # type: ignore[arg-type]
+                   upstream=(upstream,), state=SessionState.WAITING_INPUT, _home=asyncio.get_running_loop())
+
+
 async def test_inputs_read_from_a_compute_thread_keep_what_a_batch_took() -> None:
     """Every chunk waiting is taken in one hop; an executor that stops reading after two and reads
     again later gets the rest, in order, then the end of the stream."""
     compute = ComputeThread("t")
     try:
-        session = Session(wf_id="wf", stage="talker", attempt=1, input={}, params={}, finals=(), downstream=(),
-                          resume_seq=0, _batcher=_Batcher(), _keys=Keys("t"),  # type: ignore[arg-type]
-                          upstream=("thinker",), state=SessionState.WAITING_INPUT,
-                          _home=asyncio.get_running_loop())
+        session = _reader("talker", "thinker")
         for seq in range(1, 6):
             session._queue.put_nowait(("thinker", {b"seq": str(seq).encode(), b"a": b"1", b"d": codec.dumps(seq)}))
         session._queue.put_nowait(("thinker", {b"eos": b"1"}))
@@ -137,9 +147,7 @@ async def test_a_compute_thread_session_with_its_next_chunk_in_keeps_the_thread(
     compute = ComputeThread("t")
     loop = asyncio.get_running_loop()
     try:
-        session = Session(wf_id="wf", stage="code2wav", attempt=1, input={}, params={}, finals=(), downstream=(),
-                          resume_seq=0, _batcher=_Batcher(), _keys=Keys("t"),  # type: ignore[arg-type]
-                          upstream=("talker",), state=SessionState.WAITING_INPUT, _home=loop)
+        session = _reader("code2wav", "talker")
 
         def feed(*items: Any) -> None:
             for item in items:
@@ -175,11 +183,8 @@ async def test_a_hop_cancelled_on_the_worker_loop_is_a_cancellation_on_the_threa
     """The thread blocked for chunks that are in sees the hop cancelled there (the worker stopping) as
     the asyncio cancellation a yielding hop would bring, not as a `concurrent.futures` error."""
     compute = ComputeThread("t")
-    loop = asyncio.get_running_loop()
     try:
-        session = Session(wf_id="wf", stage="code2wav", attempt=1, input={}, params={}, finals=(), downstream=(),
-                          resume_seq=0, _batcher=_Batcher(), _keys=Keys("t"),  # type: ignore[arg-type]
-                          upstream=("talker",), state=SessionState.WAITING_INPUT, _home=loop)
+        session = _reader("code2wav", "talker")
         session._queue.put_nowait(("talker", {b"seq": b"1", b"a": b"1", b"d": codec.dumps(1)}))   # in: it blocks
         started = asyncio.Event()
 
@@ -218,20 +223,11 @@ async def test_start_on_gives_a_future_any_thread_can_wait_on() -> None:
 
         with pytest.raises(KeyError, match="remote"):
             await asyncio.wrap_future(start_on(compute.loop, fails()))
-        running, cancelled = threading.Event(), threading.Event()
-
-        async def forever() -> None:
-            running.set()
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                cancelled.set()
-                raise
-
+        forever = _Forever()
         fut = start_on(compute.loop, forever())
-        await eventually(running.is_set, what="the coroutine running on the compute thread")
+        await eventually(forever.running.is_set, what="the coroutine running on the compute thread")
         assert fut.cancel()
-        await eventually(cancelled.is_set, what="the remote task cancelled with its future")
+        await eventually(forever.cancelled.is_set, what="the remote task cancelled with its future")
     finally:
         compute.stop()
 

@@ -163,16 +163,20 @@ def handoff(loop: asyncio.AbstractEventLoop) -> Handoff:
     return found
 
 
-def _settle(fut: asyncio.Future[T], task: asyncio.Future[T]) -> None:
-    """Copy how `task` (another loop's) ended into `fut` (this loop's)."""
+def _settle(fut: asyncio.Future[T] | concurrent.futures.Future[T], task: asyncio.Future[T]) -> None:
+    """Copy how `task` (another loop's) ended into `fut` (this loop's, or a `concurrent.futures`
+    one, which its waiter may cancel from its own thread meanwhile)."""
     if fut.done():
         return
-    if task.cancelled():
-        fut.cancel()
-    elif (exc := task.exception()) is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(task.result())
+    try:
+        if task.cancelled():
+            fut.cancel()
+        elif (exc := task.exception()) is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(task.result())
+    except concurrent.futures.InvalidStateError:    # cancelled by its waiter since `done()` said no
+        pass
 
 
 async def run_on(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:
@@ -215,23 +219,12 @@ def start_on(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> c
     check it. Cancelling the future cancels the coroutine there."""
     out: concurrent.futures.Future[T] = concurrent.futures.Future()
 
-    def settle(task: asyncio.Task[T]) -> None:
-        try:
-            if task.cancelled():
-                out.cancel()
-            elif (exc := task.exception()) is not None:
-                out.set_exception(exc)
-            else:
-                out.set_result(task.result())
-        except concurrent.futures.InvalidStateError:     # cancelled by its waiter meanwhile
-            pass
-
     def start() -> None:
         if out.cancelled():
             coro.close()
             return
         task = loop.create_task(coro)
-        task.add_done_callback(settle)
+        task.add_done_callback(lambda t: _settle(out, t))
 
         def cancel_there(fut: concurrent.futures.Future[T]) -> None:
             if fut.cancelled() and not task.done():
