@@ -134,6 +134,17 @@ def median_results(runs: Sequence[Result]) -> Result:
 _LIVE: list[subprocess.Popen] = []
 
 
+def on_worker_loop(coro: Any) -> Any:
+    """Run `coro` to its end on the event loop a worker runs on (`omniflow.runtime.loop_factory`,
+    `OMNIFLOW_LOOP`: uvloop by default)."""
+    import asyncio
+
+    from omniflow.runtime import loop_factory
+
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        return runner.run(coro)
+
+
 def bench_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

@@ -28,6 +28,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import on_worker_loop
 from omniflow.dataplane import codec
 from omniflow.engine.compute import ComputeThread, handoff
 from omniflow.engine.session import Session
@@ -169,14 +170,6 @@ async def measure(n: int, rounds: int) -> dict[str, Any]:
     finally:
         compute.stop()
     return out
-
-
-def on_worker_loop(coro: Any) -> Any:
-    """Run `coro` on the event loop a worker runs on (`OMNIFLOW_LOOP`: uvloop by default)."""
-    from omniflow.runtime import loop_factory
-
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        return runner.run(coro)
 
 
 def run(*, quick: bool = False) -> list[Any]:

@@ -29,10 +29,9 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import ProcessCPU, cost_delta, redis_client, running, server_stats, start_server
+from bench.common import ProcessCPU, cost_delta, on_worker_loop, redis_client, running, server_stats, start_server
 from bench.omniflow_bench import LOOP_STAGES, USER_STAGES, Engine, pipeline_yaml
 from bench.omniflow_user import _burst, _client_kwargs
-from omniflow.runtime import loop_factory
 
 WARMUP = 200
 
@@ -75,8 +74,7 @@ def main() -> None:
             eng.wait_ready(r, procs)
             asyncio.run(_burst(url, eng, "warm", WARMUP))
             before, meter, t0 = server_stats(r), ProcessCPU(r, procs), time.time()
-            with asyncio.Runner(loop_factory=loop_factory() if args.client_uvloop else None) as run:
-                lat = run.run(paced(url, eng, args.rate, n))
+            lat = (on_worker_loop if args.client_uvloop else asyncio.run)(paced(url, eng, args.rate, n))
             wall, cpu, cost = time.time() - t0, meter.take(), cost_delta(before, server_stats(r), n)
     per_wf = {name.replace("omniflow-", ""): round(s * 1e6 / n) for name, s in cpu.items()}
     print(json.dumps({"rate": args.rate, "wf/s": round(n / wall), "p50_ms": round(lat[len(lat) // 2] * 1000, 2),

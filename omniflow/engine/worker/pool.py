@@ -48,9 +48,10 @@ class PoolCore:
         self.stage = stage
 
     def set_prefetch(self, spec: StageSpec) -> None:
-        """The prefetch `spec` asks for (the largest any stage sharing the pool asks for); by default
-        it adapts to the queue (`saw_read`): a quarter of `max_sessions` (at least 1) while reads
-        drain it, a whole batch while it holds a backlog."""
+        """Take the prefetch `spec` asks for, keeping the larger of it and what the pool has
+        (`build_pools` passes the first stage of the pool, and a sharing stage that raises its
+        `max_sessions`); unset, it adapts to the queue (`saw_read`): a quarter of `max_sessions`
+        (at least 1) while reads drain it, a whole batch while it holds a backlog."""
         if spec.prefetch is not None:
             base = deep = spec.prefetch
         else:
