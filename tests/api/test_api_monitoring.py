@@ -32,6 +32,8 @@ GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
 SPEC = toy_spec()
 SPEC["stages"]["thinker"]["executor"] = "workers_fixtures:MeteredLM"      # batched: batch sizes exist
 SPEC["stages"]["thinker"]["params"].update({"max_batch": 4, "max_words": 4})
+# the record keeps compute time in whole ms: a Code2Wav done in under 0.5 ms has no real-time factor
+SPEC["stages"]["code2wav"]["params"].update({"chunk_delay_s": 0.005})
 
 
 def alert_exprs() -> list[tuple[str, str]]:
@@ -95,10 +97,12 @@ async def test_alerts_and_dashboard_use_only_what_metrics_exposes(api_factory) -
 
         async def scraped() -> dict[Any, float] | None:
             values = metric_values((await http.get("/metrics")).text)
-            return values if ("omniflow_batch_size_count", (("stage", "thinker"),)) in values else None
+            rtf = ("omniflow_stage_rtf_count", (("pipeline", SPEC["name"]), ("stage", "code2wav")))
+            return values if ("omniflow_batch_size_count", (("stage", "thinker"),)) in values \
+                and values.get(rtf) == 2 else None
 
         exposition = Exposition(await eventually(scraped, timeout_s=15, interval_s=0.2,
-                                                 what="the thinker's batch sizes published"))
+                                                 what="the thinker's batch sizes and both workflows' RTF published"))
     problems = [p for where, expr in (*alert_exprs(), *dashboard_exprs()) for p in exposition.problems(where, expr)]
     assert not problems, "\n".join(problems)
     # and the check itself would catch a renamed metric, a wrong label, a value never exposed
