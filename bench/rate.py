@@ -11,7 +11,7 @@ warm-up, `--seconds` of it. Prints one JSON line: wf/s reached, p50/p99 submit -
 CPU per workflow of each process (worker, reconciler, Valkey, this client) and in all, Redis commands
 and script calls per workflow.
 
-    .venv/bin/python bench/rate.py [--rate 600] [--seconds 5] [--loop] [--client-uvloop]
+    .venv/bin/python bench/rate.py [--rate 600] [--seconds 5] [--loop] [--client-uvloop] [--commands]
 
 To compare two trees of the code, run each tree's copy of this script, alternately, several times:
 each imports omniflow from the tree it is in.
@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=600.0, help="workflows per second offered (default 600)")
     ap.add_argument("--seconds", type=float, default=5.0, help="how long (default 5)")
     ap.add_argument("--loop", action="store_true", help="the stages with runs_on = 'loop'")
+    ap.add_argument("--commands", action="store_true", help="also every command's calls and Valkey µs per workflow")
     ap.add_argument("--client-uvloop", action="store_true",
                     help="this client on the workers' loop (OMNIFLOW_LOOP: uvloop by default; else asyncio.run's)")
     args = ap.parse_args()
@@ -80,7 +81,8 @@ def main() -> None:
     print(json.dumps({"rate": args.rate, "wf/s": round(n / wall), "p50_ms": round(lat[len(lat) // 2] * 1000, 2),
                       "p99_ms": round(lat[int(len(lat) * 0.99)] * 1000, 2), **per_wf,
                       "total": sum(per_wf.values()), "cmds_per_wf": cost["cmds_per_wf"],
-                      "fcall_per_wf": cost["cmds_top"].get("fcall")}))
+                      "fcall_per_wf": cost["cmds_top"].get("fcall"),
+                      **({"commands": cost["cmds_breakdown"]} if args.commands else {})}))
 
 
 if __name__ == "__main__":

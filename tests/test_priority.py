@@ -107,6 +107,26 @@ async def test_a_tenant_over_its_fair_share_gets_429_and_another_tenant_gets_in(
             assert (await store.document(wf_id))["state"] == "pending"
 
 
+async def test_a_refused_submit_leaves_the_tenants_count_as_it_found_it(engine_factory, monkeypatch) -> None:
+    """submit.lua counts the tenant first where a refusal needs it to hold one already, and takes the
+    count back when it refuses; where a refusal at 0 is possible (no share or cap left from other
+    cells) it reads first: an absent count stays absent (a field at 0 says "this tenant used the cell")."""
+    async with engine_factory(workers=False, max_in_flight=10, fair_share_from=0.5, fair_hold_ms=0) as eng:
+        store, tinf = eng.store, eng.store.keys.tenant_inflight(0)
+        monkeypatch.setattr(store.fair, "submit_args", lambda tenant, cell: [1, 0, 100])
+        await store.submit(request(), tenant="one")
+        with pytest.raises(FairShareRefused, match="it holds 1 live"):
+            await store.submit(request(), tenant="one")                 # counted, then taken back
+        monkeypatch.setattr(store.fair, "submit_args", lambda tenant, cell: [0, 0, 100])
+        with pytest.raises(FairShareRefused, match="it holds 0 live"):
+            await store.submit(request(), tenant="none")                # read first: never counted
+        monkeypatch.setattr(store.fair, "submit_args", lambda tenant, cell: [5, 0, 0])
+        with pytest.raises(FairShareRefused, match="it holds 0 live"):
+            await store.submit(request(), tenant="two")                 # no cap left, another tenant here
+        counts = await eng.redis.hgetall(tinf)
+        assert {s(k): int(v) for k, v in counts.items()} == {"one": 1}
+
+
 async def test_a_tenant_alone_fills_all_but_the_reserve_and_a_newcomer_gets_in_at_once(engine_factory) -> None:
     async with engine_factory(workers=False, max_in_flight=10, fair_share_from=0.5) as eng:
         store = eng.store

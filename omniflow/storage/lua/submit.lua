@@ -38,12 +38,25 @@ local nf = tonumber(ARGV[9])
 local tenant = ARGV[11]
 local tinf = key(cell_base(wf) .. ':tinf')
 local share = tonumber(ARGV[10 + 2 * nf] or '')
+local counted = false             -- the tenant's live count taken already (its new value: tenant_new)
+local tenant_new
 if share then
-  local mine = tonumber(redis.call('HGET', tinf, tenant) or '0')
+  local mine
   -- the cap holds once another tenant has used this cell (its field in tinf, even at 0)
   local cap = tonumber(ARGV[12 + 2 * nf] or '')
+  local from = tonumber(ARGV[11 + 2 * nf])
+  if (n >= from and share <= 0) or (cap and cap <= 0) then
+    -- a refusal at 0 is possible: it must leave an absent field absent, so read before counting
+    mine = tonumber(redis.call('HGET', tinf, tenant) or '0')
+  else
+    -- a refusal needs mine >= 1 (share, cap >= 1): count first and take it back if refused,
+    -- one command on the path taken (the field existed before whenever it is taken back)
+    mine = redis.call('HINCRBY', tinf, tenant, 1) - 1
+    counted, tenant_new = true, mine == 0
+  end
   local others = cap and mine >= cap and redis.call('HLEN', tinf) > (mine > 0 and 1 or 0)
-  if (n >= tonumber(ARGV[11 + 2 * nf]) and mine >= share) or others then
+  if (n >= from and mine >= share) or others then
+    if counted then redis.call('HINCRBY', tinf, tenant, -1) end
     return {'busy', tostring(n), 'tenant', tostring(mine)}
   end
 end
@@ -55,7 +68,7 @@ local fields = {'id', id, 'state', 'pending', 'created_ms', now, 'updated_ms', n
 for i = 10, 9 + 2 * nf do fields[#fields + 1] = ARGV[i] end
 -- the tenant's first live workflow in this cell (its count was 0 or absent): it joins the names set
 -- (never pruned: a tenant with a live workflow is in it already)
-local tenant_new = redis.call('HINCRBY', tinf, tenant, 1) == 1
+if not counted then tenant_new = redis.call('HINCRBY', tinf, tenant, 1) == 1 end
 for i = 10, 8 + 2 * nf, 2 do      -- the record's priority class, for tasks_key (no read back)
   if ARGV[i] == 'prio' then PRIO[wf] = ARGV[i + 1] end
 end
