@@ -132,8 +132,9 @@ async def _queue_families(state: ApiState) -> list[Metric]:
                float(stuck["past_deadline"])),
         _gauge("omniflow_oldest_workflow_age_seconds", "Age of the oldest live workflow in each state (0: none)",
                {live: _age_s(ms, now) for live, ms in stuck["oldest_ms"].items()}, label="state"),
-        _gauge("omniflow_stage_queue_length", "Entries in the stage's task stream",
-               {name: float(sum(q.length for q in rows)) for name, rows in per_stage.items()}),
+        _gauge("omniflow_stage_queue_length", "Tasks of the stage queued or held, not finished (XINFO GROUPS lag + "
+               "pending; the stream's length where Redis cannot tell the lag)",
+               {name: float(sum(q.unfinished for q in rows)) for name, rows in per_stage.items()}),
         # each cell has its own task stream: the gauges are sums (a lag Redis cannot tell counts the whole stream)
         _gauge("omniflow_stage_queue_lag", "Tasks not yet delivered to any worker (XINFO GROUPS lag)",
                {name: float(sum(q.length if q.lag is None else q.lag for q in rows)) for name, rows in per_stage.items()}),

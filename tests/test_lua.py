@@ -487,3 +487,38 @@ def test_a_const_table_is_built_once_and_never_written() -> None:
     for bad in ("T[1] = 'b'", "T.x = 1", "T = {}", "table.insert(T, 'c')"):
         with pytest.raises(ValueError, match="T is a --@const table"):
             scripts._check_const({"T"}, f"local T = {{'a'}}\n{bad}")
+
+
+async def test_trim_tasks_deletes_only_what_every_group_delivered_and_acked(store) -> None:
+    """A finish acks its task and leaves the entry; trim_tasks.lua deletes an entry once it is
+    delivered and acked, never one still queued or held (a lapsed worker's tasks are re-queued
+    from there), and XINFO GROUPS' lag stays known (queue depth, KEDA)."""
+    from omniflow.storage.transitions.housekeeping import trim_tasks
+
+    ids = [(await store.submit(request(f"trim {i}"))).id for i in range(3)]
+    stream = store.tasks_key("thinker", 0)
+    other = store.tasks_key("talker", 0)
+    await store.client.xgroup_create(other, "audit", id="0")         # a second group that read nothing
+
+    async def trim(*streams: str) -> int:
+        return int((await redisio.execute(store.client, [trim_tasks(streams)]))[0])
+
+    got = await store.client.xreadgroup(TASK_GROUP, "w1", {stream: ">"}, count=2)
+    first, second = (s(entry_id) for entry_id, _ in got[0][1])
+    assert await trim(stream) == 0                                   # delivered, not acked
+    await store.client.xack(stream, TASK_GROUP, first)
+    assert await trim(stream, other) == 1                            # the first only: the second is held
+    assert [s(e) for e, _ in await store.client.xrange(stream)][0] == second
+    await store.client.xack(stream, TASK_GROUP, second)
+    assert await trim(stream) == 1 and await store.client.xlen(stream) == 1     # the third is queued
+    group = next(g for g in await store.client.xinfo_groups(stream) if s(g["name"]) == TASK_GROUP)
+    assert group["lag"] == 1 and group["pending"] == 0
+    third = (await store.client.xreadgroup(TASK_GROUP, "w1", {stream: ">"}, count=1))[0][1][0][0]
+    await store.client.xack(stream, TASK_GROUP, third)
+    assert await trim(stream) == 1 and await store.client.xlen(stream) == 0
+    # the talker's stream: its `workers` group delivered nothing, "audit" read nothing either
+    assert await store.client.xlen(other) == 3 and ids
+    await store.client.xreadgroup(TASK_GROUP, "w1", {other: ">"}, count=3)
+    await store.client.xack(other, TASK_GROUP, *[e for e, _ in await store.client.xrange(other)])
+    assert await trim(other) == 0                                    # "audit" has not read them
+    assert await trim(store.tasks_key("nowhere", 0)) == 0             # no such stream

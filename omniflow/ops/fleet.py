@@ -142,6 +142,14 @@ class StageQueue:
     def pending(self) -> int:
         return int(self.group.get("pending") or 0)
 
+    @property
+    def unfinished(self) -> int:
+        """Tasks queued or held: lag + pending. A finished task's entry stays in the stream until the
+        next trim (`trim_tasks.lua`, every half second), so the stream's length counts some that are
+        done: it is the answer only where Redis cannot tell the lag."""
+        lag = self.lag
+        return self.length if lag is None else lag + self.pending
+
 
 @dataclass(frozen=True)
 class Queues:
@@ -261,7 +269,7 @@ async def collect_stats(store: Store) -> dict[str, Any]:
         mine = [w for w in workers if w["alive"] and name in w["stages"]]
         window = merge(w["window"].get(name, {}) for w in mine)
         stages[name] = {
-            "queued": sum(r.length for r in rows),
+            "queued": sum(r.unfinished for r in rows),
             "lag": sum(r.lag or 0 for r in rows),
             "pending": sum(r.pending for r in rows),
             "oldest_pending_age_s": _age_s(min((r.oldest_pending_ms for r in rows if r.oldest_pending_ms),

@@ -44,7 +44,8 @@ from typing import Any
 
 LUA_DIR = Path(__file__).resolve().parent / "lua"
 SCRIPT_NAMES = ("submit", "claim", "emit", "finish", "stage_event", "abort", "retry_due", "restart", "list_scan",
-                "heartbeat", "dead_letter", "reap_consumer", "realtime_save", "lease", "purge", "append_input")
+                "heartbeat", "dead_letter", "reap_consumer", "realtime_save", "lease", "purge", "append_input",
+                "trim_tasks")
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,12 @@
 """A worker's intake: the blocking XREADGROUP over its stages' task streams (only as many tasks as
-free session slots), validation of what it delivers, hand-back while draining, and the audit that
-adopts tasks delivered to this worker but never received."""
+free session slots), validation of what it delivers, hand-back while draining, the audit that
+adopts tasks delivered to this worker but never received, and the trim of finished tasks."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from typing import Any
 
 from omniflow.engine.worker.claims import Claims, Delivered
 from omniflow.engine.worker.context import WorkerContext
@@ -18,6 +19,7 @@ from omniflow.storage.entries import task as task_entry
 from omniflow.storage.keys import TASK_GROUP
 from omniflow.storage.redisio import REDIS_ERRORS, ensure_group
 from omniflow.storage.schema import s
+from omniflow.storage.transitions import housekeeping
 from omniflow.storage.transitions.sessions import Claim
 from omniflow.storage.topology import is_cluster
 
@@ -31,6 +33,7 @@ LIVE_RECENT_S = 60.0        # ... while interactive tasks came this recently
 ORPHAN_AUDIT_S = 5.0
 ORPHAN_IDLE_MS = 3_000
 ORPHAN_BATCH = 256
+TRIM_S = 0.5                # how often the entries of finished tasks are deleted (`Intake.trim`)
 
 Entries = list[tuple[str, dict[bytes, bytes]]]
 
@@ -193,6 +196,34 @@ class Intake:
             logger.info("worker %s (draining): handed back %d task(s) of %s", ctx.id, len(entries), pool.stage)
         except REDIS_ERRORS as exc:      # still pending here: re-queued when this worker stops
             logger.warning("worker %s: could not hand back %d task(s): %s", ctx.id, len(entries), exc)
+
+    async def trim(self) -> None:
+        """Every `TRIM_S`, delete the entries of this worker's task streams that every group has
+        delivered and acknowledged (`trim_tasks.lua`, one call per cell): a session's finish acks its
+        task and leaves the entry, one command less per session than deleting it there. Every worker
+        reading a stream trims it; the calls are idempotent."""
+        calls: list[Any] = []
+        failing = False
+        while True:
+            await asyncio.sleep(TRIM_S)
+            if not calls:
+                by_cell: dict[int, list[str]] = {}
+                for pool in self.ctx.pools.values():
+                    for cell, streams in pool.class_streams.items():
+                        mine = by_cell.setdefault(cell, [])
+                        mine.extend(x for x in streams if x not in mine)
+                calls = [housekeeping.trim_tasks(streams) for streams in by_cell.values()]
+            try:
+                replies = await redisio.execute(self.ctx.redis, calls)
+            except RedisError as exc:
+                if not failing:
+                    logger.warning("worker %s: trimming its task streams failed: %s", self.ctx.id, exc)
+                failing = True
+                continue
+            errors = [r for r in replies if isinstance(r, Exception)]
+            if errors and not failing:
+                logger.warning("worker %s: trimming its task streams failed: %s", self.ctx.id, errors[0])
+            failing = bool(errors)
 
     async def orphans(self) -> None:
         """Claim again the tasks delivered to this worker that it never heard of.

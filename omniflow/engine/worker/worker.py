@@ -176,7 +176,7 @@ class Worker:
                 *((f"intake:{g[0]}", functools.partial(intake.run, g)) for g in groups),
                 ("heartbeat", self.liveness.heartbeat),
                 ("watchdog", self.liveness.watchdog), ("dataplane-sweep", self.abort.sweep),
-                ("orphans", intake.orphans), ("tenant-weights", self._weights),
+                ("orphans", intake.orphans), ("trim", intake.trim), ("tenant-weights", self._weights),
                 *((f"inbox:{g[0]}", functools.partial(self.inbox.run, g)) for g in groups)]
             background = [asyncio.create_task(forever(f"worker {self.id}: {name}", loop), name=name)
                           for name, loop in loops]

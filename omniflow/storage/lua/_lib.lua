@@ -627,8 +627,9 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
     -- it would leave the stage pending with no task: nobody would ever run it.
     return 'fenced'
   end
+  -- acked, not deleted: the workers reading the stream trim what every group has acked
+  -- (trim_tasks.lua), one command less per session
   redis.call('XACK', key(tasks_key), group, entry_id)
-  redis.call('XDEL', tasks_key, entry_id)
   if not is_live(rec[1]) or tostring(cur[2]) ~= tostring(attempt) then return 'fenced' end
   if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
   local res = 'ok'

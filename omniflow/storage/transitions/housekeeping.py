@@ -1,5 +1,6 @@
 """Housekeeping: `reap_consumer.lua` (an idle consumer out of its group), `lease.lua` (the
-reconciler's leader lease) and `purge.lua` (a finished workflow deleted with its index entries)."""
+reconciler's leader lease), `purge.lua` (a finished workflow deleted with its index entries) and
+`trim_tasks.lua` (the task entries of finished sessions deleted)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -54,6 +55,12 @@ async def reap_idle_consumers(redis: Any, stream: str, group: str, *, idle_ms: i
         return 0
     results = await redisio.execute(redis, [reap_consumer(stream, group, name) for name in dead])
     return sum(1 for r in results if r == ReapResult.GONE)
+
+
+def trim_tasks(streams: Sequence[str]) -> Call:
+    """Delete the entries of task `streams` (one cell's, from `Keys.tasks`) that every group has
+    delivered and acknowledged. Its reply: how many went."""
+    return script_call("trim_tasks", list(streams), [])
 
 
 def leader_lease(keys: Keys, owner: str, *, ttl_ms: int) -> Call:
