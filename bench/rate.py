@@ -11,7 +11,7 @@ warm-up, `--seconds` of it. Prints one JSON line: wf/s reached, p50/p99 submit -
 CPU per workflow of each process (worker, reconciler, Valkey, this client) and in all, Redis commands
 and script calls per workflow.
 
-    .venv/bin/python bench/rate.py [--rate 600] [--seconds 5] [--loop] [--client-uvloop] [--commands]
+    .venv/bin/python bench/rate.py [--rate 600] [--seconds 5] [--loop] [--split] [--client-uvloop] [--commands]
 
 To compare two trees of the code, run each tree's copy of this script, alternately, several times:
 each imports omniflow from the tree it is in.
@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=600.0, help="workflows per second offered (default 600)")
     ap.add_argument("--seconds", type=float, default=5.0, help="how long (default 5)")
     ap.add_argument("--loop", action="store_true", help="the stages with runs_on = 'loop'")
+    ap.add_argument("--split", action="store_true", help="one worker process per stage (default: co-located)")
     ap.add_argument("--commands", action="store_true", help="also every command's calls and Valkey µs per workflow")
     ap.add_argument("--client-uvloop", action="store_true",
                     help="this client on the workers' loop (OMNIFLOW_LOOP: uvloop by default; else asyncio.run's)")
@@ -68,7 +69,7 @@ def main() -> None:
     n = int(args.rate * args.seconds)
     with start_server() as server:
         url = server.url
-        eng = Engine(url, 1, pipeline_yaml(1, stages=LOOP_STAGES if args.loop else USER_STAGES), colocated=True,
+        eng = Engine(url, 1, pipeline_yaml(1, stages=LOOP_STAGES if args.loop else USER_STAGES), colocated=not args.split,
                      defaults=True)
         r = redis_client(url)
         with running(eng.commands(), env=eng.env) as procs:
