@@ -3,6 +3,7 @@ executors chained in one process without Redis, in one run.
 
     .venv/bin/python bench/pipeline.py            # ~3 min on 2 cores; `make bench` runs it too
     .venv/bin/python bench/pipeline.py --quick    # 1 and 4 concurrent requests only
+    .venv/bin/python bench/pipeline.py --levels 8 --rounds 3 --out /tmp/p.json   # one level, elsewhere
 
 For 1, 4 and 8 concurrent requests (different questions, greedy, so both sides do the same
 work) it measures per request: time to first text, time to first audio, end-to-end time
@@ -421,8 +422,10 @@ def summarise(timings: list[Timing]) -> dict[str, Any]:
             "audio_s": median([t.audio_s for t in timings]), "requests": [t.to_dict() for t in timings]}
 
 
-def run(*, quick: bool = False, rounds: int = DEFAULT_ROUNDS) -> dict[str, Any]:
-    levels = LEVELS[:2] if quick else LEVELS
+def run(*, quick: bool = False, rounds: int = DEFAULT_ROUNDS, levels: tuple[int, ...] = LEVELS,
+        out: Path = RESULTS) -> dict[str, Any]:
+    """`out`: where the results go (the plot is drawn only for `make bench`'s own, RESULTS)."""
+    levels = LEVELS[:2] if quick else levels
     rounds = 1 if quick else rounds
     started = time.monotonic()
     log("pipeline bench: starting omniflow (omniflow up) and the in-process chain")
@@ -466,9 +469,10 @@ def run(*, quick: bool = False, rounds: int = DEFAULT_ROUNDS) -> dict[str, Any]:
     doc = {"levels": list(levels), "rows": rows, "demo": demo.to_dict(), "rounds": rounds, "thinker_tokens_per_s": batching, "max_tokens": MAX_TOKENS,
            "wall_s": time.monotonic() - started, "date": time.strftime("%Y-%m-%d %H:%M"),
            "load": os.getloadavg()}
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(doc, indent=1))
-    plot(doc, PLOT)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    if out == RESULTS:
+        plot(doc, PLOT)
     return doc
 
 
@@ -638,9 +642,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 and 4 concurrent requests only")
     ap.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="rounds of every level, alternating sides")
+    ap.add_argument("--levels", default=",".join(map(str, LEVELS)),
+                    help="concurrency levels, comma-separated (default 1,4,8)")
+    ap.add_argument("--out", type=Path, default=RESULTS,
+                    help="where the results go (default bench/out/pipeline.json, which docs/benchmarks.md renders)")
     ap.add_argument("--render", action="store_true", help="measure nothing: print the section from bench/out")
     args = ap.parse_args(argv)
-    doc = json.loads(RESULTS.read_text()) if args.render else run(quick=args.quick, rounds=args.rounds)
+    try:
+        levels = tuple(int(x) for x in args.levels.split(",") if x.strip())
+    except ValueError:
+        ap.error(f"--levels: comma-separated numbers, not {args.levels!r}")
+    if not levels or min(levels) < 1 or max(levels) > len(QUESTIONS):
+        ap.error(f"--levels: each between 1 and {len(QUESTIONS)} (one question per request)")
+    doc = json.loads(args.out.read_text()) if args.render else run(quick=args.quick, rounds=args.rounds,
+                                                                    levels=levels, out=args.out)
     print("\n".join(markdown(doc)))
     return 0
 
