@@ -215,3 +215,33 @@ async def test_a_backlog_is_claimed_a_whole_batch_ahead_unless_prefetch_is_set(e
         HeldThinker.release.set()
         for wf_id in more:
             assert (await eng.store.wait(wf_id, timeout_s=30))["state"] == "completed"
+
+
+async def test_finished_tasks_are_trimmed_and_an_idle_worker_sends_no_trims(engine_factory, monkeypatch) -> None:
+    """A finish acks its task and leaves the entry; the workers trim their streams (`Intake.trim`)
+    after they closed sessions, and an idle one sends nothing."""
+    monkeypatch.setattr(intake_module, "TRIM_S", 0.1)
+    trims: list[int] = []
+    real = redisio.execute
+
+    async def counted(redis, commands):
+        trims.extend(1 for c in commands if c[0] == "FCALL" and str(c[1]).startswith("trim_tasks_"))
+        return await real(redis, commands)
+
+    monkeypatch.setattr(intake_module.redisio, "execute", counted)
+    async with engine_factory() as eng:
+        ids = [(await eng.store.submit(request(f"trim me {i}"))).id for i in range(5)]
+        for wf_id in ids:
+            assert (await eng.store.wait(wf_id, timeout_s=10))["state"] == "completed"
+        streams = [eng.store.tasks_key(stage, 0) for stage in ("thinker", "talker", "code2wav")]
+
+        async def empty() -> bool:
+            return all([await eng.redis.xlen(x) == 0 for x in streams])
+        await eventually(empty)
+        for stream in streams:
+            group = next(g for g in await eng.redis.xinfo_groups(stream) if s(g["name"]) == TASK_GROUP)
+            assert group["pending"] == 0 and group["lag"] == 0 and group["entries-read"] == 5
+        await asyncio.sleep(0.3)                # the trims after the last close
+        settled = len(trims)
+        await asyncio.sleep(0.6)                # six idle ticks
+        assert settled > 0 and len(trims) == settled

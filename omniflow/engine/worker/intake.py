@@ -201,11 +201,17 @@ class Intake:
         """Every `TRIM_S`, delete the entries of this worker's task streams that every group has
         delivered and acknowledged (`trim_tasks.lua`, one call per cell): a session's finish acks its
         task and leaves the entry, one command less per session than deleting it there. Every worker
-        reading a stream trims it; the calls are idempotent."""
+        reading a stream trims it once it closed a session since its last trim (an idle worker sends
+        nothing; the last close is always followed by a trim); the calls are idempotent."""
         calls: list[Any] = []
         failing = False
+        trimmed_at = -1.0          # the worker's closed sessions at its last trim
         while True:
             await asyncio.sleep(TRIM_S)
+            closed = sum(self.ctx.stats[name] for name in ("done", "failed", "fenced"))
+            if closed == trimmed_at and not failing:
+                continue
+            trimmed_at = closed
             if not calls:
                 by_cell: dict[int, list[str]] = {}
                 for pool in self.ctx.pools.values():
