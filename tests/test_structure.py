@@ -285,6 +285,7 @@ def script_calls(keys: Keys) -> Iterator[tuple[str, tuple[Any, ...]]]:
                                                None, "why", max_len=10)
     yield "reap_consumer", housekeeping.reap_consumer(keys.events(0), "reconciler", "c")
     yield "lease", housekeeping.leader_lease(keys, "r", ttl_ms=1)
+    yield "trim_tasks", housekeeping.trim_tasks(keys.task_streams("thinker", 0))
     yield "purge", housekeeping.purge(keys, WF, tenant="acme", request_id="r1", finals=("talker",))
     yield "list_scan", listing.list_scan(keys, [WF], want=1, state="", tenant=None, stage="", request_id="")
     yield "append_input", inputs.append_input(keys, WF, "asr", final=True, payloads=[b"x"], inboxes=("w",))

@@ -11,7 +11,7 @@ from omniflow.models import WorkflowState
 from omniflow.storage import redisio
 from omniflow.storage.keys import Keys
 from omniflow.storage.schema import s
-from omniflow.storage.transitions._base import Call, code_of, returns, script_call
+from omniflow.storage.transitions._base import RETURN_CODES, Call, code_of, returns, script_call
 
 
 @returns("reap_consumer")
@@ -55,6 +55,9 @@ async def reap_idle_consumers(redis: Any, stream: str, group: str, *, idle_ms: i
         return 0
     results = await redisio.execute(redis, [reap_consumer(stream, group, name) for name in dead])
     return sum(1 for r in results if r == ReapResult.GONE)
+
+
+RETURN_CODES["trim_tasks"] = None      # answers how many entries went, not a code
 
 
 def trim_tasks(streams: Sequence[str]) -> Call:
