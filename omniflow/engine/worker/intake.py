@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 from omniflow.engine.worker.claims import Claims, Delivered
 from omniflow.engine.worker.context import WorkerContext
@@ -203,7 +202,10 @@ class Intake:
         task and leaves the entry, one command less per session than deleting it there. Every worker
         reading a stream trims it once it closed a session since its last trim (an idle worker sends
         nothing; the last close is always followed by a trim); the calls are idempotent."""
-        calls: list[Any] = []
+        by_cell: dict[int, list[str]] = {}
+        for stream, (_pool, cell, _prio) in self.by_stream.items():
+            by_cell.setdefault(cell, []).append(stream)
+        calls = [housekeeping.trim_tasks(streams) for streams in by_cell.values()]
         failing = False
         trimmed_at = -1.0          # the worker's closed sessions at its last trim
         while True:
@@ -212,21 +214,11 @@ class Intake:
             if closed == trimmed_at and not failing:
                 continue
             trimmed_at = closed
-            if not calls:
-                by_cell: dict[int, list[str]] = {}
-                for pool in self.ctx.pools.values():
-                    for cell, streams in pool.class_streams.items():
-                        mine = by_cell.setdefault(cell, [])
-                        mine.extend(x for x in streams if x not in mine)
-                calls = [housekeeping.trim_tasks(streams) for streams in by_cell.values()]
             try:
-                replies = await redisio.execute(self.ctx.redis, calls)
+                errors: list[Exception] = [r for r in await redisio.execute(self.ctx.redis, calls)
+                                           if isinstance(r, Exception)]
             except RedisError as exc:
-                if not failing:
-                    logger.warning("worker %s: trimming its task streams failed: %s", self.ctx.id, exc)
-                failing = True
-                continue
-            errors = [r for r in replies if isinstance(r, Exception)]
+                errors = [exc]
             if errors and not failing:
                 logger.warning("worker %s: trimming its task streams failed: %s", self.ctx.id, errors[0])
             failing = bool(errors)
