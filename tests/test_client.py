@@ -31,13 +31,16 @@ async def test_sync_client_submits_directly_and_maps_errors(engine_factory) -> N
     async with engine_factory(max_in_flight=3) as eng:
         def work() -> str:
             with Client(eng.url, settings=eng.settings, pipeline=eng.pipeline) as client:
-                wf = client.submit("sync hello", request_id="sync-1")
-                assert client.submit("sync hello", request_id="sync-1") == wf       # idempotent
+                # its thinker takes 8 x 0.2 s, so the abort below finds it live (at no delay the toy
+                # pipeline could complete it first: then the resubmission is answered with its id)
+                slow = {"thinker": {"token_delay_s": 0.2}}
+                wf = client.submit("sync hello", request_id="sync-1", stage_params=slow)
+                assert client.submit("sync hello", request_id="sync-1", stage_params=slow) == wf   # idempotent
                 with pytest.raises(InvalidRequest, match="not produced"):
                     client.submit("x", modalities=["video"])
                 client.abort(wf)
                 with pytest.raises(WorkflowRetired, match="fresh"):
-                    client.submit("sync hello", request_id="sync-1")
+                    client.submit("sync hello", request_id="sync-1", stage_params=slow)
                 ids = [client.submit(f"fill {i}") for i in range(3)]
                 assert [client.wait(i, timeout_s=10)["state"] for i in ids] == ["completed"] * 3
                 # its private loop is uvloop's where installed (OMNIFLOW_LOOP unset: the default)
