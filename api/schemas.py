@@ -194,6 +194,8 @@ class WorkerView(BaseModel):
     draining: bool
     sessions: dict[str, int] = Field(..., description="sessions held per stage served")
     capacity: dict[str, int] = Field(..., description="max_sessions per stage served")
+    runs_on: dict[str, str] = Field(default_factory=dict, description="per stage served, where its sessions run now: "
+                                    "'thread' (its compute thread) or 'loop' (the worker's event loop)")
     sessions_held: int
     window: dict[str, Any] = Field(default_factory=dict, description="its last minute of work, per stage")
 

@@ -169,3 +169,14 @@ class RecordingTalker(ToyTalker):
     async def run(self, session: Session) -> Mapping[str, Any]:
         type(self).ran[session.wf_id] = id(self)
         return await super().run(session)
+
+
+class WhereThinker(ToyThinker):
+    """The toy thinker with the default `runs_on` ("auto"): records the thread each session ran on."""
+
+    runs_on = "auto"
+    threads: list[str] = []
+
+    async def run(self, session: Session) -> Mapping[str, Any]:
+        type(self).threads.append(threading.current_thread().name)
+        return await super().run(session)

@@ -164,6 +164,7 @@ class WhisperASR(Executor):
     """Streamed audio -> text segments (Whisper on CTranslate2, one compute thread)."""
 
     resumable = True
+    runs_on = "thread"      # CTranslate2 compute blocks: never on the worker's loop
 
     async def setup(self) -> None:
         try:

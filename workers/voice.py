@@ -103,6 +103,7 @@ class PiperTalker(Executor):
     """Clause text -> Piper latent frames (the voice's text-to-latent half)."""
 
     resumable = True
+    runs_on = "thread"      # ONNX Runtime compute blocks: never on the worker's loop
 
     async def setup(self) -> None:
         # the Thinker's clauses carry torch tensors (`hidden`): decoding the first one would import
@@ -155,6 +156,7 @@ class PiperCode2Wav(Executor):
     """Latent frames -> 22.05 kHz audio (the voice's HiFi-GAN half), streamed with overlap context."""
 
     resumable = True
+    runs_on = "thread"      # ONNX Runtime compute blocks: never on the worker's loop
 
     async def setup(self) -> None:
         self.voice = _load_voice(self.params)

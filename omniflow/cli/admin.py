@@ -119,7 +119,9 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
     for col in ("worker", "stages", "host", "pid", "sessions", "heartbeat", "state", "for"):
         table.add_column(col)
     for w in workers:
-        sessions = ", ".join(f"{s} {w['sessions'].get(s, 0)}/{w['capacity'].get(s, 0)}" for s in w["stages"])
+        # "thinker 3/8 (loop)": a stage whose sessions run on the worker's loop (runs_on "auto" moved them, or "loop")
+        sessions = ", ".join(f"{s} {w['sessions'].get(s, 0)}/{w['capacity'].get(s, 0)}"
+                             + (" (loop)" if w.get("runs_on", {}).get(s) == "loop" else "") for s in w["stages"])
         table.add_row(w["id"], ",".join(w["stages"]), w["host"] or "-", str(w["pid"] or "-"), sessions,
                       _age(w["heartbeat_age_s"]), STATE_STYLE.get(w["state"], w["state"]), _age(w.get("state_age_s")))
     return table

@@ -14,11 +14,13 @@ is retried per the stage's retry policy. `Session` is a Protocol: the members
 an executor may use (the engine's session and `omniflow.testing.FakeSession`
 both implement it).
 
-Where it runs (`runs_on`): by default `setup`, `run` and `close` run on the
+Where it runs (`runs_on`): by default ("auto") `setup`, `run` and `close` run on the
 stage's own compute thread (`omniflow.engine.compute`), in an event loop of their own,
-so a blocking forward pass never delays the worker's heartbeat, claims or
-abort fan-out. Pure-asyncio executors that never block (the toy stages) may say
-`runs_on = "loop"` and run on the worker's loop, saving a thread hop per call.
+so a blocking forward pass never delays the worker's heartbeat, claims or abort
+fan-out; once `run`'s steps (between two awaits) have shown they take microseconds,
+its sessions run on the worker's loop, and go back at the first long step
+(`omniflow.engine.placement`). "thread" pins an executor to its thread, "loop" to the
+worker's loop (pure asyncio that never blocks: the toy stages).
 
 Continuous batching: subclass `BatchedExecutor` and implement `join`, `step`,
 `leave`; its `StepLoop` (`omniflow.executor.stepping`) steps every joined

@@ -135,9 +135,12 @@ class Executor(ABC):
     #: re-emitted steps are suppressed). Non-resumable stages restart their output.
     resumable: ClassVar[bool] = True
 
-    #: "thread": setup/run/close run on the stage's compute thread (blocking code is fine);
-    #: "loop": on the worker's event loop (only for executors that never block).
-    runs_on: ClassVar[Literal["thread", "loop"]] = "thread"
+    #: "auto" (the default): setup/close on the stage's compute thread, and `run` there too until
+    #: its steps (what it does between two awaits) have shown they are short; then on the worker's
+    #: event loop, and back at the first long one (`omniflow.engine.placement`);
+    #: "thread": always on the compute thread (blocking code is fine);
+    #: "loop": always on the worker's event loop (only for executors that never block).
+    runs_on: ClassVar[Literal["auto", "thread", "loop"]] = "auto"
 
     def __init__(self, *, stage: str, params: Mapping[str, Any]) -> None:
         self.stage = stage

@@ -83,6 +83,7 @@ def _worker_row(wid: str, expiry: float, loading_until: float, info: dict[str, s
         "alive": expiry > now, "lease_left_s": round(max(0.0, expiry - now) / 1000, 3),
         "heartbeat_age_s": _age_s(seen, now), "draining": bool(info.get("drain")),
         "sessions": dict(zip(stages, active)), "capacity": dict(zip(stages, capacity)),
+        "runs_on": dict(zip(stages, csv(info.get("runs")))),
         "sessions_held": sum(active),
         "window": {k: v for k, v in window.items() if isinstance(v, dict)} if isinstance(window, dict) else {},
     }

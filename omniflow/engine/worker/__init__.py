@@ -11,7 +11,9 @@ connection and one heartbeat between them.
 - inputs: the claim returns what the edge logs already hold; later chunks are
   forwarded by their producers to this worker's inbox stream, one XREAD for all sessions;
 - compute: each stage's executor runs on its own compute thread (`omniflow.engine.compute`,
-  unless it says `runs_on = "loop"`), so blocking model code never delays this loop;
+  unless it says `runs_on = "loop"`), so blocking model code never delays this loop; an
+  executor with the default `runs_on = "auto"` has its sessions moved to this loop once
+  their steps prove short, and back at a long one (`omniflow.engine.placement`);
 - outputs: `emit.lua` / `finish.lua` through the group-commit `Batcher`;
 - liveness: a heartbeat renews the worker's lease in `<p>:workers`; the
   reconciler re-queues the sessions of a worker whose lease lapsed (they are

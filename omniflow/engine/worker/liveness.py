@@ -58,6 +58,8 @@ class Liveness:
             "stage": ctx.label, "host": ctx.settings.host_id, "shm": ctx.plane.domain, "pid": os.getpid(),
             "capacity": ",".join(str(sum(p.max_sessions for p in g)) for g in ctx.by_stage().values()),
             "active": ",".join(str(sum(p.active for p in g)) for g in ctx.by_stage().values()), "seen_ms": now_ms(),
+            # where each stage's sessions run now: "thread" or "loop" (`omniflow.engine.placement`)
+            "runs": ",".join("loop" if g[0].core.placement.on_loop else "thread" for g in ctx.by_stage().values()),
             # the task queues (`<stage>@<pipeline version>`) it claims from: which versions it serves
             "queues": ",".join(ctx.pools),
             "state": state.value, "since_ms": self.since_ms,

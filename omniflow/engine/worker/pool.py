@@ -7,12 +7,13 @@ from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from omniflow.engine.compute import ComputeThread
+from omniflow.engine.placement import Placement
 from omniflow.engine.worker.slots import Slots
 from omniflow.errors import PipelineError
 from omniflow.models import PRIORITY_ORDER, Priority
 from omniflow.pipeline import EdgeMode, Pipeline, StageSpec, import_executor, pool_key
 from omniflow.storage.keys import Keys
-from omniflow.executor import Executor
+from omniflow.executor import BatchedExecutor, Executor
 
 T = TypeVar("T")
 
@@ -43,7 +44,13 @@ class PoolCore:
         self.slots = self.new_slots(spec)
         self.active = 0             # sessions held (running or waiting for a slot)
         self.claiming = 0           # tasks read but not yet claimed (they hold session slots too)
-        self.compute: ComputeThread | None = None    # where the executor runs (runs_on == "thread")
+        self.compute: ComputeThread | None = None    # the executor's thread (runs_on "auto" or "thread")
+        try:
+            self.placement = Placement(stage, getattr(self.executor, "runs_on", "auto"))
+        except ValueError as exc:
+            raise PipelineError(f"{spec.executor}: {exc}") from None
+        if isinstance(self.executor, BatchedExecutor):
+            self.placement.pin_thread()     # its step loop is its own scheduler, on the thread
         self.routes = 0             # stages (of pipelines and versions) this pool serves
         self.stage = stage
 
@@ -153,14 +160,18 @@ class StagePool:
         return self.class_streams[cell][priority.rank]
 
     def start_compute(self) -> None:
-        if self.executor.runs_on == "thread" and self.core.compute is None:
+        if self.executor.runs_on != "loop" and self.core.compute is None:
             self.core.compute = ComputeThread(self.stage)
 
     async def call(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run one of the executor's coroutines where it runs (its compute thread, or this loop)."""
+        """Run `setup` or `close` where they run: the compute thread (unless `runs_on = "loop"`)."""
         if self.core.compute is None:
             return await coro
         return await self.core.compute.run(coro)
+
+    async def run_session(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a session's `run` where the pool's sessions run now (`omniflow.engine.placement`)."""
+        return await self.core.placement.run(coro, self.core.compute)
 
     async def close_executor(self) -> None:
         try:

@@ -178,7 +178,7 @@ class SessionRunner:
             async with pool.slots.held(session.priority, session.tenant), asyncio.timeout(retry.attempt_timeout_s):
                 begun = time.monotonic()
                 try:
-                    usage = await pool.call(pool.executor.run(session))
+                    usage = await pool.run_session(pool.executor.run(session))
                 finally:
                     # compute: the executor's time on the session, less its waits for upstream chunks
                     # and for a downstream consumer's room (usage, RTF, tokens/s)
