@@ -137,7 +137,7 @@ def run_latency(redis_url: str, n: int, *, colocated: bool, on_loop: bool = Fals
     r = redis_client(redis_url)
     with running(eng.commands(), env=eng.env) as ps:
         eng.wait_ready(r, ps)
-        _latency(redis_url, eng, "warm", 20)
+        _latency(redis_url, eng, "warm", 80)      # past a window of `runs_on = "auto"` (64 sessions): steady state
         before = server_stats(r)
         records = _latency(redis_url, eng, "l", n)
         extra = cost_delta(before, server_stats(r), n)

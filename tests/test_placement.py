@@ -113,6 +113,23 @@ async def test_a_window_of_slower_steps_on_the_loop_sends_it_back(compute: Compu
     assert not p.want_loop and p.backs == 1
 
 
+async def test_one_slow_session_in_a_window_on_the_loop_does_not_send_it_back(
+        compute: ComputeThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step stretched now and then (the machine preempted the loop's thread) is not a pattern."""
+    monkeypatch.setattr(placement, "WINDOW", 16)
+    p = Placement("s", "auto")
+    await sessions(p, compute, 16)
+    n = 0
+
+    def one_slow() -> Coroutine[Any, Any, Any]:
+        nonlocal n
+        n += 1
+        return where(block_s=placement.SLOW_STEP_S * 1.5 if n == 3 else 0.0)
+
+    assert await sessions(p, compute, 2 * 16, one_slow) == [threading.current_thread().name] * 32
+    assert p.want_loop and p.backs == 0
+
+
 async def test_a_move_waits_for_the_old_place_to_empty(compute: ComputeThread) -> None:
     """The executor never runs on two threads at once: a session that starts while one still runs
     on the thread waits for it (up to MOVE_WAIT_S) before it starts on the loop."""
