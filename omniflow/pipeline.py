@@ -49,8 +49,9 @@ __all__ = ["INPUT_SRC", "STAGE_NAME_PATTERN", "EdgeMode", "EdgeSpec", "InputKind
 
 STAGE_NAME_PATTERN = r"^[a-z][a-z0-9_]{0,31}$"
 #: How a workflow's fields are laid out in Redis, a part of every pipeline version (its digest):
-#: 2 = the stage fields in the record (`Keys.stages`); 1 (no salt) = apart, in `<wf>:stages`.
-STORAGE_LAYOUT = 2
+#: 3 = final text outputs in the record too (`<stage>:text`, record field `ko`), 2 = the stage fields
+#: in the record (`Keys.stages`); 1 (no salt) = apart, in `<wf>:stages`.
+STORAGE_LAYOUT = 3
 INPUT_SRC = "@input"                 # the pseudo-stage whose edge carries a client's streamed input
 
 

@@ -10,6 +10,7 @@ from omniflow.storage.cells import cell_limit
 from omniflow.errors import AdmissionRefused, InvalidRequest, WorkflowRetired
 from omniflow.storage.keys import TASK_GROUP
 from omniflow.client.store import new_id
+from omniflow.storage.schema import s
 
 from conftest import toy_spec
 from helpers import eventually, expected_text, log_entries, request, run_to_end, stage_status, terminal_count, text_steps
@@ -109,9 +110,14 @@ async def test_the_last_final_stage_completes_its_workflow_in_its_finish(engine_
             assert await eng.redis.zscore(keys.state_index("running", cell), wf_id) is None
             assert await eng.redis.zscore(keys.state_index("completed", cell), wf_id) is not None
             # what stays expires; the edge logs are gone
+            audio = [st for st in doc["final_stages"] if doc["outputs"][st]["type"] == "audio"]
             for k in (keys.wf(wf_id), keys.stages(wf_id), keys.log(wf_id), keys.done(wf_id),
-                      *(keys.out(wf_id, st) for st in doc["final_stages"])):
+                      *(keys.out(wf_id, st) for st in audio)):
                 assert 0 < await eng.redis.ttl(k) <= eng.settings.result_ttl_s, k
+            # a text output is in the record (it expires with it): no key of its own
+            for st in set(doc["final_stages"]) - set(audio):
+                assert await eng.redis.exists(keys.out(wf_id, st)) == 0
+                assert s(await eng.redis.hget(keys.wf(wf_id), f"{st}:text")) == doc["outputs"][st]["text"] != ""
             edges = [keys.edge(wf_id, e.src, e.dst) for st in eng.pipeline.order for e in eng.pipeline.outputs[st]]
             assert await eng.redis.exists(*edges) == 0
             assert int(await eng.redis.hget(keys.tenant_inflight(cell), "default") or 0) == 0

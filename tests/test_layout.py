@@ -35,7 +35,7 @@ async def to_layout_before(eng: Any, wf_id: str) -> dict[str, str]:
     moved = {k: v for k, v in rec.items() if _stage_field(k, stages)}
     pipe = eng.redis.pipeline(transaction=True)
     pipe.hset(keys.stages_legacy(wf_id), mapping=moved)
-    pipe.hdel(keys.wf(wf_id), "sl", *moved)
+    pipe.hdel(keys.wf(wf_id), "sl", "ko", *moved)       # (`ko`: layout 3, text outputs in the record)
     await pipe.execute()
     return moved
 

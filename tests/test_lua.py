@@ -65,7 +65,7 @@ async def bind_talker(store: Store, wf_id: str, worker: str = "w1") -> str:
 
 
 async def emit(store: Store, wf_id: str, stage: str, attempt: int, seq: int, text: str) -> str:
-    steps = msgpack.packb([[seq, "A", EMIT_OUT, text]], use_bin_type=False)
+    steps = msgpack.packb([[seq, "T", text, ""]], use_bin_type=False)      # a final text delta, as a session sends it
     res = await redisio.script(store.client, "emit", emit_keys(store, wf_id, stage),
                                [stage, attempt, "", now_ms(), wf_id, steps])
     return s(res)
@@ -121,6 +121,25 @@ async def test_claim_drops_tasks_of_tombstoned_workflows(store) -> None:
     assert res == ["drop", "aborted"]
     assert await store.client.xlen(store.tasks_key("thinker", 0)) == 0       # acked and deleted
     assert (await store.client.xpending(store.tasks_key("thinker", 0), TASK_GROUP))["pending"] == 0
+
+
+async def test_final_text_goes_to_the_record_or_for_a_record_of_before_to_its_out_key(store) -> None:
+    """Layout 3: a text final's deltas are appended to its `<stage>:text` field in the record (no
+    key of its own: no APPEND, no EXPIRE, no second read for the document). A record of before (no
+    `ko`) keeps its text in `<wf>:out:<stage>`, and the readers read it there."""
+    new, old = (await store.submit(request(modalities=["text"]))).id, (await store.submit(request(modalities=["text"]))).id
+    await store.client.hdel(store.keys.wf(old), "ko")
+    for _ in range(2):
+        assert (await claim_next(store, "thinker"))[1][0] == "ok"
+    for wf_id in (new, old):
+        assert await emit(store, wf_id, "thinker", 1, 1, "a") == "ok"
+        assert await emit(store, wf_id, "thinker", 1, 2, "b") == "ok"
+        assert await store.text(wf_id, "thinker") == "ab"
+        assert (await store.document(wf_id))["outputs"]["thinker"]["text"] == "ab"
+    assert s(await store.client.hget(store.keys.wf(new), "thinker:text")) == "ab"
+    assert await store.client.exists(store.keys.out(new, "thinker")) == 0
+    assert s(await store.client.get(store.keys.out(old, "thinker"))) == "ab"
+    assert await store.client.hexists(store.keys.wf(old), "thinker:text") == 0
 
 
 async def test_emit_is_idempotent_on_seq_and_fenced_by_attempt(store) -> None:

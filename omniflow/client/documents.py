@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omniflow.storage.schema import RecordField, StageRecord, WorkflowRecord, csv
+from omniflow.storage.schema import RecordField, StageField, StageRecord, WorkflowRecord, csv
 from omniflow.tracing import trace_id_of
 
 
@@ -14,7 +14,10 @@ def output_kinds(rec: dict[str, str]) -> dict[str, str]:
 
 
 def text_stages(rec: dict[str, str]) -> list[str]:
-    """The final stages whose output is text (their `out` keys are read with the document)."""
+    """The final stages whose text output is in an `out` key, read with the document: none where the
+    record holds them (`ko`: `StageField.text`); every text final for a workflow of before."""
+    if RecordField.KEY_OUTPUTS in rec:
+        return []
     return [name for name, kind in output_kinds(rec).items() if kind == "text"]
 
 
@@ -30,7 +33,8 @@ def stage_entry(stage: StageRecord) -> dict[str, Any]:
 def workflow_document(wf_id: str, rec: dict[str, str], st: dict[str, str], texts: dict[str, str],
                       webhook: dict[str, Any] | None) -> dict[str, Any]:
     """The document of workflow `wf_id`: `rec` its record, `st` its stage hash (both decoded), `texts`
-    the final text outputs by stage, `webhook` the webhook part (or None)."""
+    the final text outputs read from `out` keys by stage (`text_stages`; the others are in `st`),
+    `webhook` the webhook part (or None)."""
     record = WorkflowRecord.decode(wf_id, rec)
     decoded = {name: StageRecord.decode(name, st) for name in record.stages}
     stages = {name: stage_entry(stage) for name, stage in decoded.items()}
@@ -38,7 +42,8 @@ def workflow_document(wf_id: str, rec: dict[str, str], st: dict[str, str], texts
     for name, kind in record.kinds.items():
         partial = stages.get(name, {}).get("status") != "done"
         if kind == "text":
-            outputs[name] = {"type": "text", "text": texts.get(name, ""), "partial": partial}
+            text = texts[name] if name in texts else st.get(StageField.text(name), "")
+            outputs[name] = {"type": "text", "text": text, "partial": partial}
         else:
             stage = decoded.get(name) or StageRecord.decode(name, st)
             sr = stage.sample_rate

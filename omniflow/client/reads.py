@@ -19,7 +19,7 @@ from omniflow.storage.client import RedisClient
 from omniflow.storage.keys import Keys
 from omniflow.storage.queued import Pipeline
 from omniflow.storage.redisio import translated
-from omniflow.storage.schema import event_position, log_events, s, stages_in_record
+from omniflow.storage.schema import RecordField, StageField, event_position, log_events, s, stages_in_record
 
 if TYPE_CHECKING:
     from omniflow.storage.listing import ListFilter, ListPage
@@ -185,7 +185,13 @@ class WorkflowReads:
 
     @translated
     async def text(self, wf_id: str, stage: str) -> str:
-        return s(await self._redis.get(self.keys.out(wf_id, stage)))
+        """A final text stage's output so far: in the record (`StageField.text`), or for a workflow of
+        before in its `out` key."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hmget(self.keys.wf(wf_id), RecordField.KEY_OUTPUTS, StageField.text(stage))
+        pipe.get(self.keys.out(wf_id, stage))
+        (keyed, in_record), in_key = await pipe.execute()
+        return s(in_record) if keyed is not None else s(in_key)
 
     @translated
     async def list_workflows(self, flt: ListFilter, *, offset: int = 0, limit: int = 50) -> ListPage:

@@ -36,7 +36,7 @@ from omniflow.storage.redisio import connect, translated
 from omniflow.client.media import StreamedMedia
 from omniflow.client.reads import LOG_ENTRY_LIMIT, WorkflowReads
 from omniflow.client.realtime import RealtimeSessions
-from omniflow.storage.schema import now_ms, s
+from omniflow.storage.schema import RecordField, now_ms, s
 from omniflow.storage.transitions import Call, admission
 from omniflow.storage.transitions.admission import AbortResult, SubmitResult
 
@@ -319,8 +319,10 @@ class Store(WorkflowReads, StreamedMedia):
             if plan.input_stage:           # the client's streamed input: freed with the other edge logs
                 edges.append(f"{INPUT_SRC}:{plan.input_stage}")
             kinds = [f"{st}={pipeline.stages[st].final_output}" for st in plan.finals]
+            keyed = [st for st in plan.finals if pipeline.stages[st].final_output != "text"]
             fields = ("pipeline", pipeline.name, "pipeline_hash", pipeline.digest,
                       "stages", ",".join(plan.stages), "finals", ",".join(plan.finals), "kinds", ",".join(kinds),
+                      RecordField.KEY_OUTPUTS, ",".join(keyed),
                       "edges", ",".join(edges), "groups", plan.record_groups())
             parts = _PlanParts(plan=plan, fields=fields, stages=",".join(plan.stages), admit=",".join(plan.admit),
                                params=json.dumps({st: dict(pipeline.stages[st].params) for st in plan.stages}),

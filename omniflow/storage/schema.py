@@ -104,6 +104,11 @@ class StageField:
         return f"{stage}:ckpt"
 
     @staticmethod
+    def text(stage: str) -> str:
+        """A final text stage's output so far (a record with `RecordField.KEY_OUTPUTS`; else `Keys.out`)."""
+        return f"{stage}:text"
+
+    @staticmethod
     def sample_rate(stage: str) -> str:
         return f"{stage}:sr"
 
@@ -218,6 +223,8 @@ class RecordField:
     DROPPED = "dropped"         # csv: the outputs shedding dropped
     TENANT_COUNTED = "tf"       # '1': counted in its cell's live workflows per tenant (fair share)
     STAGES_IN_RECORD = "sl"     # '1': its stage fields (`StageField`) are in the record (`Keys.stages`)
+    KEY_OUTPUTS = "ko"          # csv: the finals whose outputs are keys (`Keys.out`: audio); present: the
+                                # text finals' outputs are their `StageField.text` fields in the record
 
 
 def stages_in_record(record: dict[str, str]) -> bool:

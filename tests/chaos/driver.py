@@ -564,6 +564,8 @@ class ChaosRun:
             log = [(eid, event) for eid, fields in log for event in log_events_raw(fields)]     # one per call
             rec = {s(k): s(v) for k, v in rec.items()}
             stages = {s(k): s(v) for k, v in stages.items()}
+            if "ko" in rec:         # the text is in the record (StageField.text), not in the out key
+                text = rec.get("thinker:text")
             if not rec:
                 rep.lost += 1
                 rep.problems.append(f"{wf_id}: record missing (lost)")

@@ -322,6 +322,8 @@ class FaultRun:
         rec_raw, text, audio, log = await pipe.execute()
         log = [(eid, event) for eid, fields in log for event in log_events_raw(fields)]     # one entry per call
         rec = {s(a): s(b) for a, b in rec_raw.items()}
+        if "ko" in rec:             # the text is in the record (StageField.text), not in the out key
+            text = rec.get("thinker:text")
         retries = sum(1 for _, f in log if f.get(b"t") == b"retry")
         state = rec.get("state", "")
         created, finished = int(rec.get("created_ms") or 0), int(rec.get("finished_ms") or 0)

@@ -302,7 +302,8 @@ end
 -- The record fields it reads (`hread`: a caller that reads the record first reads them with it); the
 -- record's and stage hash's writes, the caller's buffered ones included, are written here (`hflush`).
 --@const
-local FINAL_REC = {'stages', 'edges', 'finals', 'webhook', 'state', 'created_ms', 'blobs', 'tenant', 'tf', 'sl'}
+local FINAL_REC = {'stages', 'edges', 'finals', 'webhook', 'state', 'created_ms', 'blobs', 'tenant', 'tf', 'sl',
+  'ko'}
 
 local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now, tomb_ttl, result_ttl)
   local cell = cell_base(wf)
@@ -363,8 +364,10 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
   redis.call('EXPIRE', wf, result_ttl)
   if sk ~= wf then redis.call('EXPIRE', sk, result_ttl) end
   redis.call('EXPIRE', wf .. ':log', result_ttl)
-  local finals = csv(rec[3])
-  for j = 1, #finals do redis.call('EXPIRE', wf .. ':out:' .. finals[j], result_ttl) end
+  -- the finals whose outputs are keys (`ko`: audio streams; text is in the record), else (a record of
+  -- before) every final's
+  local outs = csv(rec[11] or rec[3])
+  for j = 1, #outs do redis.call('EXPIRE', wf .. ':out:' .. outs[j], result_ttl) end
   if rec[4] and rec[4] ~= '' then
     -- bounded: without a jobs runner reading it, the oldest notifications go first
     redis.call('XADD', key(cell .. ':notify'), 'MAXLEN', '~', NOTIFY_MAX_LEN, '*', 'wf', id, 'state', state)
@@ -585,7 +588,7 @@ local FINISH_REC = {'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gs
 -- FINISH_REC and then the rest of what finalize reads (FINAL_REC): a finish that may end its workflow
 --@const
 local FINISH_FINAL_REC = {'state', 'id', 'stages', 'finals', 'finished', 'groups', 'gsub', 'tenant', 'pipeline',
-  'pipeline_hash', 'prio', 'edges', 'webhook', 'created_ms', 'blobs', 'tf'}
+  'pipeline_hash', 'prio', 'edges', 'webhook', 'created_ms', 'blobs', 'tf', 'ko'}
 
 -- What finish_session reads without `pre`, with one HMGET where the stage fields are in the record:
 -- a caller that reads the stage hash before it (finish.lua's `unbound_inbox`) calls this first.

@@ -16,8 +16,11 @@
 --   'P', downstream stage, packed             the same, the chunk's {fields} already msgpack-packed by
 --                                             the caller (what a worker sends: the script neither
 --                                             decodes nor packs it again; its consumer checks it)
---   'T', text, ''                             a final text delta: the call's deltas are APPENDed to
---                                             <wf>:out:<stage> and logged as ONE `text` entry
+--   'T', text, ''                             a final text delta: the call's deltas are appended to
+--                                             the stage's `<stage>:text` field (a record with `ko`:
+--                                             read and written with the call's other stage fields), or
+--                                             APPENDed to <wf>:out:<stage> (a record of before), and
+--                                             logged as ONE `text` entry
 --                                             {stage, from = first, seq = last step with text, delta = all}
 --   'A', key position, value                  APPEND KEYS[position] value (the log or the output)
 --   'H', field, value                         HSET stages field value
@@ -141,7 +144,7 @@ local function read_all()
     fields[6] = stage .. ':sr'
   end
   local dsts, at, iat = {}, {}, {}
-  local ckpt_at = nil
+  local ckpt_at, text_at = nil, nil
   local function want_dst(dst)
     if not at[dst] then
       at[dst] = #fields + 1
@@ -162,6 +165,12 @@ local function read_all()
       elseif step[i] == 'C' and not ckpt_at then
         ckpt_at = #fields + 1
         fields[#fields + 1] = stage .. ':ckpt'
+      elseif step[i] == 'T' and not text_at then
+        -- the text so far, and `ko` (a record field: in the stage fields' hash only where they are
+        -- in the record, so a workflow of before has none and APPENDs to its out key)
+        text_at = #fields + 1
+        fields[#fields + 1] = stage .. ':text'
+        fields[#fields + 1] = 'ko'
       end
     end
   end
@@ -184,11 +193,11 @@ local function read_all()
     bound[dst] = {v[j], v[j + 1], v[j + 2]}
   end
   for f, j in pairs(iat) do ival[f] = v[j] end
-  return rec[1], v, ckpt_at and v[ckpt_at]
+  return rec[1], v, ckpt_at and v[ckpt_at], text_at and v[text_at + 1] and (v[text_at] or '')
 end
 
 local function write_steps()
-  local state, cur, ckpt_prev = read_all()
+  local state, cur, ckpt_prev, text_prev = read_all()     -- text_prev: nil where text goes to out:<stage>
   if state ~= 'running' then return 'fenced' end
   if not sk then return false end     -- a workflow of before, `<wf>:stages` not declared
   if tostring(cur[2]) ~= ARGV[2] then return 'fenced' end
@@ -316,7 +325,12 @@ local function write_steps()
   end
   if #texts > 0 then
     local delta = table.concat(texts)
-    redis.call('APPEND', out_key, delta)
+    if text_prev then
+      SW[#SW + 1] = stage .. ':text'
+      SW[#SW + 1] = text_prev .. delta
+    else
+      redis.call('APPEND', out_key, delta)
+    end
     log_event(log_key, {'t', 'text', 'stage', stage, 'from', tfirst, 'seq', tlast, 'delta', delta})
   end
   if #ckpts > 0 then

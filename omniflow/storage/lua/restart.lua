@@ -32,7 +32,7 @@ local cleared = {stage}
 for _, s in ipairs(csv(ARGV[5])) do cleared[#cleared + 1] = s end
 for _, s in ipairs(cleared) do
   redis.call('UNLINK', key(wf .. ':out:' .. s))
-  redis.call('HSET', sk, s .. ':seq', 0, s .. ':samples', 0, s .. ':ckpt', '')
+  redis.call('HSET', sk, s .. ':seq', 0, s .. ':samples', 0, s .. ':ckpt', '', s .. ':text', '')
 end
 -- downstream sessions already submitted start again with a new attempt (the old ones are fenced)
 -- (regenerate: `stage` too, its session being another worker's or over)
