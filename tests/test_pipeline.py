@@ -100,26 +100,29 @@ def test_reserved_slots_must_leave_a_slot_and_leave_the_digest_alone() -> None:
     assert build_pipeline(spec).spec.stages["thinker"].reserved_slots == 1
     # the default headroom (reserved_slots unset) leaves a pipeline's version what it was before the
     # field existed (the digest names the task queues of a deployment being upgraded); the value is
-    # storage layout 2's (layout 1's was 6a4a30d601a56b10: test_the_storage_layout_is_part_of_the_version)
+    # storage layout 3's (layout 2's was e657775ac5bcd97f, layout 1's 6a4a30d601a56b10:
+    # test_the_storage_layout_is_part_of_the_version)
     plain, explicit = toy_spec(), toy_spec()
     explicit["stages"]["thinker"]["reserved_slots"] = 1
-    assert build_pipeline(plain).digest == "e657775ac5bcd97f" != build_pipeline(explicit).digest
+    assert build_pipeline(plain).digest == "b7c8e08c2bd971b8" != build_pipeline(explicit).digest
 
 
 def test_the_storage_layout_is_part_of_the_version() -> None:
-    """A worker of the layout before (stage fields apart from the record) must never read the queues of
-    a workflow whose record holds them: it would take its tasks for stale and drop them. The layout is
-    hashed into the version, so the two serve different queues; layout 1 hashed nothing more."""
+    """A worker of a layout before must never read the queues of a workflow of this one: layout 1's
+    (stage fields apart from the record) would take its tasks for stale and drop them, layout 2's
+    would APPEND its text to a key no reader reads (layout 3: text in the record). The layout is
+    hashed into the version, so they serve different queues; layout 1 hashed nothing more."""
     import omniflow.pipeline as pl
 
-    assert pl.STORAGE_LAYOUT == 2
-    layout2 = build_pipeline(toy_spec())
-    dumped = layout2.spec.model_dump(mode="json", by_alias=True)
+    assert pl.STORAGE_LAYOUT == 3
+    layout3 = build_pipeline(toy_spec())
+    dumped = layout3.spec.model_dump(mode="json", by_alias=True)
     dumped.pop("shedding")
     for stage_doc in dumped["stages"].values():
         stage_doc.pop("reserved_slots")
-    assert pl._hash(dumped) == "6a4a30d601a56b10" != layout2.digest      # what layout 1 named its queues
-    assert layout2.queue("thinker") != f"thinker@{pl._hash(dumped)}"
+    assert pl._hash(dumped) == "6a4a30d601a56b10" != layout3.digest      # what layout 1 named its queues
+    assert layout3.queue("thinker") != f"thinker@{pl._hash(dumped)}"
+    assert layout3.digest != "e657775ac5bcd97f"                          # layout 2's
 
 
 @pytest.mark.parametrize("name", ["state", "input", "tenant", "finished", "sl"])
