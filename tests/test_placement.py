@@ -205,7 +205,7 @@ async def test_a_default_executor_moves_to_the_worker_loop_in_a_real_engine(engi
             for part in range(4):       # a window at a time: the first is judged before the next starts
                 ids = await client.submit_many(texts[part * WINDOW:(part + 1) * WINDOW])
                 docs.update(await client.wait_many(ids, timeout_s=30))
-            # the worker's heartbeat says where (`omniflow workers`, GET /v1/workers)
+            # the worker's heartbeat says where (`omniflow workers`, GET /v1/admin/workers)
             for _ in range(100):
                 runs = {s: w["runs_on"].get(s) for w in await list_workers(eng.store) for s in w["stages"]}
                 if runs.get("thinker") == "loop":
