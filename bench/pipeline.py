@@ -43,7 +43,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import OUT_DIR, REPO_ROOT, log
+from bench.common import OUT_DIR, REPO_ROOT, bench_env, log
 
 PIPELINE = REPO_ROOT / "deploy" / "pipelines" / "omni-cpu.yaml"
 RESULTS = OUT_DIR / "pipeline.json"
@@ -215,12 +215,13 @@ class Omniflow:
 
     def __init__(self) -> None:
         self.home = Path(tempfile.mkdtemp(prefix="omniflow-pipeline-bench-"))
-        self.env = {k: v for k, v in os.environ.items() if k != "OMNIFLOW_REDIS_URL"}
+        # this tree's code (cwd and PYTHONPATH: `bench_env`), whichever directory the script runs from
+        self.env = {k: v for k, v in bench_env().items() if k != "OMNIFLOW_REDIS_URL"}
         self.env.update({"OMNIFLOW_HOME": str(self.home), "OMNIFLOW_LOG_LEVEL": "WARNING",
                          "OMNIFLOW_MODELS_DIR": os.environ.get("OMNIFLOW_MODELS_DIR",
                                                                str(REPO_ROOT / ".omniflow" / "models"))})
         self.proc = subprocess.Popen([sys.executable, "-m", "omniflow.cli", "up", "--no-api", "--pipeline",
-                                      str(PIPELINE)], env=self.env, stdout=subprocess.DEVNULL)
+                                      str(PIPELINE)], env=self.env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
         try:
             self._wait_ready()
         except BaseException:
