@@ -71,8 +71,10 @@ def _monitor_line(line: str) -> tuple[str, list[bytes]] | None:
     return m.group(1), [_unrepr(a) for a in re.findall(r'"((?:[^"\\]|\\.)*)"', m.group(2))]
 
 
-def capture(warmup: int = 10) -> tuple[bytes, list[list[bytes]]]:
-    """(workflow id, its FCALLs as sent) of one toy workflow through the public client."""
+def capture(warmup: int = 80) -> tuple[bytes, list[list[bytes]]]:
+    """(workflow id, its FCALLs as sent) of one toy workflow through the public client, after a
+    warm-up past the first window of 64 sessions in which a default (`runs_on = "auto"`) executor is
+    judged: the steady state's calls (docs/executors.md)."""
     from omniflow.client import Client
 
     with start_server() as server:
