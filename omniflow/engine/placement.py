@@ -25,7 +25,10 @@ move, and each move needs four times as many short windows as the one before. Se
 running finish where they started: a move takes effect when none of the pool's sessions runs in the
 old place, and a new session waits up to `MOVE_WAIT_S` for that (after a wait that ran out, none
 waits for `MOVE_PATIENCE_S`: sessions of one pool that feed each other never deadlock on a move). So
-the executor's code never runs on two threads at once, as with `thread` or `loop`. `setup` and
+the executor's code never runs on two threads at once, as with `thread` or `loop` (one exception: a
+session cancelled on the thread, a timeout or an abort, leaves its place when the worker's loop sees
+the cancellation, not once the thread has unwound it, so a move at that moment may let its last
+step overlap the first session in the new place). `setup` and
 `close` always run on the thread (a model load blocks), and a `BatchedExecutor` stays there (its
 step loop is its own scheduler).
 
