@@ -58,6 +58,10 @@ async def test_workers_drain_and_undrain(engine_factory, cli_env) -> None:
 
         rows = await eventually(listed, timeout_s=30, what="every worker listed as live")
         assert sorted(w.stages[0] for w in rows) == ["code2wav", "talker", "thinker"]
+        # where each stage's sessions run (the toy stages say runs_on = "loop"), in the table too
+        assert all(w.runs_on == {w.stages[0]: "loop"} for w in rows)
+        code, out, _ = await omniflow("workers", env=env)
+        assert code == 0 and out.count("(loop)") == 3, out
         thinker = eng.workers["thinker"][0]
         drained = WorkerView.model_validate(await run_json("drain", thinker.id, "--wait", "--timeout", "5", env=env))
         assert drained.draining and drained.sessions_held == 0
