@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omniflow.storage.schema import RecordField, StageField, StageRecord, WorkflowRecord, csv
+from omniflow.storage.schema import RecordField, StageField, StageRecord, WorkflowRecord, csv, texts_in_record
 from omniflow.tracing import trace_id_of
 
 
@@ -16,7 +16,7 @@ def output_kinds(rec: dict[str, str]) -> dict[str, str]:
 def text_stages(rec: dict[str, str]) -> list[str]:
     """The final stages whose text output is in an `out` key, read with the document: none where the
     record holds them (`ko`: `StageField.text`); every text final for a workflow of before."""
-    if RecordField.KEY_OUTPUTS in rec:
+    if texts_in_record(rec):
         return []
     return [name for name, kind in output_kinds(rec).items() if kind == "text"]
 

@@ -81,6 +81,11 @@ class Placement:
         self._idle: asyncio.Event | None = None
         self._patient_after = 0.0
 
+    @property
+    def needs_thread(self) -> bool:
+        """The executor runs on a compute thread at all (setup and close always do): not `loop`."""
+        return self.auto or not self.on_loop
+
     def pin_thread(self) -> None:
         """Never move (a `BatchedExecutor`)."""
         self.auto = False
@@ -92,7 +97,10 @@ class Placement:
         thread; None for an executor with `runs_on = "loop"`)."""
         if compute is None:
             return await coro
-        on_loop = await self._enter()
+        if self.want_loop != self.on_loop:
+            await self._move()
+        self.running += 1
+        on_loop = self.on_loop
         steps = _Steps(coro, self, on_loop) if self.auto else None
         try:
             if on_loop:
@@ -101,19 +109,18 @@ class Placement:
         finally:
             self._leave(steps, on_loop)
 
-    async def _enter(self) -> bool:
-        """A session starts: True when it runs on the loop."""
-        if self.want_loop != self.on_loop:
-            if self.running and time.monotonic() >= self._patient_after:
-                self._idle = self._idle or asyncio.Event()
-                try:
-                    await asyncio.wait_for(self._idle.wait(), MOVE_WAIT_S)
-                except TimeoutError:
-                    self._patient_after = time.monotonic() + MOVE_PATIENCE_S
-            if not self.running and self.want_loop != self.on_loop:
-                self._move()
-        self.running += 1
-        return self.on_loop
+    async def _move(self) -> None:
+        """A session starts while a move is decided: the move takes effect if no session runs in
+        the old place, after waiting up to `MOVE_WAIT_S` for that (none waits again for
+        `MOVE_PATIENCE_S` after a wait that ran out)."""
+        if self.running and time.monotonic() >= self._patient_after:
+            self._idle = self._idle or asyncio.Event()
+            try:
+                await asyncio.wait_for(self._idle.wait(), MOVE_WAIT_S)
+            except TimeoutError:
+                self._patient_after = time.monotonic() + MOVE_PATIENCE_S
+        if not self.running and self.want_loop != self.on_loop:
+            self._moved()
 
     def _leave(self, steps: _Steps | None, on_loop: bool) -> None:
         self.running -= 1
@@ -123,7 +130,7 @@ class Placement:
         if steps is not None:
             self._ended(steps.longest, on_loop)
 
-    def _move(self) -> None:
+    def _moved(self) -> None:
         self.on_loop = self.want_loop
         self.moves += 1
         if self.on_loop:

@@ -227,6 +227,12 @@ class RecordField:
                                 # text finals' outputs are their `StageField.text` fields in the record
 
 
+def texts_in_record(record: dict[str, str]) -> bool:
+    """Whether a (decoded) record holds its final text outputs (`StageField.text`, storage layout 3:
+    `ko` is there); a workflow submitted before keeps each in its `Keys.out` key."""
+    return RecordField.KEY_OUTPUTS in record
+
+
 def stages_in_record(record: dict[str, str]) -> bool:
     """Whether a (decoded) record holds its workflow's stage fields (`sl`); a workflow submitted
     before they moved there keeps them in `Keys.stages_legacy`."""

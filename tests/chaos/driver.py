@@ -36,7 +36,7 @@ from omniflow.storage.keys import EVENT_GROUP, TASK_GROUP, Keys
 from omniflow.models import SubmitRequest, WorkflowInput
 from omniflow.pipeline import load_pipeline
 from omniflow.client.store import Store, connect
-from omniflow.storage.schema import s
+from omniflow.storage.schema import StageField, s, texts_in_record
 from omniflow.workers.toy import codes_for, hidden_state, reply_words, tone
 from omniflow.storage.schema import log_events_raw
 from tests.chaos.hosts import Host
@@ -564,8 +564,8 @@ class ChaosRun:
             log = [(eid, event) for eid, fields in log for event in log_events_raw(fields)]     # one per call
             rec = {s(k): s(v) for k, v in rec.items()}
             stages = {s(k): s(v) for k, v in stages.items()}
-            if "ko" in rec:         # the text is in the record (StageField.text), not in the out key
-                text = rec.get("thinker:text")
+            if texts_in_record(rec):     # the text is in the record, not in the out key
+                text = rec.get(StageField.text("thinker"))
             if not rec:
                 rep.lost += 1
                 rep.problems.append(f"{wf_id}: record missing (lost)")

@@ -37,7 +37,7 @@ from omniflow.storage.keys import EVENT_GROUP, NOTIFY_GROUP, TASK_GROUP, Keys
 from omniflow.models import SubmitRequest, WorkflowInput
 from omniflow.storage.redisio import REDIS_ERRORS, connect
 from omniflow.client.store import Store
-from omniflow.storage.schema import now_ms, s
+from omniflow.storage.schema import StageField, now_ms, s, texts_in_record
 from omniflow.storage.usage import bucket_of
 from omniflow.storage.schema import log_events_raw
 from helpers import eventually
@@ -322,8 +322,8 @@ class FaultRun:
         rec_raw, text, audio, log = await pipe.execute()
         log = [(eid, event) for eid, fields in log for event in log_events_raw(fields)]     # one entry per call
         rec = {s(a): s(b) for a, b in rec_raw.items()}
-        if "ko" in rec:             # the text is in the record (StageField.text), not in the out key
-            text = rec.get("thinker:text")
+        if texts_in_record(rec):     # the text is in the record, not in the out key
+            text = rec.get(StageField.text("thinker"))
         retries = sum(1 for _, f in log if f.get(b"t") == b"retry")
         state = rec.get("state", "")
         created, finished = int(rec.get("created_ms") or 0), int(rec.get("finished_ms") or 0)

@@ -46,7 +46,7 @@ class PoolCore:
         self.claiming = 0           # tasks read but not yet claimed (they hold session slots too)
         self.compute: ComputeThread | None = None    # the executor's thread (runs_on "auto" or "thread")
         try:
-            self.placement = Placement(stage, getattr(self.executor, "runs_on", "auto"))
+            self.placement = Placement(stage, self.executor.runs_on)
         except ValueError as exc:
             raise PipelineError(f"{spec.executor}: {exc}") from None
         if isinstance(self.executor, BatchedExecutor):
@@ -160,7 +160,7 @@ class StagePool:
         return self.class_streams[cell][priority.rank]
 
     def start_compute(self) -> None:
-        if self.executor.runs_on != "loop" and self.core.compute is None:
+        if self.core.placement.needs_thread and self.core.compute is None:
             self.core.compute = ComputeThread(self.stage)
 
     async def call(self, coro: Coroutine[Any, Any, T]) -> T:
