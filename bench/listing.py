@@ -84,7 +84,18 @@ async def main(n: int, repeats: int) -> None:
                   f"{page.next_offset}", flush=True)
         t0 = time.perf_counter()
         counts = await store.state_counts()
-        print(f"{'state counts (ZCARD x5)':<46} {(time.perf_counter() - t0) * 1000:8.2f}  {counts}")
+        print(f"{'state counts (ZCARD x6)':<46} {(time.perf_counter() - t0) * 1000:8.2f}  {counts}")
+        from omniflow.ops import fleet
+
+        # every deadline here is the default: a longest deadline above it makes the walk read on
+        # (the worst case: up to 50,000 records)
+        for label, longest in (("", settings.max_deadline_s), (", longest deadline +1 h", settings.max_deadline_s + 3600)):
+            # the oldest pending workflow (/metrics): pending has no index, the in-flight set is walked
+            store.settings = settings.model_copy(update={"max_deadline_s": longest})
+            t0 = time.perf_counter()
+            stuck = await fleet.stuck(store)
+            print(f"{'oldest pending and running' + label:<46} {(time.perf_counter() - t0) * 1000:8.2f}  {stuck}")
+        store.settings = settings
         await redis.aclose()
 
 

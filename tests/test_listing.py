@@ -16,13 +16,17 @@ async def test_state_index_follows_every_transition(engine_factory) -> None:
     async with engine_factory(workers=False) as eng:
         done = await eng.store.submit(request("to completion", ["text"]))
         aborted = await eng.store.submit(request("to abort"))
-        assert await _index(eng, "pending") == {done.id, aborted.id}
+        # pending has no index: the pending ones are the in-flight set less the running index
+        assert not await eng.redis.exists(eng.store.keys.state_index("pending", 0))
+        assert (await listing.state_counts(eng.redis, eng.store.keys))["pending"] == 2
+        pending = await listing.query(eng.redis, eng.store.keys, ListFilter(state="pending"))
+        assert {r["id"] for r in pending.rows} == {done.id, aborted.id} and pending.total is None
         await eng.store.abort(aborted.id)
         assert await _index(eng, "aborted") == {aborted.id}
         await eng.add_worker("thinker")
         await eng.store.wait(done.id, timeout_s=10)
         assert await _index(eng, "completed") == {done.id}
-        assert await _index(eng, "pending") == set() and await _index(eng, "running") == set()
+        assert await _index(eng, "running") == set()
         assert await listing.state_counts(eng.redis, eng.store.keys) == {
             "pending": 0, "running": 0, "completed": 1, "failed": 0, "aborted": 1}
 
@@ -33,7 +37,9 @@ async def test_running_index_holds_a_claimed_workflow(engine_factory) -> None:
     async with engine_factory(toy_spec(thinker={"token_delay_s": 0.5})) as eng:
         sub = await eng.store.submit(request("slow one", ["text"]))
         await eventually(lambda: _in(eng, "running", sub.id))
-        assert sub.id not in await _index(eng, "pending")
+        counts = await listing.state_counts(eng.redis, eng.store.keys)
+        assert counts["running"] == 1 and counts["pending"] == 0
+        assert (await listing.query(eng.redis, eng.store.keys, ListFilter(state="pending"))).rows == []
         await eng.store.abort(sub.id)
         assert await _index(eng, "running") == set() and await _index(eng, "aborted") == {sub.id}
 
@@ -97,5 +103,40 @@ async def test_trim_drops_old_entries_from_every_index(engine_factory) -> None:
         assert await eng.redis.zcard(keys.tenant_index("acme", 0)) == 1
         created = int(await eng.redis.zscore(keys.all_wf(0), sub.id))
         await listing.trim(eng.redis, keys, cutoff_ms=created + 1)
-        for key in (keys.all_wf(0), keys.state_index("pending", 0), keys.tenant_index("acme", 0)):
+        # the pending index of the layout before (its submits wrote one) is emptied with the others
+        legacy = keys.state_index("pending", 0)
+        await eng.redis.zadd(legacy, {sub.id: created})
+        await listing.trim(eng.redis, keys, cutoff_ms=created + 1)
+        for key in (keys.all_wf(0), legacy, keys.tenant_index("acme", 0)):
             assert await eng.redis.zcard(key) == 0
+
+
+async def test_pending_and_the_default_tenant_are_listed_from_wider_indexes(engine_factory) -> None:
+    """`state=pending` walks the in-flight set (by deadline) and `tenant=default` walks `all`: both
+    check the record, `since` included (the in-flight set is not scored by creation)."""
+    async with engine_factory(workers=False, reconciler=False) as eng:
+        store, keys = eng.store, eng.store.keys
+        ids = []
+        for i in range(6):
+            sub = await store.submit(request(f"d {i}", deadline_s=100 + i), tenant="default" if i % 2 else "acme")
+            ids.append(sub.id)
+            created_ms = int(s(await store.client.hget(keys.wf(sub.id), "created_ms")))
+            await eventually(lambda: now_ms() > created_ms, interval_s=0.001, what="the clock past a creation ms")
+        await store.abort(ids[5])
+        assert not await eng.redis.exists(keys.tenant_index("default", 0))      # the default tenant: no index
+        assert await eng.redis.zcard(keys.tenant_index("acme", 0)) == 3
+        default = await store.list_workflows(ListFilter(tenant="default"))
+        assert [r["id"] for r in default.rows] == [ids[5], ids[3], ids[1]] and default.total is None
+        live_default = await store.list_workflows(ListFilter(state="pending", tenant="default"))
+        assert [r["id"] for r in live_default.rows] == [ids[3], ids[1]]
+        pending = await store.list_workflows(ListFilter(state="pending"), limit=3)
+        assert [r["id"] for r in pending.rows] == ids[4::-1][:3] and pending.next_offset is not None
+        rest = await store.list_workflows(ListFilter(state="pending"), offset=pending.next_offset)
+        assert [r["id"] for r in rest.rows] == ids[1::-1]
+        created = int(s(await store.client.hget(keys.wf(ids[3]), "created_ms")))
+        since = await store.list_workflows(ListFilter(state="pending", since_ms=created))
+        assert [r["id"] for r in since.rows] == [ids[4], ids[3]]
+        first = int(s(await store.client.hget(keys.wf(ids[0]), "created_ms")))
+        longest = int(store.settings.max_deadline_s * 1000)
+        assert await listing.oldest_pending(eng.redis, keys, 0, 5, longest_ms=longest) == first
+        assert await listing.oldest_pending(eng.redis, keys, 0, 5, longest_ms=longest, max_read=0) is None

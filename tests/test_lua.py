@@ -34,7 +34,7 @@ async def store(any_server_url, settings_factory):
 
 def claim_keys(store: Store, stage: str, wf_id: str, upstream: tuple[str, ...] = ()) -> list[str]:
     wf = store.keys.wf(wf_id)
-    return [store.tasks_key(stage, 0), store.keys.state_index("pending", 0), store.keys.state_index("running", 0),
+    return [store.tasks_key(stage, 0), store.keys.state_index("running", 0),
             wf, f"{wf}:log", *(f"{wf}:edge:{u}:{stage}" for u in upstream)]
 
 

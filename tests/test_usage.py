@@ -95,7 +95,6 @@ async def test_a_finish_sent_again_adds_nothing_and_a_malformed_meter_writes_not
     entry_id = s(reply[0][1][0][0])
     wf = store.keys.wf(sub.id)
     claimed = await redisio.script(store.client, "claim", [store.tasks_key("thinker", 0),
-                                                        store.keys.state_index("pending", 0),
                                                         store.keys.state_index("running", 0), wf,
                                                         f"{wf}:log"],
                                  [store.settings.prefix, TASK_GROUP, "w1", now_ms(), "", "thinker", entry_id, sub.id, 1])

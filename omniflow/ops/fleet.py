@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from omniflow.storage import registry
+from omniflow.storage import listing, registry
 from omniflow.storage.keys import DLQ_EVENTS, PRIORITY_NAMES, TASK_GROUP
 from omniflow.storage.redisio import translated
 from omniflow.storage.schema import csv, log_events_raw, now_ms, s, stages_in_record
@@ -244,14 +244,17 @@ async def stuck(store: Store) -> dict[str, Any]:
     pipe = store.client.pipeline(transaction=False)
     for cell in keys.all_cells:
         pipe.zcount(keys.inflight(cell), "-inf", now)
-        for live in (WorkflowState.PENDING, WorkflowState.RUNNING):
-            pipe.zrange(keys.state_index(live.value, cell), 0, 0, withscores=True)
+        pipe.zcard(keys.inflight(cell))
+        pipe.zrange(keys.state_index(WorkflowState.RUNNING.value, cell), 0, 0, withscores=True)
+        pipe.zcard(keys.state_index(WorkflowState.RUNNING.value, cell))
     replies = await pipe.execute()
-    oldest: dict[str, int | None] = {}
-    for j, live in enumerate((WorkflowState.PENDING, WorkflowState.RUNNING)):
-        found = [int(reply[0][1]) for reply in replies[1 + j::3] if reply]
-        oldest[live.value] = min(found, default=None)
-    return {"past_deadline": sum(int(n) for n in replies[0::3]), "oldest_ms": oldest}
+    # pending has no index (omniflow/storage/listing.py): its oldest is found by walking `inflight`
+    longest_ms = int(store.settings.max_deadline_s * 1000)
+    pending = [await listing.oldest_pending(store.client, keys, cell, live - running, longest_ms=longest_ms)
+               for cell, live, running in zip(keys.all_cells, replies[1::4], replies[3::4]) if live > running]
+    oldest = {WorkflowState.PENDING.value: min((ms for ms in pending if ms is not None), default=None),
+              WorkflowState.RUNNING.value: min((int(reply[0][1]) for reply in replies[2::4] if reply), default=None)}
+    return {"past_deadline": sum(int(n) for n in replies[0::4]), "oldest_ms": oldest}
 
 
 # ---------------------------------------------------------------- the pools snapshot

@@ -33,6 +33,13 @@ EVENT_GROUP = "reconciler"
 NOTIFY_GROUP = "webhooks"
 PRIORITY_NAMES = tuple(p.value for p in PRIORITY_ORDER)
 DLQ_EVENTS = "events"           # the dead-letter stream of malformed events (`Keys.dlq`; not a stage)
+# The states with a listing index (`Keys.state_index`). A pending workflow is in none: the cell's pending
+# workflows are its `inflight` set less its running index (omniflow/storage/listing.py), so a workflow's
+# start costs one ZADD where a pending index would cost a ZREM and a ZADD.
+INDEXED_STATES = tuple(st for st in WorkflowState if st is not WorkflowState.PENDING)
+# The tenant of a deployment without tenants (the client's default): submit.lua writes no tenant index for
+# it, since that index would repeat `<c>:all`; a listing by it walks `all` and checks the tenant.
+UNINDEXED_TENANT = "default"
 #: a payload key (`Keys.blob`): `<prefix>:{<cell tag>}:wf:<id>:blob:<src>:<dst>:<attempt>:<seq>`
 BLOB_KEY = re.compile(r"[^{}]+:\{[^}]+\}:wf:[^:{}]+:blob:[^{}]+")
 
@@ -236,12 +243,13 @@ class Keys:
         return f"{self.cell(cell)}:all"
 
     def state_index(self, state: str, cell: int) -> str:
-        """zset of the cell's workflow ids in one state, scored by creation ms (kept by the Lua transitions)."""
+        """zset of the cell's workflow ids in one state, scored by creation ms (kept by the Lua transitions);
+        `pending` has none (`INDEXED_STATES`)."""
         return f"{self.cell(cell)}:idx:state:{state}"
 
     def state_indexes(self, cell: int) -> list[str]:
         """Every state index of the cell (what a transition that moves a workflow declares)."""
-        return [self.state_index(state.value, cell) for state in WorkflowState]
+        return [self.state_index(state.value, cell) for state in INDEXED_STATES]
 
     def tenant_index(self, tenant: str, cell: int) -> str:
         """zset of one tenant's workflow ids in the cell, scored by creation ms (written by submit.lua)."""

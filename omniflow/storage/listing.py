@@ -4,8 +4,16 @@ The indexes are zsets (member: workflow id, score: creation ms), kept exact by t
 transitions, so a listing never scans the keyspace:
 
     <cell>:all                 every workflow                      submit.lua
-    <cell>:idx:state:<state>   one per `WorkflowState`              submit, first claim, finalize
-    <cell>:idx:tenant:<tenant> one per tenant (+ <cell>:idx:tenants) submit.lua
+    <cell>:idx:state:<state>   one per state but `pending`          first claim, finalize
+    <cell>:idx:tenant:<tenant> one per tenant but `default`          submit.lua
+                               (+ <cell>:idx:tenants, every tenant)
+    <cell>:inflight            the live workflows, by deadline      submit, finalize (admission)
+
+Two filters are served by an index that holds more than they match, checked on the records like
+the filters no index serves: `state=pending` walks `inflight` (the live workflows, pending or
+running: a pending index would cost every workflow's start a ZREM and a ZADD), latest deadline
+first, and its count is `inflight` less the running index; `tenant=default` (the tenant of a
+deployment without tenants, whose index would repeat `all`) walks `all`.
 
 Each cell (`omniflow.storage.cells`) keeps its own indexes. With one cell (a single server) a query
 walks one index as described below; with several, it walks the indexes of every cell merged
@@ -30,17 +38,19 @@ from typing import Any
 from omniflow.storage.client import RedisClient
 
 from omniflow.storage import redisio
-from omniflow.storage.keys import Keys
+from omniflow.storage.keys import INDEXED_STATES, UNINDEXED_TENANT, Keys
 from omniflow.models import WorkflowState
 from omniflow.storage.schema import RecordField, WorkflowRecord, csv, s
 from omniflow.storage.transitions.listing import list_scan, list_scan_result
 
 DEFAULT_MAX_SCAN = 100_000     # records one query may read to fill a page (then: next_offset)
 SCAN_STEP = 2_000              # records one list_scan.lua call reads (bounds how long it holds the server)
+OLDEST_MAX_READ = 50_000       # records `oldest_pending` reads at most
 FIELDS = (RecordField.STATE, RecordField.TENANT, RecordField.CREATED_MS, RecordField.FINISHED_MS, RecordField.FINALS,
           RecordField.STAGES, RecordField.ERROR, RecordField.ERROR_STAGE, RecordField.REQUEST_ID, RecordField.PIPELINE,
           RecordField.PIPELINE_HASH)
 STATES = tuple(x.value for x in WorkflowState)
+SCAN_FIELDS = ("state", "tenant", "stages", "request_id", "created_ms")     # what a walk checks (list_scan.lua)
 
 
 @dataclass(frozen=True)
@@ -72,29 +82,37 @@ def summary(wf_id: str, values: list[Any]) -> dict[str, Any]:
             "pipeline_version": rec.pipeline_version or None}
 
 
-def _candidates(keys: Keys, flt: ListFilter, cell: int) -> list[str]:
-    """The indexes of one cell that can serve `flt` (each alone answers one of its filters)."""
-    candidates = [keys.state_index(flt.state, cell)] if flt.state else []
-    if flt.tenant is not None:
-        candidates.append(keys.tenant_index(flt.tenant, cell))
-    return candidates or [keys.all_wf(cell)]
+def _candidates(keys: Keys, flt: ListFilter, cell: int) -> list[tuple[str, bool]]:
+    """The indexes of one cell that can serve `flt`, each with whether it holds exactly the workflows
+    of the filter it serves (`inflight` holds the running ones too, `all` every tenant's)."""
+    candidates: list[tuple[str, bool]] = []
+    if flt.state == WorkflowState.PENDING.value:
+        candidates.append((keys.inflight(cell), False))
+    elif flt.state:
+        candidates.append((keys.state_index(flt.state, cell), True))
+    if flt.tenant == UNINDEXED_TENANT:
+        candidates.append((keys.all_wf(cell), False))
+    elif flt.tenant is not None:
+        candidates.append((keys.tenant_index(flt.tenant, cell), True))
+    return candidates or [(keys.all_wf(cell), True)]
 
 
 async def _pick_index(redis: RedisClient, keys: Keys, flt: ListFilter) -> tuple[list[str], int, bool]:
     """(the chosen index, one key per cell; its entries in range over the cells; whether the index
-    alone answers every filter)."""
+    alone answers every filter). `inflight` is scored by deadline, never before creation: its entries
+    with a deadline from `since` on hold every one created from then (the walk checks the creation)."""
     per_cell = [_candidates(keys, flt, cell) for cell in keys.all_cells]
     low = "-inf" if flt.since_ms is None else flt.since_ms
     pipe = redis.pipeline(transaction=False)
     for candidates in per_cell:
-        for key in candidates:
+        for key, _exact in candidates:
             pipe.zcount(key, low, "+inf")
     counts = [int(n) for n in await pipe.execute()]
     width = len(per_cell[0])
     totals = [sum(counts[i::width]) for i in range(width)]
     best = min(range(width), key=totals.__getitem__)
-    exact = width == 1 and not flt.stage and not flt.request_id
-    return [candidates[best] for candidates in per_cell], totals[best], exact
+    exact = width == 1 and per_cell[0][0][1] and not flt.stage and not flt.request_id
+    return [candidates[best][0] for candidates in per_cell], totals[best], exact
 
 
 async def query(redis: RedisClient, keys: Keys, flt: ListFilter, *, offset: int = 0, limit: int = 50,
@@ -136,10 +154,11 @@ async def _merged(redis: RedisClient, indexes: list[str], low: Any, start: int, 
 
 
 def _matches(flt: ListFilter, values: list[Any]) -> bool:
-    """The filters `list_scan.lua` checks on the server, on one record's (state, tenant, stages, request_id)."""
-    state, tenant, stages, rid = (s(v) for v in values)
+    """The filters `list_scan.lua` checks on the server, on one record's `SCAN_FIELDS`."""
+    state, tenant, stages, rid, created = (s(v) for v in values)
     return bool(state) and (not flt.state or state == flt.state) and (flt.tenant is None or tenant == flt.tenant) \
-        and (not flt.stage or flt.stage in csv(stages)) and (not flt.request_id or flt.request_id in rid)
+        and (not flt.stage or flt.stage in csv(stages)) and (not flt.request_id or flt.request_id in rid) \
+        and (flt.since_ms is None or int(created or 0) >= flt.since_ms)
 
 
 async def _walk_cells(redis: RedisClient, keys: Keys, indexes: list[str], flt: ListFilter, pos: int, end: int, limit: int,
@@ -159,7 +178,7 @@ async def _walk_cells(redis: RedisClient, keys: Keys, indexes: list[str], flt: L
             continue
         pipe = redis.pipeline(transaction=False)
         for wf_id in chunk:
-            pipe.hmget(keys.wf(wf_id), ["state", "tenant", "stages", "request_id"])
+            pipe.hmget(keys.wf(wf_id), list(SCAN_FIELDS))
         for i, (wf_id, values) in enumerate(zip(chunk, await pipe.execute())):
             if _matches(flt, values):
                 ids.append(wf_id)
@@ -183,7 +202,7 @@ async def _scan(redis: RedisClient, keys: Keys, index: str, flt: ListFilter, pos
             break
         found, read = list_scan_result(chunk, await redisio.call(redis, *list_scan(
             keys, chunk, want=limit - len(ids), state=flt.state or "", tenant=flt.tenant, stage=flt.stage or "",
-            request_id=flt.request_id or "")))
+            request_id=flt.request_id or "", since_ms=flt.since_ms)))
         pos += read
         scanned += read
         ids.extend(found)
@@ -193,13 +212,45 @@ async def _scan(redis: RedisClient, keys: Keys, index: str, flt: ListFilter, pos
 
 
 async def state_counts(redis: RedisClient, keys: Keys) -> dict[str, int]:
-    """Workflows per state (ZCARD of each state index of each cell: O(1) each)."""
+    """Workflows per state (ZCARD of each state index of each cell: O(1) each; pending: `inflight` less
+    the running index, read back to back: a transition between the two reads moves it by one, as it
+    moves the other counts of the pipeline; a MULTI could not span a cluster's cells)."""
     pipe = redis.pipeline(transaction=False)
     for cell in keys.all_cells:
-        for state in STATES:
-            pipe.zcard(keys.state_index(state, cell))
+        pipe.zcard(keys.inflight(cell))
+        for state in INDEXED_STATES:
+            pipe.zcard(keys.state_index(state.value, cell))
     counts = [int(n) for n in await pipe.execute()]
-    return {state: sum(counts[i::len(STATES)]) for i, state in enumerate(STATES)}
+    width = 1 + len(INDEXED_STATES)
+    out = {state.value: sum(counts[1 + i::width]) for i, state in enumerate(INDEXED_STATES)}
+    out[WorkflowState.PENDING.value] = max(0, sum(counts[0::width]) - out[WorkflowState.RUNNING.value])
+    return {state: out[state] for state in STATES}
+
+
+async def oldest_pending(redis: RedisClient, keys: Keys, cell: int, pending: int, *, longest_ms: int,
+                         max_read: int = OLDEST_MAX_READ) -> int | None:
+    """The creation ms of the cell's oldest pending workflow (None: none), `pending` of which are known
+    to be there (`state_counts`). Pending has no index: the cell's `inflight` is walked by deadline (in
+    steps of 64 records growing to `SCAN_STEP`), until all `pending` are seen, or a deadline so late that no workflow
+    from there on can be older than the oldest seen (created >= deadline - `longest_ms`, the longest
+    deadline a request may ask for), or `max_read` records (then: the oldest of those read)."""
+    found, oldest, pos, step = 0, None, 0, 64      # (steps grow 4x: the walk mostly stops in the first)
+    while found < pending and pos < max_read:
+        chunk = await redis.zrange(keys.inflight(cell), pos, min(pos + step, max_read) - 1, withscores=True)
+        step = min(SCAN_STEP, step * 4)
+        if not chunk:
+            break
+        pipe = redis.pipeline(transaction=False)
+        for wf_id, _deadline in chunk:
+            pipe.hmget(keys.wf(s(wf_id)), ["state", "created_ms"])
+        for (_wf_id, deadline), (state, created) in zip(chunk, await pipe.execute()):
+            if oldest is not None and deadline - longest_ms >= oldest:
+                return oldest
+            if s(state) == WorkflowState.PENDING.value:
+                found += 1
+                oldest = int(created) if oldest is None else min(oldest, int(created))
+        pos += len(chunk)
+    return oldest
 
 
 async def finished_before(redis: RedisClient, keys: Keys, states: tuple[str, ...], cutoff_ms: int, *,
@@ -222,6 +273,8 @@ async def trim(redis: RedisClient, keys: Keys, cutoff_ms: int) -> None:
     tenants = [[s(t) for t in members] for members in await pipe.execute()]
     pipe = redis.pipeline(transaction=False)
     for cell in keys.all_cells:
-        for key in (keys.all_wf(cell), *keys.state_indexes(cell), *(keys.tenant_index(t, cell) for t in tenants[cell])):
+        # (the pending index of the layout before: written by its submits, emptied here as its entries age)
+        for key in (keys.all_wf(cell), *keys.state_indexes(cell), keys.state_index(WorkflowState.PENDING.value, cell),
+                    *(keys.tenant_index(t, cell) for t in tenants[cell])):
             pipe.zremrangebyscore(key, "-inf", f"({cutoff_ms}")
     await pipe.execute()

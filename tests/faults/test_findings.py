@@ -332,7 +332,7 @@ async def _consumers(url: str, stream: str) -> list[dict[str, Any]]:
 def claim_keys(eng: Any, tasks: str, wf_id: str) -> list[str]:
     """KEYS of a `claim.lua` call of the entry stage (every key a script touches is declared)."""
     wf, keys = eng.store.keys.wf(wf_id), eng.store.keys
-    return [tasks, keys.state_index("pending", 0), keys.state_index("running", 0), wf, f"{wf}:log"]
+    return [tasks, keys.state_index("running", 0), wf, f"{wf}:log"]
 
 
 def emit_keys(eng: Any, wf_id: str) -> list[str]:

@@ -165,12 +165,14 @@ local function hflush()
 end
 
 -- Listing indexes: `<cell>:idx:state:<state>`, one zset per workflow state in each cell (member
--- id, score creation ms), kept exact by the transitions that change a workflow's state: submit, the
--- first claim (pending -> running) and finalize (they declare the cell's state indexes they touch).
--- `omniflow.listing` reads them.
+-- id, score creation ms), kept exact by the transitions that change a workflow's state: the first
+-- claim (-> running) and finalize (they declare the cell's state indexes they touch).
+-- `pending` has no index of its own: the pending workflows are the cell's `inflight` set less
+-- the running index (`omniflow.storage.listing`), so a workflow's start costs one ZADD, not a
+-- ZREM and a ZADD. `omniflow.listing` reads them.
 local function index_state(wf, id, from, to, created)
   local cell = cell_base(wf)
-  if from then redis.call('ZREM', key(cell .. ':idx:state:' .. from), id) end
+  if from == 'running' then redis.call('ZREM', key(cell .. ':idx:state:running'), id) end
   redis.call('ZADD', key(cell .. ':idx:state:' .. to), created, id)
 end
 
@@ -504,8 +506,7 @@ local function finalize_declared(wf, inflight_key)
   local cell = cell_base(wf)
   local need = {inflight_key, wf .. ':log', wf .. ':done', cell .. ':ends', cell .. ':idx:state:completed'}
   if hget(wf, 'sl') ~= '1' then need[#need + 1] = wf .. ':stages' end
-  local state = hget(wf, 'state')
-  if state then need[#need + 1] = cell .. ':idx:state:' .. state end
+  if hget(wf, 'state') == 'running' then need[#need + 1] = cell .. ':idx:state:running' end
   if hget(wf, 'tf') then
     need[#need + 1] = cell .. ':tinf'
     need[#need + 1] = cell .. ':tseen'

@@ -1,8 +1,8 @@
 -- claim: bind a batch of delivered stage tasks to this worker, dropping the ones that are void.
 -- The batch may hold the tasks of several stages (a worker serving several stages claims what one
 -- read delivered with one call): one group per task stream, the first in KEYS[1] and ARGV[5..].
--- KEYS[1] the first group's task stream (one cell and priority class)  KEYS[2], KEYS[3] the cell's
---         listing indexes of the states pending and running; then, per task of the group (in ARGV's
+-- KEYS[1] the first group's task stream (one cell and priority class)  KEYS[2] the cell's listing
+--         index of the state running (a pending workflow is in none); then, per task of the group (in ARGV's
 --         order), the workflow's wf base key, log, and edge:<src>:<stage> of each upstream stage (all
 --         in that cell); then each further group's task stream followed by its tasks' keys, the same
 --         way; then, in any order, the `<wf>:stages` of each workflow of before the caller knows of
@@ -43,7 +43,7 @@ do
     local g = {KEYS[k], ARGV[a + 1], csv(ARGV[a]), 'running', {}}
     if #g[3] > 0 then g[4] = 'waiting_input' end
     k = k + 1
-    if k == 2 then k = 4 end                        -- (the indexes follow the first group's stream)
+    if k == 2 then k = 3 end                        -- (the index follows the first group's stream)
     a = a + 2
     local stage, upstream = g[2], g[3]
     while a <= #ARGV and ARGV[a] ~= '+' do
@@ -142,7 +142,7 @@ for gi = 1, #groups do
         if state == 'pending' then     -- the workflow starts too (its record's HSET)
           write(wf, 'state', 'running', 'updated_ms', now)
           v['state'] = 'running'
-          index_state(wf, id, 'pending', 'running', v['created_ms'] or now)
+          index_state(wf, id, nil, 'running', v['created_ms'] or now)
           log_event(key(wf .. ':log'), {'t', 'state', 'state', 'running'})
         end
         log_event(key(wf .. ':log'), {'t', 'stage', 'stage', stage, 'status', status, 'attempt', attempt,

@@ -5,10 +5,12 @@
 -- KEYS[5] idempotency   `<c>:idem:<len(tenant)>:<tenant>:<key>` (ignored when ARGV[6] == 0; a request
 --                       id's cell is the workflow's cell)
 -- KEYS[6] all-ids zset  `<c>:all`
--- KEYS[7] tenant index  `<c>:idx:tenant:<tenant>`  KEYS[8] tenant names set `<c>:idx:tenants`
--- KEYS[9..] `<c>:stage:<s>@<version>:tasks[:<class>]` of each stage in ARGV[8] (version: the record's
---            pipeline_hash; class: the request's priority class, record field `prio`),
---            `<c>:idx:state:pending` and `<c>:tinf` (live per tenant)
+-- KEYS[7] tenant index  `<c>:idx:tenant:<tenant>` (not written for the tenant `default`: its
+--         listing walks `<c>:all`, omniflow/storage/listing.py)  KEYS[8] tenant names set `<c>:idx:tenants`
+-- KEYS[9..] `<c>:tinf` (live per tenant) and `<c>:stage:<s>@<version>:tasks[:<class>]` of each stage
+--            in ARGV[8] (version: the record's pipeline_hash; class: the request's priority class,
+--            record field `prio`)
+-- (a pending workflow is in no state index: the pending ones are `inflight` less `idx:state:running`)
 -- ARGV[1] prefix  ARGV[2] id  ARGV[3] now_ms  ARGV[4] deadline_ms
 -- ARGV[5] max_in_flight of this cell for the request's priority class  ARGV[6] idempotency ttl s (0: no key)
 -- ARGV[7] required stages csv  ARGV[8] stages submitted at admission csv
@@ -96,8 +98,9 @@ for j = 1, #admit do
 end
 redis.call('ZADD', KEYS[3], ARGV[4], id)
 redis.call('ZADD', KEYS[6], now, id)
-index_state(wf, id, nil, 'pending', now)
-redis.call('ZADD', KEYS[7], now, id)
+-- `default` (omniflow.storage.keys.UNINDEXED_TENANT): the tenant of a deployment without tenants,
+-- whose index would repeat `<c>:all`
+if ARGV[11] ~= 'default' then redis.call('ZADD', KEYS[7], now, id) end
 if tenant_new then redis.call('SADD', KEYS[8], ARGV[11]) end
 redis.call('XADD', key(wf .. ':log'), '*', 't', 'state', 'state', 'pending')
 if use_idem then redis.call('SET', KEYS[5], id, 'EX', ARGV[6]) end

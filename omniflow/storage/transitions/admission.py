@@ -39,8 +39,7 @@ def submit(keys: Keys, wf_id: str, *, tenant: str, request_id: str, admit: tuple
     return script_call("submit", [
         keys.wf(wf_id), keys.log(wf_id), keys.inflight(cell), keys.tomb(wf_id),
         keys.idem(tenant, request_id or "-", cell),
-        keys.all_wf(cell), keys.tenant_index(tenant, cell), keys.tenants(cell),
-        keys.state_index(WorkflowState.PENDING.value, cell), keys.tenant_inflight(cell),
+        keys.all_wf(cell), keys.tenant_index(tenant, cell), keys.tenants(cell), keys.tenant_inflight(cell),
         *(keys.tasks(st, cell, priority) for st in admit),
     ], [keys.prefix, wf_id, now_ms, deadline_ms, cell_limit, idempotency_ttl_s, stages_csv, admit_csv,
         len(record) // 2, *record, *fair])

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from enum import Enum, IntEnum
 from typing import Any
 
-from omniflow.models import WorkflowState
 from omniflow.storage import redisio
 from omniflow.storage.keys import Keys
 from omniflow.storage.schema import s
@@ -82,8 +81,7 @@ def purge(keys: Keys, wf_id: str, *, tenant: str, request_id: str, finals: Seque
     doomed = [keys.stages_legacy(wf_id), keys.log(wf_id), keys.done(wf_id), *(keys.out(wf_id, st) for st in finals)]
     if request_id:
         doomed.append(keys.idem(tenant, request_id, cell))
-    indexes = [keys.all_wf(cell), *(keys.state_index(st.value, cell) for st in WorkflowState),
-               keys.tenant_index(tenant, cell)]
+    indexes = [keys.all_wf(cell), *keys.state_indexes(cell), keys.tenant_index(tenant, cell)]
     return script_call("purge", [keys.wf(wf_id), *doomed, *indexes], [wf_id, len(doomed)])
 
 

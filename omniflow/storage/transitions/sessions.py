@@ -63,8 +63,7 @@ def claim_groups(keys: Keys, groups: Sequence[ClaimGroup], *, worker_id: str, no
         stage, upstream = group.stage, group.upstream
         kk.append(keys.tasks(group.queue or stage, group.cell, group.priority))
         if n == 0:
-            kk += [keys.state_index(WorkflowState.PENDING.value, group.cell),
-                   keys.state_index(WorkflowState.RUNNING.value, group.cell)]
+            kk.append(keys.state_index(WorkflowState.RUNNING.value, group.cell))
         else:
             args.append("+")
         args += [",".join(upstream), stage]
