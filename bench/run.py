@@ -12,6 +12,7 @@ Prints a table, writes docs/benchmarks.md + docs/benchmarks.png and bench/out/re
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import importlib
 import json
 import os
@@ -329,8 +330,11 @@ def main(argv: list[str] | None = None) -> int:
             from bench import dataplane
 
             dataplane.plot(dp, DOCS / "dataplane.png")
+        # the run's own end and load (run.json; a run.json of before has no time: results.json's mtime)
+        ended = meta.get("ended") or (OUT_DIR / "results.json").stat().st_mtime
         write_markdown(DOCS / "benchmarks.md", results, meta["failures"], args, meta["wall_s"],
-                       meta["omni_missing"], have_plot, dp, meta.get("load_start"))
+                       meta["omni_missing"], have_plot, dp, meta.get("load_start"), meta.get("load_end"),
+                       dt.datetime.fromtimestamp(ended))
         print(f"re-rendered {DOCS / 'benchmarks.md'} from {OUT_DIR / 'results.json'}")
         return 0
 
@@ -427,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         (OUT_DIR / "run.json").write_text(json.dumps({"wall_s": wall, "repeats": args.repeats,
                                                       "only": sorted(args.only), "failures": failures,
                                                       "omni_missing": omni_missing, "load_start": load_start,
-                                                      "load_end": list(os.getloadavg())}))
+                                                      "load_end": list(os.getloadavg()), "ended": time.time()}))
         breakdown = command_breakdown(results)
         if breakdown:
             (OUT_DIR / "commands.md").write_text("\n".join(["# omniflow user path: Redis commands per workflow", "",
