@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from helpers import eventually, request
 
+from omniflow.ops.usage import known_tenants
 from omniflow.storage import listing
 from omniflow.storage.listing import ListFilter
 from omniflow.storage.schema import now_ms, s
@@ -123,7 +124,9 @@ async def test_pending_and_the_default_tenant_are_listed_from_wider_indexes(engi
             created_ms = int(s(await store.client.hget(keys.wf(sub.id), "created_ms")))
             await eventually(lambda: now_ms() > created_ms, interval_s=0.001, what="the clock past a creation ms")
         await store.abort(ids[5])
-        assert not await eng.redis.exists(keys.tenant_index("default", 0))      # the default tenant: no index
+        assert not await eng.redis.exists(keys.tenant_index("default", 0))      # the default tenant: no index,
+        assert {s(x) for x in await eng.redis.smembers(keys.tenants(0))} == {"acme"}    # nothing to trim
+        assert await known_tenants(store) == {"acme", "default"}                # known all the same
         assert await eng.redis.zcard(keys.tenant_index("acme", 0)) == 3
         default = await store.list_workflows(ListFilter(tenant="default"))
         assert [r["id"] for r in default.rows] == [ids[5], ids[3], ids[1]] and default.total is None

@@ -14,6 +14,7 @@ from typing import Any
 
 from omniflow.client.store import Store
 from omniflow.errors import InvalidRequest
+from omniflow.storage.keys import UNINDEXED_TENANT
 from omniflow.storage.redisio import translated
 from omniflow.storage.schema import now_ms, s
 from omniflow.storage.usage import BUCKET_S, METRICS, bucket_of, bucket_start_s, parse_field
@@ -40,11 +41,15 @@ def _names(names: Iterable[str]) -> str:
 
 @translated
 async def known_tenants(store: Store) -> set[str]:
-    """Every tenant that has submitted a workflow still indexed (the cells' tenant sets)."""
+    """Every tenant that has submitted a workflow still indexed (the cells' tenant sets), and
+    `UNINDEXED_TENANT` (never in those sets) once it has submitted one (its field in a cell's live counts)."""
     pipe = store.client.pipeline(transaction=False)
     for cell in store.keys.all_cells:
         pipe.smembers(store.keys.tenants(cell))
-    return {s(name) for members in await pipe.execute() for name in members}
+        pipe.hget(store.keys.tenant_inflight(cell), UNINDEXED_TENANT)
+    replies = await pipe.execute()
+    names = {s(name) for members in replies[0::2] for name in members}
+    return names | {UNINDEXED_TENANT} if any(x is not None for x in replies[1::2]) else names
 
 
 def check_filter(kind: str, value: str | None, known: set[str]) -> None:

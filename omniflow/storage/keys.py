@@ -38,7 +38,8 @@ DLQ_EVENTS = "events"           # the dead-letter stream of malformed events (`K
 # start costs one ZADD where a pending index would cost a ZREM and a ZADD.
 INDEXED_STATES = tuple(st for st in WorkflowState if st is not WorkflowState.PENDING)
 # The tenant of a deployment without tenants (the client's default): submit.lua writes no tenant index for
-# it, since that index would repeat `<c>:all`; a listing by it walks `all` and checks the tenant.
+# it, since that index would repeat `<c>:all`, nor its name in `Keys.tenants`; a listing by it walks `all`
+# and checks the tenant.
 UNINDEXED_TENANT = "default"
 #: a payload key (`Keys.blob`): `<prefix>:{<cell tag>}:wf:<id>:blob:<src>:<dst>:<attempt>:<seq>`
 BLOB_KEY = re.compile(r"[^{}]+:\{[^}]+\}:wf:[^:{}]+:blob:[^{}]+")
@@ -256,7 +257,8 @@ class Keys:
         return f"{self.cell(cell)}:idx:tenant:{tenant}"
 
     def tenants(self, cell: int) -> str:
-        """set of the tenant names that have a tenant index in the cell (so the sweep can trim them)."""
+        """set of the tenant names that have a tenant index in the cell (so the sweep can trim them): every
+        tenant that has had a live workflow there, but `UNINDEXED_TENANT`."""
         return f"{self.cell(cell)}:idx:tenants"
 
     def usage(self, cell: int, bucket: int) -> str:

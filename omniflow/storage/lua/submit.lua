@@ -5,8 +5,9 @@
 -- KEYS[5] idempotency   `<c>:idem:<len(tenant)>:<tenant>:<key>` (ignored when ARGV[6] == 0; a request
 --                       id's cell is the workflow's cell)
 -- KEYS[6] all-ids zset  `<c>:all`
--- KEYS[7] tenant index  `<c>:idx:tenant:<tenant>` (not written for the tenant `default`: its
---         listing walks `<c>:all`, omniflow/storage/listing.py)  KEYS[8] tenant names set `<c>:idx:tenants`
+-- KEYS[7] tenant index  `<c>:idx:tenant:<tenant>`  KEYS[8] the names of the tenants with an index
+--         `<c>:idx:tenants` (neither written for the tenant `default`: its listing walks `<c>:all`,
+--         omniflow/storage/listing.py)
 -- KEYS[9..] `<c>:tinf` (live per tenant) and `<c>:stage:<s>@<version>:tasks[:<class>]` of each stage
 --            in ARGV[8] (version: the record's pipeline_hash; class: the request's priority class,
 --            record field `prio`)
@@ -69,7 +70,7 @@ local fields = {'id', id, 'state', 'pending', 'created_ms', now, 'updated_ms', n
   'deadline_ms', ARGV[4], 'finished', '', 'gsub', '', 'tf', '1', 'sl', '1'}
 for i = 10, 9 + 2 * nf do fields[#fields + 1] = ARGV[i] end
 -- the tenant's first live workflow in this cell (its count was 0 or absent): it joins the names set
--- (never pruned: a tenant with a live workflow is in it already)
+-- (never pruned: a tenant with a live workflow is in it already), but `default`, which has no index
 if not counted then tenant_new = redis.call('HINCRBY', tinf, tenant, 1) == 1 end
 for i = 10, 8 + 2 * nf, 2 do      -- the record's priority class, for tasks_key (no read back)
   if ARGV[i] == 'prio' then PRIO[wf] = ARGV[i + 1] end
@@ -101,7 +102,7 @@ redis.call('ZADD', KEYS[6], now, id)
 -- `default` (omniflow.storage.keys.UNINDEXED_TENANT): the tenant of a deployment without tenants,
 -- whose index would repeat `<c>:all`
 if ARGV[11] ~= 'default' then redis.call('ZADD', KEYS[7], now, id) end
-if tenant_new then redis.call('SADD', KEYS[8], ARGV[11]) end
+if tenant_new and ARGV[11] ~= 'default' then redis.call('SADD', KEYS[8], ARGV[11]) end
 redis.call('XADD', key(wf .. ':log'), '*', 't', 'state', 'state', 'pending')
 if use_idem then redis.call('SET', KEYS[5], id, 'EX', ARGV[6]) end
 return {'ok', id, tostring(n + 1)}
