@@ -143,3 +143,7 @@ async def test_pending_and_the_default_tenant_are_listed_from_wider_indexes(engi
         longest = int(store.settings.max_deadline_s * 1000)
         assert await listing.oldest_pending(eng.redis, keys, 0, 5, longest_ms=longest) == first
         assert await listing.oldest_pending(eng.redis, keys, 0, 5, longest_ms=longest, max_read=0) is None
+        # the newest, first by deadline: the walk reads on past it (an older one may have a later deadline)
+        await store.submit(request("hurried", deadline_s=10))
+        assert (await listing.state_counts(eng.redis, keys))["pending"] == 6
+        assert await listing.oldest_pending(eng.redis, keys, 0, 6, longest_ms=longest) == first

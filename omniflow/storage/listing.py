@@ -6,7 +6,7 @@ transitions, so a listing never scans the keyspace:
     <cell>:all                 every workflow                      submit.lua
     <cell>:idx:state:<state>   one per state but `pending`          first claim, finalize
     <cell>:idx:tenant:<tenant> one per tenant but `default`          submit.lua
-                               (+ <cell>:idx:tenants, every tenant)
+                               (+ <cell>:idx:tenants, their names)
     <cell>:inflight            the live workflows, by deadline      submit, finalize (admission)
 
 Two filters are served by an index that holds more than they match, checked on the records like
@@ -111,7 +111,7 @@ async def _pick_index(redis: RedisClient, keys: Keys, flt: ListFilter) -> tuple[
     width = len(per_cell[0])
     totals = [sum(counts[i::width]) for i in range(width)]
     best = min(range(width), key=totals.__getitem__)
-    exact = width == 1 and per_cell[0][0][1] and not flt.stage and not flt.request_id
+    exact = width == 1 and per_cell[0][best][1] and not flt.stage and not flt.request_id
     return [candidates[best][0] for candidates in per_cell], totals[best], exact
 
 
@@ -231,9 +231,9 @@ async def oldest_pending(redis: RedisClient, keys: Keys, cell: int, pending: int
                          max_read: int = OLDEST_MAX_READ) -> int | None:
     """The creation ms of the cell's oldest pending workflow (None: none), `pending` of which are known
     to be there (`state_counts`). Pending has no index: the cell's `inflight` is walked by deadline (in
-    steps of 64 records growing to `SCAN_STEP`), until all `pending` are seen, or a deadline so late that no workflow
-    from there on can be older than the oldest seen (created >= deadline - `longest_ms`, the longest
-    deadline a request may ask for), or `max_read` records (then: the oldest of those read)."""
+    steps of 64 records growing to `SCAN_STEP`) until all `pending` are seen, or a deadline so late that
+    no workflow from there on can be older than the oldest seen (created >= deadline - `longest_ms`, the
+    longest deadline a request may ask for), or `max_read` records (then: the oldest of those read)."""
     found, oldest, pos, step = 0, None, 0, 64      # (steps grow 4x: the walk mostly stops in the first)
     while found < pending and pos < max_read:
         chunk = await redis.zrange(keys.inflight(cell), pos, min(pos + step, max_read) - 1, withscores=True)
