@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from helpers import eventually, request
 
+from omniflow.ops import fleet
 from omniflow.ops.usage import known_tenants
 from omniflow.storage import listing
 from omniflow.storage.listing import ListFilter
@@ -147,3 +148,4 @@ async def test_pending_and_the_default_tenant_are_listed_from_wider_indexes(engi
         await store.submit(request("hurried", deadline_s=10))
         assert (await listing.state_counts(eng.redis, keys))["pending"] == 6
         assert await listing.oldest_pending(eng.redis, keys, 0, 6, longest_ms=longest) == first
+        assert await fleet.stuck(store) == {"past_deadline": 0, "oldest_ms": {"pending": first, "running": None}}

@@ -40,7 +40,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Coroutine, Generator
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, get_args
+
+from omniflow.executor.base import RunsOn
 
 if TYPE_CHECKING:
     from omniflow.engine.compute import ComputeThread
@@ -49,8 +51,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-RunsOn = Literal["auto", "thread", "loop"]
-RUNS_ON: tuple[str, ...] = ("auto", "thread", "loop")
+RUNS_ON: tuple[str, ...] = get_args(RunsOn)
 
 WINDOW = 64                 # sessions judged together
 SHORT_STEP_S = 0.001        # a step this short could run on the loop

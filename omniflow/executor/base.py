@@ -19,6 +19,9 @@ from typing import Any, ClassVar, Literal, Protocol
 
 import numpy as np
 
+#: where an executor's sessions run (`Executor.runs_on`; `omniflow.engine.placement`)
+RunsOn = Literal["auto", "thread", "loop"]
+
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
@@ -140,7 +143,7 @@ class Executor(ABC):
     #: event loop, and back at the first long one (`omniflow.engine.placement`);
     #: "thread": always on the compute thread (blocking code is fine);
     #: "loop": always on the worker's event loop (only for executors that never block).
-    runs_on: ClassVar[Literal["auto", "thread", "loop"]] = "auto"
+    runs_on: ClassVar[RunsOn] = "auto"
 
     def __init__(self, *, stage: str, params: Mapping[str, Any]) -> None:
         self.stage = stage

@@ -27,7 +27,7 @@ from omniflow.storage.keys import DLQ_EVENTS, PRIORITY_NAMES, TASK_GROUP
 from omniflow.storage.redisio import translated
 from omniflow.storage.schema import csv, log_events_raw, now_ms, s, stages_in_record
 from omniflow.engine.window import WINDOW_S, merge, percentile
-from omniflow.models import WorkerState, WorkflowState
+from omniflow.models import WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -240,21 +240,9 @@ async def stuck(store: Store) -> dict[str, Any]:
     """What says workflows are stuck: how many live ones are past their deadline (the reconciler's
     deadline sweep ends them within a sweep interval), and the creation ms of the oldest pending and
     the oldest running one (None: none), over the cells."""
-    keys, now = store.keys, now_ms()
-    pipe = store.client.pipeline(transaction=False)
-    for cell in keys.all_cells:
-        pipe.zcount(keys.inflight(cell), "-inf", now)
-        pipe.zcard(keys.inflight(cell))
-        pipe.zrange(keys.state_index(WorkflowState.RUNNING.value, cell), 0, 0, withscores=True)
-        pipe.zcard(keys.state_index(WorkflowState.RUNNING.value, cell))
-    replies = await pipe.execute()
-    # pending has no index (omniflow/storage/listing.py): its oldest is found by walking `inflight`
-    longest_ms = int(store.settings.max_deadline_s * 1000)
-    pending = [await listing.oldest_pending(store.client, keys, cell, live - running, longest_ms=longest_ms)
-               for cell, live, running in zip(keys.all_cells, replies[1::4], replies[3::4]) if live > running]
-    oldest = {WorkflowState.PENDING.value: min((ms for ms in pending if ms is not None), default=None),
-              WorkflowState.RUNNING.value: min((int(reply[0][1]) for reply in replies[2::4] if reply), default=None)}
-    return {"past_deadline": sum(int(n) for n in replies[0::4]), "oldest_ms": oldest}
+    past_deadline, oldest = await listing.live_ages(store.client, store.keys, now_ms(),
+                                                    longest_ms=int(store.settings.max_deadline_s * 1000))
+    return {"past_deadline": past_deadline, "oldest_ms": oldest}
 
 
 # ---------------------------------------------------------------- the pools snapshot

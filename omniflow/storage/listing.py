@@ -223,8 +223,31 @@ async def state_counts(redis: RedisClient, keys: Keys) -> dict[str, int]:
     counts = [int(n) for n in await pipe.execute()]
     width = 1 + len(INDEXED_STATES)
     out = {state.value: sum(counts[1 + i::width]) for i, state in enumerate(INDEXED_STATES)}
-    out[WorkflowState.PENDING.value] = max(0, sum(counts[0::width]) - out[WorkflowState.RUNNING.value])
+    out[WorkflowState.PENDING.value] = _pending(sum(counts[0::width]), out[WorkflowState.RUNNING.value])
     return {state: out[state] for state in STATES}
+
+
+def _pending(live: int, running: int) -> int:
+    """How many are pending of `live` workflows (`inflight`), `running` of them in the running index."""
+    return max(0, int(live) - int(running))
+
+
+async def live_ages(redis: RedisClient, keys: Keys, now: int, *, longest_ms: int) -> tuple[int, dict[str, int | None]]:
+    """(how many live workflows are past their deadline at `now`, the creation ms of the oldest
+    pending and of the oldest running one (None: none)) over the cells: one pipeline, then the walk
+    of `oldest_pending` in the cells where some are pending. `longest_ms`: see `oldest_pending`."""
+    pipe = redis.pipeline(transaction=False)
+    for cell in keys.all_cells:
+        pipe.zcount(keys.inflight(cell), "-inf", now)
+        pipe.zcard(keys.inflight(cell))
+        pipe.zrange(keys.state_index(WorkflowState.RUNNING.value, cell), 0, 0, withscores=True)
+        pipe.zcard(keys.state_index(WorkflowState.RUNNING.value, cell))
+    replies = await pipe.execute()
+    pending = [await oldest_pending(redis, keys, cell, _pending(live, running), longest_ms=longest_ms)
+               for cell, live, running in zip(keys.all_cells, replies[1::4], replies[3::4]) if _pending(live, running)]
+    oldest = {WorkflowState.PENDING.value: min((ms for ms in pending if ms is not None), default=None),
+              WorkflowState.RUNNING.value: min((int(reply[0][1]) for reply in replies[2::4] if reply), default=None)}
+    return sum(int(n) for n in replies[0::4]), oldest
 
 
 async def oldest_pending(redis: RedisClient, keys: Keys, cell: int, pending: int, *, longest_ms: int,

@@ -100,9 +100,11 @@ end
 redis.call('ZADD', KEYS[3], ARGV[4], id)
 redis.call('ZADD', KEYS[6], now, id)
 -- `default` (omniflow.storage.keys.UNINDEXED_TENANT): the tenant of a deployment without tenants,
--- whose index would repeat `<c>:all`
-if ARGV[11] ~= 'default' then redis.call('ZADD', KEYS[7], now, id) end
-if tenant_new and ARGV[11] ~= 'default' then redis.call('SADD', KEYS[8], ARGV[11]) end
+-- whose index would repeat `<c>:all` (so it needs no place in the names set either)
+if ARGV[11] ~= 'default' then
+  redis.call('ZADD', KEYS[7], now, id)
+  if tenant_new then redis.call('SADD', KEYS[8], ARGV[11]) end
+end
 redis.call('XADD', key(wf .. ':log'), '*', 't', 'state', 'state', 'pending')
 if use_idem then redis.call('SET', KEYS[5], id, 'EX', ARGV[6]) end
 return {'ok', id, tostring(n + 1)}
