@@ -38,10 +38,20 @@ Params (pipeline YAML; `language`, `prompt`, `temperature`, `task` per request t
 | `pause_s`, `min_utterance_s`, `max_utterance_s`, `lead_s` | 0.2, 20, 28, 0.3 | where to cut (`workers/vad.py`) |
 | `vad_threshold`, `vad_neg_threshold` | 0.5, 0.35 | Silero probabilities of speech and of silence |
 | `max_audio_s` | 600 | longer input fails the session |
+| `window_s` | 10 | an utterance up to `window_s` - 1 s is encoded in a `window_s` window, not Whisper's 30 s (30: off) |
+
+The window: Whisper's encoder always reads 30 s, padded with silence, and on a CPU that pass is
+most of a short utterance's time (0.6 s for a 2 s question, one thread). An utterance that ends a
+second or more before `window_s` is encoded in the first `window_s` of that padded window instead
+(CTranslate2 takes fewer frames): 2.7x faster at 10 s, with the same words (docs/models.md has the
+word-error check). Whisper was trained on 30 s windows, and a window cut to the utterance itself
+makes it repeat words or stop early; at 10 s it did not, and a transcript that still looks
+degenerate (a zlib compression ratio over 2.4, Whisper's own test, or more than 5 words a second)
+is recognised again in the full window (`window_fallbacks` in the usage).
 
 Usage: `audio_seconds`, `utterances`, `segments`, `words`, `language`, `compute_s` (time in the
-model), `rtf` (compute_s / audio_seconds) and `timeline` (`[{"start", "end", "text"}]` per
-segment, for verbose transcripts).
+model), `rtf` (compute_s / audio_seconds), `window_fallbacks` and `timeline` (`[{"start", "end",
+"text"}]` per segment, for verbose transcripts).
 
 Bad input (a chunk that is not such a dict, not int16, not mono, an absurd or changing sample
 rate, audio over `max_audio_s`, a stream with no samples at all) fails the session with a
@@ -53,7 +63,9 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +85,39 @@ MAX_RATE_HZ = 192_000
 DEFAULT_MAX_AUDIO_S = 600.0
 PROMPT_CHARS = 800                   # context carried to the next utterance (Whisper keeps 223 tokens)
 MAX_TIMELINE = 2000                  # segments listed in the usage
+FULL_WINDOW_S = 30                   # what Whisper's encoder was trained on
+FRAMES_PER_S = 100                   # log-mel frames
+DEFAULT_WINDOW_S = 10                # measured (docs/models.md): the same words as 30 s, 2.7x faster
+WINDOW_TAIL_S = 1.0                  # silence an utterance leaves at the end of a short window
+MAX_COMPRESSION = 2.4                # Whisper's own test of a degenerate (repeating) transcript
+MAX_WORDS_PER_S = 5.0
+
+# the encoder window of the session decoding on this thread now (None: the full 30 s). A context
+# variable: sessions share the model and interleave at their emits, and each asyncio task has its own
+_window_frames: ContextVar[int | None] = ContextVar("omniflow_whisper_window", default=None)
+
+
+def _windowed(model_cls: type) -> type:
+    """faster-whisper's `WhisperModel` with its encoder input cut to `_window_frames`: faster-whisper
+    pads every window's features to 3,000 frames before `encode`, and the cut drops padding only."""
+
+    class WindowedWhisper(model_cls):  # type: ignore[misc, valid-type]
+        def encode(self, features: Any) -> Any:
+            frames = _window_frames.get()
+            if frames is not None and features.shape[-1] > frames:
+                features = features[..., :frames]
+            return super().encode(features)
+
+    return WindowedWhisper
+
+
+def degenerate(text: str, seconds: float) -> bool:
+    """Whether a transcript looks like a decoder that ran away: it repeats itself (Whisper's
+    compression-ratio test) or holds more words than `seconds` of speech can."""
+    raw = text.encode()
+    if raw and len(raw) / len(zlib.compress(raw)) > MAX_COMPRESSION:
+        return True
+    return len(text.split()) > 2 + MAX_WORDS_PER_S * seconds
 
 
 @dataclass
@@ -156,6 +201,7 @@ class Transcript:
     language: str | None = None
     utterances: int = 0
     compute_s: float = 0.0
+    fallbacks: int = 0
     timeline: list[dict[str, Any]] = field(default_factory=list)
     segments: int = 0
 
@@ -174,7 +220,7 @@ class WhisperASR(Executor):
         threads = int(self.params.get("threads", 1))
         folder = self.params.get("model") or weights.whisper_base(self.params.get("cache_dir"))
         started = time.perf_counter()
-        self.model = WhisperModel(str(folder), device=str(self.params.get("device", "cpu")),
+        self.model = _windowed(WhisperModel)(str(folder), device=str(self.params.get("device", "cpu")),
                                   compute_type=str(self.params.get("compute_type", "int8")),
                                   cpu_threads=threads, num_workers=1, local_files_only=True)
         # one thread whatever `threads` says: Silero runs on 32 ms windows, too small to split, and
@@ -211,6 +257,7 @@ class WhisperASR(Executor):
         return {"audio_seconds": round(audio.seconds, 3), "utterances": out.utterances, "segments": out.segments,
                 "words": len(out.text.split()), "language": out.language, "compute_s": round(out.compute_s, 3),
                 "rtf": round(out.compute_s / audio.seconds, 4) if audio.seconds else 0.0,
+                "window_fallbacks": out.fallbacks,
                 "timeline": out.timeline}
 
     async def close(self) -> None:
@@ -232,8 +279,11 @@ class WhisperASR(Executor):
         language = params.get("language") or None
         if language is not None and str(language) not in self._languages():
             raise ValueError(f"unknown language {language!r} (a Whisper language code such as 'en')")
+        window_s = float(params.get("window_s", DEFAULT_WINDOW_S))
+        if not WINDOW_TAIL_S < window_s <= FULL_WINDOW_S:
+            raise ValueError(f"window_s must be in {WINDOW_TAIL_S:g}..{FULL_WINDOW_S} seconds, got {window_s:g}")
         return {"language": language, "task": task, "beam_size": beam_size, "temperature": temps,
-                "seed": int(params.get("seed", 0))}
+                "seed": int(params.get("seed", 0)), "window_s": window_s}
 
     def _languages(self) -> frozenset[str]:
         return frozenset(self.model.supported_languages) if self.model is not None else frozenset()
@@ -260,18 +310,24 @@ class WhisperASR(Executor):
             await session.emit(text=delta, data={"text": delta, "start_s": start_s, "end_s": end_s})
 
     def _segments(self, samples: np.ndarray, out: Transcript, options: Mapping[str, Any], context: str) -> Iterator[Any]:
-        """faster-whisper's lazy segments, the time spent computing each counted in `out.compute_s`."""
+        """faster-whisper's segments, the time spent computing each counted in `out.compute_s`. An
+        utterance that fits the short window is decoded there first, whole (one window: one decode),
+        and again in the full window if what it gave looks degenerate."""
+        seconds = samples.size / SAMPLE_RATE
+        window_s = options["window_s"]
+        if window_s < FULL_WINDOW_S and seconds <= window_s - WINDOW_TAIL_S:
+            started = time.perf_counter()
+            short = list(self._decode(samples, out, options, context, int(window_s * FRAMES_PER_S)))
+            out.compute_s += time.perf_counter() - started
+            text = " ".join(segment.text.strip() for segment in short)
+            if not degenerate(text, seconds):
+                yield from short
+                return
+            out.fallbacks += 1
+            logger.info("stage %s: a %.1f s utterance gave a degenerate transcript in a %g s window (%r); "
+                        "recognising it in the full window", self.stage, seconds, window_s, text[:80])
         started = time.perf_counter()
-        if any(t > 0 for t in options["temperature"]):
-            import ctranslate2
-
-            ctranslate2.set_random_seed(options["seed"])      # fallback sampling: the same on a retry
-        segments, info = self.model.transcribe(
-            samples, language=out.language, task=options["task"], beam_size=options["beam_size"],
-            temperature=options["temperature"], vad_filter=False, initial_prompt=context or None,
-            condition_on_previous_text=True)
-        out.language = out.language or info.language    # detected once, kept for the next utterances
-        iterator = iter(segments)
+        iterator = self._decode(samples, out, options, context, None)
         while True:
             try:
                 segment = next(iterator)
@@ -281,6 +337,28 @@ class WhisperASR(Executor):
             out.compute_s += time.perf_counter() - started
             yield segment
             started = time.perf_counter()
+
+    def _decode(self, samples: np.ndarray, out: Transcript, options: Mapping[str, Any], context: str,
+                frames: int | None) -> Iterator[Any]:
+        """faster-whisper's lazy segments, its encoder windows cut to `frames` (None: 30 s)."""
+        if any(t > 0 for t in options["temperature"]):
+            import ctranslate2
+
+            ctranslate2.set_random_seed(options["seed"])      # fallback sampling: the same on a retry
+        _window_frames.set(frames)          # language detection encodes in transcribe() itself
+        segments, info = self.model.transcribe(
+            samples, language=out.language, task=options["task"], beam_size=options["beam_size"],
+            temperature=options["temperature"], vad_filter=False, initial_prompt=context or None,
+            condition_on_previous_text=True)
+        out.language = out.language or info.language    # detected once, kept for the next utterances
+        iterator = iter(segments)
+        while True:
+            _window_frames.set(frames)      # set again each time: another session may have decoded since
+            try:
+                segment = next(iterator)
+            except StopIteration:
+                return
+            yield segment
 
 
 def _flag(value: Any) -> bool:

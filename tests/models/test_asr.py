@@ -115,6 +115,59 @@ async def test_a_retry_emits_only_what_the_lost_attempt_had_not_written(whisper:
     assert crashed.text_out + retry.text_out == whole.text_out and retry.text_out
 
 
+def encoder_positions(whisper: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The encoder output length of each pass the model makes from now on (1,500 for a 30 s window)."""
+    seen: list[int] = []
+    encode = whisper.model.encode
+
+    def spy(features: Any) -> Any:
+        output = encode(features)
+        seen.append(output.shape[1])
+        return output
+
+    monkeypatch.setattr(whisper.model, "encode", spy)
+    return seen
+
+
+async def test_a_short_utterance_is_encoded_in_a_short_window_and_heard_the_same(
+        whisper: Any, speaker: Any, question: np.ndarray, monkeypatch: pytest.MonkeyPatch) -> None:
+    positions = encoder_positions(whisper, monkeypatch)
+    heard: dict[float, str] = {}
+    for window_s in (10, 30):
+        session = asr_session(audio_chunks(question, speaker.sample_rate, UPLOAD_PIECE), window_s=window_s)
+        usage = await run_executor(whisper, session)
+        assert usage is not None and usage["window_fallbacks"] == 0
+        heard[window_s] = session.text_out
+    assert positions == [500, 1500]             # one pass each: 10 s and 30 s of frames, halved by the encoder
+    assert recall(QUESTION, heard[10]) >= 0.8 and words(heard[10]) == words(heard[30]), heard
+
+
+async def test_a_degenerate_transcript_in_the_short_window_is_recognised_again_in_the_full_one(
+        whisper: Any, speaker: Any, question: np.ndarray, monkeypatch: pytest.MonkeyPatch) -> None:
+    from omniflow.workers import asr
+
+    positions = encoder_positions(whisper, monkeypatch)
+    monkeypatch.setattr(asr, "degenerate", lambda text, seconds: True)
+    session = asr_session(audio_chunks(question, speaker.sample_rate, UPLOAD_PIECE))
+    usage = await run_executor(whisper, session)
+    assert usage is not None and usage["window_fallbacks"] == 1 and usage["utterances"] == 1
+    assert positions == [500, 1500]
+    assert recall(QUESTION, session.text_out) >= 0.8, session.text_out
+    assert len(session.emitted) == usage["segments"]        # the short window's segments were not emitted
+
+
+def test_a_transcript_that_repeats_itself_or_outruns_the_speech_is_degenerate() -> None:
+    from omniflow.workers.asr import degenerate
+
+    assert degenerate("Stop " * 40, 0.6)                                   # seen at a window cut to 1.6 s
+    assert degenerate("set a timer for 12 minutes. " * 5, 1.7)
+    assert degenerate("one two three four five six seven", 0.5)           # 7 words in half a second
+    assert not degenerate("Set a timer for 12 minutes.", 1.7)
+    assert not degenerate(QUESTION, 3.8) and not degenerate("", 1.0)
+    assert not degenerate("Could you summarize the main arguments of the article I sent you yesterday "
+                          "about renewable energy policy in Europe?", 5.6)
+
+
 async def test_silence_is_not_sent_to_whisper(whisper: Any) -> None:
     rng = np.random.default_rng(0)
     hiss = (rng.standard_normal(16000 * 3) * 30).astype(np.int16)         # 3 s at -60 dBFS
@@ -165,8 +218,9 @@ TONE = (np.sin(np.arange(8000) / 5) * 3000).astype(np.int16)
     ([("@input", {"pcm": TONE, "sample_rate": 16000})], {"language": "klingon"}, "unknown language"),
     ([("@input", {"pcm": TONE, "sample_rate": 16000})], {"vad": "maybe"}, "vad must be true or false"),
     ([("@input", {"pcm": TONE, "sample_rate": 16000})], {"min_utterance_s": 40}, "max_utterance_s <= 30"),
+    ([("@input", {"pcm": TONE, "sample_rate": 16000})], {"window_s": 40}, "window_s must be in 1..30 seconds, got 40"),
 ], ids=["bytes", "no-rate", "float", "stereo", "pcm-bytes", "rate-0", "rate-absurd", "rate-str", "rate-changes",
-        "too-long", "empty-chunk", "no-chunks", "not-input", "beam", "temperature", "language", "vad", "utterance"])
+        "too-long", "empty-chunk", "no-chunks", "not-input", "beam", "temperature", "language", "vad", "utterance", "window"])
 async def test_bad_audio_fails_the_session_with_one_clear_error(whisper: Any, chunks: Any, params: dict[str, Any],
                                                                  message: str) -> None:
     session = asr_session(chunks, **params)
