@@ -6,7 +6,9 @@ executors chained in one process without Redis, in one run.
     .venv/bin/python bench/pipeline.py --levels 8 --rounds 3 --out /tmp/p.json   # one level, elsewhere
 
 For 1, 4 and 8 concurrent requests (different questions, greedy, so both sides do the same
-work) it measures per request: time to first text, time to first audio, end-to-end time
+work: the Thinker's weights in float32 on both, whatever the YAML's `dtype` says, because in
+bfloat16 a greedy answer depends on the batch it was decoded in and the two sides would speak
+answers of different lengths) it measures per request: time to first text, time to first audio, end-to-end time
 (submit to the last audio chunk) and the real-time factor (end to end / seconds of audio).
 
 - **omniflow**: `omniflow up --no-api` on the pipeline (embedded Valkey, reconciler, one
@@ -45,7 +47,8 @@ if __package__ in (None, ""):
 
 from bench.common import OUT_DIR, REPO_ROOT, bench_env, log
 
-PIPELINE = REPO_ROOT / "deploy" / "pipelines" / "omni-cpu.yaml"
+SOURCE = REPO_ROOT / "deploy" / "pipelines" / "omni-cpu.yaml"
+PIPELINE = OUT_DIR / "omni-cpu-float32.yaml"      # SOURCE with the Thinker in float32 (`comparable`)
 RESULTS = OUT_DIR / "pipeline.json"
 PLOT = REPO_ROOT / "docs" / "benchmarks-pipeline.png"
 LEVELS = (1, 4, 8)
@@ -72,6 +75,18 @@ class Timing:
     def to_dict(self) -> dict[str, Any]:
         return {"first_text": self.first_text, "first_audio": self.first_audio, "end": self.end,
                 "audio_s": self.audio_s}
+
+
+def comparable() -> Path:
+    """omni-cpu.yaml with the Thinker's weights in float32 (PIPELINE), for both sides: the same
+    greedy answers (docstring)."""
+    import yaml
+
+    spec = yaml.safe_load(SOURCE.read_text())
+    spec["stages"]["thinker"].setdefault("params", {})["dtype"] = "float32"
+    PIPELINE.parent.mkdir(parents=True, exist_ok=True)
+    PIPELINE.write_text(f"# written by bench/pipeline.py from {SOURCE.name}\n" + yaml.safe_dump(spec, sort_keys=False))
+    return PIPELINE
 
 
 # --------------------------------------------------------------------------- in-process chain
@@ -430,6 +445,7 @@ def run(*, quick: bool = False, rounds: int = DEFAULT_ROUNDS, levels: tuple[int,
     rounds = 1 if quick else rounds
     started = time.monotonic()
     log("pipeline bench: starting omniflow (omniflow up) and the in-process chain")
+    comparable()
     omni = Omniflow()
     try:
         chain = Chain()
@@ -513,7 +529,7 @@ def lines(doc: dict[str, Any]) -> list[str]:
     demo = doc.get("demo")
     if demo and demo.get("first_audio") is not None:
         out.append(f"demo time to first audio: {demo['first_audio']:.2f} s (\"{DEMO_QUESTION}\", the first request "
-                   f"after start, the pipeline's own params; first text {demo['first_text']:.2f} s)")
+                   f"after start, the pipeline's own params, the Thinker in float32; first text {demo['first_text']:.2f} s)")
     return out
 
 
@@ -585,7 +601,8 @@ def markdown(doc: dict[str, Any] | None = None) -> list[str]:
     tps = doc["thinker_tokens_per_s"]
     md = ["## The real CPU omni pipeline (`bench/pipeline.py`)", "",
           f"`deploy/pipelines/omni-cpu.yaml`: SmolLM2-135M-Instruct Thinker (greedy, at most {doc['max_tokens']} "
-          "tokens), Piper Talker and streamed Code2Wav, one compute thread per stage, on this 2-core machine "
+          "tokens, its weights in float32 on both sides: in the YAML's bfloat16 a greedy answer depends on the "
+          "batch it was decoded in, and the sides would say different answers), Piper Talker and streamed Code2Wav, one compute thread per stage, on this 2-core machine "
           f"({doc['date']}, load average {doc['load'][0]:.1f} at the end, wall time {doc['wall_s'] / 60:.1f} min). "
           f"Each level submits that many different questions at once, {doc.get('rounds', 1)} round(s); figures are "
           "medians over its requests, "
