@@ -1,7 +1,7 @@
 """Whisper's encoder window: the words heard and the time taken, 30 s against shorter windows.
 
 Whisper's encoder reads 30 s of log-mel frames, padded with silence; on a CPU that pass is most
-of a short utterance's time. `workers/asr.py` encodes an utterance that ends a second before
+of a short utterance's time. `workers/asr.py` encodes an utterance that ends 3 s before
 `window_s` in a `window_s` window (the padding cut, never the speech). This measures what that
 costs in words: the Piper voice (the TTS pipeline's executors, in process) says 24 sentences
 (0.6-5.9 s: one word to a long request), each also with white noise at 15 dB SNR and sped up
@@ -11,7 +11,7 @@ sentence said (numbers as Whisper writes them count as errors: "7.30" for "seven
 
     .venv/bin/python bench/asr_window.py [--threads 2] [--windows 30,10,15,+3] [--clean] [--guard]
 
-A window `W` is W seconds for utterances up to W - 1 s (the rest get 30); `+M` is the utterance
+A window `W` is W seconds for utterances up to W - 3 s (the rest get 30); `+M` is the utterance
 itself plus M seconds, the cut the literature warns about (the decoder repeats itself or stops
 early). `--guard` adds `workers/asr.py`'s fallback: a degenerate transcript is recognised again
 in the full window (counted). It prints one row per window; bench/notes.md has the figures.

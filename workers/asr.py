@@ -38,14 +38,16 @@ Params (pipeline YAML; `language`, `prompt`, `temperature`, `task` per request t
 | `pause_s`, `min_utterance_s`, `max_utterance_s`, `lead_s` | 0.2, 20, 28, 0.3 | where to cut (`workers/vad.py`) |
 | `vad_threshold`, `vad_neg_threshold` | 0.5, 0.35 | Silero probabilities of speech and of silence |
 | `max_audio_s` | 600 | longer input fails the session |
-| `window_s` | 10 | an utterance up to `window_s` - 1 s is encoded in a `window_s` window, not Whisper's 30 s (30: off) |
+| `window_s` | 10 | an utterance up to `window_s` - 3 s is encoded in a `window_s` window, not Whisper's 30 s (30: off) |
 
 The window: Whisper's encoder always reads 30 s, padded with silence, and on a CPU that pass is
-most of a short utterance's time (0.6 s for a 2 s question, one thread). An utterance that ends a
-second or more before `window_s` is encoded in the first `window_s` of that padded window instead
+most of a short utterance's time (0.6 s for a 2 s question, one thread). An utterance that ends 3 s
+or more before `window_s` is encoded in the first `window_s` of that padded window instead
 (CTranslate2 takes fewer frames): 2.7x faster at 10 s, with the same words (docs/models.md has the
 word-error check). Whisper was trained on 30 s windows, and a window cut to the utterance itself
-makes it repeat words or stop early; at 10 s it did not, and a transcript that still looks
+makes it repeat words or stop early, and 7-9 s pieces of a longer stream in a 10 s window lost
+words (a phrase dropped at a piece's start): hence 3 s of padding kept at the least. At 10 s,
+for utterances up to 7 s, it did not, and a transcript that still looks
 degenerate (a zlib compression ratio over 2.4, Whisper's own test, or more than 5 words a second)
 is recognised again in the full window (`window_fallbacks` in the usage).
 
@@ -88,7 +90,7 @@ MAX_TIMELINE = 2000                  # segments listed in the usage
 FULL_WINDOW_S = 30                   # what Whisper's encoder was trained on
 FRAMES_PER_S = 100                   # log-mel frames
 DEFAULT_WINDOW_S = 10                # measured (docs/models.md): the same words as 30 s, 2.7x faster
-WINDOW_TAIL_S = 1.0                  # silence an utterance leaves at the end of a short window
+WINDOW_TAIL_S = 3.0                  # silence an utterance leaves at the end of a short window (measured)
 MAX_COMPRESSION = 2.4                # Whisper's own test of a degenerate (repeating) transcript
 MAX_WORDS_PER_S = 5.0
 

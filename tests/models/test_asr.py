@@ -218,7 +218,7 @@ TONE = (np.sin(np.arange(8000) / 5) * 3000).astype(np.int16)
     ([("@input", {"pcm": TONE, "sample_rate": 16000})], {"language": "klingon"}, "unknown language"),
     ([("@input", {"pcm": TONE, "sample_rate": 16000})], {"vad": "maybe"}, "vad must be true or false"),
     ([("@input", {"pcm": TONE, "sample_rate": 16000})], {"min_utterance_s": 40}, "max_utterance_s <= 30"),
-    ([("@input", {"pcm": TONE, "sample_rate": 16000})], {"window_s": 40}, "window_s must be in 1..30 seconds, got 40"),
+    ([("@input", {"pcm": TONE, "sample_rate": 16000})], {"window_s": 40}, "window_s must be in 3..30 seconds, got 40"),
 ], ids=["bytes", "no-rate", "float", "stereo", "pcm-bytes", "rate-0", "rate-absurd", "rate-str", "rate-changes",
         "too-long", "empty-chunk", "no-chunks", "not-input", "beam", "temperature", "language", "vad", "utterance", "window"])
 async def test_bad_audio_fails_the_session_with_one_clear_error(whisper: Any, chunks: Any, params: dict[str, Any],
