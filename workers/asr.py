@@ -63,9 +63,11 @@ earlier attempt wrote are suppressed (no text twice).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -94,8 +96,8 @@ WINDOW_TAIL_S = 3.0                  # silence an utterance leaves at the end of
 MAX_COMPRESSION = 2.4                # Whisper's own test of a degenerate (repeating) transcript
 MAX_WORDS_PER_S = 5.0
 
-# the encoder window of the session decoding on this thread now (None: the full 30 s). A context
-# variable: sessions share the model and interleave at their emits, and each asyncio task has its own
+# the encoder window of the decode running on the model's thread now (None: the full 30 s): set
+# before every step of a decode, because the sessions' decodes take turns there, segment by segment
 _window_frames: ContextVar[int | None] = ContextVar("omniflow_whisper_window", default=None)
 
 
@@ -103,7 +105,7 @@ def _windowed(model_cls: type) -> type:
     """faster-whisper's `WhisperModel` with its encoder input cut to `_window_frames`: faster-whisper
     pads every window's features to 3,000 frames before `encode`, and the cut drops padding only."""
 
-    class WindowedWhisper(model_cls):  # type: ignore[misc, valid-type]
+    class WindowedWhisper(model_cls):  # type: ignore[misc]
         def encode(self, features: Any) -> Any:
             frames = _window_frames.get()
             if frames is not None and features.shape[-1] > frames:
@@ -209,7 +211,8 @@ class Transcript:
 
 
 class WhisperASR(Executor):
-    """Streamed audio -> text segments (Whisper on CTranslate2, one compute thread)."""
+    """Streamed audio -> text segments (Whisper on CTranslate2, on a thread of its own beside the
+    stage's compute thread, one pass at a time)."""
 
     resumable = True
     runs_on = "thread"      # CTranslate2 compute blocks: never on the worker's loop
@@ -228,6 +231,9 @@ class WhisperASR(Executor):
         # one thread whatever `threads` says: Silero runs on 32 ms windows, too small to split, and
         # ONNX Runtime's extra threads would spin between them on the cores the rest needs
         self.vad = SileroVAD(threads=1)
+        # Whisper runs here, not on the compute thread: sessions share that thread's loop, and a session
+        # whose last segment is out would otherwise wait for the next one's whole pass to end its turn
+        self._model_thread = ThreadPoolExecutor(1, thread_name_prefix=f"{self.stage}-whisper")
         self.load_s = time.perf_counter() - started
         logger.info("stage %s: Whisper loaded from %s in %.1f s", self.stage, folder, self.load_s)
 
@@ -263,6 +269,7 @@ class WhisperASR(Executor):
                 "timeline": out.timeline}
 
     async def close(self) -> None:
+        self._model_thread.shutdown(wait=True)
         self.model = None
         self.vad = None  # type: ignore[assignment]
 
@@ -292,24 +299,43 @@ class WhisperASR(Executor):
 
     async def _recognise(self, session: Session, samples: np.ndarray, offset: int, out: Transcript,
                          options: Mapping[str, Any], prompt: str) -> None:
-        """Recognise one utterance and emit its segments as Whisper yields them."""
+        """Recognise one utterance and emit its segments as Whisper yields them (on the model's own
+        thread: the session's loop stays free for the other sessions' inputs and ends meanwhile)."""
         if samples.size == 0:
             return
         out.utterances += 1
         context = (prompt + " " + out.text).strip()[-PROMPT_CHARS:]
         segments = self._segments(samples, out, options, context)
-        for segment in segments:
-            text = segment.text.strip()
-            if not text:
-                continue
-            delta = text if not out.text else " " + text
-            start_s = round((offset + SAMPLE_RATE * max(0.0, segment.start)) / SAMPLE_RATE, 3)
-            end_s = round(min(offset + samples.size, offset + SAMPLE_RATE * segment.end) / SAMPLE_RATE, 3)
-            out.text += delta
-            out.segments += 1
-            if len(out.timeline) < MAX_TIMELINE:
-                out.timeline.append({"start": start_s, "end": end_s, "text": text})
-            await session.emit(text=delta, data={"text": delta, "start_s": start_s, "end_s": end_s})
+        # one window (what the VAD cuts always is): its segments come out of one decode together, so they
+        # are taken in one call (a call per segment would queue each one's last behind the other sessions')
+        one_window = samples.size <= FULL_WINDOW_S * SAMPLE_RATE
+        loop = asyncio.get_running_loop()
+        while True:
+            if one_window:
+                batch = await loop.run_in_executor(self._model_thread, list, segments)
+            else:
+                segment = await loop.run_in_executor(self._model_thread, next, segments, None)
+                batch = [segment] if segment is not None else []
+            if not batch:
+                return
+            for segment in batch:
+                await self._emit(session, segment, samples.size, offset, out)
+            if one_window:
+                return
+
+    async def _emit(self, session: Session, segment: Any, size: int, offset: int, out: Transcript) -> None:
+        """One recognised segment of an utterance of `size` samples at `offset`: into the transcript, out."""
+        text = segment.text.strip()
+        if not text:
+            return
+        delta = text if not out.text else " " + text
+        start_s = round((offset + SAMPLE_RATE * max(0.0, segment.start)) / SAMPLE_RATE, 3)
+        end_s = round(min(offset + size, offset + SAMPLE_RATE * segment.end) / SAMPLE_RATE, 3)
+        out.text += delta
+        out.segments += 1
+        if len(out.timeline) < MAX_TIMELINE:
+            out.timeline.append({"start": start_s, "end": end_s, "text": text})
+        await session.emit(text=delta, data={"text": delta, "start_s": start_s, "end_s": end_s})
 
     def _segments(self, samples: np.ndarray, out: Transcript, options: Mapping[str, Any], context: str) -> Iterator[Any]:
         """faster-whisper's segments, the time spent computing each counted in `out.compute_s`. An

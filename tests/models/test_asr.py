@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from typing import Any
 
 import numpy as np
@@ -154,6 +155,30 @@ async def test_a_degenerate_transcript_in_the_short_window_is_recognised_again_i
     assert positions == [500, 1500]
     assert recall(QUESTION, session.text_out) >= 0.8, session.text_out
     assert len(session.emitted) == usage["segments"]        # the short window's segments were not emitted
+
+
+async def test_the_sessions_loop_stays_free_while_whisper_runs(whisper: Any, speaker: Any, question: np.ndarray) -> None:
+    """Whisper runs on its own thread: the loop the sessions share goes on (another session's input,
+    the end of one whose text is out) while a pass runs. Measured as the longest stall of a ticker
+    on that loop against the time the pass took, in one run."""
+    gaps: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(0.002)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticking = asyncio.ensure_future(ticker())
+    session = asr_session(audio_chunks(question, speaker.sample_rate, question.size), window_s=30)
+    usage = await run_executor(whisper, session)
+    stop.set()
+    await ticking
+    assert usage is not None and usage["compute_s"] > 0 and recall(QUESTION, session.text_out) >= 0.8
+    assert max(gaps) < 0.5 * usage["compute_s"], (max(gaps), usage["compute_s"])     # blocked: >= 1x
 
 
 def test_a_transcript_that_repeats_itself_or_outruns_the_speech_is_degenerate() -> None:
