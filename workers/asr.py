@@ -44,12 +44,12 @@ The window: Whisper's encoder always reads 30 s, padded with silence, and on a C
 most of a short utterance's time (0.6 s for a 2 s question, one thread). An utterance that ends 3 s
 or more before `window_s` is encoded in the first `window_s` of that padded window instead
 (CTranslate2 takes fewer frames): 2.7x faster at 10 s, with the same words (docs/models.md has the
-word-error check). Whisper was trained on 30 s windows, and a window cut to the utterance itself
-makes it repeat words or stop early, and 7-9 s pieces of a longer stream in a 10 s window lost
-words (a phrase dropped at a piece's start): hence 3 s of padding kept at the least. At 10 s,
-for utterances up to 7 s, it did not, and a transcript that still looks
+word-error check). Whisper was trained on 30 s windows: a window cut to the utterance itself makes
+it repeat words or stop early, and 7-9 s pieces of a stream in a 10 s window lost words (a phrase
+dropped at a piece's start), hence the 3 s of padding kept. A transcript that still looks
 degenerate (a zlib compression ratio over 2.4, Whisper's own test, or more than 5 words a second)
-is recognised again in the full window (`window_fallbacks` in the usage).
+is recognised again in the full window (`window_fallbacks` in the usage). The passes run on a
+thread of their own, one at a time, so that the loop the stage's sessions share stays free.
 
 Usage: `audio_seconds`, `utterances`, `segments`, `words`, `language`, `compute_s` (time in the
 model), `rtf` (compute_s / audio_seconds), `window_fallbacks` and `timeline` (`[{"start", "end",
@@ -67,8 +67,8 @@ import asyncio
 import logging
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
