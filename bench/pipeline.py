@@ -8,8 +8,8 @@ executors chained in one process without Redis, in one run.
 For 1, 4 and 8 concurrent requests (different questions, greedy, so both sides do the same
 work: the Thinker's weights in float32 on both, whatever the YAML's `dtype` says, because in
 bfloat16 a greedy answer depends on the batch it was decoded in and the two sides would speak
-answers of different lengths) it measures per request: time to first text, time to first audio, end-to-end time
-(submit to the last audio chunk) and the real-time factor (end to end / seconds of audio).
+answers of different lengths) it measures per request: time to first text, time to first
+audio, end-to-end time (submit to the last audio chunk) and the real-time factor (end to end / seconds of audio).
 
 - **omniflow**: `omniflow up --no-api` on the pipeline (embedded Valkey, reconciler, one
   worker process per stage), requests submitted and followed through `AsyncClient`.
@@ -529,7 +529,8 @@ def lines(doc: dict[str, Any]) -> list[str]:
     demo = doc.get("demo")
     if demo and demo.get("first_audio") is not None:
         out.append(f"demo time to first audio: {demo['first_audio']:.2f} s (\"{DEMO_QUESTION}\", the first request "
-                   f"after start, the pipeline's own params, the Thinker in float32; first text {demo['first_text']:.2f} s)")
+                   f"after start, the pipeline's own params, the Thinker in float32; "
+                   f"first text {demo['first_text']:.2f} s)")
     return out
 
 
@@ -602,7 +603,8 @@ def markdown(doc: dict[str, Any] | None = None) -> list[str]:
     md = ["## The real CPU omni pipeline (`bench/pipeline.py`)", "",
           f"`deploy/pipelines/omni-cpu.yaml`: SmolLM2-135M-Instruct Thinker (greedy, at most {doc['max_tokens']} "
           "tokens, its weights in float32 on both sides: in the YAML's bfloat16 a greedy answer depends on the "
-          "batch it was decoded in, and the sides would say different answers), Piper Talker and streamed Code2Wav, one compute thread per stage, on this 2-core machine "
+          "batch it was decoded in, and the sides would say different answers), Piper Talker and streamed "
+          "Code2Wav, one compute thread per stage, on this 2-core machine "
           f"({doc['date']}, load average {doc['load'][0]:.1f} at the end, wall time {doc['wall_s'] / 60:.1f} min). "
           f"Each level submits that many different questions at once, {doc.get('rounds', 1)} round(s); figures are "
           "medians over its requests, "

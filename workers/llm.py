@@ -37,7 +37,7 @@ DEFAULT_THREADS = 1
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer in two or three short sentences."
 _SEED_STRIDE = 1_000_003
 DTYPES = ("float32", "bfloat16", "auto")
-_BF16_FLAGS = ("avx512_bf16", "amx_bf16")      # x86 CPU flags of bfloat16 matrix units (Linux /proc/cpuinfo)
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16")      # x86 CPU flags of bfloat16 dot products (Linux /proc/cpuinfo)
 
 
 def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:

@@ -40,7 +40,7 @@ never before it: what was emitted stays).
 `dtype: auto` (omni-cpu.yaml) loads bfloat16 weights on a CPU with bfloat16 units
 (AVX512-BF16 or AMX): the 34-token prompt's prefill took 122-137 ms against 195-208 ms in
 float32 on an AMD EPYC (Zen 4), 76 against 148 ms on an Intel Xeon (AMX); a decode step
-is about the same (memory-bound). Elsewhere bfloat16 is emulated, so `auto` keeps float32.
+is about the same. Elsewhere bfloat16 is emulated, so `auto` keeps float32.
 """
 from __future__ import annotations
 

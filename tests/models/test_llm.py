@@ -90,8 +90,6 @@ def test_chat_template_is_applied(tiny_lm: CausalLM) -> None:
     assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>") and text.endswith("<|im_start|>assistant\n")
 
 
-
-
 def test_bfloat16_weights_hand_out_float32_states_and_decode(tiny_lm_dir: Path) -> None:
     lm = CausalLM.load(tiny_lm_dir, dtype="bfloat16")
     assert next(lm.model.parameters()).dtype == lm.torch.bfloat16
