@@ -181,6 +181,31 @@ async def test_the_sessions_loop_stays_free_while_whisper_runs(whisper: Any, spe
     assert max(gaps) < 0.5 * usage["compute_s"], (max(gaps), usage["compute_s"])     # blocked: >= 1x
 
 
+async def test_a_session_cancelled_during_its_pass_leaves_the_model_to_the_next(
+        whisper: Any, speaker: Any, question: np.ndarray, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A barge-in cancels a session while Whisper's pass for it runs on the model's thread: the pass
+    ends there unread, and the next session gets the model and its own words."""
+    loop = asyncio.get_running_loop()
+    passing = asyncio.Event()
+    encode = whisper.model.encode
+
+    def spy(features: Any) -> Any:
+        loop.call_soon_threadsafe(passing.set)
+        return encode(features)
+
+    monkeypatch.setattr(whisper.model, "encode", spy)
+    chunks = audio_chunks(question, speaker.sample_rate, question.size)
+    cancelled = asyncio.ensure_future(run_executor(whisper, asr_session(chunks, window_s=30)))
+    await asyncio.wait_for(passing.wait(), timeout=60)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    after = asr_session(chunks)
+    usage = await asyncio.wait_for(run_executor(whisper, after), timeout=120)
+    assert usage is not None and usage["utterances"] == 1
+    assert recall(QUESTION, after.text_out) >= 0.8, after.text_out
+
+
 def test_a_transcript_that_repeats_itself_or_outruns_the_speech_is_degenerate() -> None:
     from omniflow.workers.asr import degenerate
 
