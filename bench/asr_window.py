@@ -108,14 +108,11 @@ def variants(clean: list[np.ndarray]) -> list[np.ndarray]:
 
 def frames_for(window: str, seconds: float) -> int | None:
     """The encoder frames for an utterance (None: the full 30 s)."""
-    from omniflow.workers.asr import FRAMES_PER_S, FULL_WINDOW_S, WINDOW_TAIL_S
+    from omniflow.workers.asr import FRAMES_PER_S, FULL_WINDOW_S, window_frames
 
     if window.startswith("+"):
         return min(FULL_WINDOW_S * FRAMES_PER_S, int(np.ceil((seconds + float(window)) * FRAMES_PER_S)))
-    window_s = float(window)
-    if window_s >= FULL_WINDOW_S or seconds > window_s - WINDOW_TAIL_S:
-        return None
-    return int(window_s * FRAMES_PER_S)
+    return window_frames(seconds, float(window))
 
 
 def main() -> None:

@@ -6,8 +6,9 @@ The speech is the Piper voice saying a paragraph (made once, in process).
 
 - **transcription**: `client.audio.transcriptions.create` on asr-cpu (Whisper base, int8, one
   thread; the upload a WAV) against faster-whisper's `WhisperModel.transcribe` called directly on
-  the same 16 kHz samples with the same options (language en, greedy, no VAD filter): wall time
-  per transcription, and omniflow's overhead over it.
+  the same 16 kHz samples with the same options (language en, greedy, no VAD filter, the stage's
+  encoder window: `window_s` and its rule, workers/asr.py): wall time per transcription, and
+  omniflow's overhead over it.
 - **speech**: `client.audio.speech.create` streamed (wav) on tts-cpu: request sent -> first audio
   byte at the client, against the same two executors (PiperTalker, PiperCode2Wav) in process:
   the Talker's first clause, then Code2Wav's first chunk of it.
@@ -108,18 +109,24 @@ async def first_audio_inproc(talker: Any, code2wav: Any, text: str) -> float:
 
 
 class WhisperDirect:
-    """faster-whisper called directly, with the options asr-cpu's stage uses (language en, greedy)."""
+    """faster-whisper called directly, with the options asr-cpu's stage uses (language en, greedy, and
+    its encoder window: `window_s` from asr-cpu.yaml, the stage's rule for which utterances get it)."""
 
     def __init__(self) -> None:
         from faster_whisper import WhisperModel
 
-        from omniflow.workers import weights
+        from omniflow.pipeline import load_pipeline
+        from omniflow.workers import asr, weights
 
-        self.model = WhisperModel(str(weights.whisper_base(None)), device="cpu", compute_type="int8", cpu_threads=1,
-                                  num_workers=1, local_files_only=True)
+        self.asr = asr
+        self.window_s = float(load_pipeline(PIPELINES / "asr-cpu.yaml").spec.stages["asr"].params.get(
+            "window_s", asr.DEFAULT_WINDOW_S))
+        self.model = asr._windowed(WhisperModel)(str(weights.whisper_base(None)), device="cpu", compute_type="int8",
+                                                  cpu_threads=1, num_workers=1, local_files_only=True)
 
     def once(self, samples16k: np.ndarray) -> tuple[float, str]:
         t0 = time.perf_counter()
+        self.asr._window_frames.set(self.asr.window_frames(samples16k.size / self.asr.SAMPLE_RATE, self.window_s))
         segments, _info = self.model.transcribe(samples16k, language="en", beam_size=1, temperature=[0.0],
                                                 vad_filter=False, condition_on_previous_text=True)
         text = " ".join(s.text.strip() for s in segments)
@@ -289,7 +296,7 @@ def markdown(doc: dict[str, Any] | None = None) -> list[str]:
             f"Each repetition runs the direct call and the served one back to back, with the engine up for "
             f"both (pairs, in process / through omniflow: transcription {tr.get('runs')} s, speech "
             f"{sp.get('runs_ms')} ms). Same transcript both ways: {tr['same_text']}. In process is faster-whisper's `transcribe` on the "
-            "decoded 16 kHz samples; through omniflow adds the upload and its decoding, the submit, the audio "
+            "decoded 16 kHz samples, in the stage's encoder window; through omniflow adds the upload and its decoding, the submit, the audio "
             "appended to the workflow's input, Silero VAD over the stream (it finds where speech starts), the "
             "worker's claim, the text's way back through Redis and the HTTP answer. The speech row's in-process "
             "figure is the Talker's first clause plus Code2Wav's first chunk of it.", "", END, ""]

@@ -115,6 +115,14 @@ def _windowed(model_cls: type) -> type:
     return WindowedWhisper
 
 
+def window_frames(seconds: float, window_s: float) -> int | None:
+    """The encoder frames for an utterance of `seconds` with `window_s` (None: Whisper's full 30 s): the
+    short window where the utterance ends `WINDOW_TAIL_S` before it."""
+    if window_s < FULL_WINDOW_S and seconds <= window_s - WINDOW_TAIL_S:
+        return int(window_s * FRAMES_PER_S)
+    return None
+
+
 def degenerate(text: str, seconds: float) -> bool:
     """Whether a transcript looks like a decoder that ran away: it repeats itself (Whisper's
     compression-ratio test) or holds more words than `seconds` of speech can."""
@@ -343,9 +351,10 @@ class WhisperASR(Executor):
         and again in the full window if what it gave looks degenerate."""
         seconds = samples.size / SAMPLE_RATE
         window_s = options["window_s"]
-        if window_s < FULL_WINDOW_S and seconds <= window_s - WINDOW_TAIL_S:
+        frames = window_frames(seconds, window_s)
+        if frames is not None:
             started = time.perf_counter()
-            short = list(self._decode(samples, out, options, context, int(window_s * FRAMES_PER_S)))
+            short = list(self._decode(samples, out, options, context, frames))
             out.compute_s += time.perf_counter() - started
             text = " ".join(segment.text.strip() for segment in short)
             if not degenerate(text, seconds):
