@@ -314,22 +314,15 @@ class WhisperASR(Executor):
         out.utterances += 1
         context = (prompt + " " + out.text).strip()[-PROMPT_CHARS:]
         segments = self._segments(samples, out, options, context)
-        # one window (what the VAD cuts always is): its segments come out of one decode together, so they
-        # are taken in one call (a call per segment would queue each one's last behind the other sessions')
-        one_window = samples.size <= FULL_WINDOW_S * SAMPLE_RATE
         loop = asyncio.get_running_loop()
-        while True:
-            if one_window:
-                batch = await loop.run_in_executor(self._model_thread, list, segments)
-            else:
-                segment = await loop.run_in_executor(self._model_thread, next, segments, None)
-                batch = [segment] if segment is not None else []
-            if not batch:
-                return
-            for segment in batch:
+        if samples.size <= FULL_WINDOW_S * SAMPLE_RATE:
+            # one window (what the VAD cuts always is): its segments come out of one decode together, so they
+            # are taken in one call (a call per segment would queue each one's last behind the other sessions')
+            for segment in await loop.run_in_executor(self._model_thread, list, segments):
                 await self._emit(session, segment, samples.size, offset, out)
-            if one_window:
-                return
+            return
+        while (segment := await loop.run_in_executor(self._model_thread, next, segments, None)) is not None:
+            await self._emit(session, segment, samples.size, offset, out)
 
     async def _emit(self, session: Session, segment: Any, size: int, offset: int, out: Transcript) -> None:
         """One recognised segment of an utterance of `size` samples at `offset`: into the transcript, out."""

@@ -181,6 +181,19 @@ async def test_the_sessions_loop_stays_free_while_whisper_runs(whisper: Any, spe
     assert max(gaps) < 0.5 * usage["compute_s"], (max(gaps), usage["compute_s"])     # blocked: >= 1x
 
 
+async def test_audio_over_one_window_is_recognised_window_by_window(
+        whisper: Any, speaker: Any, two_sentences: np.ndarray, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `vad: false`, audio over 30 s is one utterance of several of Whisper's windows: its segments
+    are taken from the model's thread one at a time, each window as it is decoded."""
+    positions = encoder_positions(whisper, monkeypatch)
+    long = np.concatenate([two_sentences] * (int(31 * speaker.sample_rate / two_sentences.size) + 1))
+    session = asr_session(audio_chunks(long, speaker.sample_rate, UPLOAD_PIECE), vad=False)
+    usage = await run_executor(whisper, session)
+    assert usage is not None and usage["utterances"] == 1 and usage["audio_seconds"] > 30
+    assert len(positions) >= 2 and set(positions) == {1500}         # full windows, more than one
+    assert usage["segments"] >= 2 and recall(" ".join(TWO_SENTENCES), session.text_out) >= 0.8, session.text_out
+
+
 async def test_a_session_cancelled_during_its_pass_leaves_the_model_to_the_next(
         whisper: Any, speaker: Any, question: np.ndarray, monkeypatch: pytest.MonkeyPatch) -> None:
     """A barge-in cancels a session while Whisper's pass for it runs on the model's thread: the pass
