@@ -16,6 +16,13 @@ C functions that take the most of them. `--tunables` runs the server with that G
 (`''`: glibc's defaults; unset: what the embedded server runs with, `SERVER_GLIBC_TUNABLES`).
 
     .venv/bin/python bench/script_cost.py [--n 60] [--tunables '']
+    .venv/bin/python bench/script_cost.py --cut submit "redis.call('HSET', wf" --cut submit "redis.call('ZADD', KEYS[6]"
+
+`--cut SCRIPT TEXT` (repeatable) counts where one call's instructions go: a second library, its
+functions renamed (`<name>_<version>_cut`), returns right after the first line of SCRIPT that holds
+TEXT (`start`: before its first line); the captured workflow is replayed up to SCRIPT's first call
+(`--position K`: its K-th call in the workflow), which goes to the cut function instead. Each cut is
+one callgrind run; the table gives each cut's instructions and the whole call's.
 
 Needs valgrind (on every machine of this project); one run takes about 15 s.
 """
@@ -121,7 +128,8 @@ def capture(warmup: int = 80) -> tuple[bytes, list[list[bytes]]]:
     return wf.encode(), calls
 
 
-def count(wf: bytes, calls: list[list[bytes]], n: int, tunables: str | None) -> dict[str, Any]:
+def count(wf: bytes, calls: list[list[bytes]], n: int, tunables: str | None,
+          extra_library: str | None = None) -> dict[str, Any]:
     """Callgrind's instructions inside FCALL per replayed workflow, per call and per C function."""
     import redis
 
@@ -152,6 +160,8 @@ def count(wf: bytes, calls: list[list[bytes]], n: int, tunables: str | None) -> 
         else:
             raise BenchError("valkey-server under callgrind did not come up")
         r.function_load(LIBRARY, replace=True)
+        if extra_library is not None:
+            r.function_load(extra_library, replace=True)
         for stream in {a for c in calls for a in c if a.endswith(b":tasks")}:
             r.xgroup_create(stream, "workers", id="0", mkstream=True)
         errors: list[Exception] = []
@@ -236,12 +246,69 @@ def _symbolizer() -> Any:
     return named
 
 
+CUT_SUFFIX = "_cut"
+
+
+def cut_library(script: str, text: str) -> str:
+    """The library again under another name, every function renamed `<name>_<version>_cut`, and
+    `script`'s returning right after its first line that holds `text` (`start`: before its first
+    line). A cut must fall between two statements of the script's own body (not inside a
+    function of it, nor a loop): the return ends the call there."""
+    from omniflow.storage.scripts import LIBRARY, LIBRARY_NAME, SCRIPTS
+
+    lib = LIBRARY.replace(f"#!lua name={LIBRARY_NAME}", f"#!lua name={LIBRARY_NAME}{CUT_SUFFIX}", 1)
+    for sc in SCRIPTS.values():
+        lib = lib.replace(f"function_name = '{sc.function}'", f"function_name = '{sc.function}{CUT_SUFFIX}'", 1)
+    head = f"-- ================================================================ {script}\n"
+    start = lib.index(head)
+    end = lib.find("-- ================================================================", start + len(head))
+    part = lib[start:end if end >= 0 else len(lib)]
+    body = part.index("  return function()\n") + len("  return function()\n")
+    if text == "start":
+        at = body
+    else:
+        found = part.find(text, body)
+        if found < 0:
+            raise BenchError(f"{script}.lua has no line holding {text!r} in its body")
+        at = part.index("\n", found) + 1
+    return lib[:start] + part[:at] + "    do return 'cut' end\n" + part[at:] + lib[start + len(part):]
+
+
+def run_cuts(wf: bytes, calls: list[list[bytes]], n: int, tunables: str | None, cuts: list[tuple[str, str]],
+             position: int) -> list[tuple[str, float, float]]:
+    """(cut, instructions of the call up to it, of the whole call), for each cut."""
+    script = cuts[0][0]
+    where = [i for i, c in enumerate(calls) if c[1].decode().rsplit("_", 1)[0] == script]
+    if len(where) < position:
+        raise BenchError(f"the captured workflow calls {script} {len(where)} time(s), not {position}")
+    k = where[position - 1]
+    upto = calls[:k + 1]
+    whole = count(wf, upto, n, tunables)["positions"][k]
+    out = []
+    for name, text in cuts:
+        if name != script:
+            raise BenchError("every --cut of one run names the same script")
+        cut = [*upto[:k], [upto[k][0], upto[k][1] + CUT_SUFFIX.encode(), *upto[k][2:]]]
+        out.append((text, count(wf, cut, n, tunables, cut_library(name, text))["positions"][k], whole))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--n", type=int, default=60, help="workflows replayed (default 60)")
     ap.add_argument("--tunables", default=None, help="GLIBC_TUNABLES of the counted server ('' for glibc's defaults)")
+    ap.add_argument("--cut", nargs=2, action="append", metavar=("SCRIPT", "TEXT"),
+                    help="count SCRIPT's call up to the line holding TEXT ('start': its first line); repeatable")
+    ap.add_argument("--position", type=int, default=1, help="with --cut: the script's K-th call in the workflow")
     args = ap.parse_args()
     wf, calls = capture()
+    if args.cut:
+        rows = run_cuts(wf, calls, args.n, args.tunables, [tuple(c) for c in args.cut], args.position)
+        print(f"| {args.cut[0][0]} (call {args.position}) up to the line holding | Valkey instructions |\n|---|---:|")
+        for text, ir, _ in rows:
+            print(f"| `{text}` | {ir:,.0f} |")
+        print(f"| the whole call | {rows[0][2]:,.0f} |")
+        return
     res = count(wf, calls, args.n, args.tunables)
     names = [c[1].decode().rsplit("_", 1)[0] for c in calls]
     print("| call | Valkey instructions (inside FCALL) |\n|---|---:|")
