@@ -252,8 +252,11 @@ CUT_SUFFIX = "_cut"
 def cut_library(script: str, text: str) -> str:
     """The library again under another name, every function renamed `<name>_<version>_cut`, and
     `script`'s returning right after its first line that holds `text` (`start`: before its first
-    line). A cut must fall between two statements of the script's own body (not inside a
-    function of it, nor a loop): the return ends the call there."""
+    line). The return ends the call only where it runs in the call's own code: after a statement
+    of the script's body, or of a block of it that the call enters (an `if` taken, a `do`); never
+    inside a loop or a local function. The first line holding `text` is taken: a text that also
+    appears earlier (in a helper's definition, say: `flush_stage()` is its own definition's line
+    first) cuts there instead, so make it one that is unique."""
     from omniflow.storage.scripts import LIBRARY, LIBRARY_NAME, SCRIPTS
 
     lib = LIBRARY.replace(f"#!lua name={LIBRARY_NAME}", f"#!lua name={LIBRARY_NAME}{CUT_SUFFIX}", 1)
