@@ -130,11 +130,11 @@ def main() -> None:
     clean = asyncio.run(speak(SENTENCES))
     audios = clean if args.clean else variants(clean)
     said = SENTENCES * (len(audios) // len(SENTENCES))
-    model = asr._windowed(WhisperModel)(str(weights.whisper_base()), device="cpu", compute_type="int8",
-                                         cpu_threads=args.threads, num_workers=1, local_files_only=True)
+    model = asr.windowed(WhisperModel)(str(weights.whisper_base()), device="cpu", compute_type="int8",
+                                        cpu_threads=args.threads, num_workers=1, local_files_only=True)
 
     def recognise(samples: np.ndarray, frames: int | None) -> str:
-        asr._window_frames.set(frames)
+        model.window_frames = frames
         segments, _ = model.transcribe(samples, language="en", beam_size=1, temperature=[0.0],
                                        vad_filter=False, condition_on_previous_text=True)
         return " ".join(segment.text.strip() for segment in segments)

@@ -121,12 +121,12 @@ class WhisperDirect:
         self.asr = asr
         self.window_s = float(load_pipeline(PIPELINES / "asr-cpu.yaml").spec.stages["asr"].params.get(
             "window_s", asr.DEFAULT_WINDOW_S))
-        self.model = asr._windowed(WhisperModel)(str(weights.whisper_base(None)), device="cpu", compute_type="int8",
-                                                  cpu_threads=1, num_workers=1, local_files_only=True)
+        self.model = asr.windowed(WhisperModel)(str(weights.whisper_base(None)), device="cpu", compute_type="int8",
+                                                 cpu_threads=1, num_workers=1, local_files_only=True)
 
     def once(self, samples16k: np.ndarray) -> tuple[float, str]:
         t0 = time.perf_counter()
-        self.asr._window_frames.set(self.asr.window_frames(samples16k.size / self.asr.SAMPLE_RATE, self.window_s))
+        self.model.window_frames = self.asr.window_frames(samples16k.size / self.asr.SAMPLE_RATE, self.window_s)
         segments, _info = self.model.transcribe(samples16k, language="en", beam_size=1, temperature=[0.0],
                                                 vad_filter=False, condition_on_previous_text=True)
         text = " ".join(s.text.strip() for s in segments)

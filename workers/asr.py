@@ -69,7 +69,6 @@ import time
 import zlib
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,18 +95,17 @@ WINDOW_TAIL_S = 3.0                  # silence an utterance leaves at the end of
 MAX_COMPRESSION = 2.4                # Whisper's own test of a degenerate (repeating) transcript
 MAX_WORDS_PER_S = 5.0
 
-# the encoder window of the decode running on the model's thread now (None: the full 30 s): set
-# before every step of a decode, because the sessions' decodes take turns there, segment by segment
-_window_frames: ContextVar[int | None] = ContextVar("omniflow_whisper_window", default=None)
 
-
-def _windowed(model_cls: type) -> type:
-    """faster-whisper's `WhisperModel` with its encoder input cut to `_window_frames`: faster-whisper
-    pads every window's features to 3,000 frames before `encode`, and the cut drops padding only."""
+def windowed(model_cls: type) -> type:
+    """faster-whisper's `WhisperModel` with its encoder input cut to the instance's `window_frames`
+    (None: the full 30 s): faster-whisper pads every window's features to 3,000 frames before
+    `encode`, and the cut drops padding only. Whoever decodes sets `window_frames` first."""
 
     class WindowedWhisper(model_cls):  # type: ignore[misc]
+        window_frames: int | None = None
+
         def encode(self, features: Any) -> Any:
-            frames = _window_frames.get()
+            frames = self.window_frames
             if frames is not None and features.shape[-1] > frames:
                 features = features[..., :frames]
             return super().encode(features)
@@ -233,9 +231,9 @@ class WhisperASR(Executor):
         threads = int(self.params.get("threads", 1))
         folder = self.params.get("model") or weights.whisper_base(self.params.get("cache_dir"))
         started = time.perf_counter()
-        self.model = _windowed(WhisperModel)(str(folder), device=str(self.params.get("device", "cpu")),
-                                  compute_type=str(self.params.get("compute_type", "int8")),
-                                  cpu_threads=threads, num_workers=1, local_files_only=True)
+        self.model = windowed(WhisperModel)(str(folder), device=str(self.params.get("device", "cpu")),
+                                            compute_type=str(self.params.get("compute_type", "int8")),
+                                            cpu_threads=threads, num_workers=1, local_files_only=True)
         # one thread whatever `threads` says: Silero runs on 32 ms windows, too small to split, and
         # ONNX Runtime's extra threads would spin between them on the cores the rest needs
         self.vad = SileroVAD(threads=1)
@@ -375,7 +373,9 @@ class WhisperASR(Executor):
             import ctranslate2
 
             ctranslate2.set_random_seed(options["seed"])      # fallback sampling: the same on a retry
-        _window_frames.set(frames)          # language detection encodes in transcribe() itself
+        # the sessions' decodes take turns on the model's thread, segment by segment: the window is set
+        # before every step of this one (language detection encodes in transcribe() itself)
+        self.model.window_frames = frames
         segments, info = self.model.transcribe(
             samples, language=out.language, task=options["task"], beam_size=options["beam_size"],
             temperature=options["temperature"], vad_filter=False, initial_prompt=context or None,
@@ -383,7 +383,7 @@ class WhisperASR(Executor):
         out.language = out.language or info.language    # detected once, kept for the next utterances
         iterator = iter(segments)
         while True:
-            _window_frames.set(frames)      # set again each time: another session may have decoded since
+            self.model.window_frames = frames
             try:
                 segment = next(iterator)
             except StopIteration:
