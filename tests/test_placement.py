@@ -57,6 +57,15 @@ def where(block_s: float = 0.0, hold_s: float = 0.0) -> Coroutine[Any, Any, tupl
     return run()
 
 
+async def held_until(release: threading.Event) -> tuple[str, float, float]:
+    """A session that holds its place (awaiting, not blocking) until the test releases it: a hold
+    that ends on the test's word, not after a time a busy machine may outrun."""
+    began = time.monotonic()
+    while not release.is_set():
+        await asyncio.sleep(0.001)
+    return threading.current_thread().name, began, time.monotonic()
+
+
 async def sessions(p: Placement, compute: ComputeThread, n: int,
                    make: Callable[[], Coroutine[Any, Any, Any]] = where) -> list[str]:
     return [(await p.run(make(), compute))[0] for _ in range(n)]
@@ -130,32 +139,41 @@ async def test_one_slow_session_in_a_window_on_the_loop_does_not_send_it_back(
     assert p.want_loop and p.backs == 0
 
 
-async def test_a_move_waits_for_the_old_place_to_empty(compute: ComputeThread) -> None:
+async def test_a_move_waits_for_the_old_place_to_empty(
+        compute: ComputeThread, monkeypatch: pytest.MonkeyPatch) -> None:
     """The executor never runs on two threads at once: a session that starts while one still runs
     on the thread waits for it (up to MOVE_WAIT_S) before it starts on the loop."""
+    monkeypatch.setattr(placement, "MOVE_WAIT_S", 30.0)     # the release below ends the wait, not this
     p = Placement("s", "auto")
-    held = asyncio.ensure_future(p.run(where(hold_s=placement.MOVE_WAIT_S / 2), compute))
+    release = threading.Event()
+    held = asyncio.ensure_future(p.run(held_until(release), compute))
     await asyncio.sleep(0.005)
     await sessions(p, compute, WINDOW)            # alongside it, on the thread: the window passes
     assert p.want_loop and p.running == 1
-    name, began, _ = await p.run(where(), compute)
+    moving = asyncio.ensure_future(p.run(where(), compute))
+    await asyncio.sleep(0.02)
+    assert not moving.done() and not p.on_loop    # waiting for the held one to leave the thread
+    release.set()
+    name, began, _ = await moving
     held_name, _, held_end = await held
     assert held_name == "compute-t" and name == threading.current_thread().name
-    assert began >= held_end
+    assert began >= held_end and p.on_loop
 
 
 async def test_a_move_that_cannot_wait_starts_in_the_old_place(compute: ComputeThread) -> None:
     p = Placement("s", "auto")
-    held = asyncio.ensure_future(p.run(where(hold_s=placement.MOVE_WAIT_S * 4), compute))
+    release = threading.Event()
+    held = asyncio.ensure_future(p.run(held_until(release), compute))
     await asyncio.sleep(0.005)
     await sessions(p, compute, WINDOW)
-    assert p.want_loop
+    assert p.want_loop and p.running == 1
     waited = time.monotonic()
     name, _, _ = await p.run(where(), compute)    # waits MOVE_WAIT_S, then runs where the held one does
     assert name == "compute-t" and time.monotonic() - waited >= placement.MOVE_WAIT_S * 0.9
     assert not p.on_loop
     name, _, _ = await p.run(where(), compute)    # no second wait within MOVE_PATIENCE_S
     assert name == "compute-t"
+    release.set()
     await held
     assert await sessions(p, compute, 1) == [threading.current_thread().name]     # empty: it moves
 
