@@ -18,11 +18,15 @@ C functions that take the most of them. `--tunables` runs the server with that G
     .venv/bin/python bench/script_cost.py [--n 60] [--tunables '']
     .venv/bin/python bench/script_cost.py --cut submit "redis.call('HSET', wf" --cut submit "redis.call('ZADD', KEYS[6]"
 
+The second table splits each call by what does the work (`_split`): the Redis commands the script
+calls, `redis.call`'s conversions (the bridge), cmsgpack, the Lua interpreted, the call's entry.
+
 `--cut SCRIPT TEXT` (repeatable) counts where one call's instructions go: a second library, its
-functions renamed (`<name>_<version>_cut`), returns right after the first line of SCRIPT that holds
-TEXT (`start`: before its first line); the captured workflow is replayed up to SCRIPT's first call
-(`--position K`: its K-th call in the workflow), which goes to the cut function instead. Each cut is
-one callgrind run; the table gives each cut's instructions and the whole call's.
+functions renamed (`<name>_<version>_cut`), ends SCRIPT's call with an error right after the first
+line that holds TEXT (its helpers' text searched first, then its own; `start`: before its body's
+first line); the captured workflow is replayed up to SCRIPT's first call (`--position K`: its K-th
+call in the workflow), which goes to the cut function instead. Each cut is one callgrind run; the
+table gives each cut's instructions and their split, and the whole call's.
 
 Needs valgrind (on every machine of this project); one run takes about 15 s.
 """
@@ -170,7 +174,8 @@ def count(wf: bytes, calls: list[list[bytes]], n: int, tunables: str | None,
             pipe = r.pipeline(transaction=False)
             for call in calls:
                 pipe.execute_command(*(a.replace(wf, fresh) for a in call))
-            errors += [x for x in pipe.execute(raise_on_error=False) if isinstance(x, Exception)]
+            errors += [x for x in pipe.execute(raise_on_error=False)
+                       if isinstance(x, Exception) and CUT_ERROR not in str(x)]
         if errors:
             raise BenchError(f"{len(errors)} replayed calls failed, the first: {errors[0]}")
         try:
@@ -189,7 +194,10 @@ def count(wf: bytes, calls: list[list[bytes]], n: int, tunables: str | None,
             raise BenchError(f"{len(per_call)} dumps for {n * len(calls)} calls")
         positions = [sum(per_call[i::len(calls)]) / n for i in range(len(calls))]
         functions = _top_functions(paths[1:])
-        return {"total": sum(positions), "positions": positions, "functions": functions}
+        # the split of each position, averaged like its count (a dump holds one call)
+        each = [_split(path) for path in paths[1:]]
+        splits = [{p: sum(sp[p] for sp in each[i::len(calls)]) / n for p in PARTS} for i in range(len(calls))]
+        return {"total": sum(positions), "positions": positions, "functions": functions, "splits": splits}
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -226,6 +234,56 @@ def _top_functions(paths: list[str], top: int = 12) -> list[tuple[str, float]]:
     return [(named(name), v / grand) for name, v in sorted(totals.items(), key=lambda kv: -kv[1])[:top]]
 
 
+#: what `_split` divides a call's instructions into, in the order printed
+PARTS = ("commands", "bridge", "cmsgpack", "lua", "entry")
+
+
+def _split(path: str) -> dict[str, int]:
+    """One call's instructions by what does them (callgrind's inclusive costs of calls, read from
+    the dump; only exported names are used, the Lua VM's own functions being static):
+
+    - `commands`: the Redis commands the script calls (`call` nested in the FCALL's `call`);
+    - `bridge`: `redis.call` less those commands: the Lua values made into arguments and the
+      replies into Lua values (the function that calls `VM_CallArgv`, inclusive);
+    - `cmsgpack`: `cmsgpack.pack`/`unpack` (`mp_pack`, `mp_unpack`);
+    - `lua`: the rest of `lua_pcall`: Lua interpreted (the VM, its tables and strings, the
+      collector) and the other C functions it calls (`string.*`, `table.concat`, `tonumber`);
+    - `entry`: the rest of the FCALL: KEYS and ARGV made, the function looked up, the reply."""
+    names: dict[str, str] = {}
+    incl: dict[str, int] = {}
+    fn, cfn, pending = "", "", False
+    bridges: set[str] = set()
+    total = 0
+    for line in Path(path).read_text().splitlines():
+        if line.startswith(("fn=", "cfn=")):
+            m = re.match(r"(c?fn)=(\(\d+\))(?: (.*))?$", line)
+            if m:
+                if m.group(3):
+                    names[m.group(2)] = m.group(3)
+                name = names.get(m.group(2), m.group(2))
+                if m.group(1) == "fn":
+                    fn = name
+                else:
+                    cfn = name
+                    if name == "VM_CallArgv":
+                        bridges.add(fn)
+        elif line.startswith("calls="):
+            pending = True
+        elif line.startswith(("summary:", "totals:")):
+            total = int(line.split()[1])
+        elif pending and (line[:1].isdigit() or line[:1] in "+-*"):
+            pending = False
+            parts = line.split()
+            if len(parts) >= 2:
+                incl[cfn] = incl.get(cfn, 0) + int(parts[1])
+    commands = incl.get("call'2", 0)
+    bridge = sum(incl.get(b, 0) for b in bridges) - commands
+    packs = sum(v for k, v in incl.items() if k.split("'")[0] in ("mp_pack", "mp_unpack") and "'" not in k)
+    lua = incl.get("lua_pcall", 0) - commands - bridge - packs
+    return {"commands": commands, "bridge": bridge, "cmsgpack": packs, "lua": lua,
+            "entry": total - incl.get("lua_pcall", 0)}
+
+
 def _symbolizer() -> Any:
     """`0x...` (a static function the binary's symbol table leaves out: Lua's VM, tables, strings)
     -> `static, after <the exported symbol before it>`."""
@@ -247,16 +305,18 @@ def _symbolizer() -> Any:
 
 
 CUT_SUFFIX = "_cut"
+#: what a cut library's call raises where it is cut (the replay lets that error pass)
+CUT_ERROR = "omniflow-script-cost-cut"
 
 
 def cut_library(script: str, text: str) -> str:
     """The library again under another name, every function renamed `<name>_<version>_cut`, and
-    `script`'s returning right after its first line that holds `text` (`start`: before its first
-    line). The return ends the call only where it runs in the call's own code: after a statement
-    of the script's body, or of a block of it that the call enters (an `if` taken, a `do`); never
-    inside a loop or a local function. The first line holding `text` is taken: a text that also
-    appears earlier (in a helper's definition, say: `flush_stage()` is its own definition's line
-    first) cuts there instead, so make it one that is unique."""
+    `script`'s call ending (an error, which the replay lets pass) right after the first line of its
+    text that holds `text` (`start`: before its body's first line), the text of the helpers it
+    includes first, then its own. The error ends the call wherever that line runs: in the body, in
+    a local function, in a loop (its first pass), in a helper (its first call). Make `text` unique:
+    a text that also appears earlier (`flush_stage()` is its own definition's line first) cuts
+    there instead. The error's own cost (a few thousand instructions) is in each cut's count."""
     from omniflow.storage.scripts import LIBRARY, LIBRARY_NAME, SCRIPTS
 
     lib = LIBRARY.replace(f"#!lua name={LIBRARY_NAME}", f"#!lua name={LIBRARY_NAME}{CUT_SUFFIX}", 1)
@@ -270,29 +330,34 @@ def cut_library(script: str, text: str) -> str:
     if text == "start":
         at = body
     else:
-        found = part.find(text, body)
+        found = part.find(text, part.index("_build()"))       # its helpers' text, then its own
         if found < 0:
-            raise BenchError(f"{script}.lua has no line holding {text!r} in its body")
+            raise BenchError(f"{script}.lua has no line holding {text!r}, nor its helpers")
         at = part.index("\n", found) + 1
-    return lib[:start] + part[:at] + "    do return 'cut' end\n" + part[at:] + lib[start + len(part):]
+    # an error, not a return: it ends the call from inside a local function or a loop too (a
+    # `return` there would only end that function, or not parse)
+    return lib[:start] + part[:at] + f"error('{CUT_ERROR}')\n" + part[at:] + lib[start + len(part):]
 
 
 def run_cuts(wf: bytes, calls: list[list[bytes]], n: int, tunables: str | None, cuts: list[tuple[str, str]],
-             position: int) -> list[tuple[str, float, float]]:
-    """(cut, instructions of the call up to it, of the whole call), for each cut."""
+             position: int) -> list[tuple[str, float, dict[str, float]]]:
+    """(cut, instructions of the call up to it, their `_split`), for each cut, and last ('the whole
+    call', its instructions, their split)."""
     script = cuts[0][0]
     where = [i for i, c in enumerate(calls) if c[1].decode().rsplit("_", 1)[0] == script]
     if len(where) < position:
         raise BenchError(f"the captured workflow calls {script} {len(where)} time(s), not {position}")
     k = where[position - 1]
     upto = calls[:k + 1]
-    whole = count(wf, upto, n, tunables)["positions"][k]
     out = []
     for name, text in cuts:
         if name != script:
             raise BenchError("every --cut of one run names the same script")
         cut = [*upto[:k], [upto[k][0], upto[k][1] + CUT_SUFFIX.encode(), *upto[k][2:]]]
-        out.append((text, count(wf, cut, n, tunables, cut_library(name, text))["positions"][k], whole))
+        res = count(wf, cut, n, tunables, cut_library(name, text))
+        out.append((text, res["positions"][k], res["splits"][k]))
+    res = count(wf, upto, n, tunables)
+    out.append(("the whole call", res["positions"][k], res["splits"][k]))
     return out
 
 
@@ -307,10 +372,11 @@ def main() -> None:
     wf, calls = capture()
     if args.cut:
         rows = run_cuts(wf, calls, args.n, args.tunables, [tuple(c) for c in args.cut], args.position)
-        print(f"| {args.cut[0][0]} (call {args.position}) up to the line holding | Valkey instructions |\n|---|---:|")
-        for text, ir, _ in rows:
-            print(f"| `{text}` | {ir:,.0f} |")
-        print(f"| the whole call | {rows[0][2]:,.0f} |")
+        print(f"| {args.cut[0][0]} (call {args.position}) up to the line holding | Valkey instructions | "
+              + " | ".join(PARTS) + " (thousands) |\n|---|---:|" + "---:|" * len(PARTS))
+        for i, (text, ir, split) in enumerate(rows):
+            label = "the whole call" if i == len(rows) - 1 else f"`{text}`"
+            print(f"| {label} | {ir:,.0f} | " + " | ".join(f"{split[p] / 1000:,.0f}" for p in PARTS) + " |")
         return
     res = count(wf, calls, args.n, args.tunables)
     names = [c[1].decode().rsplit("_", 1)[0] for c in calls]
@@ -318,6 +384,17 @@ def main() -> None:
     for name, ir in zip(names, res["positions"]):
         print(f"| {name} | {ir:,.0f} |")
     print(f"| **per workflow** | **{res['total']:,.0f}** |")
+    print("\nwhat does them (thousands of instructions; `_split`: commands = the Redis commands the script "
+          "calls, bridge = redis.call's conversions, lua = Lua interpreted and its C library):")
+    print("| call | " + " | ".join(PARTS) + " |\n|---|" + "---:|" * len(PARTS))
+    sums = dict.fromkeys(PARTS, 0)
+    for name, split in zip(names, res["splits"]):
+        print(f"| {name} | " + " | ".join(f"{split[p] / 1000:,.0f}" for p in PARTS) + " |")
+        for p in PARTS:
+            sums[p] += split[p]
+    whole = sum(sums.values()) or 1
+    print("| **per workflow** | " + " | ".join(f"**{sums[p] / 1000:,.0f}** ({100 * sums[p] / whole:.0f} %)"
+                                           for p in PARTS) + " |")
     print("\nself instructions by function (share):")
     for fn, share in res["functions"]:
         print(f"  {100 * share:5.1f} %  {fn}")
