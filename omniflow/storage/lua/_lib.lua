@@ -15,9 +15,12 @@ local function key(name)
   return name
 end
 
--- `<prefix>:{<tag>}` of any key of a cell
+-- `<prefix>:{<tag>}` of any key of a cell (the last key asked about and its answer kept: a call asks
+-- about its workflow's key again and again, and a pattern match is ~1,400 instructions of this Lua)
+local CELL_OF, CELL_BASE = nil, nil
 local function cell_base(k)
-  return string.match(k, '^(.-%b{})')
+  if k ~= CELL_OF then CELL_OF, CELL_BASE = k, string.match(k, '^(.-%b{})') end
+  return CELL_BASE
 end
 
 -- (The helpers on every call's path loop with numeric `for`s: an `ipairs` step is a C call in this
@@ -34,6 +37,20 @@ local function csv(s)
       end
       i = j + 1
     end
+  end
+  return out
+end
+
+-- `csv`, parsed once per call (the same record field is read by several helpers on a call's path:
+-- the finals, the edges, the stages): the list is shared, so only a caller that never changes it
+-- uses this one
+local CSV = {}
+local function csv_ro(s)
+  if not s then return {} end
+  local out = CSV[s]
+  if out == nil then
+    out = csv(s)
+    CSV[s] = out
   end
   return out
 end
@@ -109,7 +126,10 @@ local function hget(k, f)
   return known[f] or nil
 end
 
-local function hset(k, ...)
+-- (up to four fields: a vararg function builds a table of its arguments on every call, ~2,300
+-- instructions of this Lua, as much as the rest of the call; `hset_list` for more)
+local function hset(k, f1, v1, f2, v2, f3, v3, f4, v4, more)
+  if more ~= nil then error('hset: at most four fields (hset_list)') end
   local pend = HW[k]
   if pend == nil then
     pend = {v = {}, order = {}}
@@ -117,12 +137,22 @@ local function hset(k, ...)
     HW_KEYS[#HW_KEYS + 1] = k
   end
   local v, order = pend.v, pend.order
-  local a, n = {...}, select('#', ...)
-  for i = 1, n, 2 do
-    local f = a[i]
-    if v[f] == nil then order[#order + 1] = f end
-    v[f] = a[i + 1]
-  end
+  if v[f1] == nil then order[#order + 1] = f1 end
+  v[f1] = v1
+  if f2 == nil then return end
+  if v[f2] == nil then order[#order + 1] = f2 end
+  v[f2] = v2
+  if f3 == nil then return end
+  if v[f3] == nil then order[#order + 1] = f3 end
+  v[f3] = v3
+  if f4 == nil then return end
+  if v[f4] == nil then order[#order + 1] = f4 end
+  v[f4] = v4
+end
+
+-- `hset` of the fields and values of list `a` ({f1, v1, ..., fn, vn})
+local function hset_list(k, a)
+  for i = 1, #a - 1, 2 do hset(k, a[i], a[i + 1]) end
 end
 
 local function hdel(k, f) hset(k, f, false) end
@@ -324,7 +354,7 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
     hset(wf, 'error', err, 'error_stage', err_stage or '')
   end
   if state ~= 'completed' then
-    local stages = csv(rec[1])
+    local stages = csv_ro(rec[1])
     hread(sk, stages)
     for j = 1, #stages do
       local stage = stages[j]
@@ -345,7 +375,7 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
   -- under this workflow's base key, so in this script's slot whether or not the caller declared them
   -- (one that ends a workflow by id alone, an abort or a deadline, need not know its pipeline)
   local edge_keys = {}
-  local wf_edges = csv(rec[2])
+  local wf_edges = csv_ro(rec[2])
   for j = 1, #wf_edges do edge_keys[j] = wf .. ':edge:' .. wf_edges[j] end
   if #edge_keys > 0 then redis.call('UNLINK', unpack(edge_keys)) end
   -- chunk payloads too large for their edge entries (omniflow.dataplane): nothing reads them any more.
@@ -368,7 +398,7 @@ local function finalize(wf, inflight_key, prefix, id, state, err, err_stage, now
   redis.call('EXPIRE', wf .. ':log', result_ttl)
   -- the finals whose outputs are keys (`ko`: audio streams; text is in the record), else (a record of
   -- before) every final's
-  local outs = csv(rec[11] or rec[3])
+  local outs = csv_ro(rec[11] or rec[3])
   for j = 1, #outs do redis.call('EXPIRE', wf .. ':out:' .. outs[j], result_ttl) end
   if rec[4] and rec[4] ~= '' then
     -- bounded: without a jobs runner reading it, the oldest notifications go first
@@ -483,12 +513,12 @@ end
 -- The terminal set: every final stage finished AND every submitted stage (attempt > 0) finished.
 -- `finished` is a list of stage names; finals and required are csv fields of the record.
 local function terminal_set_complete(sk, finished, finals, required)
-  local final_list = csv(finals)
+  local final_list = csv_ro(finals)
   for j = 1, #final_list do
     local s = final_list[j]
     if not contains(finished, s) then return false end
   end
-  local stages = csv(required)
+  local stages = csv_ro(required)
   local fields = {}
   for i = 1, #stages do local s = stages[i] fields[i] = s .. ':attempt' end
   hread(sk, fields)
@@ -514,9 +544,9 @@ local function finalize_declared(wf, inflight_key)
   local hook = hget(wf, 'webhook')
   if hook and hook ~= '' then need[#need + 1] = cell .. ':notify' end
   if hget(wf, 'blobs') then need[#need + 1] = wf .. ':blobs' end
-  local final_list = csv(hget(wf, 'finals'))
+  local final_list = csv_ro(hget(wf, 'finals'))
   for j = 1, #final_list do need[#need + 1] = wf .. ':out:' .. final_list[j] end
-  local edge_list = csv(hget(wf, 'edges'))
+  local edge_list = csv_ro(hget(wf, 'edges'))
   for j = 1, #edge_list do need[#need + 1] = wf .. ':edge:' .. edge_list[j] end
   for j = 1, #need do
     local k = need[j]
@@ -625,7 +655,8 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
     for i = 1, #FINISH_REC do local f = FINISH_REC[i] rec[i] = hget(wf, f) or false end
     for i = 1, #sf do local f = sf[i] cur[i] = hget(sk, f) or false end
   end
-  if is_live(rec[1]) and tostring(cur[2]) == tostring(attempt) and cur[1] == 'pending' then
+  -- (cur[2]: a reply's string or false/nil; attempt: an ARGV string: compared as they are, no tostring)
+  if is_live(rec[1]) and cur[2] == attempt and cur[1] == 'pending' then
     -- this attempt's claim is not recorded (lost with a primary that failed over after answering
     -- it): its task stays pending for this worker, whose orphan audit claims it again. Acked here,
     -- it would leave the stage pending with no task: nobody would ever run it.
@@ -634,7 +665,7 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
   -- acked, not deleted: the workers reading the stream trim what every group has acked
   -- (trim_tasks.lua), one command less per session
   redis.call('XACK', key(tasks_key), group, entry_id)
-  if not is_live(rec[1]) or tostring(cur[2]) ~= tostring(attempt) then return 'fenced' end
+  if not is_live(rec[1]) or cur[2] ~= attempt then return 'fenced' end
   if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
   local res = 'ok'
   local stored = tonumber(cur[3] or '0') or 0
@@ -644,7 +675,7 @@ local function finish_session(wf, tasks_key, events_key, group, entry_id, stage,
   end
   local report = true
   if outcome == 'done' then
-    local down = csv(downstream)
+    local down = csv_ro(downstream)
     for j = 1, #down do
       local dst = down[j]
       edge_append(wf, rec[2], stage, dst, {'eos', '1', 'seq', seq, 'a', attempt})

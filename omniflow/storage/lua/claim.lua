@@ -114,7 +114,7 @@ for gi = 1, #groups do
       why = 'layout'
     else
       cur, cur_replica = v[stage], v[stage .. ':replica']
-      if tostring(v[stage .. ':attempt']) ~= attempt then
+      if v[stage .. ':attempt'] ~= attempt then
         why = 'stale'
       elseif cur ~= 'pending' and not (cur_replica == replica and (cur == 'running' or cur == 'waiting_input')) then
         why = 'stale'
@@ -156,7 +156,7 @@ for gi = 1, #groups do
       for j = 1, #upstream do
         local src = upstream[j]
         local st, sq = v[src], v[src .. ':seq']
-        if st and st ~= 'done' and tostring(sq or '0') == '0' then
+        if st and st ~= 'done' and (sq or '0') == '0' then
           catchup[j] = {src, {}}
         else
           catchup[j] = {src, redis.call('XRANGE', key(wf .. ':edge:' .. src .. ':' .. stage), '-', '+')}

@@ -75,7 +75,9 @@ local function check_steps(steps)
   if payloads > 0 and first_payload <= 6 then return 'payload keys missing from KEYS' end
   for n = 1, #steps do
     local step = steps[n]
-    if type(step) ~= 'table' or tonumber(step[1]) == nil then return 'step ' .. n .. ' has no seq' end
+    local seq = type(step) == 'table' and tonumber(step[1])
+    if not seq then return 'step ' .. n .. ' has no seq' end
+    step[1] = seq                -- (a number from here on: the loops below read it as it is)
     local i = 2
     while i <= #step do
       local op, a, b = step[i], step[i + 1], step[i + 2]
@@ -175,13 +177,13 @@ local function read_all()
     end
   end
   if fin and fin[3] == 'done' then
-    local down = csv(fin[7])
+    local down = csv_ro(fin[7])
     for j = 1, #down do want_dst(down[j]) end
   end
   -- a finish that may complete the workflow: every stage's attempt too (the terminal set's check,
   -- `terminal_set_complete`), where the caller named its workflow's stages (the completion's 3rd item)
   if fin and fin[9] and fin[9][3] then
-    local all_stages = csv(fin[9][3])
+    local all_stages = csv_ro(fin[9][3])
     for j = 1, #all_stages do fields[#fields + 1] = all_stages[j] .. ':attempt' end
   end
   local v, all, got
@@ -200,7 +202,7 @@ local function write_steps()
   local state, cur, ckpt_prev, text_prev = read_all()     -- text_prev: nil where text goes to out:<stage>
   if state ~= 'running' then return 'fenced' end
   if not sk then return false end     -- a workflow of before, `<wf>:stages` not declared
-  if tostring(cur[2]) ~= ARGV[2] then return 'fenced' end
+  if cur[2] ~= ARGV[2] then return 'fenced' end
   if cur[1] ~= 'running' and cur[1] ~= 'waiting_input' then return 'fenced' end
   local last = tonumber(cur[3] or '0')
   -- every consumer this call forwards to must have its inbox declared: else nothing is written
@@ -208,7 +210,7 @@ local function write_steps()
   local upto = 0          -- the last step's seq of this call (see below)
   for k = 1, #steps do
     local step = steps[k]
-    local seq = tonumber(step[1])
+    local seq = step[1]
     if seq > upto then upto = seq end
     if seq > last then
       first = first or seq
@@ -221,7 +223,7 @@ local function write_steps()
     end
   end
   if fin and fin[3] == 'done' then
-    local down = csv(fin[7])
+    local down = csv_ro(fin[7])
     for k = 1, #down do
       if not seen[down[k]] then dsts[#dsts + 1] = down[k] end
     end
@@ -274,7 +276,7 @@ local function write_steps()
   local gap = false
   for k = 1, #steps do
     local step = steps[k]
-    local seq = tonumber(step[1])
+    local seq = step[1]
     if seq > last + 1 then
       gap = true
       break
@@ -354,7 +356,7 @@ local function write_steps()
 end
 
 local function flush_stage()
-  if #SW > 0 then hset(sk, unpack(SW)) end
+  if #SW > 0 then hset_list(sk, SW) end
 end
 
 local res = write_steps()

@@ -107,4 +107,4 @@ if ARGV[11] ~= 'default' then
 end
 redis.call('XADD', key(wf .. ':log'), '*', 't', 'state', 'state', 'pending')
 if use_idem then redis.call('SET', KEYS[5], id, 'EX', ARGV[6]) end
-return {'ok', id, tostring(n + 1)}
+return {'ok', id, n + 1}
