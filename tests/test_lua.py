@@ -2,6 +2,7 @@
 (Valkey always; redis-server too when it is on PATH)."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgpack
@@ -161,6 +162,35 @@ async def test_emit_is_idempotent_on_seq_and_fenced_by_attempt(store) -> None:
     assert res[0] == "ok" and res[5] == "2"           # resumes after the 2 steps already written
     assert await emit(store, sub.id, "thinker", 2, 3, "c") == "ok"
     assert await store.text(sub.id, "thinker") == "abc"
+
+
+@pytest.mark.parametrize("steps, payloads, message", [
+    ([[1, "Z", "x", ""]], 0, "step 1: unknown op Z"),
+    ([["one", "T", "x", ""]], 0, "step 1 has no seq"),
+    ([[1, "T", "x", ""], [2, "P", "talker", ""]], 0, "step 2: op P needs a packed chunk"),
+    ([[1, "T", "x", ""], [2, "X", 4, ["odd"]]], 0, "step 2: op X needs field pairs"),
+    ([[1, "B", 7, ["blob", 10]]], 0, "payload keys missing from KEYS"),        # KEYS[6] is the blobs set
+    ([[1, "B", 6, ["blob", 10]]], 1, "step 1: op B names no payload key"),     # KEYS[7] is the payload
+    ([[1, "B", "k", ["blob", 10]]], 1, "step 1: op B names no payload key"),
+    ([[1, "T", "x", ""], [2, "B", 7, ["blob", 0]]], 1, "step 2: op B needs {payload, ttl_ms}"),
+])
+async def test_an_emit_with_a_malformed_step_is_refused_with_what_is_wrong_and_writes_nothing(
+        store, steps: list, payloads: int, message: str) -> None:
+    """Every step is checked before anything is written (a script that fails part-way is not
+    rolled back): the error names the step and what is wrong with it."""
+    sub = await store.submit(request(modalities=["text"]))
+    _, res = await claim_next(store, "thinker")
+    assert res[0] == "ok"
+    wf = store.keys.wf(sub.id)
+    keys = [*emit_keys(store, sub.id, "thinker"), f"{wf}:blobs", *(f"{wf}:blob:{i}" for i in range(payloads))]
+    with pytest.raises(Exception, match=re.escape(f"emit: {message} (nothing written)")):
+        await redisio.script(store.client, "emit", keys,
+                             ["thinker", 1, "", now_ms(), sub.id, msgpack.packb(steps, use_bin_type=False)])
+    assert await store.text(sub.id, "thinker") == ""
+    assert s(await store.client.hget(store.keys.wf(sub.id), "thinker:seq")) == "0"
+    for k in keys[4:]:
+        assert not await store.client.exists(k)
+    assert await emit(store, sub.id, "thinker", 1, 1, "a") == "ok"            # the session goes on
 
 
 async def test_one_emit_call_writes_one_text_entry_and_one_entry_per_edge(store) -> None:

@@ -62,17 +62,7 @@ local blobs_flagged = false
 -- nil when every step is well-formed, else what is wrong
 local function check_steps(steps)
   if type(steps) ~= 'table' then return 'steps are not an array' end
-  local payloads = 0           -- the payload keys are the last KEYS, one per 'B' op
-  for k = 1, #steps do
-    local step = steps[k]
-    if type(step) == 'table' then
-      for i = 2, #step, 3 do
-        if step[i] == 'B' then payloads = payloads + 1 end
-      end
-    end
-  end
-  local first_payload = #KEYS - payloads + 1
-  if payloads > 0 and first_payload <= 6 then return 'payload keys missing from KEYS' end
+  local payload_at = {}        -- the payload key positions 'B' ops name, checked once they are counted
   for n = 1, #steps do
     local step = steps[n]
     local seq = type(step) == 'table' and tonumber(step[1])
@@ -86,9 +76,9 @@ local function check_steps(steps)
           return 'step ' .. n .. ': op ' .. op .. ' names neither the log nor the output'
         end
       elseif op == 'B' then
-        if type(a) ~= 'number' or a < first_payload or a > #KEYS then
-          return 'step ' .. n .. ': op B names no payload key'
-        end
+        if type(a) ~= 'number' then return 'step ' .. n .. ': op B names no payload key' end
+        payload_at[#payload_at + 1] = n
+        payload_at[#payload_at + 1] = a
       elseif type(a) ~= 'string' then return 'step ' .. n .. ': op ' .. tostring(op) .. ' needs a name' end
       if op == 'X' or op == 'E' then
         if type(b) ~= 'table' or #b == 0 or #b % 2 ~= 0 then return 'step ' .. n .. ': op ' .. op .. ' needs field pairs' end
@@ -105,11 +95,21 @@ local function check_steps(steps)
           return 'step ' .. n .. ': op B needs {payload, ttl_ms}'
         end
       elseif op == 'T' or op == 'A' or op == 'H' or op == 'C' then
-        if type(b) ~= 'string' and type(b) ~= 'number' then return 'step ' .. n .. ': op ' .. op .. ' needs a value' end
+        local tb = type(b)
+        if tb ~= 'string' and tb ~= 'number' then return 'step ' .. n .. ': op ' .. op .. ' needs a value' end
       else
         return 'step ' .. n .. ': unknown op ' .. tostring(op)
       end
       i = i + 3
+    end
+  end
+  local payloads = #payload_at / 2     -- the payload keys are the last KEYS, one per 'B' op
+  if payloads > 0 then
+    local first_payload = #KEYS - payloads + 1
+    if first_payload <= 6 then return 'payload keys missing from KEYS' end
+    for k = 1, #payload_at, 2 do
+      local a = payload_at[k + 1]
+      if a < first_payload or a > #KEYS then return 'step ' .. payload_at[k] .. ': op B names no payload key' end
     end
   end
   return nil

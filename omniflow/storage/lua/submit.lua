@@ -75,8 +75,8 @@ if not counted then tenant_new = redis.call('HINCRBY', tinf, tenant, 1) == 1 end
 for i = 10, 8 + 2 * nf, 2 do      -- the record's priority class, for tasks_key (no read back)
   if ARGV[i] == 'prio' then PRIO[wf] = ARGV[i + 1] end
 end
-local admit = csv(ARGV[8])
-local required = csv(ARGV[7])
+local admit = csv_ro(ARGV[8])          -- (read only: most often the same list, parsed once)
+local required = csv_ro(ARGV[7])
 for j = 1, #required do
   local stage = required[j]
   local attempt = 0
