@@ -271,14 +271,16 @@ class Store(WorkflowReads, StreamedMedia):
                                  for st in parts.plan.stages})
         else:
             params = parts.params
+        # the fields the scripts read on every call first (a small hash is scanned from its front:
+        # submit.lua), the request's own after them; `tenant` is the first pair submit.lua reads
         record = [
             "tenant", tenant,
+            "prio", prio.value,
+            *parts.fields,
             "request_id", req.request_id or "",
             "input", req.input.model_dump_json(exclude_none=True),
             "params", params,
             "webhook", req.webhook_url or "",
-            "prio", prio.value,
-            *parts.fields,
         ]
         if req.webhook_url:
             self._check_webhook(req.webhook_url)
@@ -321,9 +323,9 @@ class Store(WorkflowReads, StreamedMedia):
             kinds = [f"{st}={pipeline.stages[st].final_output}" for st in plan.finals]
             keyed = [st for st in plan.finals if pipeline.stages[st].final_output != "text"]
             fields = ("pipeline", pipeline.name, "pipeline_hash", pipeline.digest,
-                      "stages", ",".join(plan.stages), "finals", ",".join(plan.finals), "kinds", ",".join(kinds),
-                      RecordField.KEY_OUTPUTS, ",".join(keyed),
-                      "edges", ",".join(edges), "groups", plan.record_groups())
+                      "stages", ",".join(plan.stages), "finals", ",".join(plan.finals),
+                      "groups", plan.record_groups(), RecordField.KEY_OUTPUTS, ",".join(keyed),
+                      "edges", ",".join(edges), "kinds", ",".join(kinds))
             parts = _PlanParts(plan=plan, fields=fields, stages=",".join(plan.stages), admit=",".join(plan.admit),
                                params=json.dumps({st: dict(pipeline.stages[st].params) for st in plan.stages}),
                                queues=tuple(pipeline.queue(st) for st in plan.admit))

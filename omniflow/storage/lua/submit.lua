@@ -65,29 +65,33 @@ if share then
 end
 
 -- the record and every required stage's fields in one HSET ('sl': the stage fields are in the
--- record, see stages_of in _lib.lua); the admitted stages with attempt 1 (they are queued below)
-local fields = {'id', id, 'state', 'pending', 'created_ms', now, 'updated_ms', now,
-  'deadline_ms', ARGV[4], 'finished', '', 'gsub', '', 'tf', '1', 'sl', '1'}
+-- record, see stages_of in _lib.lua); the admitted stages with attempt 1 (they are queued below).
+-- A small hash is a list scanned from its front on every field read or written (lpFind: a third of
+-- Valkey's work in HMGET and HSET, bench/notes.md, round 19), so the fields every script reads come
+-- first: the record's state, then each stage's status, attempt and seq, then the request's fields
+-- (input, params, ...: read by the claim alone), the stages' submit times last (read by no script)
+local fields = {'id', id, 'state', 'pending', 'sl', '1', 'tf', '1', 'finished', '', 'gsub', '',
+  'created_ms', now, 'updated_ms', now, 'deadline_ms', ARGV[4]}
+local admit = csv_ro(ARGV[8])          -- (read only: most often the same list, parsed once)
+local required = csv_ro(ARGV[7])
+for j = 1, #required do
+  local stage = required[j]
+  local n = #fields
+  fields[n + 1], fields[n + 2], fields[n + 3] = stage, 'pending', stage .. ':attempt'
+  fields[n + 4], fields[n + 5], fields[n + 6] = contains(admit, stage) and 1 or 0, stage .. ':seq', 0
+end
 for i = 10, 9 + 2 * nf do fields[#fields + 1] = ARGV[i] end
+for j = 1, #required do
+  if contains(admit, required[j]) then
+    local n = #fields
+    fields[n + 1], fields[n + 2] = required[j] .. ':t_submit', now
+  end
+end
 -- the tenant's first live workflow in this cell (its count was 0 or absent): it joins the names set
 -- (never pruned: a tenant with a live workflow is in it already), but `default`, which has no index
 if not counted then tenant_new = redis.call('HINCRBY', tinf, tenant, 1) == 1 end
 for i = 10, 8 + 2 * nf, 2 do      -- the record's priority class, for tasks_key (no read back)
   if ARGV[i] == 'prio' then PRIO[wf] = ARGV[i + 1] end
-end
-local admit = csv_ro(ARGV[8])          -- (read only: most often the same list, parsed once)
-local required = csv_ro(ARGV[7])
-for j = 1, #required do
-  local stage = required[j]
-  local attempt = 0
-  local n = #fields
-  if contains(admit, stage) then
-    attempt = 1
-    fields[n + 1], fields[n + 2] = stage .. ':t_submit', now
-    n = n + 2
-  end
-  fields[n + 1], fields[n + 2], fields[n + 3] = stage, 'pending', stage .. ':attempt'
-  fields[n + 4], fields[n + 5], fields[n + 6] = attempt, stage .. ':seq', 0
 end
 redis.call('HSET', wf, unpack(fields))
 local version = ''                -- the record's pipeline_hash, among its fields (ARGV[10..])
