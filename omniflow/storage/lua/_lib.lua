@@ -125,8 +125,8 @@ local function hget(k, f)
   return known[f] or nil
 end
 
--- (up to four fields: a vararg function builds a table of its arguments on every call, ~2,300
--- instructions of this Lua, as much as the rest of the call; `hset_list` for more)
+-- (up to four fields as arguments: a vararg function builds a table of its arguments on every call,
+-- ~2,300 instructions of this Lua, more than the rest of hset; `hset_list` for more)
 local function hset(k, f1, v1, f2, v2, f3, v3, f4, v4, more)
   if more ~= nil then error('hset: at most four fields (hset_list)') end
   local pend = HW[k]
