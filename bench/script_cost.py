@@ -43,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -186,16 +187,13 @@ def count(wf: bytes, calls: list[list[bytes]], n: int, tunables: str | None,
         # `<out>.k` holds what ran since dump k-1 (`<out>.1`: before the first call, nothing collected),
         # `<out>` (written at exit) the last call
         paths = [*sorted(glob.glob(f"{out}.*"), key=lambda p: int(p.rsplit(".", 1)[1])), str(out)]
-        per_call = []
-        for path in paths[1:]:
-            m = re.search(r"^(?:summary|totals):\s*(\d+)", Path(path).read_text(), re.M)
-            per_call.append(int(m.group(1)) if m else 0)
-        if len(per_call) != n * len(calls):
-            raise BenchError(f"{len(per_call)} dumps for {n * len(calls)} calls")
-        positions = [sum(per_call[i::len(calls)]) / n for i in range(len(calls))]
-        functions = _top_functions(paths[1:])
+        dumps = [_read_dump(path) for path in paths[1:]]
+        if len(dumps) != n * len(calls):
+            raise BenchError(f"{len(dumps)} dumps for {n * len(calls)} calls")
+        positions = [sum(d.total for d in dumps[i::len(calls)]) / n for i in range(len(calls))]
+        functions = _top_functions(dumps)
         # the split of each position, averaged like its count (a dump holds one call)
-        each = [_split(path) for path in paths[1:]]
+        each = [_split(d) for d in dumps]
         splits = [{p: sum(sp[p] for sp in each[i::len(calls)]) / n for p in PARTS} for i in range(len(calls))]
         return {"total": sum(positions), "positions": positions, "functions": functions, "splits": splits}
     finally:
@@ -205,55 +203,24 @@ def count(wf: bytes, calls: list[list[bytes]], n: int, tunables: str | None,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _top_functions(paths: list[str], top: int = 12) -> list[tuple[str, float]]:
-    """Self instructions by C function over every dump (share of the total). Callgrind's format:
-    `fn=(id) name` names a function once, `(id)` alone after; a cost line after `calls=` is that
-    call's inclusive cost (left out: it is its callee's)."""
-    totals: dict[str, int] = {}
-    for path in paths:
-        names: dict[str, str] = {}
-        fn, skip = "", False
-        for line in Path(path).read_text().splitlines():
-            if line.startswith(("fn=", "cfn=")):
-                m = re.match(r"c?fn=(\(\d+\))(?: (.*))?$", line)
-                if m:
-                    if m.group(2):
-                        names[m.group(1)] = m.group(2)
-                    if line.startswith("fn="):
-                        fn = names.get(m.group(1), m.group(1))
-            elif line.startswith("calls="):
-                skip = True
-            elif line[:1].isdigit() or line[:1] in "+-*":
-                parts = line.split()
-                if skip:
-                    skip = False
-                elif len(parts) >= 2 and fn:
-                    totals[fn] = totals.get(fn, 0) + int(parts[1])
-    grand = sum(totals.values()) or 1
-    named = _symbolizer()
-    return [(named(name), v / grand) for name, v in sorted(totals.items(), key=lambda kv: -kv[1])[:top]]
+@dataclass
+class _Dump:
+    """One callgrind dump, read: self instructions by function, the inclusive instructions of the
+    calls made to each function, who calls each, and the dump's total."""
+
+    own: dict[str, int] = field(default_factory=dict)
+    called: dict[str, int] = field(default_factory=dict)
+    callers: dict[str, set[str]] = field(default_factory=dict)
+    total: int = 0
 
 
-#: what `_split` divides a call's instructions into, in the order printed
-PARTS = ("commands", "bridge", "cmsgpack", "lua", "entry")
-
-
-def _split(path: str) -> dict[str, int]:
-    """One call's instructions by what does them (callgrind's inclusive costs of calls, read from
-    the dump; only exported names are used, the Lua VM's own functions being static):
-
-    - `commands`: the Redis commands the script calls (`call` nested in the FCALL's `call`);
-    - `bridge`: `redis.call` less those commands: the Lua values made into arguments and the
-      replies into Lua values (the function that calls `VM_CallArgv`, inclusive);
-    - `cmsgpack`: `cmsgpack.pack`/`unpack` (`mp_pack`, `mp_unpack`);
-    - `lua`: the rest of `lua_pcall`: Lua interpreted (the VM, its tables and strings, the
-      collector) and the other C functions it calls (`string.*`, `table.concat`, `tonumber`);
-    - `entry`: the rest of the FCALL: KEYS and ARGV made, the function looked up, the reply."""
+def _read_dump(path: str) -> _Dump:
+    """Callgrind's format: `fn=(id) name` names a function once, `(id)` alone after (`cfn=` the same,
+    for a callee); a cost line after `calls=` is that call's inclusive cost, any other one a cost of
+    `fn`'s own."""
+    d = _Dump()
     names: dict[str, str] = {}
-    incl: dict[str, int] = {}
-    fn, cfn, pending = "", "", False
-    bridges: set[str] = set()
-    total = 0
+    fn, cfn, after_calls = "", "", False
     for line in Path(path).read_text().splitlines():
         if line.startswith(("fn=", "cfn=")):
             m = re.match(r"(c?fn)=(\(\d+\))(?: (.*))?$", line)
@@ -265,23 +232,55 @@ def _split(path: str) -> dict[str, int]:
                     fn = name
                 else:
                     cfn = name
-                    if name == "VM_CallArgv":
-                        bridges.add(fn)
+                    d.callers.setdefault(name, set()).add(fn)
         elif line.startswith("calls="):
-            pending = True
+            after_calls = True
         elif line.startswith(("summary:", "totals:")):
-            total = int(line.split()[1])
-        elif pending and (line[:1].isdigit() or line[:1] in "+-*"):
-            pending = False
+            d.total = int(line.split()[1])
+        elif line[:1].isdigit() or line[:1] in "+-*":
             parts = line.split()
-            if len(parts) >= 2:
-                incl[cfn] = incl.get(cfn, 0) + int(parts[1])
-    commands = incl.get("call'2", 0)
-    bridge = sum(incl.get(b, 0) for b in bridges) - commands
-    packs = sum(v for k, v in incl.items() if k.split("'")[0] in ("mp_pack", "mp_unpack") and "'" not in k)
-    lua = incl.get("lua_pcall", 0) - commands - bridge - packs
+            if len(parts) < 2:
+                continue
+            if after_calls:
+                after_calls = False
+                d.called[cfn] = d.called.get(cfn, 0) + int(parts[1])
+            elif fn:
+                d.own[fn] = d.own.get(fn, 0) + int(parts[1])
+    return d
+
+
+def _top_functions(dumps: list[_Dump], top: int = 12) -> list[tuple[str, float]]:
+    """Self instructions by C function over every dump (share of the total)."""
+    totals: dict[str, int] = {}
+    for d in dumps:
+        for fn, n in d.own.items():
+            totals[fn] = totals.get(fn, 0) + n
+    grand = sum(totals.values()) or 1
+    named = _symbolizer()
+    return [(named(name), v / grand) for name, v in sorted(totals.items(), key=lambda kv: -kv[1])[:top]]
+
+
+#: what `_split` divides a call's instructions into, in the order printed
+PARTS = ("commands", "bridge", "cmsgpack", "lua", "entry")
+
+
+def _split(d: _Dump) -> dict[str, int]:
+    """One call's instructions by what does them (callgrind's inclusive costs of calls; only exported
+    names are used, the Lua VM's own functions being static):
+
+    - `commands`: the Redis commands the script calls (`call` nested in the FCALL's `call`);
+    - `bridge`: `redis.call` less those commands: the Lua values made into arguments and the
+      replies into Lua values (the function that calls `VM_CallArgv`, inclusive);
+    - `cmsgpack`: `cmsgpack.pack`/`unpack` (`mp_pack`, `mp_unpack`);
+    - `lua`: the rest of `lua_pcall`: Lua interpreted (the VM, its tables and strings, the
+      collector) and the other C functions it calls (`string.*`, `table.concat`, `tonumber`);
+    - `entry`: the rest of the FCALL: KEYS and ARGV made, the function looked up, the reply."""
+    commands = d.called.get("call'2", 0)
+    bridge = sum(d.called.get(b, 0) for b in d.callers.get("VM_CallArgv", ())) - commands
+    packs = d.called.get("mp_pack", 0) + d.called.get("mp_unpack", 0)
+    lua = d.called.get("lua_pcall", 0) - commands - bridge - packs
     return {"commands": commands, "bridge": bridge, "cmsgpack": packs, "lua": lua,
-            "entry": total - incl.get("lua_pcall", 0)}
+            "entry": d.total - d.called.get("lua_pcall", 0)}
 
 
 def _symbolizer() -> Any:
