@@ -14,6 +14,7 @@ round 7); a library runs each script's helpers once, at the first call after it 
     local KEYS, ARGV                  -- each call sets them
     local emit_impl
     local function emit_build()
+      local type, tonumber, ... = type, tonumber, ...      -- GLOBALS: the globals the scripts use
       <emit's helpers: each `local function` as written; every other top-level statement of the
        helper file (a table, a constant, the DECLARED set) only declared here>
       return function()
