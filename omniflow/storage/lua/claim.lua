@@ -87,10 +87,11 @@ for i = 1, #order do
 end
 
 local W, WK = {}, {}        -- the fields each hash is written (one HSET per hash at the end), its keys in order
-local function write(k, ...)
+local function write(k, f1, v1, f2, v2, f3, v3)    -- (no vararg table: see hset in _lib.lua)
   local w = list_in(W, WK, k)
-  local a = {...}
-  for i = 1, #a do w[#w + 1] = a[i] end
+  local n = #w
+  w[n + 1], w[n + 2], w[n + 3], w[n + 4] = f1, v1, f2, v2
+  if f3 ~= nil then w[n + 5], w[n + 6] = f3, v3 end
 end
 
 local out = {}
