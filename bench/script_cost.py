@@ -18,6 +18,11 @@ C functions that take the most of them. `--tunables` runs the server with that G
     .venv/bin/python bench/script_cost.py [--n 60] [--tunables '']
     .venv/bin/python bench/script_cost.py --cut submit "redis.call('HSET', wf" --cut submit "redis.call('ZADD', KEYS[6]"
 
+`--capture FILE` replays the workflow captured in FILE (JSON; captured and written there first when
+FILE is missing): run two trees' copies of this script with the same FILE, and each tree's library
+counts the same calls (a new capture moves the count by ~0.2 %, more than many a change to the Lua;
+bench/notes.md, round 19).
+
 The second table splits each call by what does the work (`_split`): the Redis commands the script
 calls, `redis.call`'s conversions (the bridge), cmsgpack, the Lua interpreted, the call's entry.
 
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import re
 import shutil
@@ -131,6 +137,22 @@ def capture(warmup: int = 80) -> tuple[bytes, list[list[bytes]]]:
     if not calls:
         raise BenchError("MONITOR saw no script call of the captured workflow")
     return wf.encode(), calls
+
+
+def load_capture(path: Path) -> tuple[bytes, list[list[bytes]]]:
+    """The workflow captured in `path` (captured now and written there if it is missing), its calls
+    named for this tree's library: a library's functions carry its version (`emit_<version>`)."""
+    from omniflow.storage.scripts import LIBRARY_NAME
+
+    if not path.exists():
+        wf, calls = capture()
+        path.write_text(json.dumps({"wf": wf.decode("latin-1"),
+                                    "calls": [[a.decode("latin-1") for a in c] for c in calls]}))
+    doc = json.loads(path.read_text())
+    version = LIBRARY_NAME.rsplit("_", 1)[1].encode()
+    calls = [[a.encode("latin-1") for a in c] for c in doc["calls"]]
+    return doc["wf"].encode("latin-1"), [[c[0], re.sub(rb"_[0-9a-f]{12}$", b"_" + version, c[1]), *c[2:]]
+                                         for c in calls]
 
 
 def count(wf: bytes, calls: list[list[bytes]], n: int, tunables: str | None,
@@ -368,8 +390,10 @@ def main() -> None:
     ap.add_argument("--cut", nargs=2, action="append", metavar=("SCRIPT", "TEXT"),
                     help="count SCRIPT's call up to the line holding TEXT ('start': its first line); repeatable")
     ap.add_argument("--position", type=int, default=1, help="with --cut: the script's K-th call in the workflow")
+    ap.add_argument("--capture", default=None, metavar="FILE",
+                    help="replay the workflow captured in FILE (captured and written there if missing)")
     args = ap.parse_args()
-    wf, calls = capture()
+    wf, calls = load_capture(Path(args.capture)) if args.capture else capture()
     if args.cut:
         rows = run_cuts(wf, calls, args.n, args.tunables, [tuple(c) for c in args.cut], args.position)
         print(f"| {args.cut[0][0]} (call {args.position}) up to the line holding | Valkey instructions | "
