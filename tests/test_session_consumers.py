@@ -1,7 +1,12 @@
-"""The book of which replicas consume which stage (pure): what a producer's emits declare."""
+"""The book of which replicas consume which stage (pure): what a producer's emits declare; a
+session's input queue."""
 from __future__ import annotations
 
-from omniflow.engine.session.consumers import Consumers
+import asyncio
+
+import pytest
+
+from omniflow.engine.session.consumers import Consumers, InputQueue
 from omniflow.storage.keys import Keys
 from omniflow.storage.transitions.emit import emit_keys
 
@@ -26,3 +31,28 @@ def test_an_emit_declares_the_inboxes_of_the_known_consumers_once() -> None:
                          {"talker": ("w1", "w2"), "code2wav": ("w1",)})
     assert declared[-2:] == [keys.inbox("w1", 0), keys.inbox("w2", 0)]
     assert emit_keys(keys, "0abc", "thinker", ("talker",)) == declared[:7]
+
+
+def test_an_input_queue_keeps_order_wakes_its_reader_and_loses_nothing_to_a_cancelled_read() -> None:
+    async def main() -> None:
+        queue = InputQueue()
+        assert queue.empty() and queue.qsize() == 0
+        with pytest.raises(asyncio.QueueEmpty):
+            queue.get_nowait()
+        reader = asyncio.create_task(queue.get())
+        await asyncio.sleep(0)                    # the reader waits
+        assert not reader.done()
+        queue.put_nowait(("thinker", 1))
+        queue.put_nowait(("thinker", 2))
+        assert await asyncio.wait_for(reader, 1) == ("thinker", 1)
+        assert queue.qsize() == 1 and queue.get_nowait() == ("thinker", 2)
+        waiting = asyncio.create_task(queue.get())
+        await asyncio.sleep(0)
+        waiting.cancel()                          # a read cancelled while it waits (the input watchdog)
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        queue.put_nowait(("talker", 3))           # put after the cancel: kept for the next read
+        assert not queue.empty()
+        assert await asyncio.wait_for(queue.get(), 1) == ("talker", 3)
+
+    asyncio.run(main())

@@ -28,8 +28,11 @@ class WaitStats:
     peak_bytes: int = 0
 
     def saw(self, window: EdgeWindow) -> None:
-        self.peak_chunks = max(self.peak_chunks, window.chunks)
-        self.peak_bytes = max(self.peak_bytes, window.bytes)
+        # (comparisons, not max() and the property: once per chunk on every bounded edge)
+        if len(window._sent) > self.peak_chunks:
+            self.peak_chunks = len(window._sent)
+        if window.bytes > self.peak_bytes:
+            self.peak_bytes = window.bytes
 
 
 class EdgeWindow:
@@ -54,9 +57,10 @@ class EdgeWindow:
     def has_room(self, nbytes: int) -> bool:
         """True if one more chunk of `nbytes` stays within the bound (a chunk larger than the byte
         bound on its own goes through when nothing else is outstanding)."""
-        if self.max_chunks > 0 and self.chunks >= self.max_chunks:
+        chunks = len(self._sent)
+        if self.max_chunks > 0 and chunks >= self.max_chunks:
             return False
-        if self.max_bytes > 0 and self.chunks and self.bytes + nbytes > self.max_bytes:
+        if self.max_bytes > 0 and chunks and self.bytes + nbytes > self.max_bytes:
             return False
         return True
 
@@ -65,8 +69,10 @@ class EdgeWindow:
             return
         self._sent.append((seq, nbytes))
         self.bytes += nbytes
-        self.peak_chunks = max(self.peak_chunks, self.chunks)
-        self.peak_bytes = max(self.peak_bytes, self.bytes)
+        if len(self._sent) > self.peak_chunks:
+            self.peak_chunks = len(self._sent)
+        if self.bytes > self.peak_bytes:
+            self.peak_bytes = self.bytes
 
     def read_up_to(self, seq: int) -> None:
         """The consumer has read every chunk up to `seq`."""

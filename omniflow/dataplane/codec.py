@@ -359,6 +359,25 @@ def decode_frame_views(buf: Any, *, nbytes: int, checksum: int, what: str = "pay
 def payload_nbytes(obj: Any, limit: int = sys.maxsize) -> int:
     """About how many bytes `obj` carries (array, tensor, bytes and str sizes); stops counting
     once past `limit` (callers only ask "is it above the inline threshold?")."""
+    kind = type(obj)        # the exact common types first: once per payload, per downstream stage
+    if kind is str or kind is bytes:
+        return len(obj)
+    if kind is int or kind is float:
+        return 8
+    if kind is list:
+        total = 0
+        for v in obj:
+            total += payload_nbytes(v, limit)
+            if total > limit:
+                break
+        return total
+    if kind is dict or isinstance(obj, dict):      # (none of the types below is a dict)
+        total = 0
+        for k, v in obj.items():
+            total += payload_nbytes(k, limit) + payload_nbytes(v, limit)
+            if total > limit:
+                break
+        return total
     if isinstance(obj, (str, bytes, bytearray)):
         return len(obj)
     if isinstance(obj, np.ndarray):
@@ -367,13 +386,6 @@ def payload_nbytes(obj: Any, limit: int = sys.maxsize) -> int:
         return 8
     if isinstance(obj, memoryview):
         return obj.nbytes
-    if isinstance(obj, dict):
-        total = 0
-        for k, v in obj.items():
-            total += payload_nbytes(k, limit) + payload_nbytes(v, limit)
-            if total > limit:
-                break
-        return total
     if isinstance(obj, (list, tuple)):
         total = 0
         for v in obj:

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from omniflow.dataplane.base import TransportKind
 
+#: each kind's name as the counters store it (`kind.value` is a descriptor call per payload; a str
+#: enum hashes as its str, so this lookup is one dict probe)
+_NAME = {kind: kind.value for kind in TransportKind}
+
 
 class Traffic:
     """Chunk payloads sent and their bytes, by stage and transport (monotonic counters)."""
@@ -22,9 +26,10 @@ class Traffic:
         per_stage = self._counts.get(stage)
         if per_stage is None:
             per_stage = self._counts.setdefault(stage, {})
-        counts = per_stage.get(kind.value)
+        name = _NAME[kind]
+        counts = per_stage.get(name)
         if counts is None:
-            counts = per_stage.setdefault(kind.value, [0, 0])
+            counts = per_stage.setdefault(name, [0, 0])
         counts[0] += 1
         counts[1] += nbytes
 

@@ -173,6 +173,18 @@ def test_payload_size_estimate_stops_at_the_limit() -> None:
     big = [np.zeros(1 << 20, np.uint8)] * 100
     assert codec.payload_nbytes(big, limit=1 << 20) < 3 << 20
     assert codec.payload_nbytes({"a": "xyz", "b": np.zeros(10, np.float64)}) == 1 + 3 + 1 + 80
+    # each kind, exact and subclassed (the exact types take a shorter path)
+    assert [codec.payload_nbytes(x) for x in ("ab", b"abc", bytearray(4), 1, 2.5, True, None, [1, "xy"], (1, 2),
+                                              memoryview(b"12345"), {"k": [b"v"]})] == [2, 3, 4, 8, 8, 8, 8, 10, 16, 5, 2]
+
+    class Text(str):
+        pass
+
+    class Table(dict):  # type: ignore[type-arg]
+        pass
+
+    assert codec.payload_nbytes(Table(a=Text("xyz"))) == 4
+    assert codec.payload_nbytes([b"x" * 10] * 10, limit=25) == 30
 
 
 @pytest.mark.parametrize(("nbytes", "mode", "same_host", "shm", "expected"), [

@@ -14,6 +14,7 @@ in memory (`LocalInputs`).
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -44,6 +45,47 @@ class Consumers:
 InputKey = tuple[str, str, int]         # (workflow id, stage, attempt)
 
 
+class InputQueue:
+    """A session's input queue: `asyncio.Queue`'s `put_nowait`, `get_nowait`, `get`, `empty` and
+    `qsize` for one consumer (the session) and producers on the same loop (the inbox reader, the
+    producers of its worker handing their chunks over, the watchdog's resync). Unbounded, as the
+    queue it replaces; a deque and one waiter: ~3 Python calls per chunk where `asyncio.Queue`'s
+    put and get made ~10 (bench/notes.md, round 20). `empty()` may be read from another thread
+    (a compute thread's hint, as before). A cancelled `get` leaves what it waited for queued."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[Any] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def put_nowait(self, item: Any) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def get_nowait(self) -> Any:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.popleft()
+
+    async def get(self) -> Any:
+        while not self._items:
+            self._waiter = waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
 class LocalInputs:
     """The input queues of a worker's sessions, and the chunks its own producers hand them.
 
@@ -59,15 +101,15 @@ class LocalInputs:
 
     def __init__(self, replica: str = "") -> None:
         self.replica = replica
-        self._queues: dict[InputKey, asyncio.Queue[Any]] = {}
+        self._queues: dict[InputKey, InputQueue] = {}
 
-    def register(self, key: InputKey, queue: asyncio.Queue[Any]) -> None:
+    def register(self, key: InputKey, queue: InputQueue) -> None:
         self._queues[key] = queue
 
-    def get(self, key: InputKey) -> asyncio.Queue[Any] | None:
+    def get(self, key: InputKey) -> InputQueue | None:
         return self._queues.get(key)
 
-    def pop(self, key: InputKey) -> asyncio.Queue[Any] | None:
+    def pop(self, key: InputKey) -> InputQueue | None:
         return self._queues.pop(key, None)
 
     def deliver(self, key: InputKey, src: str, chunks: Iterable[dict[bytes, Any]]) -> bool:

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from omniflow.dataplane.backpressure import EdgeWindow, WaitStats
     from omniflow.dataplane.base import Ref
     from omniflow.dataplane.plane import DataPlane
-    from omniflow.engine.session.consumers import Consumers, LocalInputs
+    from omniflow.engine.session.consumers import Consumers, InputQueue, LocalInputs
     from omniflow.storage.batcher import Batcher
     from omniflow.storage.keys import Keys
 
@@ -41,7 +41,7 @@ class SessionCore:
     _keys: Keys
     upstream: tuple[str, ...]
     required: tuple[str, ...]  # every stage this workflow runs
-    _queue: asyncio.Queue[tuple[str, Any]]
+    _queue: InputQueue
     _catchup: list[tuple[str, dict[bytes, bytes]]]
     _catchup_pos: int
     _taken: deque[tuple[str, dict[bytes, bytes]]]  # raw chunks taken from the queue in a batch, not yet read

@@ -18,6 +18,7 @@ from omniflow.dataplane import codec
 from omniflow.dataplane.backpressure import EdgeWindow, WaitStats, wait_for_room
 from omniflow.dataplane.base import TransportKind
 from omniflow.dataplane.codec import payload_nbytes
+from omniflow.engine.compute import handoff
 from omniflow.engine.session.core import ACTIVE, SessionCore
 from omniflow.errors import Fenced, NonRetryableError, RedisUnavailable
 from omniflow.models import SessionState, StageStatus
@@ -78,11 +79,17 @@ class SessionOutputs(SessionCore):
                 window.sent(self.seq, nbytes)
                 if self._bp is not None:
                     self._bp.saw(window)
-        self._call_home(self._push, step)      # from a compute thread: batched with its other handoffs
+        # (`_call_home`, with `_remote` asked once per step: the slots' check below needs it too)
+        remote = self._remote()
+        if remote:          # from a compute thread: batched with its other handoffs
+            assert self._home is not None
+            handoff(self._home).call(self._push, step)
+        else:
+            self._push(step)
         if len(self._inflight) >= MAX_EMITS_IN_FLIGHT:
             await self.flush()
         if self._slots is not None:       # a chunk boundary: live traffic, fair turns
-            if self._remote():          # the compute thread reads the hint; the loop decides
+            if remote:          # the compute thread reads the hint; the loop decides
                 if self._slots_say_give_way():
                     await self._on_home(self._slots.give_way(self.priority, self.tenant))
             elif self._slots.should_give_way(self.priority, self.tenant):
@@ -170,9 +177,10 @@ class SessionOutputs(SessionCore):
                     sizes: Mapping[str, int] | None = None) -> list[Any]:
         """One step's ops for `emit.lua` (payloads encoded here, on the caller's thread)."""
         step: list[Any] = [seq]
-        if self.is_final and text:
+        final = self.stage in self.finals      # (`is_final`, read once per step)
+        if final and text:
             step += ["T", text, ""]
-        if self.is_final and audio is not None:
+        if final and audio is not None:
             pcm = np.asarray(audio)
             if pcm.dtype != np.int16:
                 pcm = (np.clip(pcm, -1.0, 1.0) * 32767).astype("<i2")

@@ -7,7 +7,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from omniflow.engine.session.consumers import Consumers, LocalInputs
+from omniflow.engine.session.consumers import Consumers, InputQueue, LocalInputs
 from omniflow.engine.session.inputs import SessionInputs
 from omniflow.executor import Session as ExecutorSession
 from omniflow.models import Priority, SessionState
@@ -40,7 +40,7 @@ class Session(SessionInputs):
     _keys: Keys
     upstream: tuple[str, ...] = ()
     required: tuple[str, ...] = ()        # every stage this workflow runs
-    _queue: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
+    _queue: InputQueue = field(default_factory=InputQueue)
     _catchup: list[tuple[str, dict[bytes, bytes]]] = field(default_factory=list)
     _catchup_pos: int = 0
     _taken: deque[tuple[str, dict[bytes, bytes]]] = field(default_factory=deque)

@@ -11,6 +11,7 @@ from typing import Any
 
 from omniflow import tracing
 from omniflow.engine.session import Session
+from omniflow.engine.session.consumers import InputQueue
 from omniflow.engine.worker.chunks import MAX_DETAIL_CHARS, chunk_fields, fields_dict
 from omniflow.engine.worker.context import WorkerContext
 from omniflow.engine.worker.pool import StagePool
@@ -76,10 +77,10 @@ class Claims:
         serves) with one `claim.lua` call, then start a session for each task kept."""
         ctx = self.ctx
         tasks = [(group, claim) for group in groups for claim in group.claims]
-        queues: list[asyncio.Queue[Any]] = []
+        queues: list[InputQueue] = []
         for group, (_entry_id, wf_id, attempt) in tasks:
             # register before claiming: chunks forwarded to our inbox after the claim find their queue
-            queue: asyncio.Queue[Any] = asyncio.Queue()
+            queue = InputQueue()
             ctx.inputs.register((wf_id, group.pool.stage, attempt), queue)
             queues.append(queue)
         replies: list[Any] | None = None
@@ -108,7 +109,7 @@ class Claims:
         for (group, claim), queue, reply in zip(tasks, queues, replies, strict=True):
             self._start(group, claim, queue, reply, legacy)
 
-    def _start(self, group: Delivered, claim: Claim, queue: asyncio.Queue[Any], reply: Any, legacy: set[str]) -> None:
+    def _start(self, group: Delivered, claim: Claim, queue: InputQueue, reply: Any, legacy: set[str]) -> None:
         """Start the session of one claimed task (or drop it, as its reply says)."""
         ctx = self.ctx
         pool, cell, prio = group.pool, group.cell, group.prio
