@@ -13,7 +13,10 @@ measure a change to the worker's own Python (bench/notes.md, round 20). cProfile
 of a coroutine as a call, and builtins called from Python (`len`, `dict.get`) as calls too. Its own
 overhead about doubles the worker's time: the `µs` columns rank, they do not time.
 
-    .venv/bin/python bench/py_calls.py [--n 2000] [--top 40] [--save FILE] [--base FILE]
+    .venv/bin/python bench/py_calls.py [--n 2000] [--top 40] [--save FILE] [--base FILE] [--client]
+
+`--client`: the burst's client instead (`AsyncClient`'s submits, its completions watcher and the
+documents it decodes; in this process, its event loop's waits in `epoll` included in the µs).
 
 `--save FILE` writes the counts per function as JSON; `--base FILE` prints each function's change
 against such a file (two trees: run each tree's copy with `--save`, then compare).
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
 import os
 import pstats
@@ -65,9 +69,10 @@ def _name(path: str, line: int, fn: str) -> str:
     return f"{path}:{fn}" if path != "~" else fn      # (no line: a change above a function keeps its name)
 
 
-def profile_worker(n: int, warmup: int = 300) -> tuple[pstats.Stats, float]:
+def profile_worker(n: int, warmup: int = 300, *, client: bool = False) -> tuple[pstats.Stats, float]:
     """cProfile's stats of the worker's main thread over `n` workflows of the user-path burst, and the
-    burst's wf/s (under the profiler: a fraction of the real rate)."""
+    burst's wf/s (under the profiler: a fraction of the real rate). `client`: the burst's client
+    instead (this process: `AsyncClient`'s submits, the completions watcher, the documents)."""
     tmp = Path(tempfile.mkdtemp(prefix="omniflow-py-calls-"))
     wrapper, out = tmp / "wrapper.py", tmp / "worker.prof"
     wrapper.write_text(WRAPPER)
@@ -80,6 +85,13 @@ def profile_worker(n: int, warmup: int = 300) -> tuple[pstats.Stats, float]:
             with running(cmds, env=dict(eng.env, PY_CALLS_OUT=str(out))) as procs:
                 eng.wait_ready(r, procs)
                 asyncio.run(_burst(server.url, eng, "warm", warmup))
+                if client:
+                    profile = cProfile.Profile()
+                    t0 = time.perf_counter()
+                    profile.enable()
+                    asyncio.run(_burst(server.url, eng, "p", n))
+                    profile.disable()
+                    return pstats.Stats(profile), n / (time.perf_counter() - t0)
                 worker = next(p for p in procs if getattr(p, "bench_name", "").startswith("omniflow-worker"))
                 os.kill(worker.pid, signal.SIGUSR1)
                 time.sleep(0.2)
@@ -125,12 +137,13 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--save", type=Path, help="write the counts per function to this JSON file")
     ap.add_argument("--base", type=Path, help="print the change against counts saved by --save")
+    ap.add_argument("--client", action="store_true", help="count the burst's client (this process) instead")
     args = ap.parse_args()
-    stats, rate = profile_worker(args.n)
+    stats, rate = profile_worker(args.n, client=args.client)
     rows = per_function(stats, args.n)
     total_calls = sum(c for c, _ in rows.values())
     total_us = sum(t for _, t in rows.values())
-    print(f"worker (main thread), {args.n} workflows: {total_calls:,.1f} Python calls per workflow, "
+    print(f"{'client (AsyncClient, this process)' if args.client else 'worker (main thread)'}, {args.n} workflows: {total_calls:,.1f} Python calls per workflow, "
           f"{total_us:,.0f} profiled µs per workflow ({rate:,.0f} wf/s under the profiler)\n")
     print("| module | calls/wf | profiled µs/wf |\n|---|---:|---:|")
     for module, c, t in by_module(rows)[:args.top // 2]:

@@ -38,7 +38,7 @@ from omniflow.errors import AdmissionRefused, RedisRefused, WorkflowNotFound
 from omniflow.models import TERMINAL_STATES, SubmitRequest, Submitted, WorkflowState
 from omniflow.storage import redisio
 from omniflow.storage.redisio import REDIS_ERRORS, translate
-from omniflow.storage.schema import s, stages_in_record
+from omniflow.storage.schema import s, stages_in_record, text_fields
 from omniflow.storage.transitions import Call
 from omniflow.storage.transitions.admission import SubmitResult
 from omniflow.storage.topology import read_groups
@@ -164,7 +164,7 @@ async def documents(store: Store, wf_ids: Sequence[str], *, tenant: str | None =
     found: list[tuple[str, dict[str, str], dict[str, str], list[str]]] = []
     legacy: list[str] = []          # workflows of before: their stage fields in `Keys.stages_legacy`
     for wf_id, rec_raw in zip(ids, raw):
-        rec = {s(k): s(v) for k, v in (rec_raw or {}).items()}
+        rec = text_fields(rec_raw)
         if not rec or (tenant is not None and rec.get("tenant") != tenant):
             out[wf_id] = WorkflowNotFound(f"no workflow {wf_id}")
             continue
@@ -179,7 +179,7 @@ async def documents(store: Store, wf_ids: Sequence[str], *, tenant: str | None =
             old = dict(zip(legacy, await pipe.execute()))
         except REDIS_ERRORS as exc:
             raise translate(exc) from exc
-        found = [(wf_id, rec, {s(k): s(v) for k, v in (old[wf_id] or {}).items()} if wf_id in old else st, names)
+        found = [(wf_id, rec, text_fields(old[wf_id]) if wf_id in old else st, names)
                  for wf_id, rec, st, names in found]
     wanted = [(wf_id, names) for wf_id, _, _, names in found if names]
     texts: dict[str, dict[str, str]] = {}

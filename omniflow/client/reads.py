@@ -19,7 +19,9 @@ from omniflow.storage.client import RedisClient
 from omniflow.storage.keys import Keys
 from omniflow.storage.queued import Pipeline
 from omniflow.storage.redisio import translated
-from omniflow.storage.schema import RecordField, StageField, event_position, log_events, s, stages_in_record
+from omniflow.storage.schema import (
+    RecordField, StageField, event_position, log_events, s, stages_in_record, text_fields,
+)
 
 if TYPE_CHECKING:
     from omniflow.storage.listing import ListFilter, ListPage
@@ -64,12 +66,12 @@ class WorkflowReads:
         """The document from what `_document_reads` read (and what it did not guess, read now)."""
         if not rec_raw:
             raise WorkflowNotFound(f"no workflow {wf_id}")
-        rec = {s(k): s(v) for k, v in rec_raw.items()}
+        rec = text_fields(rec_raw)
         if tenant is not None and rec.get("tenant") != tenant:
             raise WorkflowNotFound(f"no workflow {wf_id}")
         st = rec
         if not stages_in_record(rec):      # a workflow of before
-            st = {s(k): s(v) for k, v in (await self._redis.hgetall(self.keys.stages_legacy(wf_id))).items()}
+            st = text_fields(await self._redis.hgetall(self.keys.stages_legacy(wf_id)))
         wanted = text_stages(rec)
         texts = {name: s(v) for name, v in zip(guess, guessed) if name in wanted}
         missing = [name for name in wanted if name not in texts]
@@ -89,7 +91,7 @@ class WorkflowReads:
         pipe.hgetall(self.keys.webhook(wf_id))
         pipe.lrange(self.keys.webhook_attempts(wf_id), 0, -1)
         raw, attempts = await pipe.execute()
-        rec = {s(k): s(v) for k, v in (raw or {}).items()}
+        rec = text_fields(raw)
         nxt = rec.get("next_attempt_ms") if rec.get("outcome") == "retried" else None
         return {"url": url, "outcome": rec.get("outcome") or "pending",
                 "attempts": [json.loads(a) for a in attempts],

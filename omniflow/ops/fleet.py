@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from omniflow.storage import listing, registry
 from omniflow.storage.keys import DLQ_EVENTS, PRIORITY_NAMES, TASK_GROUP
 from omniflow.storage.redisio import translated
-from omniflow.storage.schema import csv, log_events_raw, now_ms, s, stages_in_record
+from omniflow.storage.schema import csv, log_events_raw, now_ms, s, stages_in_record, text_fields
 from omniflow.engine.window import WINDOW_S, merge, percentile
 from omniflow.models import WorkerState
 
@@ -368,8 +368,8 @@ async def stage_times(store: Store, ids: list[str], *, log_scan: int) -> list[St
     out = []
     for i in range(len(ids)):
         raw_record, legacy, log = replies[3 * i: 3 * i + 3]
-        full = {s(k): s(v) for k, v in (raw_record or {}).items()}
-        fields = full if stages_in_record(full) else {s(k): s(v) for k, v in (legacy or {}).items()}
+        full = text_fields(raw_record)
+        fields = full if stages_in_record(full) else text_fields(legacy)
         first: dict[str, int] = {}
         first_text: dict[str, int] = {}
         audio: dict[str, list[AudioChunk]] = {}

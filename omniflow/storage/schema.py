@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import msgpack
@@ -25,6 +27,19 @@ def s(value: Any) -> str:
     if value is None:
         return ""
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def text_fields(raw: Mapping[Any, Any] | None) -> dict[str, str]:
+    """A hash as Redis returns it (bytes -> bytes) as text: `{s(k): s(v)}`, with the bytes decoded by
+    their own method (a record is ~50 fields: two Python calls each were a quarter of a client's
+    CPU per workflow document, bench/notes.md round 20). A client that decodes (str) or a None
+    value takes `s`'s way; bytes that are not UTF-8 raise as `s` does."""
+    if not raw:
+        return {}
+    try:
+        return {k.decode(): v.decode() for k, v in raw.items()}
+    except AttributeError:
+        return {s(k): s(v) for k, v in raw.items()}
 
 
 def csv(value: Any) -> list[str]:
@@ -185,16 +200,26 @@ class StageRecord:
     @classmethod
     def decode(cls, name: str, st: dict[str, str]) -> StageRecord:
         """Stage `name` of the decoded stage hash `st`."""
-        raw_usage = st.get(StageField.usage(name))
+        (f_status, f_attempt, f_replica, f_seq, f_submit, f_start, f_end, f_usage, f_error, f_sr, f_samples,
+         f_compute) = _stage_record_fields(name)
+        g = st.get
+        raw_usage = g(f_usage)
         return cls(
-            name=name, status=st.get(StageField.status(name), "pending"), attempt=_int(st.get(StageField.attempt(name))),
-            replica=st.get(StageField.replica(name)) or None, seq=_int(st.get(StageField.seq(name))),
-            submitted_at=_seconds(st.get(StageField.time(name, "submit"))),
-            started_at=_seconds(st.get(StageField.time(name, "start"))),
-            finished_at=_seconds(st.get(StageField.time(name, "end"))),
-            usage=json.loads(raw_usage) if raw_usage else None, error=st.get(StageField.error(name)) or None,
-            sample_rate=_int(st.get(StageField.sample_rate(name))), samples=_int(st.get(StageField.samples(name))),
-            compute_ms=_int(st.get(StageField.compute_ms(name))))
+            name=name, status=g(f_status, "pending"), attempt=_int(g(f_attempt)),
+            replica=g(f_replica) or None, seq=_int(g(f_seq)),
+            submitted_at=_seconds(g(f_submit)), started_at=_seconds(g(f_start)), finished_at=_seconds(g(f_end)),
+            usage=json.loads(raw_usage) if raw_usage else None, error=g(f_error) or None,
+            sample_rate=_int(g(f_sr)), samples=_int(g(f_samples)), compute_ms=_int(g(f_compute)))
+
+
+@lru_cache(maxsize=1024)
+def _stage_record_fields(name: str) -> tuple[str, ...]:
+    """The stage fields `StageRecord.decode` reads, in its order (made once per stage name: a
+    workflow document decodes every stage)."""
+    return (StageField.status(name), StageField.attempt(name), StageField.replica(name), StageField.seq(name),
+            StageField.time(name, "submit"), StageField.time(name, "start"), StageField.time(name, "end"),
+            StageField.usage(name), StageField.error(name), StageField.sample_rate(name), StageField.samples(name),
+            StageField.compute_ms(name))
 
 
 class RecordField:
@@ -292,4 +317,4 @@ class WorkflowRecord:
     @classmethod
     def decode_raw(cls, wf_id: str, raw: dict[Any, Any]) -> WorkflowRecord:
         """From the hash as Redis returns it (bytes)."""
-        return cls.decode(wf_id, {s(k): s(v) for k, v in raw.items()})
+        return cls.decode(wf_id, text_fields(raw))
