@@ -175,17 +175,22 @@ class SessionInputs(SessionOutputs):
 
     def _note_read(self, src: str, seq: int, fields: dict[bytes, bytes]) -> None:
         """Report how far this session has read `src`'s edge, every quarter of its producer's bound."""
-        if self._plane is None:
-            return
-        s = self._plane.settings
-        if s.dataplane_edge_max_chunks <= 0 and s.dataplane_edge_max_bytes <= 0:
+        every = self._report_every
+        if every is None:       # (the bounds' quarters, worked out once per session: asked per chunk)
+            if self._plane is None:
+                return
+            s = self._plane.settings
+            max_chunks, max_bytes = s.dataplane_edge_max_chunks, s.dataplane_edge_max_bytes
+            every = self._report_every = (max(1, max_chunks // 4) if max_chunks > 0 else 0,
+                                          max(1, max_bytes // 4) if max_bytes > 0 else 0)
+        every_chunks, every_bytes = every
+        if not every_chunks and not every_bytes:
             return
         raw = fields.get(b"d") or fields.get(b"r") or b""
         nbytes = len(raw) if b"d" in fields else (self.held[-1].nbytes if self.held else len(raw))
         chunks, size = self._unreported.get(src, (0, 0))
         chunks, size = chunks + 1, size + nbytes
-        if (s.dataplane_edge_max_chunks > 0 and chunks >= max(1, s.dataplane_edge_max_chunks // 4)) or \
-                (s.dataplane_edge_max_bytes > 0 and size >= max(1, s.dataplane_edge_max_bytes // 4)):
+        if (every_chunks and chunks >= every_chunks) or (every_bytes and size >= every_bytes):
             self._send_home("HSET", self._keys.stages(self.wf_id), StageField.read_pos(self.stage, src), seq)
             chunks, size = 0, 0
         self._unreported[src] = (chunks, size)

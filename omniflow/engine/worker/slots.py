@@ -66,6 +66,8 @@ class Slots:
     def should_give_way(self, priority: Priority, tenant: str) -> bool:
         """Whether a session of (`priority`, `tenant`) holding a slot should hand it on now: a higher
         class waits, or a tenant of its class waits that would still hold less than it after the swap."""
+        if not any(self._count):        # nobody waits (the common case: asked at every chunk)
+            return False
         if any(self._count[:priority.rank]):
             return True
         queues = self._waiting[priority]
