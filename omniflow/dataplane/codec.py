@@ -364,14 +364,14 @@ def payload_nbytes(obj: Any, limit: int = sys.maxsize) -> int:
         return len(obj)
     if kind is int or kind is float:
         return 8
-    if kind is list:
+    if kind is list or isinstance(obj, (list, tuple)):     # (none of the types below is a list, a tuple or a dict)
         total = 0
         for v in obj:
             total += payload_nbytes(v, limit)
             if total > limit:
                 break
         return total
-    if kind is dict or isinstance(obj, dict):      # (none of the types below is a dict)
+    if kind is dict or isinstance(obj, dict):
         total = 0
         for k, v in obj.items():
             total += payload_nbytes(k, limit) + payload_nbytes(v, limit)
@@ -386,13 +386,6 @@ def payload_nbytes(obj: Any, limit: int = sys.maxsize) -> int:
         return 8
     if isinstance(obj, memoryview):
         return obj.nbytes
-    if isinstance(obj, (list, tuple)):
-        total = 0
-        for v in obj:
-            total += payload_nbytes(v, limit)
-            if total > limit:
-                break
-        return total
     if tensors.is_tensor(obj):
         return int(obj.numel() * obj.element_size())
     return 8
