@@ -28,9 +28,9 @@ class WaitStats:
     peak_bytes: int = 0
 
     def saw(self, window: EdgeWindow) -> None:
-        # (comparisons, not max() and the property: once per chunk on every bounded edge)
-        if len(window._sent) > self.peak_chunks:
-            self.peak_chunks = len(window._sent)
+        chunks = window.chunks          # (comparisons, not max(): once per chunk on every bounded edge)
+        if chunks > self.peak_chunks:
+            self.peak_chunks = chunks
         if window.bytes > self.peak_bytes:
             self.peak_bytes = window.bytes
 
