@@ -7,7 +7,7 @@ embedded Valkey; after a warm-up, the worker's main thread (its event loop: wher
 once `runs_on = "auto"` has judged it) is profiled over N workflows. The worker is the real process,
 started through a small wrapper that turns cProfile on at SIGUSR1 and writes the profile at SIGUSR2.
 
-The count repeats to ~0.01 % between runs (batching moves only the per-flush calls, ~45 flushes per
+The count repeats to ~0.5 % between runs (batching moves only the per-flush calls, ~45 flushes per
 2,000 workflows), where the worker's CPU per workflow moves by 5-15 % on this machine: the way to
 measure a change to the worker's own Python (bench/notes.md, round 20). cProfile counts every resume
 of a coroutine as a call, and builtins called from Python (`len`, `dict.get`) as calls too. Its own
