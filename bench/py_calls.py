@@ -13,9 +13,10 @@ measure a change to the worker's own Python (bench/notes.md, round 20). cProfile
 of a coroutine as a call, and builtins called from Python (`len`, `dict.get`) as calls too. Its own
 overhead about doubles the worker's time: the `µs` columns rank, they do not time.
 
-    .venv/bin/python bench/py_calls.py [--n 2000] [--top 40] [--save FILE] [--base FILE] [--client]
+    .venv/bin/python bench/py_calls.py [--n 2000] [--top 40] [--save FILE] [--base FILE] [--client | --stage NAME]
 
-`--client`: the burst's client instead (`AsyncClient`'s submits, its completions watcher and the
+`--stage NAME`: one worker process per stage (the split rows, item 6), and that stage's worker
+counted. `--client`: the burst's client instead (`AsyncClient`'s submits, its completions watcher and the
 documents it decodes; in this process, its event loop's waits in `epoll` included in the µs).
 
 `--save FILE` writes the counts per function as JSON; `--base FILE` prints each function's change
@@ -69,18 +70,23 @@ def _name(path: str, line: int, fn: str) -> str:
     return f"{path}:{fn}" if path != "~" else fn      # (no line: a change above a function keeps its name)
 
 
-def profile_worker(n: int, warmup: int = 300, *, client: bool = False) -> tuple[pstats.Stats, float]:
+def profile_worker(n: int, warmup: int = 300, *, client: bool = False,
+                   stage: str | None = None) -> tuple[pstats.Stats, float]:
     """cProfile's stats of the worker's main thread over `n` workflows of the user-path burst, and the
     burst's wf/s (under the profiler: a fraction of the real rate). `client`: the burst's client
-    instead (this process: `AsyncClient`'s submits, the completions watcher, the documents)."""
+    instead (this process: `AsyncClient`'s submits, the completions watcher, the documents).
+    `stage`: one worker process per stage (the split rows), and that stage's worker profiled."""
     tmp = Path(tempfile.mkdtemp(prefix="omniflow-py-calls-"))
     wrapper, out = tmp / "wrapper.py", tmp / "worker.prof"
     wrapper.write_text(WRAPPER)
+    profiled = f"omniflow-{stage}-0" if stage else "omniflow-worker-0"
     try:
         with start_server() as server:
-            eng = Engine(server.url, 1, pipeline_yaml(1, stages=USER_STAGES), colocated=True, defaults=True)
-            cmds = [(name, [sys.executable, str(wrapper), *argv[3:]] if name.startswith("omniflow-worker") else argv)
+            eng = Engine(server.url, 1, pipeline_yaml(1, stages=USER_STAGES), colocated=stage is None, defaults=True)
+            cmds = [(name, [sys.executable, str(wrapper), *argv[3:]] if name == profiled else argv)
                     for name, argv in eng.commands()]
+            if profiled not in (name for name, _ in cmds):
+                raise SystemExit(f"no worker {profiled} in this topology: {[name for name, _ in cmds]}")
             r = redis_client(server.url)
             with running(cmds, env=dict(eng.env, PY_CALLS_OUT=str(out))) as procs:
                 eng.wait_ready(r, procs)
@@ -92,7 +98,7 @@ def profile_worker(n: int, warmup: int = 300, *, client: bool = False) -> tuple[
                     asyncio.run(_burst(server.url, eng, "p", n))
                     profile.disable()
                     return pstats.Stats(profile), n / (time.perf_counter() - t0)
-                worker = next(p for p in procs if getattr(p, "bench_name", "").startswith("omniflow-worker"))
+                worker = next(p for p in procs if getattr(p, "bench_name", "") == profiled)
                 os.kill(worker.pid, signal.SIGUSR1)
                 time.sleep(0.2)
                 t0 = time.perf_counter()
@@ -138,12 +144,17 @@ def main() -> None:
     ap.add_argument("--save", type=Path, help="write the counts per function to this JSON file")
     ap.add_argument("--base", type=Path, help="print the change against counts saved by --save")
     ap.add_argument("--client", action="store_true", help="count the burst's client (this process) instead")
+    ap.add_argument("--stage", help="one worker process per stage, and this stage's counted (thinker, talker, "
+                                    "code2wav: the split rows)")
     args = ap.parse_args()
-    stats, rate = profile_worker(args.n, client=args.client)
+    stats, rate = profile_worker(args.n, client=args.client, stage=args.stage)
     rows = per_function(stats, args.n)
     total_calls = sum(c for c, _ in rows.values())
     total_us = sum(t for _, t in rows.values())
-    print(f"{'client (AsyncClient, this process)' if args.client else 'worker (main thread)'}, {args.n} workflows: {total_calls:,.1f} Python calls per workflow, "
+    who = ("client (AsyncClient, this process)" if args.client else
+           f"the {args.stage} worker (main thread), one process per stage" if args.stage else
+           "worker (main thread), stages co-located")
+    print(f"{who}, {args.n} workflows: {total_calls:,.1f} Python calls per workflow, "
           f"{total_us:,.0f} profiled µs per workflow ({rate:,.0f} wf/s under the profiler)\n")
     print("| module | calls/wf | profiled µs/wf |\n|---|---:|---:|")
     for module, c, t in by_module(rows)[:args.top // 2]:
