@@ -1,5 +1,5 @@
-"""Python function calls per workflow in the co-located worker, counted by cProfile: the worker's
-side of what `bench/script_cost.py` is for Valkey's.
+"""Python function calls per workflow in omniflow's worker (co-located, or one stage's) or in its
+client, counted by cProfile: their side of what `bench/script_cost.py` is for Valkey's.
 
 The user-path burst (bench/omniflow_user.py: default executors, `AsyncClient` with 8 submitters and
 the completions watcher, one `omniflow worker --stage all`, every setting at its default) runs on an
@@ -15,8 +15,8 @@ overhead about doubles the worker's time: the `µs` columns rank, they do not ti
 
     .venv/bin/python bench/py_calls.py [--n 2000] [--top 40] [--save FILE] [--base FILE] [--client | --stage NAME]
 
-`--stage NAME`: one worker process per stage (the split rows, item 6), and that stage's worker
-counted. `--client`: the burst's client instead (`AsyncClient`'s submits, its completions watcher and the
+`--stage NAME`: one worker process per stage (as in the one-process-per-stage rows), and that
+stage's worker counted. `--client`: the burst's client instead (`AsyncClient`'s submits, its completions watcher and the
 documents it decodes; in this process, its event loop's waits in `epoll` included in the µs).
 
 `--save FILE` writes the counts per function as JSON; `--base FILE` prints each function's change
@@ -143,9 +143,11 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--save", type=Path, help="write the counts per function to this JSON file")
     ap.add_argument("--base", type=Path, help="print the change against counts saved by --save")
-    ap.add_argument("--client", action="store_true", help="count the burst's client (this process) instead")
-    ap.add_argument("--stage", help="one worker process per stage, and this stage's counted (thinker, talker, "
-                                    "code2wav: the split rows)")
+    who_is_counted = ap.add_mutually_exclusive_group()
+    who_is_counted.add_argument("--client", action="store_true",
+                                help="count the burst's client (this process) instead")
+    who_is_counted.add_argument("--stage", help="one worker process per stage, and this stage's counted "
+                                                "(thinker, talker, code2wav)")
     args = ap.parse_args()
     stats, rate = profile_worker(args.n, client=args.client, stage=args.stage)
     rows = per_function(stats, args.n)
