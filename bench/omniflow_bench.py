@@ -8,7 +8,9 @@ the peers: 4 text chunks, 4 code chunks, one audio chunk).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -128,6 +130,9 @@ class Engine:
         self.procs = procs
         self.colocated = colocated        # `procs` worker processes, each serving all three stages
         self.tmp = Path(tempfile.mkdtemp(prefix="omniflow-bench-"))
+        # removed when the bench process ends (its workers are stopped by then): a full `make bench`
+        # left ~90 of these in /tmp
+        atexit.register(shutil.rmtree, self.tmp, True)
         self.yaml = self.tmp / "pipeline.yaml"
         self.yaml.write_text(yaml.safe_dump(self.spec, sort_keys=False))
         if defaults:

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import datetime as dt
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -126,6 +128,7 @@ class Deployment:
     def __init__(self, url: str, **settings: str) -> None:
         self.url = url
         self.tmp = Path(tempfile.mkdtemp(prefix="omniflow-overload-"))
+        atexit.register(shutil.rmtree, self.tmp, True)      # (when the bench process ends)
         self.yaml = self.tmp / "pipeline.yaml"
         self.yaml.write_text(yaml.safe_dump(pipeline_spec(), sort_keys=False))
         self.prefix = f"o{random.randrange(16**6):06x}"
