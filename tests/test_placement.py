@@ -147,13 +147,15 @@ async def test_a_move_waits_for_the_old_place_to_empty(
     p = Placement("s", "auto")
     release = threading.Event()
     held = asyncio.ensure_future(p.run(held_until(release), compute))
-    await asyncio.sleep(0.005)
-    await sessions(p, compute, WINDOW)            # alongside it, on the thread: the window passes
-    assert p.want_loop and p.running == 1
-    moving = asyncio.ensure_future(p.run(where(), compute))
-    await asyncio.sleep(0.02)
-    assert not moving.done() and not p.on_loop    # waiting for the held one to leave the thread
-    release.set()
+    try:
+        await asyncio.sleep(0.005)
+        await sessions(p, compute, WINDOW)            # alongside it, on the thread: the window passes
+        assert p.want_loop and p.running == 1
+        moving = asyncio.ensure_future(p.run(where(), compute))
+        await asyncio.sleep(0.02)
+        assert not moving.done() and not p.on_loop    # waiting for the held one to leave the thread
+    finally:
+        release.set()           # (a failed assert above must not leave the compute thread held)
     name, began, _ = await moving
     held_name, _, held_end = await held
     assert held_name == "compute-t" and name == threading.current_thread().name
@@ -164,16 +166,18 @@ async def test_a_move_that_cannot_wait_starts_in_the_old_place(compute: ComputeT
     p = Placement("s", "auto")
     release = threading.Event()
     held = asyncio.ensure_future(p.run(held_until(release), compute))
-    await asyncio.sleep(0.005)
-    await sessions(p, compute, WINDOW)
-    assert p.want_loop and p.running == 1
-    waited = time.monotonic()
-    name, _, _ = await p.run(where(), compute)    # waits MOVE_WAIT_S, then runs where the held one does
-    assert name == "compute-t" and time.monotonic() - waited >= placement.MOVE_WAIT_S * 0.9
-    assert not p.on_loop
-    name, _, _ = await p.run(where(), compute)    # no second wait within MOVE_PATIENCE_S
-    assert name == "compute-t"
-    release.set()
+    try:
+        await asyncio.sleep(0.005)
+        await sessions(p, compute, WINDOW)
+        assert p.want_loop and p.running == 1
+        waited = time.monotonic()
+        name, _, _ = await p.run(where(), compute)    # waits MOVE_WAIT_S, then runs where the held one does
+        assert name == "compute-t" and time.monotonic() - waited >= placement.MOVE_WAIT_S * 0.9
+        assert not p.on_loop
+        name, _, _ = await p.run(where(), compute)    # no second wait within MOVE_PATIENCE_S
+        assert name == "compute-t"
+    finally:
+        release.set()
     await held
     assert await sessions(p, compute, 1) == [threading.current_thread().name]     # empty: it moves
 

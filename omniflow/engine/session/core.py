@@ -136,12 +136,14 @@ class SessionCore:
         assert self._home is not None
         return await run_on(self._home, coro)
 
-    def _call_home(self, fn: Callable[..., Any], *args: Any) -> None:
+    def _call_home(self, fn: Callable[..., Any], *args: Any) -> bool:
         """Run `fn(*args)` on the worker's loop without waiting: at once when called there, else
-        handed off (batched with the other calls queued for that loop, in order)."""
+        handed off (batched with the other calls queued for that loop, in order). Returns whether it
+        was handed off: whether the caller runs on another loop (its compute thread)."""
         if self._remote():
             assert self._home is not None
             handoff(self._home).call(fn, *args)
-        else:
-            fn(*args)
+            return True
+        fn(*args)
+        return False
 

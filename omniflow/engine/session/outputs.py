@@ -18,7 +18,6 @@ from omniflow.dataplane import codec
 from omniflow.dataplane.backpressure import EdgeWindow, WaitStats, wait_for_room
 from omniflow.dataplane.base import TransportKind
 from omniflow.dataplane.codec import payload_nbytes
-from omniflow.engine.compute import handoff
 from omniflow.engine.session.core import ACTIVE, SessionCore
 from omniflow.errors import Fenced, NonRetryableError, RedisUnavailable
 from omniflow.models import SessionState, StageStatus
@@ -79,13 +78,8 @@ class SessionOutputs(SessionCore):
                 window.sent(self.seq, nbytes)
                 if self._bp is not None:
                     self._bp.saw(window)
-        # (`_call_home`, with `_remote` asked once per step: the slots' check below needs it too)
-        remote = self._remote()
-        if remote:          # from a compute thread: batched with its other handoffs
-            assert self._home is not None
-            handoff(self._home).call(self._push, step)
-        else:
-            self._push(step)
+        # (from a compute thread: batched with its other handoffs; the slots' check below needs to know)
+        remote = self._call_home(self._push, step)
         if len(self._inflight) >= MAX_EMITS_IN_FLIGHT:
             await self.flush()
         if self._slots is not None:       # a chunk boundary: live traffic, fair turns

@@ -90,14 +90,13 @@ end
 -- the tenant's first live workflow in this cell (its count was 0 or absent): it joins the names set
 -- (never pruned: a tenant with a live workflow is in it already), but `default`, which has no index
 if not counted then tenant_new = redis.call('HINCRBY', tinf, tenant, 1) == 1 end
-for i = 10, 8 + 2 * nf, 2 do      -- the record's priority class, for tasks_key (no read back)
-  if ARGV[i] == 'prio' then PRIO[wf] = ARGV[i + 1] end
+-- the record's priority class and pipeline_hash, among its fields (ARGV[10..]), for tasks_key (no read back)
+local version = ''
+for i = 10, 8 + 2 * nf, 2 do
+  local f = ARGV[i]
+  if f == 'prio' then PRIO[wf] = ARGV[i + 1] elseif f == 'pipeline_hash' then version = ARGV[i + 1] end
 end
 redis.call('HSET', wf, unpack(fields))
-local version = ''                -- the record's pipeline_hash, among its fields (ARGV[10..])
-for i = 10, 9 + 2 * nf, 2 do
-  if ARGV[i] == 'pipeline_hash' then version = ARGV[i + 1] end
-end
 for j = 1, #admit do
   redis.call('XADD', tasks_key(wf, admit[j], version), '*', 'wf', id, 's', admit[j], 'a', 1)
 end
