@@ -105,7 +105,7 @@ class Placement:
         steps = _Steps(coro, self, on_loop) if self.auto else None
         try:
             if on_loop:
-                return await steps.run() if steps is not None else await coro
+                return await steps if steps is not None else await coro     # (no coroutine around it)
             return await compute.run(steps.run() if steps is not None else coro)
         finally:
             self._leave(steps, on_loop)

@@ -71,7 +71,8 @@ class Meter:
            usage: Mapping[str, Any] | None, set_expiry: bool = True) -> Meter:
         """`set_expiry`: also set the hour's expiry (a worker asks once per hour's key: an EXPIREAT
         per session would cost a command per session for nothing)."""
-        tokens = usage if isinstance(usage, Mapping) else {}
+        # (a dict by its exact type first: `isinstance` of an ABC is two Python calls, once per session)
+        tokens = usage if type(usage) is dict or isinstance(usage, Mapping) else {}
         expire_at_s = bucket_start_s(bucket + 1) + retention_days * 86_400 if set_expiry else 0
         return cls(key=key, expire_at_s=expire_at_s,
                    compute_ms=max(0, round(compute_s * 1000)),

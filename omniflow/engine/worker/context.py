@@ -98,7 +98,7 @@ class WorkerContext:
         task = asyncio.create_task(coro, name=key)
         self.sessions[key] = (session, task)
         if pool is not None:
-            pool.active += 1
+            pool.core.active += 1
         if entry_id is not None:
             self.held.add(entry_id)
         task.add_done_callback(lambda _t: self._release(key, pool, entry_id))
@@ -120,7 +120,7 @@ class WorkerContext:
         if entry_id is not None:
             self.held.discard(entry_id)
         if pool is not None:
-            pool.active -= 1
+            pool.core.active -= 1
         self.slot_free.set()
 
     def track(self, task: asyncio.Task[Any]) -> None:

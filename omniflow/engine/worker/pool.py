@@ -49,7 +49,8 @@ class PoolCore:
             self.placement = Placement(stage, self.executor.runs_on)
         except ValueError as exc:
             raise PipelineError(f"{spec.executor}: {exc}") from None
-        if isinstance(self.executor, BatchedExecutor):
+        self.batched = isinstance(self.executor, BatchedExecutor)
+        if self.batched:
             self.placement.pin_thread()     # its step loop is its own scheduler, on the thread
         self.routes = 0             # stages (of pipelines and versions) this pool serves
         self.stage = stage
@@ -183,7 +184,8 @@ class StagePool:
 
     @property
     def free(self) -> int:
-        return self.capacity - self.active - self.claiming
+        core = self.core        # (asked per delivery: the core's attributes, not this pool's properties)
+        return core.capacity - core.active - core.claiming
 
 
 def build_pools(routes: Sequence[tuple[Pipeline, str]], *, executor: Executor | None = None,

@@ -16,7 +16,6 @@ from omniflow.engine.session import Session
 from omniflow.engine.worker.chunks import MAX_DETAIL_CHARS, usage_json
 from omniflow.engine.worker.context import WorkerContext
 from omniflow.engine.worker.pool import StagePool
-from omniflow.executor import BatchedExecutor
 from omniflow.models import Priority
 from omniflow.errors import Fenced, RedisError, RedisUnavailable, StageError
 from omniflow.runtime import Backoff
@@ -172,13 +171,14 @@ class SessionRunner:
     async def _execute(self, pool: StagePool, session: Session) -> tuple[str, str, bool]:
         """Run the executor; map how it ended to (outcome, detail, retryable)."""
         retry = pool.spec.retry
+        core = pool.core        # (the pool's shared parts, read once: `StagePool`'s properties)
         try:
-            if not isinstance(pool.executor, BatchedExecutor):
-                session._slots = pool.slots     # gives way at its chunks to a higher class or a fairer turn (Slots)
-            async with pool.slots.held(session.priority, session.tenant), asyncio.timeout(retry.attempt_timeout_s):
+            if not core.batched:
+                session._slots = core.slots     # gives way at its chunks to a higher class or a fairer turn (Slots)
+            async with core.slots.held(session.priority, session.tenant), asyncio.timeout(retry.attempt_timeout_s):
                 begun = time.monotonic()
                 try:
-                    usage = await pool.run_session(pool.executor.run(session))
+                    usage = await core.placement.run(core.executor.run(session), core.compute)
                 finally:
                     # compute: the executor's time on the session, less its waits for upstream chunks
                     # and for a downstream consumer's room (usage, RTF, tokens/s)

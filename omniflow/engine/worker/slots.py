@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Mapping
+from types import TracebackType
 
 from omniflow.fairness import DEFAULT_WEIGHT, WeightedPicker
 from omniflow.models import PRIORITY_ORDER, Priority
@@ -105,7 +105,7 @@ class Slots:
         class and tenant, for a session that gave its slot way mid-stream)."""
         now = time.monotonic() if self.reserve else 0.0
         self._note(priority, tenant, now)
-        if self.free > 0 and not self.waiting and (not self.reserve or self._may_take(priority, tenant, now)):
+        if self.free > 0 and not any(self._count) and (not self.reserve or self._may_take(priority, tenant, now)):
             self.free -= 1
             self.holding[tenant] = self.holding.get(tenant, 0) + 1
             return
@@ -137,7 +137,7 @@ class Slots:
 
     def _grant(self) -> None:
         now = time.monotonic() if self.reserve else 0.0
-        while self.free > 0 and self.waiting:
+        while self.free > 0 and any(self._count):
             if self.reserve and self.free <= self.reserve:
                 # a kept slot goes to the most deserving waiter (the highest class, its least loaded
                 # tenant), and only if nobody more deserving than it asked in the window
@@ -184,13 +184,9 @@ class Slots:
             if not queue:
                 del self._waiting[priority][tenant]
 
-    @asynccontextmanager
-    async def held(self, priority: Priority = Priority.API, tenant: str = "") -> AsyncIterator[None]:
-        await self.acquire(priority, tenant)
-        try:
-            yield
-        finally:
-            self.release(tenant)
+    def held(self, priority: Priority = Priority.API, tenant: str = "") -> _Held:
+        """`async with slots.held(priority, tenant):` runs with a slot, released however it ends."""
+        return _Held(self, priority, tenant)
 
     async def give_way(self, priority: Priority, tenant: str = "") -> bool:
         """Called by a session holding a slot at a chunk boundary: if it should (`should_give_way`),
@@ -209,3 +205,20 @@ class Slots:
             self.holding[tenant] = self.holding.get(tenant, 0) + 1
             raise
         return True
+
+
+class _Held:
+    """`Slots.held`: a slot for the body of an `async with` (a class, not `asynccontextmanager`: it is
+    entered once per session, and the generator's machinery was ~6 Python calls of it)."""
+
+    __slots__ = ("_priority", "_slots", "_tenant")
+
+    def __init__(self, slots: Slots, priority: Priority, tenant: str) -> None:
+        self._slots, self._priority, self._tenant = slots, priority, tenant
+
+    async def __aenter__(self) -> None:
+        await self._slots.acquire(self._priority, self._tenant)
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self._slots.release(self._tenant)
