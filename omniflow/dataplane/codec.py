@@ -32,6 +32,7 @@ import numpy as np
 
 from omniflow.dataplane import tensors
 from omniflow.dataplane.base import ChecksumMismatch, ForeignReference, SizeMismatch, UndecodablePayload
+from omniflow.storage.schema import ThreadPacker
 
 _NDARRAY = 1              # inline ndarray: packb((dtype.str, shape, raw)) -- omniflow.dataplane.codec's format
 _TENSOR = 2               # inline tensor: packb((torch dtype name, shape, raw))
@@ -96,10 +97,12 @@ def _inline_hook(code: int, data: bytes) -> Any:
     return msgpack.ExtType(code, data)
 
 
+_DUMPS = ThreadPacker(default=_default, use_bin_type=True)     # (`_default` packs with `msgpack.packb`)
+
+
 def dumps(obj: Any) -> bytes:
     """`obj` as one msgpack document (arrays and tensors inside it by value)."""
-    packed: bytes = msgpack.packb(obj, default=_default, use_bin_type=True)
-    return packed
+    return _DUMPS.pack(obj)
 
 
 def loads(data: bytes) -> Any:

@@ -21,7 +21,7 @@ from omniflow.dataplane.codec import payload_nbytes
 from omniflow.engine.session.core import ACTIVE, SessionCore
 from omniflow.errors import Fenced, NonRetryableError, RedisUnavailable
 from omniflow.models import SessionState, StageStatus
-from omniflow.storage.schema import StageField, s
+from omniflow.storage.schema import StageField, pack_raw, s
 from omniflow.storage.transitions.emit import EMIT_LOG, EMIT_OUT, EmitResult, emit_code, emit_keys, refused_inbox
 from omniflow.storage.transitions.emit import emit as emit_call
 from omniflow.storage.usage import Meter
@@ -191,7 +191,7 @@ class SessionOutputs(SessionCore):
             if dst in self.downstream:
                 fields = self._payload_fields(seq, dst, payload, step, (sizes or {}).get(dst))
                 # packed here (on the caller's thread): emit.lua appends it to the edge entry as it is
-                step += ["P", dst, msgpack.packb(fields, use_bin_type=False)]
+                step += ["P", dst, pack_raw(fields)]
         if checkpoint:
             step += ["C", str(checkpoint), ""]
         return step
@@ -337,7 +337,7 @@ class SessionOutputs(SessionCore):
             fin.append([inflight, ttl, ",".join(self.required)])     # (the stages: read with the record)
             have = set(self._current_emit_keys()) | set(finish_keys)
             finish_keys.extend(k for k in extra if k not in have)
-        self._finish = (finish_keys, msgpack.packb(fin, use_bin_type=False))
+        self._finish = (finish_keys, pack_raw(fin))
         if self._open is not None:
             last = self._open          # the pending write is still in the batcher's queue: the finish rides on it
         else:

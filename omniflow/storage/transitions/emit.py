@@ -10,10 +10,9 @@ from collections.abc import Mapping, Sequence
 from enum import Enum
 from typing import Any
 
-import msgpack
 
 from omniflow.storage.keys import TASK_GROUP, Keys
-from omniflow.storage.schema import s
+from omniflow.storage.schema import pack_raw, s
 from omniflow.storage.transitions._base import Call, code_of, returns, script_call
 
 #: KEYS positions (1-based, as the Lua sees them) of a session's `emit.lua` call
@@ -95,7 +94,7 @@ def emit(base: list[str], wf_id: str, stage: str, attempt: int, *, status: str, 
                 wire[n][i + 1] = len(kk) + len(blobs)
     if blobs:       # payload keys this call stores: declared like every other key
         kk = [*kk, *blobs]
-    args: list[Any] = [stage, attempt, status, now_ms, wf_id, msgpack.packb(wire, use_bin_type=False)]
+    args: list[Any] = [stage, attempt, status, now_ms, wf_id, pack_raw(wire)]
     if finish is not None or replica:
         args.append(finish[1] if finish is not None else "")
     if replica:
