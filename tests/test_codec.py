@@ -50,3 +50,26 @@ async def test_tensors_cross_the_engine_with_dtype_and_shape(engine_factory) -> 
     assert doc["state"] == "completed", doc["error"]
     usage = doc["stages"]["talker"]["usage"]
     assert usage["seen"] == [[str(d).removeprefix("torch."), [2, 5]] for d in TORCH_DTYPES]
+
+
+def test_the_reused_packer_packs_as_packb_does_per_thread_and_after_an_error() -> None:
+    import threading
+
+    from omniflow.storage.schema import ThreadPacker
+
+    packer = ThreadPacker(use_bin_type=False)
+    step = [3, "P", "talker", b"\x00raw", ["seq", 3, "d", "text"]]
+    assert packer.pack(step) == msgpack.packb(step, use_bin_type=False)
+    with pytest.raises(TypeError):
+        packer.pack([1, object()])          # fails part-way ...
+    assert packer.pack([1, 2]) == msgpack.packb([1, 2])     # ... and nothing of it is left behind
+    mine = packer.packer
+    theirs: list[object] = []
+    thread = threading.Thread(target=lambda: theirs.append((packer.packer, packer.pack({"a": 1}))))
+    thread.start()
+    thread.join()
+    assert theirs[0][0] is not mine and theirs[0][1] == msgpack.packb({"a": 1})     # a Packer of its own
+    big = packer.pack(b"x" * (ThreadPacker.KEEP_BYTES + 1))
+    assert msgpack.unpackb(big, raw=True) == b"x" * (ThreadPacker.KEEP_BYTES + 1)
+    assert packer.packer is not mine        # its buffer grew past the bound: replaced, not kept
+    assert codec.loads(codec.dumps({"h": np.arange(3)}))["h"].tolist() == [0, 1, 2]
