@@ -161,8 +161,11 @@ async def test_abort_reaches_all_stages_keeps_partial_outputs_and_wakes_waiters(
             return True
         await eventually(nothing_pending)
         # the three sessions were fenced (more on a loaded machine: a session re-claimed after its
-        # worker's lease lapsed is fenced too)
-        assert sum(w.stats["fenced"] for ws in eng.workers.values() for w in ws) >= 3
+        # worker's lease lapsed is fenced too). A worker counts it once it reads its finish's reply,
+        # which may come after the script acked the task (what `nothing_pending` saw): eventually
+        async def all_fenced() -> bool:
+            return sum(w.stats["fenced"] for ws in eng.workers.values() for w in ws) >= 3
+        await eventually(all_fenced, what="three sessions fenced")
 
 
 async def _has_audio(eng, wf_id: str) -> bool:
