@@ -138,10 +138,6 @@ class StagePool:
     def active(self) -> int:
         return self.core.active
 
-    @active.setter
-    def active(self, value: int) -> None:
-        self.core.active = value
-
     @property
     def claiming(self) -> int:
         return self.core.claiming
@@ -169,10 +165,6 @@ class StagePool:
         if self.core.compute is None:
             return await coro
         return await self.core.compute.run(coro)
-
-    async def run_session(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run a session's `run` where the pool's sessions run now (`omniflow.engine.placement`)."""
-        return await self.core.placement.run(coro, self.core.compute)
 
     async def close_executor(self) -> None:
         try:

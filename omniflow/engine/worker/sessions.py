@@ -178,6 +178,7 @@ class SessionRunner:
             async with core.slots.held(session.priority, session.tenant), asyncio.timeout(retry.attempt_timeout_s):
                 begun = time.monotonic()
                 try:
+                    # where the pool's sessions run now (`omniflow.engine.placement`)
                     usage = await core.placement.run(core.executor.run(session), core.compute)
                 finally:
                     # compute: the executor's time on the session, less its waits for upstream chunks

@@ -10,7 +10,6 @@ from collections.abc import Mapping, Sequence
 from enum import Enum
 from typing import Any
 
-
 from omniflow.storage.keys import TASK_GROUP, Keys
 from omniflow.storage.schema import pack_raw, s
 from omniflow.storage.transitions._base import Call, code_of, returns, script_call
