@@ -70,6 +70,11 @@ class DataPlane:
         self.inline_upto = {DataPlaneMode.AUTO: settings.dataplane_inline_max_bytes,
                             DataPlaneMode.INLINE: sys.maxsize}.get(settings.dataplane_mode, -1)
         self.traffic = Traffic()        # what the producers of this process sent, by stage and transport
+        # a consumer reports how far it read an edge every quarter of the producer's bound, in chunks
+        # and in bytes (0: that bound is off); asked per chunk read (`SessionInputs._note_read`)
+        max_chunks, max_bytes = settings.dataplane_edge_max_chunks, settings.dataplane_edge_max_bytes
+        self.read_report_every = (max(1, max_chunks // 4) if max_chunks > 0 else 0,
+                                  max(1, max_bytes // 4) if max_bytes > 0 else 0)
 
     def context(self, wf_id: str, src: str, dst: str, attempt: int, seq: int) -> PutContext:
         return PutContext(self.settings.prefix, wf_id, src, dst, attempt, seq, self.worker_id, self.ttl_s)

@@ -79,7 +79,6 @@ class SessionCore:
     _domains: dict[str, tuple[str, float]]  # dst -> (domain, looked up at)
     _windows: dict[str, EdgeWindow]
     _unreported: dict[str, tuple[int, int]]  # src -> chunks, bytes read unreported
-    _report_every: tuple[int, int] | None  # report a read position every (chunks, bytes); 0: unbounded
     trace: tuple[str, str]  # the workflow's W3C (traceparent, tracestate)
     _span: Span | None  # this session's span while tracing is on (omniflow.tracing)
     priority: Priority

@@ -175,15 +175,9 @@ class SessionInputs(SessionOutputs):
 
     def _note_read(self, src: str, seq: int, fields: dict[bytes, bytes]) -> None:
         """Report how far this session has read `src`'s edge, every quarter of its producer's bound."""
-        every = self._report_every
-        if every is None:       # (the bounds' quarters, worked out once per session: asked per chunk)
-            if self._plane is None:
-                return
-            s = self._plane.settings
-            max_chunks, max_bytes = s.dataplane_edge_max_chunks, s.dataplane_edge_max_bytes
-            every = self._report_every = (max(1, max_chunks // 4) if max_chunks > 0 else 0,
-                                          max(1, max_bytes // 4) if max_bytes > 0 else 0)
-        every_chunks, every_bytes = every
+        if self._plane is None:
+            return
+        every_chunks, every_bytes = self._plane.read_report_every
         if not every_chunks and not every_bytes:
             return
         raw = fields.get(b"d") or fields.get(b"r") or b""

@@ -171,7 +171,7 @@ class SessionOutputs(SessionCore):
                     sizes: Mapping[str, int] | None = None) -> list[Any]:
         """One step's ops for `emit.lua` (payloads encoded here, on the caller's thread)."""
         step: list[Any] = [seq]
-        final = self.stage in self.finals      # (`is_final`, read once per step)
+        final = self.is_final      # (read once per step)
         if final and text:
             step += ["T", text, ""]
         if final and audio is not None:

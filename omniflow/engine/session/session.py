@@ -80,7 +80,6 @@ class Session(SessionInputs):
     _domains: dict[str, tuple[str, float]] = field(default_factory=dict)   # dst -> (domain, looked up at)
     _windows: dict[str, EdgeWindow] = field(default_factory=dict)
     _unreported: dict[str, tuple[int, int]] = field(default_factory=dict)  # src -> chunks, bytes read unreported
-    _report_every: tuple[int, int] | None = None  # report a read position every (chunks, bytes); 0: unbounded
     trace: tuple[str, str] = ("", "")   # the workflow's W3C (traceparent, tracestate), from its record
     _span: Span | None = None           # this session's span while tracing is on (omniflow.tracing)
     # scheduling: the workflow's priority class and tenant, the task stream it came from ('': the
