@@ -13,11 +13,14 @@ measure a change to the worker's own Python (bench/notes.md, round 20). cProfile
 of a coroutine as a call, and builtins called from Python (`len`, `dict.get`) as calls too. Its own
 overhead about doubles the worker's time: the `µs` columns rank, they do not time.
 
-    .venv/bin/python bench/py_calls.py [--n 2000] [--top 40] [--save FILE] [--base FILE] [--client | --stage NAME]
+    .venv/bin/python bench/py_calls.py [--n 2000] [--top 40] [--save FILE] [--base FILE] [--client | --stage NAME] [--low]
 
 `--stage NAME`: one worker process per stage (as in the one-process-per-stage rows), and that
 stage's worker counted. `--client`: the burst's client instead (`AsyncClient`'s submits, its completions watcher and the
 documents it decodes; in this process, its event loop's waits in `epoll` included in the µs).
+
+`--low`: the workflows one at a time (the low-load latency rows' `Client` submit + wait) instead of
+the burst: what a workflow costs the worker when it shares no batch with another.
 
 `--save FILE` writes the counts per function as JSON; `--base FILE` prints each function's change
 against such a file (two trees: run each tree's copy with `--save`, then compare).
@@ -42,7 +45,7 @@ if __package__ in (None, ""):
 
 from bench.common import redis_client, running, start_server
 from bench.omniflow_bench import USER_STAGES, Engine, pipeline_yaml
-from bench.omniflow_user import _burst
+from bench.omniflow_user import _burst, _latency
 
 # the worker under cProfile: on at SIGUSR1, written to $PY_CALLS_OUT at SIGUSR2
 WRAPPER = """
@@ -71,11 +74,13 @@ def _name(path: str, line: int, fn: str) -> str:
 
 
 def profile_worker(n: int, warmup: int = 300, *, client: bool = False,
-                   stage: str | None = None) -> tuple[pstats.Stats, float]:
+                   stage: str | None = None, low: bool = False) -> tuple[pstats.Stats, float]:
     """cProfile's stats of the worker's main thread over `n` workflows of the user-path burst, and the
     burst's wf/s (under the profiler: a fraction of the real rate). `client`: the burst's client
     instead (this process: `AsyncClient`'s submits, the completions watcher, the documents).
-    `stage`: one worker process per stage (the split rows), and that stage's worker profiled."""
+    `stage`: one worker process per stage (the split rows), and that stage's worker profiled.
+    `low`: the workflows one at a time (the low-load latency rows' `Client` submit + wait): what a
+    workflow costs when nothing is shared with another one."""
     tmp = Path(tempfile.mkdtemp(prefix="omniflow-py-calls-"))
     wrapper, out = tmp / "wrapper.py", tmp / "worker.prof"
     wrapper.write_text(WRAPPER)
@@ -99,10 +104,15 @@ def profile_worker(n: int, warmup: int = 300, *, client: bool = False,
                     profile.disable()
                     return pstats.Stats(profile), n / (time.perf_counter() - t0)
                 worker = next(p for p in procs if getattr(p, "bench_name", "") == profiled)
+                if low:
+                    _latency(server.url, eng, "lw", 50)
                 os.kill(worker.pid, signal.SIGUSR1)
                 time.sleep(0.2)
                 t0 = time.perf_counter()
-                asyncio.run(_burst(server.url, eng, "p", n))
+                if low:
+                    _latency(server.url, eng, "p", n)
+                else:
+                    asyncio.run(_burst(server.url, eng, "p", n))
                 rate = n / (time.perf_counter() - t0)
                 os.kill(worker.pid, signal.SIGUSR2)
                 for _ in range(100):
@@ -148,14 +158,18 @@ def main() -> None:
                                 help="count the burst's client (this process) instead")
     who_is_counted.add_argument("--stage", help="one worker process per stage, and this stage's counted "
                                                 "(thinker, talker, code2wav)")
+    ap.add_argument("--low", action="store_true",
+                    help="one workflow at a time (Client submit + wait), not the burst")
     args = ap.parse_args()
-    stats, rate = profile_worker(args.n, client=args.client, stage=args.stage)
+    if args.low and args.client:
+        ap.error("--low counts a worker (the client of one workflow at a time is the sync Client)")
+    stats, rate = profile_worker(args.n, client=args.client, stage=args.stage, low=args.low)
     rows = per_function(stats, args.n)
     total_calls = sum(c for c, _ in rows.values())
     total_us = sum(t for _, t in rows.values())
     who = ("client (AsyncClient, this process)" if args.client else
            f"the {args.stage} worker (main thread), one process per stage" if args.stage else
-           "worker (main thread), stages co-located")
+           "worker (main thread), stages co-located") + (", one workflow at a time" if args.low else "")
     print(f"{who}, {args.n} workflows: {total_calls:,.1f} Python calls per workflow, "
           f"{total_us:,.0f} profiled µs per workflow ({rate:,.0f} wf/s under the profiler)\n")
     print("| module | calls/wf | profiled µs/wf |\n|---|---:|---:|")
