@@ -165,6 +165,8 @@ def main() -> None:
         ap.error("--low counts a worker (the client of one workflow at a time is the sync Client)")
     stats, rate = profile_worker(args.n, client=args.client, stage=args.stage, low=args.low)
     rows = per_function(stats, args.n)
+    if args.save:       # (before the tables: a reader that stops early, `| head`, loses no counts)
+        args.save.write_text(json.dumps({"n": args.n, "rows": rows}, indent=0))
     total_calls = sum(c for c, _ in rows.values())
     total_us = sum(t for _, t in rows.values())
     who = ("client (AsyncClient, this process)" if args.client else
@@ -178,8 +180,6 @@ def main() -> None:
     print("\n| function | calls/wf | profiled µs/wf |\n|---|---:|---:|")
     for name, (c, t) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:args.top]:
         print(f"| {name} | {c:,.1f} | {t:,.1f} |")
-    if args.save:
-        args.save.write_text(json.dumps({"n": args.n, "rows": rows}, indent=0))
     if args.base:
         base = {k: tuple(v) for k, v in json.loads(args.base.read_text())["rows"].items()}
         base_calls = sum(c for c, _ in base.values())

@@ -42,7 +42,7 @@ from omniflow.jobs.queue import RUN_BATCH_CHUNK
 from omniflow.models import TERMINAL_STATES, Priority, SubmitRequest, WorkflowState
 from omniflow.pipeline import Pipeline
 from omniflow.client.store import Store
-from omniflow.storage.schema import now_ms, s
+from omniflow.storage.schema import now_ms, s, text_fields
 
 logger = logging.getLogger(__name__)
 
@@ -307,7 +307,7 @@ async def run_batch_chunk(ctx: dict[str, Any], *, batch_id: str, lines: list[int
 async def batch_status(store: Store, batch_id: str, *, lines: bool = True) -> dict[str, Any]:
     """The batch record, and with `lines` every line's workflow id, state and error."""
     keys = Keys(store.settings.prefix)
-    rec = {s(k): s(v) for k, v in (await store.client.hgetall(keys.batch(batch_id))).items()}
+    rec = text_fields(await store.client.hgetall(keys.batch(batch_id)))
     if not rec:
         raise WorkflowNotFound(f"no batch {batch_id}")
     doc: dict[str, Any] = {

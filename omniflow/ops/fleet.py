@@ -106,7 +106,7 @@ async def list_workers(store: Store) -> list[dict[str, Any]]:
         pipe.hgetall(store.keys.worker_info(wid))
     infos = await pipe.execute() if ids else []
     return [_worker_row(wid, expiry.get(wid, 0.0), loading_until.get(wid, 0.0),
-                        {s(k): s(v) for k, v in info.items()}, now)
+                        text_fields(info), now)
             for wid, info in zip(ids, infos)]
 
 

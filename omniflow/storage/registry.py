@@ -22,7 +22,7 @@ from omniflow.errors import PipelineError
 from omniflow.pipeline import Pipeline, build_pipeline, parse_queue
 from omniflow.storage.client import RedisClient
 from omniflow.storage.keys import Keys
-from omniflow.storage.schema import csv, now_ms, s
+from omniflow.storage.schema import csv, now_ms, s, text_fields
 
 
 @dataclass
@@ -70,7 +70,7 @@ async def current(redis: RedisClient, keys: Keys, name: str) -> Pipeline | None:
 
 async def names(redis: RedisClient, keys: Keys) -> dict[str, str]:
     """name -> current version of every registered pipeline."""
-    return {s(k): s(v) for k, v in (await redis.hgetall(keys.pipelines)).items()}
+    return text_fields(await redis.hgetall(keys.pipelines))
 
 
 async def served(redis: RedisClient, keys: Keys, *, claiming: bool = False) -> dict[str, list[str]]:

@@ -99,7 +99,7 @@ class Claims:
                         replies[i] = reply
         finally:
             for group in groups:
-                group.pool.claiming -= len(group.claims)
+                group.pool.core.claiming -= len(group.claims)
             ctx.slot_free.set()
             if replies is None:
                 for group, (_entry_id, wf_id, attempt) in tasks:

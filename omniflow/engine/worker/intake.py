@@ -99,7 +99,7 @@ class Intake:
                 count, block, reserved, lookahead = 1, INTAKE_RECHECK_MS, len(cells), True
                 streams = {pool.stream(cell, Priority.INTERACTIVE): ">" for pool in ready for cell in cells}
             for pool in ready:
-                pool.claiming += reserved
+                pool.core.claiming += reserved
             try:
                 with redisio.boundary():
                     reply = await ctx.intake_redis.xreadgroup(TASK_GROUP, ctx.id, streams, count=count, block=block)
@@ -118,7 +118,7 @@ class Intake:
                 continue
             finally:
                 for pool in ready:
-                    pool.claiming -= reserved
+                    pool.core.claiming -= reserved
                 ctx.slot_free.set()
             # what one read delivered, every stage's tasks of one cell claimed with one call
             by_cell: dict[int, list[Delivered]] = {}
@@ -149,7 +149,7 @@ class Intake:
 
     def validate(self, pool: StagePool, cell: int, entries: Entries, prio: Priority = Priority.API) -> list[Claim]:
         """The delivered tasks to claim (malformed ones go to the dead-letter stream; while draining,
-        none: they are handed back), counted in `pool.claiming` until their claim is answered."""
+        none: they are handed back), counted in `pool.core.claiming` until their claim is answered."""
         ctx = self.ctx
         if ctx.draining:       # read by a blocking read that began before the drain: give them back
             ctx.track(asyncio.create_task(self._hand_back(pool, cell, entries, prio)))
@@ -176,7 +176,7 @@ class Intake:
                         held.cancel()
             claims.append((entry_id, wf_id, attempt))
             ctx.held.add(entry_id)
-        pool.claiming += len(claims)
+        pool.core.claiming += len(claims)
         return claims
 
     async def _hand_back(self, pool: StagePool, cell: int, entries: Entries, prio: Priority) -> None:

@@ -138,14 +138,6 @@ class StagePool:
     def active(self) -> int:
         return self.core.active
 
-    @property
-    def claiming(self) -> int:
-        return self.core.claiming
-
-    @claiming.setter
-    def claiming(self, value: int) -> None:
-        self.core.claiming = value
-
     def bind(self, keys: Keys) -> None:
         """Learn the task stream of every cell (once the deployment's layout is known)."""
         self.tasks_keys = {cell: keys.tasks(self.queue, cell) for cell in keys.all_cells}
